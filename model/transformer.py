@@ -1,0 +1,68 @@
+"""The decoder: embedding, N pre-norm blocks, final norm, tied or separate LM head."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import make_cache
+from .config import ModelConfig
+from .layers import RMSNorm, TransformerBlock
+
+
+def causal_mask(n: int, offset: int = 0, window: int | None = None) -> mx.array:
+    """Boolean (n, offset + n) mask: query offset+i sees key j iff j <= offset+i
+    (and offset+i - j < window when a sliding window is set)."""
+    q = mx.arange(offset, offset + n)[:, None]
+    k = mx.arange(offset + n)[None]
+    mask = q >= k
+    if window is not None:
+        mask = mask & (q < k + window)
+    return mask
+
+
+class DecoderModel(nn.Module):
+    """HF's `model.*` sub-tree: embed_tokens, layers, norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = [TransformerBlock(cfg) for _ in range(cfg.num_hidden_layers)]
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """`Transformer(tokens (B, T), cache=None) -> logits (B, T, vocab)`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model_type = cfg.model_type  # mlx-lm's tools read this
+        self.model = DecoderModel(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def layers(self) -> list[TransformerBlock]:
+        return self.model.layers
+
+    def make_cache(self, max_kv_size: int | None = None, keep: int = 4) -> list[Any]:
+        return make_cache(self.config, max_kv_size=max_kv_size, keep=keep)
+
+    def __call__(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
+        h = self.model.embed_tokens(tokens)
+        T = h.shape[1]
+        if cache is not None and hasattr(cache[0], "make_mask"):
+            mask = cache[0].make_mask(T, window_size=self.config.sliding_window)
+        elif self.config.sliding_window is not None and T > self.config.sliding_window:
+            mask = causal_mask(T, window=self.config.sliding_window)
+        else:
+            mask = "causal" if T > 1 else None
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, mask, cache[i] if cache is not None else None)
+        h = self.model.norm(h)
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)

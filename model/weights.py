@@ -1,0 +1,239 @@
+"""Load a model folder (config.json + safetensors, plain or mlx-community quantized).
+
+Checks happen before any weight reaches the model, so a bad folder fails with one line
+that names the file or tensor, and nothing half-loaded is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .config import ModelConfig, load_config
+from .errors import ModelLoadError
+from .transformer import Transformer
+
+PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+QUANT_BITS = (2, 3, 4, 5, 6, 8)
+QUANT_GROUPS = (32, 64, 128)
+# tensors some exporters write that carry no parameters
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def safetensors_header(f: Path) -> dict[str, Any]:
+    """Parse a safetensors header and check the file holds every tensor's bytes."""
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise ModelLoadError(f"truncated safetensors file {f.name}: no header")
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                raise ModelLoadError(f"truncated safetensors file {f.name}: header cut short")
+            header = json.loads(fh.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"unreadable safetensors file {f.name}: {e}") from None
+    data_size = size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        end = info.get("data_offsets", [0, 0])[1]
+        if end > data_size:
+            raise ModelLoadError(
+                f"truncated safetensors file {f.name}: tensor {name!r} needs {end} data bytes,"
+                f" the file holds {data_size}"
+            )
+    return header
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The folder's safetensors files (sharded via the index, or all of them)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise ModelLoadError(f"bad {index.name}: {e}") from None
+        files = [folder / s for s in shards]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index.name} lists missing shard {missing[0]}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = [p.name for pat in PICKLE_PATTERNS for p in folder.glob(pat)]
+    if pickles:
+        raise ModelLoadError(
+            f"refusing pickle checkpoint {pickles[0]} in {folder}: kvchat never unpickles;"
+            " convert it to safetensors"
+        )
+    raise ModelLoadError(f"no *.safetensors weights in {folder}")
+
+
+def _validate_quantization(q: Any) -> dict[str, Any]:
+    if not isinstance(q, dict) or "bits" not in q or "group_size" not in q:
+        raise ModelLoadError(
+            "config.json quantization block is not in the mlx format (needs bits and group_size)"
+        )
+    if q["bits"] not in QUANT_BITS or q["group_size"] not in QUANT_GROUPS:
+        raise ModelLoadError(
+            f"unsupported quantization bits={q['bits']} group_size={q['group_size']}"
+        )
+    return q
+
+
+def _apply_checkpoint_quantization(
+    model: Transformer, q: dict[str, Any], weights: dict[str, mx.array]
+) -> None:
+    """Swap Linear/Embedding for quantized layers where the checkpoint has `.scales`,
+    honouring mlx-lm's per-layer overrides (`"path": {"bits":..}` or `"path": false`)."""
+    if not any(k.endswith(".scales") for k in weights):
+        raise ModelLoadError(
+            "config.json has a quantization block but no tensor has .scales"
+            " (the quantization block disagrees with the tensors)"
+        )
+
+    def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
+        if path in q:
+            return q[path]
+        return hasattr(module, "to_quantized") and f"{path}.scales" in weights
+
+    nn.quantize(
+        model,
+        group_size=q["group_size"],
+        bits=q["bits"],
+        mode=q.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def _check_tensors(
+    model: Transformer, weights: dict[str, mx.array], quant: dict[str, Any] | None
+) -> None:
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks tensor {missing[0]!r} ({len(missing)} missing)")
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        hint = " (quantized tensors but no quantization block)" if extra[0].endswith(
+            (".scales", ".biases")
+        ) and quant is None else ""
+        raise ModelLoadError(f"checkpoint has unexpected tensor {extra[0]!r}{hint}")
+    for name, arr in expected.items():
+        got = weights[name]
+        if tuple(got.shape) != tuple(arr.shape):
+            where = (
+                f" (quantization bits={quant['bits']} group_size={quant['group_size']}"
+                " disagrees with the tensors)"
+                if quant is not None and (name.endswith((".scales", ".biases")) or
+                                          got.dtype == mx.uint32)
+                else ""
+            )
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {tuple(got.shape)}, the config implies"
+                f" {tuple(arr.shape)}{where}"
+            )
+
+
+def compute_dtype(checkpoint_dtype: mx.Dtype) -> mx.Dtype:
+    """float32 on the CPU (fp16/bf16 are emulated on x86 and far slower), else the checkpoint's."""
+    return mx.float32 if mx.default_device() == mx.cpu else checkpoint_dtype
+
+
+def load_model(
+    path: str | Path,
+    *,
+    quantize: tuple[int, int] | None = None,
+    dtype: mx.Dtype | None = None,
+) -> Transformer:
+    """Load a model folder ready for inference.
+
+    `quantize=(bits, group_size)` quantizes a float checkpoint on load.
+    """
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise ModelLoadError(f"model folder not found: {folder}")
+    if not folder.is_dir():
+        raise ModelLoadError(f"not a model folder: {folder}")
+    cfg: ModelConfig = load_config(folder)
+    files = weight_files(folder)
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        safetensors_header(f)
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:  # mlx raises RuntimeError/ValueError with long texts
+            raise ModelLoadError(f"cannot read {f.name}: {str(e).splitlines()[0]}") from None
+    weights = {k: v for k, v in weights.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    if cfg.tie_word_embeddings:
+        for k in [k for k in weights if k.startswith("lm_head.")]:
+            del weights[k]
+
+    model = Transformer(cfg)
+    quant = _validate_quantization(cfg.quantization) if cfg.quantization else None
+    if quant is not None:
+        if quantize is not None:
+            raise ModelLoadError("the checkpoint is already quantized; drop the quantize option")
+        _apply_checkpoint_quantization(model, quant, weights)
+    _check_tensors(model, weights, quant)
+
+    float_dtypes = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
+    target = dtype or compute_dtype(float_dtypes[0] if float_dtypes else mx.float32)
+    weights = {
+        k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v
+        for k, v in weights.items()
+    }
+    model.load_weights(list(weights.items()), strict=True)
+
+    if quantize is not None:
+        bits, group = quantize
+        if bits not in (4, 8) or group not in QUANT_GROUPS:
+            raise ModelLoadError(
+                f"quantize-on-load supports bits 4/8 and group size 32/64/128, got {bits}/{group}"
+            )
+        nn.quantize(
+            model,
+            group_size=group,
+            bits=bits,
+            class_predicate=lambda _, m: hasattr(m, "to_quantized")
+            and m.weight.shape[-1] % group == 0,
+        )
+        quant = {"bits": bits, "group_size": group}
+    mx.eval(model.parameters())
+    model.path = folder  # type: ignore[attr-defined]
+    model.quantization = quant  # type: ignore[attr-defined]
+    return model
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Logical parameters (quantized weights counted unpacked; scales and biases not)."""
+    total = 0
+    for name, arr in tree_flatten(model.parameters()):
+        if name.endswith((".scales", ".biases")) and arr.dtype != mx.uint32:
+            # quantization metadata; a real bias on a quantized layer is named ".bias"
+            continue
+        if arr.dtype == mx.uint32:
+            bits = _bits_of(model, name)
+            total += arr.size * 32 // bits
+        else:
+            total += arr.size
+    return total
+
+
+def _bits_of(model: nn.Module, weight_name: str) -> int:
+    module: Any = model
+    for part in weight_name.split(".")[:-1]:
+        module = module[int(part)] if part.isdigit() else getattr(module, part)
+    return int(module.bits)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
