@@ -1,5 +1,15 @@
 """KV caches following mlx-lm's duck-typed protocol (update_and_fetch, offset, make_mask,
-trim, nbytes, state) plus a read-only `stats()` built from metadata only."""
+trim, is_trimmable, nbytes, state, empty, size) plus a read-only `stats()` built from
+metadata only, so mlx-lm's `generate_step` can drive our model with our caches and the UI
+can poll statistics every token for free.
+
+Rotation semantics (DESIGN.md): with capacity M and K sink tokens ("keep"), the query at
+absolute position t attends to [0, K) ∪ [t − (M − K) + 1, t]. Storage is one buffer per
+layer for K and one for V, shape (B, n_kv_heads, capacity, head_dim), grown in steps up to
+M and written in place: position p lives in slot p while p < M; after that, ring positions
+p ≥ K live in slot K + (p − K) mod (M − K) (the same layout as mlx-lm's RotatingKVCache
+at decode time, so both give bit-identical logits token by token).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +18,11 @@ from typing import Any
 import mlx.core as mx
 
 from .config import ModelConfig
+from .errors import KVChatError
+
+
+class CacheError(KVChatError):
+    """A cache bound that cannot work (e.g. keep ≥ max size)."""
 
 
 def _causal(n: int, offset: int, window: int | None) -> mx.array:
@@ -19,9 +34,23 @@ def _causal(n: int, offset: int, window: int | None) -> mx.array:
     return mask
 
 
+def _grow(buf: mx.array | None, like: mx.array, need: int, step: int, cap: int | None) -> mx.array:
+    """Return `buf` with at least `need` slots: grown in whole steps (capped at `cap`),
+    old slots copied once per step rather than once per token."""
+    have = 0 if buf is None else buf.shape[2]
+    if have >= need:
+        return buf  # type: ignore[return-value]
+    size = ((need + step - 1) // step) * step
+    if cap is not None:
+        size = min(size, cap)
+    B, H, _, D = like.shape
+    fresh = mx.zeros((B, H, size - have, D), like.dtype)
+    return fresh if buf is None else mx.concatenate([buf[..., :have, :], fresh], axis=2)
+
+
 class KVCache:
-    """Growing cache: K/V (B, n_kv_heads, capacity, head_dim) allocated in `step`s and
-    written in place; `offset` tokens are resident."""
+    """Growing (unbounded) cache: K/V (B, n_kv_heads, capacity, head_dim) allocated in
+    `step`s and written in place; `offset` tokens are resident."""
 
     step = 256
 
@@ -32,33 +61,36 @@ class KVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         prev, n = self.offset, keys.shape[2]
-        if self.keys is None or prev + n > self.keys.shape[2]:
-            B, H, _, Dk = keys.shape
-            grow = ((n + self.step - 1) // self.step) * self.step
-            new_k = mx.zeros((B, H, grow, Dk), keys.dtype)
-            new_v = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
-            if self.keys is None:
-                self.keys, self.values = new_k, new_v
-            else:
-                self.keys = mx.concatenate([self.keys[..., :prev, :], new_k], axis=2)
-                self.values = mx.concatenate([self.values[..., :prev, :], new_v], axis=2)
+        if self.keys is not None and prev < self.keys.shape[2] < prev + n:
+            # drop stale slots past `prev` (after a trim) before growing
+            self.keys, self.values = self.keys[..., :prev, :], self.values[..., :prev, :]
+        self.keys = _grow(self.keys, keys, prev + n, self.step, None)
+        self.values = _grow(self.values, values, prev + n, self.step, None)
         self.offset += n
         self.keys[..., prev : self.offset, :] = keys
         self.values[..., prev : self.offset, :] = values
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
-    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
-        if window_size is not None:
+    def make_mask(
+        self, n: int, return_array: bool = False, window_size: int | None = None
+    ) -> mx.array | str | None:
+        if window_size is not None and self.offset + n > window_size:
             return _causal(n, self.offset, window_size)
-        if n == 1:
-            return None
-        return _causal(n, self.offset, None) if return_array else "causal"
+        if return_array:
+            return _causal(n, self.offset, None)
+        return None if n == 1 else "causal"
+
+    def size(self) -> int:
+        return self.offset
 
     def is_trimmable(self) -> bool:
         return True
 
+    def can_trim_to(self, n: int) -> bool:
+        return 0 <= n <= self.offset
+
     def trim(self, n: int) -> int:
-        n = min(self.offset, n)
+        n = max(0, min(self.offset, n))
         self.offset -= n
         return n
 
@@ -76,26 +108,343 @@ class KVCache:
         self.keys, self.values = v
         self.offset = self.keys.shape[2]
 
+    @classmethod
+    def from_state(cls, state: Any) -> KVCache:
+        obj = cls()
+        obj.state = state
+        return obj
+
     @property
     def nbytes(self) -> int:
         """Bytes of the resident K and V (the allocated buffer may be up to a step larger)."""
-        if self.keys is None:
-            return 0
-        per_token = (self.keys.nbytes + self.values.nbytes) // self.keys.shape[2]
-        return per_token * self.offset
+        return _per_token_bytes(self.keys, self.values) * self.offset
 
     def stats(self) -> dict[str, Any]:
-        tokens = self.offset
+        allocated = 0 if self.keys is None else self.keys.shape[2]
+        per_token = _per_token_bytes(self.keys, self.values)
         return {
+            "kind": "full",
             "cache_offset": self.offset,
-            "cache_tokens": tokens,
-            "cache_bytes": self.nbytes,
+            "cache_tokens": self.offset,
+            "cache_capacity": None,  # unbounded: cache_stats reports the model's context
+            "allocated_tokens": allocated,
+            "cache_bytes": per_token * self.offset,
+            "allocated_bytes": per_token * allocated,
             "evicted_tokens": 0,
             "keep": 0,
             "wrapped": False,
         }
 
 
+class RotatingKVCache:
+    """Bounded cache: `keep` sink tokens plus a ring of the `max_size − keep` most recent.
+
+    Writes are in place. A single token (decode) or a chunk that fits before the buffer
+    end is written first and the buffer returned. A multi-token chunk that would
+    overwrite keys that earlier queries of the same chunk still need is answered with
+    [resident keys in slot order] + [the chunk's keys] and an explicit mask; then only the
+    chunk's surviving tokens are written. Masks are exact for every query (see
+    `make_mask`); the common cases return None / "causal" as mlx-lm does.
+    """
+
+    step = 256
+
+    def __init__(self, max_size: int, keep: int = 0) -> None:
+        if max_size < 1:
+            raise CacheError(f"KV cache size must be >= 1, got {max_size}")
+        if keep < 0 or keep >= max_size:
+            raise CacheError(f"keep must be in [0, max size {max_size}), got {keep}")
+        self.max_size = max_size
+        self.keep = keep
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+        # lowest ring position still valid, as lowered by a trim past evicted tokens;
+        # the effective bound is max(_lo, offset − ring, keep) (see _ring_lo)
+        self._lo = keep
+
+    # ---- layout ---------------------------------------------------------------------
+    @property
+    def _ring(self) -> int:
+        return self.max_size - self.keep
+
+    def _ring_lo(self, offset: int) -> int:
+        """Lowest resident ring position once `offset` tokens have been written."""
+        return max(self._lo, offset - self._ring, self.keep)
+
+    def _slot(self, p: int) -> int:
+        return p if p < self.max_size else self.keep + (p - self.keep) % self._ring
+
+    def _inplace(self, n: int) -> bool:
+        # one token only ever overwrites position t − ring, which query t does not see;
+        # a chunk ending before the buffer end overwrites nothing valid
+        return n == 1 or self.offset + n <= self.max_size
+
+    def _key_positions(self, n: int) -> tuple[mx.array, mx.array]:
+        """Absolute position and validity of every key `update_and_fetch(n)` will return
+        (computed from offsets only, never from the arrays)."""
+        o, K, R, M = self.offset, self.keep, self._ring, self.max_size
+        if self._inplace(n):
+            end, extra = o + n, 0  # buffer state after the write
+            length = min(end, M)
+        else:
+            end, extra = o, n  # buffer state before the write, then the chunk
+            length = min(o, M)
+        s = mx.arange(length)
+        u = end - 1
+        ring_pos = u - mx.remainder(u - s, R)
+        pos = mx.where(s < K, s, ring_pos)
+        valid = mx.where(s < K, s < min(K, end), ring_pos >= self._ring_lo(end))
+        if extra:
+            pos = mx.concatenate([pos, mx.arange(o, o + n)])
+            valid = mx.concatenate([valid, mx.ones((n,), dtype=mx.bool_)])
+        return pos, valid
+
+    def make_mask(
+        self, n: int, return_array: bool = False, window_size: int | None = None
+    ) -> mx.array | str | None:
+        """Mask for the next `n` queries over the keys `update_and_fetch` will return:
+        key p visible to query t iff p ≤ t, p is resident, (p < keep or t − p < M − keep),
+        and (no window or t − p < window_size)."""
+        o, K, R, M, W = self.offset, self.keep, self._ring, self.max_size, window_size
+        if not return_array:
+            # nothing evicted and every key in reach: plain causal
+            if o + n <= M and self._lo == K and (W is None or o + n <= W):
+                return None if n == 1 else "causal"
+            # decode on a full ring: every resident key is visible
+            if (
+                n == 1
+                and o >= M
+                and self._lo <= o + 1 - R
+                and (W is None or (R <= W and (K == 0 or o < W)))
+            ):
+                return None
+        pos, valid = self._key_positions(n)
+        t = mx.arange(o, o + n)[:, None]
+        p = pos[None]
+        mask = valid[None] & (p <= t) & ((p < K) | (t - p < R))
+        if W is not None:
+            mask = mask & (t - p < W)
+        return mask
+
+    # ---- writes ---------------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        o, n = self.offset, keys.shape[2]
+        K, R, M = self.keep, self._ring, self.max_size
+        if self._inplace(n):
+            self._reserve(min(o + n, M), keys, values)
+            s = self._slot(o)
+            self.keys[..., s : s + n, :] = keys
+            self.values[..., s : s + n, :] = values
+            self._advance(o + n)
+            length = min(o + n, M)
+            if length == self.keys.shape[2]:
+                return self.keys, self.values
+            return self.keys[..., :length, :], self.values[..., :length, :]
+
+        # Chunk crossing the buffer end: queries of this chunk still need keys its own
+        # later tokens would overwrite, so attend over old + new and write afterwards.
+        have = min(o, M)
+        if have:
+            out_k = mx.concatenate([self.keys[..., :have, :], keys], axis=2)
+            out_v = mx.concatenate([self.values[..., :have, :], values], axis=2)
+        else:
+            out_k, out_v = keys, values
+        self._reserve(M, keys, values)
+        if o < K:  # sink positions land in their own slots
+            e = min(K, o + n)
+            self.keys[..., o:e, :] = keys[..., : e - o, :]
+            self.values[..., o:e, :] = values[..., : e - o, :]
+        p = max(K, o, o + n - R)  # first chunk position that survives in the ring
+        while p < o + n:  # at most two contiguous runs (before and after the ring end)
+            s = self._slot(p)
+            run = min(o + n - p, M - s)
+            self.keys[..., s : s + run, :] = keys[..., p - o : p - o + run, :]
+            self.values[..., s : s + run, :] = values[..., p - o : p - o + run, :]
+            p += run
+        self._advance(o + n)
+        return out_k, out_v
+
+    def _reserve(self, need: int, keys: mx.array, values: mx.array) -> None:
+        self.keys = _grow(self.keys, keys, need, self.step, self.max_size)
+        self.values = _grow(self.values, values, need, self.step, self.max_size)
+
+    def _advance(self, offset: int) -> None:
+        self._lo = self._ring_lo(offset)
+        self.offset = offset
+
+    # ---- protocol -------------------------------------------------------------------
+    def size(self) -> int:
+        """Resident tokens."""
+        o = self.offset
+        return min(o, self.keep) + max(0, o - self._ring_lo(o))
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def can_trim_to(self, n: int) -> bool:
+        """True when, after trimming to `n` tokens, the query at position n would find
+        every key its window needs (False once rotation evicted some of them)."""
+        if not 0 <= n <= self.offset:
+            return False
+        lo = min(self._ring_lo(self.offset), max(self.keep, n))
+        return lo <= max(self.keep, n - self._ring + 1)
+
+    def trim(self, n: int) -> int:
+        """Drop the last `n` tokens. Past evicted tokens (see can_trim_to) the next
+        queries see a shorter window until the ring refills; never stale keys."""
+        n = max(0, min(self.offset, n))
+        new = self.offset - n
+        self._lo = min(self._ring_lo(self.offset), max(self.keep, new))
+        self.offset = new
+        return n
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        if self.keys is None:
+            return ()
+        return self.keys, self.values, self.offset, self.keep, self.max_size, self._lo
+
+    @state.setter
+    def state(self, v: tuple[Any, ...]) -> None:
+        self.keys, self.values, self.offset, self.keep, self.max_size, self._lo = v
+
+    @classmethod
+    def from_state(cls, state: Any) -> RotatingKVCache:
+        obj = cls(max_size=int(state[4]), keep=int(state[3]))
+        obj.state = state
+        return obj
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the resident K and V (not the allocated buffer)."""
+        return _per_token_bytes(self.keys, self.values) * self.size()
+
+    def stats(self) -> dict[str, Any]:
+        tokens = self.size()
+        allocated = 0 if self.keys is None else self.keys.shape[2]
+        per_token = _per_token_bytes(self.keys, self.values)
+        return {
+            "kind": "rotating",
+            "cache_offset": self.offset,
+            "cache_tokens": tokens,
+            "cache_capacity": self.max_size,
+            "allocated_tokens": allocated,
+            "cache_bytes": per_token * tokens,
+            "allocated_bytes": per_token * allocated,
+            "evicted_tokens": self.offset - tokens,
+            "keep": self.keep,
+            "wrapped": self.offset > tokens,
+        }
+
+
+def _per_token_bytes(keys: mx.array | None, values: mx.array | None) -> int:
+    """K + V bytes of one token position, from shapes and dtypes only."""
+    if keys is None or values is None:
+        return 0
+    B, H, _, Dk = keys.shape
+    Dv = values.shape[3]
+    return B * H * (Dk * keys.dtype.size + Dv * values.dtype.size)
+
+
 def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, keep: int = 4) -> list[Any]:
-    """One cache per layer."""
-    return [KVCache() for _ in range(cfg.num_hidden_layers)]
+    """One cache per layer.
+
+    - default: the model's full context (max_position_embeddings) grown in steps, then
+      rotation keeping `keep` sinks;
+    - max_kv_size=N: RotatingKVCache(N, keep);
+    - a sliding-window model: a ring of exactly the window with keep 0 (key j visible iff
+      t − j < window, the model's own mask), unless max_kv_size asks for less, in which
+      case the mask is the intersection of both.
+    """
+    window = cfg.sliding_window
+    if max_kv_size is not None and max_kv_size < 1:
+        raise CacheError(f"--max-kv-size must be >= 1, got {max_kv_size}")
+    if window is not None and (max_kv_size is None or max_kv_size >= window):
+        size, k = window, 0
+    elif max_kv_size is not None:
+        size, k = max_kv_size, keep
+    else:
+        size, k = cfg.max_position_embeddings, keep
+    if keep < 0 or k >= size:
+        raise CacheError(f"--keep must be in [0, {size}) for a KV cache of {size}, got {keep}")
+    return [RotatingKVCache(size, k) for _ in range(cfg.num_hidden_layers)]
+
+
+# ---- statistics (metadata only) ---------------------------------------------------------
+def _kv_heads_and_dims(c: Any, cfg: ModelConfig) -> tuple[int, int, int]:
+    """(batch × kv heads, head_dim, dtype bytes) from the buffer's shape, else the config."""
+    if getattr(c, "keys", None) is not None:
+        B, H, _, D = c.keys.shape
+        return B * H, D, c.keys.dtype.size
+    return cfg.num_key_value_heads, cfg.head_dim, 0
+
+
+def layer_stats(caches: list[Any], cfg: ModelConfig) -> list[dict[str, Any]]:
+    """Per-layer view for the UI: the cache's own stats() plus the layer index and the
+    MHA-equivalent bytes."""
+    out = []
+    groups = cfg.num_attention_heads / cfg.num_key_value_heads
+    for i, c in enumerate(caches):
+        s = dict(c.stats())
+        if s["cache_capacity"] is None:
+            s["cache_capacity"] = cfg.max_position_embeddings
+        s["layer"] = i
+        s["mha_bytes"] = int(s["cache_bytes"] * groups)
+        out.append(s)
+    return out
+
+
+def cache_stats(caches: list[Any], cfg: ModelConfig) -> dict[str, Any]:
+    """Totals over layers, by DESIGN.md's definitions; never reads array values."""
+    if not caches:
+        return {
+            "cache_offset": 0, "cache_tokens": 0, "cache_capacity": 0, "cache_bytes": 0,
+            "mha_bytes": 0, "gqa_saving": cfg.num_attention_heads / cfg.num_key_value_heads,
+            "evicted_tokens": 0, "keep": 0, "wrapped": False,
+        }
+    first = caches[0].stats()
+    cache_bytes = mha_bytes = 0
+    for c in caches:
+        s = c.stats()
+        kv_heads, head_dim, dtype_bytes = _kv_heads_and_dims(c, cfg)
+        # 2 (K and V) × kv_heads × tokens × head_dim × dtype bytes, summed over layers
+        cache_bytes += 2 * kv_heads * s["cache_tokens"] * head_dim * dtype_bytes
+        heads = kv_heads * cfg.gqa_groups
+        mha_bytes += 2 * heads * s["cache_tokens"] * head_dim * dtype_bytes
+    capacity = first["cache_capacity"]
+    return {
+        "cache_offset": first["cache_offset"],
+        "cache_tokens": first["cache_tokens"],
+        "cache_capacity": cfg.max_position_embeddings if capacity is None else capacity,
+        "cache_bytes": cache_bytes,
+        "mha_bytes": mha_bytes,
+        "gqa_saving": cfg.num_attention_heads / cfg.num_key_value_heads,
+        "evicted_tokens": first["evicted_tokens"],
+        "keep": first["keep"],
+        "wrapped": first["wrapped"],
+    }
+
+
+def can_trim_to(caches: list[Any], n_tokens_to_keep: int) -> bool:
+    """Whether every layer can go back to its first `n_tokens_to_keep` tokens exactly
+    (False once rotation evicted tokens the next query would need)."""
+    for c in caches:
+        if hasattr(c, "can_trim_to"):
+            if not c.can_trim_to(n_tokens_to_keep):
+                return False
+        elif not (c.is_trimmable() and 0 <= n_tokens_to_keep <= c.offset):
+            return False
+    return True
+
+
+def trim_to(caches: list[Any], n_tokens_to_keep: int) -> int:
+    """Trim every layer back to `n_tokens_to_keep` tokens; returns tokens dropped.
+    Check `can_trim_to` first when exactness matters."""
+    dropped = 0
+    for c in caches:
+        dropped = c.trim(c.offset - n_tokens_to_keep)
+    return dropped

@@ -1,0 +1,59 @@
+"""`kvchat` command line: the TUI by default, plus generate, inspect, bench and models.
+
+Exit status: 0 ok, 2 usage, 1 model or runtime error, with one line on stderr
+(a traceback only with KVCHAT_DEBUG=1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from model.errors import KVChatError
+
+from . import bench_cmd, generate_cmd, inspect_cmd, models_cmd
+from .errors import report, report_exception
+
+COMMANDS = {
+    "generate": (generate_cmd, "generate one reply on the command line"),
+    "inspect": (inspect_cmd, "KV-cache memory math for a model or config"),
+    "bench": (bench_cmd, "measure prefill and decode speed (optionally against mlx-lm)"),
+    "models": (models_cmd, "list local models with their sizes"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvchat",
+        description="Chat with a local LLM on MLX and watch its KV cache. "
+        "Without a command: open the chat.",
+    )
+    p.add_argument("--model", dest="tui_model", metavar="DIR",
+                   help="model folder for the chat (default: the shipped model)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command is None:
+            from .tui import run_tui
+
+            return run_tui(args.tui_model)
+        return COMMANDS[args.command][0].run(args)
+    except KVChatError as e:
+        report(str(e))
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a bug: still one line unless KVCHAT_DEBUG=1
+        report_exception(e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

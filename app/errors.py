@@ -1,0 +1,22 @@
+"""How the CLI reports a failure: one line on stderr, a traceback only with KVCHAT_DEBUG=1."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+
+def debug() -> bool:
+    return os.environ.get("KVCHAT_DEBUG") == "1"
+
+
+def report(message: str) -> None:
+    print(f"kvchat: error: {message.splitlines()[0] if message else 'unknown error'}",
+          file=sys.stderr)
+
+
+def report_exception(e: BaseException) -> None:
+    if debug():
+        traceback.print_exception(e)
+    report(str(e) if str(e) else type(e).__name__)

@@ -1,0 +1,196 @@
+"""`kvchat generate`: one turn on the command line, streamed to stdout or as one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import queue
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from model.discovery import DEFAULT_MODEL
+from model.engine import Engine
+from model.errors import KVChatError
+from model.events import Done, Event, GenParams, Loaded, LoadFailed, TextDelta
+
+from .errors import report
+
+# every statistic of DESIGN.md, present in --json output even when zero
+STAT_KEYS = (
+    "prompt_tokens",
+    "cached_tokens",
+    "prefill_tps",
+    "ttft_s",
+    "decode_tps",
+    "cache_offset",
+    "cache_tokens",
+    "cache_capacity",
+    "cache_bytes",
+    "mha_bytes",
+    "gqa_saving",
+    "evicted_tokens",
+    "peak_memory",
+)
+
+
+def add_model_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR", help=f"model folder (default: {DEFAULT_MODEL})")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    d = GenParams()
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, metavar="N")
+    p.add_argument("--temp", type=float, default=d.temp, metavar="T", help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=d.top_p, metavar="P")
+    p.add_argument("--top-k", type=int, default=d.top_k, metavar="K", help="0 = off")
+    p.add_argument("--min-p", type=float, default=d.min_p, metavar="M")
+    p.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty, metavar="R")
+    p.add_argument("--seed", type=int, default=None, metavar="S")
+    p.add_argument("--max-kv-size", type=int, default=None, metavar="N",
+                   help="bound the KV cache to N tokens (rotating); default: the context length")
+    p.add_argument("--keep", type=int, default=d.keep, metavar="K",
+                   help="sink tokens kept when the cache rotates (default %(default)s)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when this text appears (repeatable)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_argument(p)
+    p.add_argument("--prompt", metavar="TEXT", help="prompt text (default: read stdin)")
+    p.add_argument("--system", metavar="TEXT", help="system prompt")
+    p.add_argument("--raw", action="store_true",
+                   help="skip the chat template; add BOS as the tokenizer says")
+    add_sampling_arguments(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+
+
+def params_from_args(args: argparse.Namespace) -> GenParams:
+    return GenParams(
+        max_tokens=args.max_tokens,
+        temp=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        max_kv_size=args.max_kv_size,
+        keep=args.keep,
+    )
+
+
+def check_params(p: GenParams) -> str | None:
+    """A usage error for a bad flag value (exit 2), else None."""
+    from model.sampling import SamplingParams
+
+    try:
+        SamplingParams(
+            temp=p.temp, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+            repetition_penalty=p.repetition_penalty,
+            repetition_context_size=p.repetition_context_size, seed=p.seed,
+        ).validate()
+    except KVChatError as e:
+        return str(e)
+    if p.max_tokens < 1:
+        return f"--max-tokens must be >= 1, got {p.max_tokens}"
+    if p.keep < 0:
+        return f"--keep must be >= 0, got {p.keep}"
+    if p.max_kv_size is not None and p.max_kv_size <= p.keep:
+        return f"--max-kv-size ({p.max_kv_size}) must be larger than --keep ({p.keep})"
+    return None
+
+
+class BlockingEngine:
+    """The engine driven synchronously: for the CLI and benchmarks."""
+
+    def __init__(self, model_path: str, on_delta: Callable[[str], None] | None = None):
+        self._events: queue.Queue[Event] = queue.Queue()
+        self._on_delta = on_delta
+        self.engine = Engine(self._events.put, model_path)
+        while True:
+            ev = self._events.get()
+            if isinstance(ev, LoadFailed):
+                self.engine.close()
+                raise KVChatError(ev.message)
+            if isinstance(ev, Loaded):
+                self.info = ev.info
+                return
+
+    def run(self, prompt: Any, params: GenParams) -> Done:
+        self.engine.submit(prompt, params)
+        try:
+            while True:
+                ev = self._events.get()
+                if isinstance(ev, TextDelta) and self._on_delta is not None:
+                    self._on_delta(ev.text)
+                elif isinstance(ev, Done):
+                    return ev
+        except KeyboardInterrupt:
+            self.engine.cancel()
+            while not isinstance(ev := self._events.get(), Done):
+                pass
+            return ev
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _finite(v: Any) -> Any:
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def run(args: argparse.Namespace) -> int:
+    params = params_from_args(args)
+    if (problem := check_params(params)) is not None:
+        report(problem)
+        return 2
+    if args.prompt is not None:
+        text = args.prompt
+    elif not sys.stdin.isatty():
+        text = sys.stdin.read()
+    else:
+        report("give --prompt TEXT or pipe the prompt on stdin")
+        return 2
+    if args.raw and args.system:
+        report("--system needs the chat template; it cannot be used with --raw")
+        return 2
+
+    def stream(delta: str) -> None:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    try:
+        runner = BlockingEngine(str(args.model or DEFAULT_MODEL), None if args.json else stream)
+    except KVChatError as e:
+        report(str(e))
+        return 1
+    try:
+        if args.raw:
+            prompt: Any = text
+        else:
+            prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": text}
+            ]
+        done = runner.run(prompt, params)
+    finally:
+        runner.close()
+    if args.json:
+        out = {
+            "text": done.text,
+            "prompt_ids": done.prompt_ids,
+            "ids": done.ids,
+            "finish_reason": done.finish_reason,
+            **{k: _finite(done.stats.get(k, 0)) for k in STAT_KEYS},
+            **{k: _finite(v) for k, v in done.stats.items() if k not in STAT_KEYS},
+        }
+        if done.error:
+            out["error"] = done.error
+        print(json.dumps(out))
+    elif done.finish_reason != "error":
+        print()
+    if done.finish_reason == "error":
+        report(done.error or "generation failed")
+        return 1
+    return 0

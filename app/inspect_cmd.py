@@ -1,0 +1,230 @@
+"""`kvchat inspect`: KV-cache memory math for a model folder or a config.json.
+
+Bytes per token across layers, bytes at a context length, the MHA / GQA / MQA table,
+weight bytes (from safetensors headers), tokens that fit a memory budget, and with
+--live a short greedy run whose cache bytes, measured from the arrays, must equal the
+formula.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from model.config import ModelConfig, load_config
+from model.errors import ConfigError, KVChatError, ModelLoadError
+from model.kv_math import (
+    BudgetError,
+    attention_table,
+    dtype_bytes_of,
+    human_bytes,
+    kv_bytes_per_token,
+    parse_size,
+    tokens_that_fit,
+    weights_bytes,
+    weights_dtype_bytes,
+)
+
+from .errors import report
+
+LIVE_TOKENS = 32  # generated tokens in --live (a few dozen: cheap, and enough to fill a step)
+
+
+class UsageError(Exception):
+    """Bad option combination or value: exit status 2."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="DIR", help="model folder (config.json + safetensors)")
+    src.add_argument("--config", metavar="FILE", help="a config.json (no weights needed)")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="context length for the totals (default: max_position_embeddings)")
+    p.add_argument("--dtype-bytes", type=int, default=None, metavar="B",
+                   help="bytes per K/V element (default: from torch_dtype; 2 = fp16/bf16)")
+    p.add_argument("--budget", default=None, metavar="BYTES",
+                   help="memory budget, e.g. 8GiB, 512MiB or a byte count: tokens that fit"
+                   " (after the weights, for a model folder)")
+    p.add_argument("--live", action="store_true",
+                   help="load the model, generate a few tokens, and compare the cache's"
+                   " measured bytes with the formula")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        out = _inspect(args)
+    except UsageError as e:
+        print(f"kvchat inspect: error: {e}", file=sys.stderr)
+        return 2
+    except KVChatError as e:
+        report(str(e))
+        return 1
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(_render(out))
+    if out.get("live") and not out["live"]["equal"]:
+        report("live cache bytes differ from the formula")
+        return 1
+    return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    model, config = getattr(args, "model", None), getattr(args, "config", None)
+    if bool(model) == bool(config):
+        raise UsageError("give exactly one of --model DIR or --config FILE")
+    if args.context is not None and args.context < 1:
+        raise UsageError(f"--context must be >= 1, got {args.context}")
+    if args.dtype_bytes is not None and args.dtype_bytes < 1:
+        raise UsageError(f"--dtype-bytes must be >= 1, got {args.dtype_bytes}")
+    if args.live and not model:
+        raise UsageError("--live needs --model DIR (it runs the model)")
+
+
+def _dtype_bytes(args: argparse.Namespace, cfg: ModelConfig) -> tuple[int, str]:
+    """(bytes, where it came from): --dtype-bytes, torch_dtype, the weights, else fp16."""
+    if args.dtype_bytes is not None:
+        return args.dtype_bytes, "--dtype-bytes"
+    b = dtype_bytes_of(cfg.torch_dtype)
+    if b is not None:
+        return b, f"torch_dtype {cfg.torch_dtype}"
+    if args.model:
+        b = weights_dtype_bytes(args.model)
+        if b is not None:
+            return b, "weights' dtype"
+    return 2, "assumed fp16"
+
+
+def _inspect(args: argparse.Namespace) -> dict[str, Any]:
+    _check_args(args)
+    budget = None
+    if args.budget is not None:
+        try:
+            budget = parse_size(args.budget)
+        except BudgetError as e:
+            raise UsageError(str(e)) from None
+    source = Path(args.model or args.config).expanduser()
+    if args.model and not source.is_dir():
+        raise ModelLoadError(f"model folder not found: {source}")
+    if args.config and not source.exists():
+        raise ConfigError(f"config file not found: {source}")
+    cfg = load_config(source)
+    dtype_bytes, dtype_from = _dtype_bytes(args, cfg)
+    context = args.context or cfg.max_position_embeddings
+    L, h, kv, hd = (cfg.num_hidden_layers, cfg.num_attention_heads,
+                    cfg.num_key_value_heads, cfg.head_dim)
+    per_token = kv_bytes_per_token(L, kv, hd, dtype_bytes)
+    weights = weights_bytes(source) if args.model else None
+    out: dict[str, Any] = {
+        "source": str(source),
+        "model_type": cfg.model_type,
+        "layers": L,
+        "heads": h,
+        "kv_heads": kv,
+        "head_dim": hd,
+        "dtype_bytes": dtype_bytes,
+        "dtype_from": dtype_from,
+        "context": context,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "sliding_window": cfg.sliding_window,
+        "bytes_per_token": per_token,
+        "bytes_at_context": per_token * context,
+        "gqa_saving": h / kv,
+        "table": [
+            {"name": r.name, "kv_heads": r.kv_heads, "bytes_per_token": r.bytes_per_token,
+             "bytes_at_context": r.bytes_at_context, "saving_vs_mha": r.saving_vs_mha}
+            for r in attention_table(cfg, dtype_bytes, context)
+        ],
+        "weights_bytes": weights,
+        "budget_bytes": budget,
+        "budget_tokens": None if budget is None else tokens_that_fit(budget, per_token,
+                                                                     weights or 0),
+        "live": _live(source, cfg) if args.live else None,
+    }
+    return out
+
+
+def _live(folder: Path, cfg: ModelConfig) -> dict[str, Any]:
+    """Greedy-generate LIVE_TOKENS tokens from BOS through make_cache and measure the
+    cache from its arrays (resident slices' nbytes) next to the formula."""
+    import mlx.core as mx
+
+    from model.cache import cache_stats, make_cache
+    from model.weights import load_model
+
+    model = load_model(folder)
+    caches = make_cache(model.config)
+    bos = cfg.raw.get("bos_token_id", 1)
+    if isinstance(bos, list):
+        bos = bos[0] if bos else 1
+    y = mx.array([[int(bos) if bos is not None else 1]])
+    for _ in range(LIVE_TOKENS):
+        y = mx.argmax(model(y, cache=caches)[:, -1, :], axis=-1)[None]
+        mx.eval(y)
+    measured = 0
+    for c in caches:  # what the arrays hold: the resident slots' slices
+        n = c.size()
+        measured += c.keys[..., :n, :].nbytes + c.values[..., :n, :].nbytes
+    tokens = caches[0].size()
+    live_dtype = caches[0].keys.dtype
+    formula = kv_bytes_per_token(
+        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, live_dtype.size
+    ) * tokens
+    stats = cache_stats(caches, model.config)
+    return {
+        "tokens": tokens,
+        "dtype": str(live_dtype).removeprefix("mlx.core."),
+        "dtype_bytes": live_dtype.size,
+        "measured_bytes": measured,
+        "nbytes_sum": sum(c.nbytes for c in caches),
+        "formula_bytes": formula,
+        "allocated_bytes": sum(c.keys.nbytes + c.values.nbytes for c in caches),
+        "cache_stats": stats,
+        "equal": measured == formula == stats["cache_bytes"] == sum(c.nbytes for c in caches),
+    }
+
+
+def _b(n: int | None) -> str:
+    """Exact bytes with thousands separators, and binary units beside them."""
+    if n is None:
+        return "n/a"
+    return f"{n:,} B" if abs(n) < 1024 else f"{n:,} B ({human_bytes(n)})"
+
+
+def _render(o: dict[str, Any]) -> str:
+    lines = [
+        f"{o['source']}  ({o['model_type']}: {o['layers']} layers, {o['heads']} query heads,"
+        f" {o['kv_heads']} KV heads, head_dim {o['head_dim']}, {o['dtype_bytes']} B/element"
+        f" from {o['dtype_from']})",
+        f"KV cache per token (all layers): {_b(o['bytes_per_token'])}",
+        f"KV cache at {o['context']:,} tokens: {_b(o['bytes_at_context'])}",
+        "",
+        f"{'attention':<18} {'KV heads':>8}  {'per token':<26} "
+        f"{'at ' + format(o['context'], ',') + ' tokens':<34} MHA / this",
+    ]
+    for r in o["table"]:
+        lines.append(
+            f"{r['name']:<18} {r['kv_heads']:>8}  {_b(r['bytes_per_token']):<26} "
+            f"{_b(r['bytes_at_context']):<34} {r['saving_vs_mha']:g}x"
+        )
+    lines.append("")
+    if o["weights_bytes"] is not None:
+        lines.append(f"weights: {_b(o['weights_bytes'])}")
+    if o["budget_bytes"] is not None:
+        after = " after the weights" if o["weights_bytes"] else ""
+        lines.append(
+            f"budget {_b(o['budget_bytes'])}: {o['budget_tokens']:,} tokens of KV cache fit{after}"
+        )
+    live = o.get("live")
+    if live:
+        mark = "equal" if live["equal"] else "DIFFERENT"
+        lines.append(
+            f"live ({live['tokens']} tokens, {live['dtype']}, {live['dtype_bytes']} B/element):"
+            f" measured {_b(live['measured_bytes'])}, formula {_b(live['formula_bytes'])}"
+            f" -> {mark}; allocated buffers {_b(live['allocated_bytes'])}"
+        )
+    return "\n".join(lines).rstrip()

@@ -1,0 +1,79 @@
+"""Ctrl+L: what each layer's KV cache holds (engine.layer_stats(), metadata only)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import DataTable, Static
+
+from ..widgets.format import fmt_bytes
+
+# (key in layer_stats, column title); bytes columns are shown in human units
+COLUMNS = (
+    ("layer", "layer"),
+    ("kind", "kind"),
+    ("cache_offset", "offset"),
+    ("cache_tokens", "tokens"),
+    ("cache_capacity", "capacity"),
+    ("allocated_tokens", "allocated"),
+    ("cache_bytes", "bytes"),
+    ("mha_bytes", "as MHA"),
+    ("allocated_bytes", "alloc bytes"),
+    ("keep", "keep"),
+    ("evicted_tokens", "evicted"),
+    ("wrapped", "wrapped"),
+)
+
+
+def _cell(key: str, value: Any) -> str:
+    if value is None:
+        return "–"
+    if key.endswith("bytes"):
+        return fmt_bytes(value)
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+class LayerCacheScreen(ModalScreen[None]):
+    BINDINGS = [
+        Binding("escape,q", "dismiss", "Close", id="layers.close"),
+        Binding("r", "refresh_rows", "Refresh", id="layers.refresh"),
+    ]
+
+    def __init__(self, source: Callable[[], list[dict[str, Any]]]) -> None:
+        super().__init__()
+        self.source = source
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog", classes="dialog -layers"):
+            yield Static("KV cache per layer", classes="dialog-title")
+            yield DataTable(id="layers", cursor_type="row", zebra_stripes=True)
+            yield Static(id="summary", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        self.action_refresh_rows()
+
+    def action_refresh_rows(self) -> None:
+        rows = self.source()
+        table = self.query_one(DataTable)
+        table.clear(columns=True)
+        keys = [k for k, _ in COLUMNS if any(k in r for r in rows)]
+        extra = sorted({k for r in rows for k in r} - {k for k, _ in COLUMNS})
+        titles = dict(COLUMNS)
+        table.add_columns(*(titles.get(k, k) for k in keys + extra))
+        for r in rows:
+            table.add_row(*(_cell(k, r.get(k)) for k in keys + extra))
+        total = sum(int(r.get("cache_bytes") or 0) for r in rows)
+        self.query_one("#summary", Static).update(
+            f"{len(rows)} layers · {fmt_bytes(total)} of K/V resident · r refresh · Esc close"
+            if rows
+            else "The cache is empty (no turn yet, or no model loaded). Esc closes."
+        )

@@ -1,0 +1,315 @@
+"""Saved conversations: one JSON file per chat, written atomically.
+
+Layout: <data dir>/chats/<id>.json where the data dir is platformdirs.user_data_dir("kvchat"),
+or $KVCHAT_DATA_DIR when set (tests). A save writes a temp file in the same folder, fsyncs
+it and renames it over the old file, so a crash at any point leaves either the old or the
+new conversation on disk, never a torn one. A corrupt file is skipped when listing
+(reported in `ConversationStore.skipped`), never fatal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+from model.errors import KVChatError
+
+SCHEMA_VERSION = 1
+TITLE_MAX = 50
+ROLES = ("system", "user", "assistant")
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_STALE_TMP_S = 3600.0  # leftover temp files older than this came from a crashed save
+
+
+class StoreError(KVChatError):
+    """A conversation that cannot be read, written or found."""
+
+
+def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
+    """Replace `path` with `text` so that readers see the old or the new content, never
+    a mix: temp file in the same folder (same filesystem, so the rename is atomic),
+    flush + fsync, os.replace, then fsync the folder so the rename itself is durable.
+    The file is private (0600, as mkstemp makes it) unless `mode` says otherwise."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            if mode is not None and hasattr(os, "fchmod"):  # POSIX only
+                os.fchmod(f.fileno(), mode)
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # the partial temp file never replaces the good one; clean it up
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if hasattr(os, "O_DIRECTORY"):
+        with contextlib.suppress(OSError):
+            dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+
+def new_id(now: float | None = None) -> str:
+    """Sortable and unique enough: local timestamp + 6 random hex digits."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now if now is not None else time.time()))
+    return f"{stamp}-{secrets.token_hex(3)}"
+
+
+def derive_title(messages: list[dict[str, Any]], limit: int = TITLE_MAX) -> str:
+    """The first user message, whitespace collapsed, cut to `limit` chars at a word."""
+    for m in messages:
+        if m.get("role") == "user":
+            text = " ".join(str(m.get("content", "")).split())
+            if not text:
+                continue
+            if len(text) <= limit:
+                return text
+            cut = text[: limit - 1]
+            if " " in cut[limit // 2 :]:
+                cut = cut[: cut.rfind(" ")]
+            return cut.rstrip() + "…"
+    return "New chat"
+
+
+@dataclass
+class Conversation:
+    id: str = field(default_factory=new_id)
+    title: str = ""
+    created: float = field(default_factory=time.time)  # epoch seconds
+    updated: float = field(default_factory=time.time)
+    model: str | None = None  # model path (or name) the chat was held with
+    system_prompt: str = ""
+    # {"role": "user"|"assistant"|"system", "content": str} (+ "stopped": True on a
+    # reply the user cancelled)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    def add_message(self, role: str, content: str, *, stopped: bool = False) -> dict[str, Any]:
+        """Append a message, keep `updated` and an empty title current; returns it."""
+        if role not in ROLES:
+            raise StoreError(f"unknown message role {role!r}; expected one of {', '.join(ROLES)}")
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if stopped:
+            msg["stopped"] = True
+        self.messages.append(msg)
+        self.updated = time.time()
+        if not self.title and role == "user":
+            self.title = derive_title(self.messages)
+        return msg
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """What Engine.submit wants: system prompt first (when set), role/content only."""
+        out = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        out.extend({"role": m["role"], "content": m["content"]} for m in self.messages)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": SCHEMA_VERSION,
+            "id": self.id,
+            "title": self.title or derive_title(self.messages),
+            "created": self.created,
+            "updated": self.updated,
+            "model": self.model,
+            "system_prompt": self.system_prompt,
+            "messages": [dict(m) for m in self.messages],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Conversation:
+        """Strict: raises StoreError (one line) on anything but a well-formed chat."""
+        if not isinstance(d, dict):
+            raise StoreError("conversation file is not a JSON object")
+        version = d.get("version", 1)
+        if not isinstance(version, int) or version < 1:
+            raise StoreError(f"bad conversation schema version {version!r}")
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"conversation written by a newer kvchat (schema {version} > {SCHEMA_VERSION})"
+            )
+        cid = d.get("id")
+        if not isinstance(cid, str) or not _ID_RE.match(cid):
+            raise StoreError(f"bad conversation id {cid!r}")
+        messages = d.get("messages", [])
+        if not isinstance(messages, list):
+            raise StoreError("conversation 'messages' is not a list")
+        clean = []
+        for i, m in enumerate(messages):
+            if (
+                not isinstance(m, dict)
+                or m.get("role") not in ROLES
+                or not isinstance(m.get("content"), str)
+            ):
+                raise StoreError(f"conversation message {i} is malformed")
+            clean.append(dict(m))
+
+        def num(key: str) -> float:
+            v = d.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise StoreError(f"conversation {key!r} is not a timestamp")
+            return float(v)
+
+        def opt_str(key: str, default: str | None) -> str | None:
+            v = d.get(key, default)
+            if v is not None and not isinstance(v, str):
+                raise StoreError(f"conversation {key!r} is not a string")
+            return v
+
+        return cls(
+            id=cid,
+            title=opt_str("title", "") or derive_title(clean),
+            created=num("created"),
+            updated=num("updated"),
+            model=opt_str("model", None),
+            system_prompt=opt_str("system_prompt", "") or "",
+            messages=clean,
+        )
+
+
+def default_root() -> Path:
+    base = os.environ.get("KVCHAT_DATA_DIR")
+    data = Path(base).expanduser() if base else Path(platformdirs.user_data_dir("kvchat"))
+    return data / "chats"
+
+
+class ConversationStore:
+    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+        self.root = Path(root).expanduser() if root is not None else default_root()
+        # (file, reason) for each file the last list() could not read
+        self.skipped: list[tuple[Path, str]] = []
+
+    def path_for(self, conv_id: str) -> Path:
+        # ids become file names: refuse anything that could leave the folder
+        if not isinstance(conv_id, str) or not _ID_RE.match(conv_id):
+            raise StoreError(f"bad conversation id {conv_id!r}")
+        return self.root / f"{conv_id}.json"
+
+    def save(self, conv: Conversation) -> Path:
+        """Write atomically; fills an empty title from the first user message."""
+        path = self.path_for(conv.id)
+        if not conv.title:
+            conv.title = derive_title(conv.messages)
+        text = json.dumps(conv.to_dict(), ensure_ascii=False, indent=1)
+        try:
+            atomic_write_text(path, text + "\n")
+        except OSError as e:
+            raise StoreError(f"cannot save conversation to {path}: {e.strerror or e}") from None
+        return path
+
+    def _read(self, path: Path) -> Conversation:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise StoreError(f"cannot read {path.name}: {e.strerror or e}") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise StoreError(f"corrupt conversation file {path.name}: {e}") from None
+        try:
+            conv = Conversation.from_dict(data)
+        except StoreError as e:
+            raise StoreError(f"{path.name}: {e}") from None
+        # the file name is the id that load()/delete() use; a renamed copy follows its name
+        if _ID_RE.match(path.stem):
+            conv.id = path.stem
+        return conv
+
+    def load(self, conv_id: str) -> Conversation:
+        path = self.path_for(conv_id)
+        if not path.is_file():
+            raise StoreError(f"no saved conversation {conv_id!r}")
+        return self._read(path)
+
+    def list(self) -> list[Conversation]:
+        """Every readable conversation, most recently updated first; corrupt files are
+        skipped and recorded in self.skipped."""
+        self.skipped = []
+        convs = []
+        try:
+            files = sorted(self.root.glob("*.json"))
+        except OSError:
+            return []
+        for f in files:
+            if f.name.startswith("."):
+                continue
+            try:
+                convs.append(self._read(f))
+            except StoreError as e:
+                self.skipped.append((f, str(e)))
+        self._clean_stale_temps()
+        convs.sort(key=lambda c: (c.updated, c.id), reverse=True)
+        return convs
+
+    def delete(self, conv_id: str) -> bool:
+        """Remove a conversation; False when there was none."""
+        try:
+            self.path_for(conv_id).unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise StoreError(f"cannot delete conversation {conv_id!r}: {e.strerror or e}") from None
+        return True
+
+    def _clean_stale_temps(self) -> None:
+        """Remove temp files a killed save left behind (old enough to be no live save's)."""
+        now = time.time()
+        with contextlib.suppress(OSError):
+            for tmp in self.root.glob(".*.json.*.tmp"):
+                with contextlib.suppress(OSError):
+                    if now - tmp.stat().st_mtime > _STALE_TMP_S:
+                        tmp.unlink()
+
+
+def _fmt_time(ts: float) -> str:
+    try:
+        return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M")
+    except (OverflowError, OSError, ValueError):
+        return str(ts)
+
+
+def to_markdown(conv: Conversation) -> str:
+    """Readable export: title, metadata, system prompt, then one section per message."""
+    lines = [f"# {conv.title or derive_title(conv.messages)}", ""]
+    if conv.model:
+        lines.append(f"- Model: `{conv.model}`")
+    lines += [
+        f"- Created: {_fmt_time(conv.created)}",
+        f"- Updated: {_fmt_time(conv.updated)}",
+        f"- ID: {conv.id}",
+        "",
+    ]
+    if conv.system_prompt:
+        lines += ["**System**", "", conv.system_prompt.strip(), ""]
+    names = {"user": "User", "assistant": "Assistant", "system": "System"}
+    for m in conv.messages:
+        head = f"**{names.get(m['role'], m['role'])}**"
+        if m.get("stopped"):
+            head += " (stopped)"
+        lines += [head, "", m["content"].strip(), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def export_markdown(conv: Conversation, path: str | os.PathLike[str]) -> Path:
+    """Write to_markdown(conv) to `path` (a folder gets <id>.md inside); returns the file."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        target = target / f"{conv.id}.md"
+    try:
+        atomic_write_text(target, to_markdown(conv), mode=0o644)  # an export is meant to share
+    except OSError as e:
+        raise StoreError(f"cannot export to {target}: {e.strerror or e}") from None
+    return target

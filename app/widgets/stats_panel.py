@@ -1,0 +1,230 @@
+"""The live stats side panel: speed, context gauge, KV cache, model, runtime.
+
+Updates are throttled: `update_stats()` only stores the newest dict; a 10 Hz timer
+renders it when something changed. The engine itself sends Stats about 10 times a
+second, never per token, so the panel costs a few re-renders a second while decoding.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Sparkline, Static
+
+from .format import (
+    context_level,
+    fmt_bytes,
+    fmt_count,
+    fmt_params,
+    fmt_rate,
+    fmt_saving,
+    fmt_seconds,
+)
+
+REFRESH_S = 0.1
+SPARK_POINTS = 48
+LABEL_W = 9
+
+
+def _row(label: str, value: str | Text, style: str = "") -> Text:
+    t = Text(f"{label:<{LABEL_W}}", style="dim")
+    t.append(value if isinstance(value, Text) else Text(value, style=style))
+    return t
+
+
+def _lines(*rows: Text) -> Text:
+    return Text("\n").join(rows)
+
+
+def decode_elapsed(stats: dict[str, Any]) -> float | None:
+    """Seconds between the first and the last generated token, from the stats alone:
+    decode_tps = (n - 1) / span  =>  span = (n - 1) / decode_tps (DESIGN.md)."""
+    n = stats.get("generated_tokens") or 0
+    tps = stats.get("decode_tps") or 0.0
+    if n < 2 or tps <= 0:
+        return None
+    return (n - 1) / tps
+
+
+class ContextGauge(Static):
+    """cache_tokens / cache_capacity as a bar; yellow from 75 %, red from 90 %."""
+
+    BAR_W = 18
+    level = "ok"
+
+    def set_fill(self, tokens: int, capacity: int) -> None:
+        frac = tokens / capacity if capacity > 0 else 0.0
+        level = context_level(tokens, capacity)
+        for lvl in ("ok", "warn", "danger"):
+            self.set_class(lvl == level, f"-{lvl}")
+        full = round(min(1.0, frac) * self.BAR_W)
+        bar = Text("█" * full, style="bold")
+        bar.append("░" * (self.BAR_W - full), style="dim")
+        bar.append(f" {frac * 100:3.0f}%")
+        self.level = level
+        self.update(_lines(bar, Text(f"{tokens:,} / {capacity:,} tokens", style="dim")))
+
+
+class StatsPanel(VerticalScroll):
+    """The side panel. Fed with engine Stats dicts and the model info."""
+
+    can_focus = False
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.stats: dict[str, Any] = {}
+        self.info: dict[str, Any] = {}
+        self.decode_now: float | None = None
+        self.generating = False
+        self.freed_bytes: int | None = None  # memory released by the last model swap
+        self.renders = 0  # how often the panel re-rendered (tests check the throttle)
+        self._dirty = True
+        self._last_point: tuple[int, float] | None = None  # (generated, decode span)
+        self._spark: deque[float] = deque(maxlen=SPARK_POINTS)
+
+    def compose(self) -> ComposeResult:
+        yield Static("Speed", classes="section")
+        yield Static(id="speed")
+        yield Sparkline([0.0], id="spark")
+        yield Static("Context", classes="section")
+        yield ContextGauge(id="gauge")
+        yield Static("KV cache", classes="section")
+        yield Static(id="cache")
+        yield Static("Model", classes="section")
+        yield Static(id="model")
+        yield Static("Runtime", classes="section")
+        yield Static(id="runtime")
+
+    def on_mount(self) -> None:
+        self._render_now()
+        self.set_interval(REFRESH_S, self._tick)
+
+    # ---- feeding ----------------------------------------------------------------------
+    def start_turn(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A turn began: reset the per-turn speed numbers, keep cache and model."""
+        keep = {
+            k: v
+            for k, v in self.stats.items()
+            if k not in ("decode_tps", "generated_tokens", "prefill_tps", "ttft_s")
+        }
+        self.stats = {**keep, "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens}
+        self.decode_now = None
+        self._last_point = None
+        self._spark.clear()
+        self.generating = True
+        self._dirty = True
+
+    def end_turn(self, stats: dict[str, Any] | None = None) -> None:
+        if stats:
+            self.update_stats(stats)
+        self.generating = False
+        self._dirty = True
+        self._render_now()  # final numbers at once, not up to 100 ms later
+
+    def update_stats(self, stats: dict[str, Any]) -> None:
+        """Store the newest stats; the timer renders them (never per token)."""
+        self.stats = {**self.stats, **stats}
+        span = decode_elapsed(self.stats)
+        n = self.stats.get("generated_tokens") or 0
+        if span is not None:
+            if self._last_point is not None:
+                n0, span0 = self._last_point
+                if n > n0 and span > span0:
+                    self.decode_now = (n - n0) / (span - span0)
+                    self._spark.append(self.decode_now)
+            elif n >= 2:
+                self.decode_now = self.stats["decode_tps"]
+                self._spark.append(self.decode_now)
+            self._last_point = (n, span)
+        self._dirty = True
+
+    def set_model(self, info: dict[str, Any]) -> None:
+        self.info = dict(info)
+        self._dirty = True
+        self._render_now()
+
+    def clear_cache_stats(self) -> None:
+        """New chat: the cache is empty again."""
+        for k in list(self.stats):
+            if k.startswith("cache_") or k in ("mha_bytes", "evicted_tokens", "wrapped"):
+                self.stats.pop(k)
+        self.stats.pop("cached_tokens", None)
+        self._dirty = True
+        self._render_now()
+
+    # ---- rendering --------------------------------------------------------------------
+    @property
+    def cache_bytes(self) -> int | None:
+        return self.stats.get("cache_bytes")
+
+    def _tick(self) -> None:
+        if self._dirty:
+            self._render_now()
+
+    def _render_now(self) -> None:
+        if not self.is_mounted:
+            return
+        self._dirty = False
+        self.renders += 1
+        s, info = self.stats, self.info
+        self.query_one("#speed", Static).update(
+            _lines(
+                _row("now", fmt_rate(self.decode_now), "bold"),
+                _row("average", fmt_rate(s.get("decode_tps"))),
+                _row("prefill", fmt_rate(s.get("prefill_tps"))),
+                _row("TTFT", fmt_seconds(s.get("ttft_s"))),
+                _row("tokens", f"{fmt_count(s.get('generated_tokens'))} generated"),
+            )
+        )
+        spark = self.query_one("#spark", Sparkline)
+        spark.data = list(self._spark) or [0.0]
+
+        tokens, cap = s.get("cache_tokens"), s.get("cache_capacity") or info.get("context")
+        gauge = self.query_one("#gauge", ContextGauge)
+        gauge.set_fill(tokens or 0, cap or 0)
+
+        wrapped = s.get("wrapped")
+        self.query_one("#cache", Static).update(
+            _lines(
+                _row("KV", fmt_bytes(s.get("cache_bytes")), "bold"),
+                _row("as MHA", fmt_bytes(s.get("mha_bytes"))),
+                _row("GQA", f"{fmt_saving(s.get('gqa_saving'))} smaller"),
+                _row("reused", f"{fmt_count(s.get('cached_tokens'))} tokens this turn"),
+                _row("window", f"{fmt_count(cap)} · keep {fmt_count(s.get('keep'))}"),
+                _row(
+                    "evicted",
+                    f"{fmt_count(s.get('evicted_tokens'))} · "
+                    f"{'wrapped' if wrapped else 'not wrapped' if wrapped is not None else '–'}",
+                ),
+            )
+        )
+        bits = info.get("bits")
+        precision = f"{bits}-bit" if bits else str(info.get("dtype") or "–")
+        self.query_one("#model", Static).update(
+            _lines(
+                _row("name", str(info.get("name") or "no model"), "bold"),
+                _row("arch", str(info.get("architecture") or "–")),
+                _row("params", f"{fmt_params(info.get('parameters'))} · {precision}"),
+                _row("weights", fmt_bytes(info.get("weight_bytes"))),
+                _row(
+                    "shape",
+                    f"{fmt_count(info.get('n_layers'))} layers · "
+                    f"{fmt_count(info.get('n_heads'))}/{fmt_count(info.get('n_kv_heads'))} heads",
+                )
+                if info
+                else _row("shape", "–"),
+            )
+        )
+        runtime = [
+            _row("kernels", str(s.get("kernels_backend") or "–")),
+            _row("device", str(s.get("device") or "–")),
+            _row("active", fmt_bytes(s.get("active_memory"))),
+            _row("peak", fmt_bytes(s.get("peak_memory"))),
+        ]
+        if self.freed_bytes is not None:
+            runtime.append(_row("swap", f"freed {fmt_bytes(self.freed_bytes)}"))
+        self.query_one("#runtime", Static).update(_lines(*runtime))

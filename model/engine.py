@@ -1,0 +1,439 @@
+"""The generation engine: one long-lived thread that owns every MLX call.
+
+MLX streams are thread-local (mlx >= 0.31.2): an array built in one thread and evaluated
+in another fails, so load, prefill, decode and clear_cache all happen on this thread.
+Clients talk to it through a queue and hear back through `on_event` (called on this
+thread; a Textual client hops with `call_from_thread`).
+
+A turn: render the conversation -> ids -> longest common prefix with the ids the cache
+holds -> trim the cache back -> prefill the new suffix in chunks -> decode, pipelined
+with `mx.async_eval` -> stream text deltas, periodic stats and one `Done`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import queue
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+import metal_kernels
+
+from .cache import cache_stats, can_trim_to, layer_stats, make_cache
+from .errors import KVChatError
+from .events import (
+    Done,
+    Event,
+    GenParams,
+    Loaded,
+    LoadFailed,
+    Loading,
+    Started,
+    Stats,
+    TextDelta,
+)
+from .sampling import Sampler, SamplingParams
+from .tokenizer import Tokenizer, load_tokenizer
+from .transformer import Transformer
+from .weights import load_model, parameter_count, weight_bytes
+
+Prompt = Sequence[dict[str, str]] | Sequence[int] | str
+
+PREFILL_CHUNK = 512
+STATS_INTERVAL_S = 0.1  # ~10 stats events a second, never one per token
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
+    cfg = model.config
+    quant = getattr(model, "quantization", None)
+    path = Path(getattr(model, "path", ""))
+    return {
+        "name": path.name,
+        "path": str(path),
+        "architecture": cfg.model_type,
+        "parameters": parameter_count(model),
+        "bits": quant["bits"] if quant else None,
+        "dtype": str(model.model.norm.weight.dtype).removeprefix("mlx.core."),
+        "weight_bytes": weight_bytes(model),
+        "n_layers": cfg.num_hidden_layers,
+        "n_heads": cfg.num_attention_heads,
+        "n_kv_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "context": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "tokenizer": tokenizer.kind,
+        "chat_template": tokenizer.chat_template is not None,
+    }
+
+
+class _StopMatcher:
+    """Cuts the text at the first stop string and holds back a tail that could still
+    become one, so a stop string never reaches the client."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit now, whether a stop string was hit)."""
+        self.text += delta
+        for s in self.stops:
+            i = self.text.find(s, max(0, self.emitted - len(s)))
+            if i >= 0:
+                self.text = self.text[:i]
+                return self._take(len(self.text)), True
+        return self._take(len(self.text) - self.hold), False
+
+    def flush(self) -> str:
+        return self._take(len(self.text))
+
+    def _take(self, upto: int) -> str:
+        if upto <= self.emitted:
+            return ""
+        out = self.text[self.emitted : upto]
+        self.emitted = upto
+        return out
+
+
+_live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_engines() -> None:
+    # a client that forgot close() must not make the interpreter abort at exit
+    for engine in list(_live_engines):
+        engine.close()
+
+
+class Engine:
+    def __init__(
+        self,
+        on_event: Callable[[Event], None],
+        model_path: str | Path | None = None,
+        *,
+        prefill_chunk: int = PREFILL_CHUNK,
+        reuse_prefix: bool = True,
+    ):
+        self._on_event = on_event
+        self._jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._last_turn = 0
+        self._cancel_upto = 0  # turns with id <= this are cancelled
+        self._busy = threading.Event()
+        self.prefill_chunk = prefill_chunk
+        self.reuse_prefix = reuse_prefix  # off: every turn prefills its whole prompt
+        # engine-thread state
+        self.model: Transformer | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.model_info: dict[str, Any] = {}
+        self._cache: list[Any] | None = None
+        self._cache_key: tuple[int | None, int] | None = None
+        self._cache_ids: list[int] = []  # ids whose K/V the cache holds, in order
+        self._thread = threading.Thread(target=self._run, name="kvchat-engine", daemon=True)
+        self._thread.start()
+        _live_engines.add(self)
+        if model_path is not None:
+            self.load(model_path)
+
+    # ---- client API (any thread) -------------------------------------------------
+    def load(self, path: str | Path) -> None:
+        self._jobs.put(("load", str(path)))
+
+    def submit(self, prompt: Prompt, params: GenParams | None = None) -> int:
+        """Queue a turn: a conversation (list of {role, content}), raw text, or ids."""
+        with self._lock:
+            self._last_turn += 1
+            turn = self._last_turn
+        self._jobs.put(("turn", (turn, prompt, params or GenParams(), time.perf_counter())))
+        return turn
+
+    def cancel(self) -> None:
+        """Stop the running turn (and any queued) within one decode step or prefill chunk."""
+        with self._lock:
+            self._cancel_upto = self._last_turn
+
+    def reset(self) -> None:
+        """New chat: drop the cache (on the engine thread, after queued work)."""
+        self._jobs.put(("reset", None))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread (idempotent); its MLX state is released there."""
+        if not self._thread.is_alive():
+            return
+        self.cancel()
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def busy(self) -> bool:
+        return self._busy.is_set()
+
+    def layer_stats(self) -> list[dict[str, Any]]:
+        """Per-layer cache view (metadata only, safe from any thread)."""
+        if self._cache is None or self.model is None:
+            return []
+        return layer_stats(self._cache, self.model.config)
+
+    def cache_stats(self) -> dict[str, Any]:
+        if self.model is None:
+            return {}
+        return self._stats_now()
+
+    # ---- engine thread -------------------------------------------------------------
+    def _emit(self, event: Event) -> None:
+        try:
+            self._on_event(event)
+        except Exception:  # a broken client must not kill the engine
+            traceback.print_exc()
+
+    def _run(self) -> None:
+        try:
+            while (job := self._jobs.get()) is not None:
+                kind, arg = job
+                self._busy.set()
+                try:
+                    if kind == "load":
+                        self._load(arg)
+                    elif kind == "turn":
+                        self._turn(*arg)
+                    elif kind == "reset":
+                        self._drop_cache()
+                finally:
+                    self._busy.clear()
+        finally:
+            # MLX's thread-local streams must be destroyed by their own thread before it
+            # exits, else the process aborts at exit ("terminate called ...").
+            self.model = self.tokenizer = None
+            self._drop_cache()
+            gc.collect()
+            mx.clear_streams()
+
+    def _drop_cache(self) -> None:
+        self._cache, self._cache_key, self._cache_ids = None, None, []
+
+    def _load(self, path: str) -> None:
+        self._emit(Loading(path))
+        try:
+            model = load_model(path)
+            tokenizer = load_tokenizer(path)
+        except KVChatError as e:
+            self._emit(LoadFailed(path, str(e)))
+            return
+        except Exception as e:  # keep the old model whatever went wrong
+            self._emit(LoadFailed(path, f"{type(e).__name__}: {str(e).splitlines()[0]}"))
+            return
+        before = mx.get_active_memory()
+        self.model, self.tokenizer = model, tokenizer
+        self._drop_cache()
+        del model
+        gc.collect()
+        mx.clear_cache()
+        freed = max(0, before - mx.get_active_memory())
+        self.model_info = model_info(self.model, self.tokenizer)
+        self._emit(Loaded(dict(self.model_info), freed))
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        assert self.tokenizer is not None
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if all(isinstance(x, int) for x in prompt):
+            return list(prompt)  # type: ignore[arg-type]
+        return self.tokenizer.encode_chat(list(prompt))  # type: ignore[arg-type]
+
+    def _prepare_cache(self, ids: list[int], params: GenParams) -> tuple[int, str | None]:
+        """Reuse the longest common prefix; return (cached tokens, why not reused)."""
+        assert self.model is not None
+        key = (params.max_kv_size, params.keep)
+        reason = None
+        if self._cache is not None and key != self._cache_key:
+            reason = "cache bound changed"
+            self._drop_cache()
+        elif not self.reuse_prefix:
+            self._drop_cache()
+        if self._cache is None:
+            self._cache = self.model.make_cache(max_kv_size=params.max_kv_size, keep=params.keep)
+            self._cache_key = key
+        # at least one token must run through the model to give the next logits
+        keep_n = min(common_prefix_len(self._cache_ids, ids), len(ids) - 1)
+        if keep_n < len(self._cache_ids):
+            if can_trim_to(self._cache, keep_n):
+                for c in self._cache:
+                    c.trim(len(self._cache_ids) - keep_n)
+                del self._cache_ids[keep_n:]
+            else:
+                reason = "the shared prefix was evicted by rotation; prefilling again"
+                self._cache = self.model.make_cache(
+                    max_kv_size=params.max_kv_size, keep=params.keep
+                )
+                self._cache_ids, keep_n = [], 0
+        return keep_n, reason
+
+    def _stats_now(self) -> dict[str, Any]:
+        assert self.model is not None
+        s = cache_stats(self._cache, self.model.config) if self._cache else {}
+        s["peak_memory"] = mx.get_peak_memory()
+        s["active_memory"] = mx.get_active_memory()
+        s["kernels_backend"] = metal_kernels.backend()
+        s["device"] = str(mx.default_device())
+        return s
+
+    def _turn(self, turn: int, prompt: Prompt, params: GenParams, t_submit: float) -> None:
+        prompt_ids: list[int] = []
+        try:
+            if self.model is None or self.tokenizer is None:
+                raise KVChatError("no model loaded")
+            SamplingParams(**_sampling_fields(params)).validate()
+            if params.max_tokens < 1:
+                raise KVChatError(f"max_tokens must be >= 1, got {params.max_tokens}")
+            prompt_ids = self._prompt_ids(prompt)
+            if not prompt_ids:
+                raise KVChatError("empty prompt")
+            self._generate(turn, prompt_ids, params, t_submit)
+        except KVChatError as e:
+            self._emit(Done("error", "", [], prompt_ids, {}, error=str(e)))
+        except Exception as e:
+            if os.environ.get("KVCHAT_DEBUG") == "1":
+                traceback.print_exc()
+            # the cache may hold a half-written step: start clean next turn
+            self._drop_cache()
+            self._emit(
+                Done("error", "", [], prompt_ids, {}, error=f"{type(e).__name__}: {e}")
+            )
+
+    def _generate(
+        self, turn: int, prompt_ids: list[int], params: GenParams, t_submit: float
+    ) -> None:
+        model, tok = self.model, self.tokenizer
+        assert model is not None and tok is not None
+        cancelled = lambda: turn <= self._cancel_upto  # noqa: E731
+        mx.reset_peak_memory()
+        cached, reason = self._prepare_cache(prompt_ids, params)
+        cache = self._cache
+        self._emit(Started(len(prompt_ids), cached, reason))
+        base = {"prompt_tokens": len(prompt_ids), "cached_tokens": cached}
+
+        # prefill the new suffix in chunks; the last chunk's final logits start decoding
+        t_prefill = time.perf_counter()
+        todo = prompt_ids[cached:]
+        logits = None
+        for i in range(0, len(todo), self.prefill_chunk):
+            if cancelled():
+                self._cache_ids.extend(todo[:i])
+                self._emit(Done("cancelled", "", [], prompt_ids, {**base, **self._stats_now()}))
+                return
+            chunk = todo[i : i + self.prefill_chunk]
+            logits = model(mx.array([chunk]), cache=cache)[:, -1, :]
+            mx.eval(logits if i + self.prefill_chunk >= len(todo) else [c.state for c in cache])
+        self._cache_ids.extend(todo)
+        prefill_s = time.perf_counter() - t_prefill
+        base["prefill_tps"] = len(todo) / prefill_s if prefill_s > 0 else 0.0
+
+        sampler = Sampler(SamplingParams(**_sampling_fields(params)))
+        history = mx.array(prompt_ids[-params.repetition_context_size :], dtype=mx.int32)
+        use_history = params.repetition_penalty != 1.0
+
+        def sample(lg: mx.array, hist: mx.array) -> mx.array:
+            return sampler(lg, hist if use_history else [])
+
+        y = sample(logits, history)
+        mx.async_eval(y)
+        generated: list[int] = []
+        fed = 0  # generated tokens already run through the model (their K/V are cached)
+        detok = tok.detokenizer()
+        stops = _StopMatcher(params.stop)
+        eos = set(tok.eos_ids)
+        reason_done = "length"
+        t_first = t_last = None
+        last_stats = time.perf_counter()
+        stats: dict[str, Any] = dict(base)
+
+        while True:
+            if len(generated) + 1 < params.max_tokens:
+                if use_history:
+                    history = mx.concatenate([history, y])[-params.repetition_context_size :]
+                next_y = sample(model(y[None], cache=cache)[:, -1, :], history)
+                mx.async_eval(next_y)
+                fed += 1
+            else:
+                next_y = None
+            token = int(y.item())
+            now = time.perf_counter()
+            t_last = now
+            if t_first is None:
+                t_first = now
+                stats["ttft_s"] = now - t_submit
+            generated.append(token)
+            if token in eos and not params.ignore_eos:
+                reason_done = "eos"
+                break
+            text, hit = stops.feed(detok.add_token(token))
+            if text:
+                self._emit(TextDelta(text, token))
+            if hit:
+                reason_done = "stop"
+                break
+            if next_y is None:
+                break
+            if cancelled():
+                reason_done = "cancelled"
+                break
+            if now - last_stats >= STATS_INTERVAL_S:
+                last_stats = now
+                stats.update(self._decode_stats(generated, t_first, t_last))
+                stats.update(self._stats_now())
+                self._emit(Stats(dict(stats)))
+            y = next_y
+
+        if reason_done != "stop":  # flush text held for UTF-8 completion or stop matching
+            tail, _ = stops.feed(detok.finalize())
+            tail += stops.flush()
+            if tail:
+                self._emit(TextDelta(tail, generated[-1]))
+        if next_y is not None:
+            mx.eval(next_y)  # let the in-flight step finish before the cache is touched
+        self._cache_ids.extend(generated[:fed])
+        stats.update(self._decode_stats(generated, t_first, t_last))
+        stats.update(self._stats_now())
+        self._emit(Stats(dict(stats)))
+        self._emit(Done(reason_done, stops.text, generated, prompt_ids, dict(stats)))
+
+    @staticmethod
+    def _decode_stats(generated: list[int], t_first: float | None, t_last: float | None):
+        n = len(generated)
+        span = (t_last - t_first) if (t_first is not None and t_last is not None) else 0.0
+        return {
+            "generated_tokens": n,
+            "decode_tps": (n - 1) / span if n > 1 and span > 0 else 0.0,
+        }
+
+
+def _sampling_fields(p: GenParams) -> dict[str, Any]:
+    return {
+        "temp": p.temp,
+        "top_p": p.top_p,
+        "top_k": p.top_k,
+        "min_p": p.min_p,
+        "repetition_penalty": p.repetition_penalty,
+        "repetition_context_size": p.repetition_context_size,
+        "seed": p.seed,
+    }

@@ -1,0 +1,129 @@
+"""Pure KV-cache arithmetic: bytes per token, bytes at a context length, the
+MHA / GQA / MQA comparison, weight bytes from safetensors headers, and how many tokens
+fit in a memory budget. No MLX, no arrays: numbers in, numbers out.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import ModelConfig
+from .errors import KVChatError
+from .weights import safetensors_header, weight_files
+
+# bytes per element of the dtype names in config.json (torch_dtype) and safetensors headers
+DTYPE_BYTES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8": 1,
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kib": 1024, "kb": 1000,
+    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
+    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
+    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
+}
+
+
+class BudgetError(KVChatError):
+    """A memory size the user typed that we cannot read."""
+
+
+def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """K and V of one token across all layers: 2 × layers × kv_heads × head_dim × bytes."""
+    return 2 * n_layers * n_kv_heads * head_dim * dtype_bytes
+
+
+def kv_bytes(n_tokens: int, n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """K and V of `n_tokens` tokens across all layers."""
+    return n_tokens * kv_bytes_per_token(n_layers, n_kv_heads, head_dim, dtype_bytes)
+
+
+def tokens_that_fit(budget_bytes: int, bytes_per_token: int, reserved_bytes: int = 0) -> int:
+    """Whole tokens of KV cache that fit in `budget_bytes` after `reserved_bytes`
+    (e.g. the weights); 0 when nothing fits."""
+    if bytes_per_token <= 0:
+        raise ValueError("bytes_per_token must be positive")
+    return max(0, budget_bytes - reserved_bytes) // bytes_per_token
+
+
+@dataclass(frozen=True)
+class AttentionRow:
+    """One line of the MHA / GQA / MQA table."""
+
+    name: str
+    kv_heads: int
+    bytes_per_token: int
+    bytes_at_context: int
+    saving_vs_mha: float  # n_heads / kv_heads
+
+
+def attention_table(cfg: ModelConfig, dtype_bytes: int, context: int) -> list[AttentionRow]:
+    """The same model with MHA (kv = heads), its own KV heads, and MQA (kv = 1)."""
+    h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    own = "MHA (this model)" if kv == h else "MQA (this model)" if kv == 1 else "GQA (this model)"
+    rows = []
+    for name, k in (("MHA", h), (own, kv), ("MQA", 1)):
+        per = kv_bytes_per_token(cfg.num_hidden_layers, k, cfg.head_dim, dtype_bytes)
+        rows.append(AttentionRow(name, k, per, per * context, h / k))
+    return rows
+
+
+def dtype_bytes_of(torch_dtype: str | None) -> int | None:
+    """Bytes per element of a config's torch_dtype (None when absent or unknown)."""
+    if not torch_dtype:
+        return None
+    return DTYPE_BYTES.get(str(torch_dtype).removeprefix("torch."))
+
+
+def weights_bytes(folder: str | Path) -> int:
+    """Bytes of every tensor in a model folder's safetensors files, from the headers'
+    data offsets (exact, packed quantized weights included; no tensor is read)."""
+    total = 0
+    for f in weight_files(Path(folder)):
+        for name, info in safetensors_header(f).items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            total += end - start
+    return total
+
+
+def weights_dtype_bytes(folder: str | Path) -> int | None:
+    """Bytes per element of the first floating tensor in a folder's weights."""
+    for f in weight_files(Path(folder)):
+        for name, info in safetensors_header(f).items():
+            if name != "__metadata__" and str(info.get("dtype", "")).startswith(("F", "BF")):
+                return DTYPE_BYTES.get(info["dtype"])
+    return None
+
+
+def parse_size(text: str | int) -> int:
+    """'8GiB', '512 MiB', '1.5G' (binary), '8GB' (decimal), '123456' -> bytes."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().replace("_", "").replace(",", "")
+    m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)", s)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise BudgetError(f"cannot read memory size {text!r} (try 8GiB, 512MiB or a byte count)")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(value):
+        raise BudgetError(f"memory size {text!r} is out of range")
+    return int(value)
+
+
+def human_bytes(n: int | float) -> str:
+    """Binary units, up to 3 significant decimals: 2684354560 -> '2.5 GiB'."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{int(n)} B"
+            return f"{n:.3f}".rstrip("0").rstrip(".") + f" {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,237 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints built offline, and the real model.
+
+Checkpoints are made with transformers + torch on the CPU (float32, fixed seeds,
+`save_pretrained(safe_serialization=True)`) once per session and cached by name, so any
+test module can ask for them cheaply. Sizes are tiny (hidden 64, 2 layers, vocab 256) to
+keep the suite fast on a couple of cores.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+STORIES260K = REPO_ROOT.parent / "shared" / "models" / "stories260K"
+
+# llama3 RoPE scaling with a short original context, so scaling changes logits at
+# 48 tokens. head_dim 32 with theta 5e5 gives wavelengths 6.3, 14.3, 32.5, 74, ...:
+# with original_max_position_embeddings 32 (high 32/4 = 8, low 32/1 = 32) that puts
+# pairs in all three bands (kept, smoothly blended, divided by `factor`).
+LLAMA3_ROPE: dict[str, Any] = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+_BASE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """One tiny checkpoint: HF class, config overrides, and how config.json is written."""
+
+    arch: str  # "llama" | "mistral" | "qwen2"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    # "parameters": as transformers 5 writes it (rope_parameters);
+    # "classic": rewritten to rope_theta + rope_scaling (older transformers, mlx-lm reads this)
+    rope_form: str = "parameters"
+    # does mlx-lm 0.32.2 build the same function as transformers from this config.json?
+    mlx_lm_agrees: bool = True
+    note: str = ""
+    seed: int = 0  # weights' seed; llama3 and llama3_classic share one on purpose
+
+
+TINY_SPECS: dict[str, TinySpec] = {
+    "llama": TinySpec("llama", {"tie_word_embeddings": False}),
+    "llama_tied": TinySpec("llama", {"tie_word_embeddings": True}, seed=1),
+    "llama3": TinySpec(
+        "llama",
+        {"num_attention_heads": 2, "num_key_value_heads": 1, "rope_parameters": LLAMA3_ROPE},
+        mlx_lm_agrees=False,
+        note="mlx-lm 0.32.2 ignores rope_parameters (uses theta 1e4, no scaling)",
+        seed=2,
+    ),
+    "llama3_classic": TinySpec(
+        "llama",
+        {"num_attention_heads": 2, "num_key_value_heads": 1, "rope_parameters": LLAMA3_ROPE},
+        rope_form="classic",
+        seed=2,
+    ),
+    # linear scaling (positions / factor), transformers 5 form: mlx-lm misses it too
+    "llama_linear": TinySpec(
+        "llama",
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
+        mlx_lm_agrees=False,
+        note="mlx-lm 0.32.2 ignores rope_parameters (no linear scaling)",
+        seed=3,
+    ),
+    # head_dim 32 while hidden / heads = 16: q_proj is 64 -> 128, o_proj 128 -> 64
+    "head_dim": TinySpec("llama", {"head_dim": 32}, seed=4),
+    # 4 query heads share 1 KV head
+    "mistral": TinySpec("mistral", {"sliding_window": None, "num_key_value_heads": 1}, seed=5),
+    "mistral_swa": TinySpec(
+        "mistral",
+        {"sliding_window": 16},
+        mlx_lm_agrees=False,
+        note="mlx-lm 0.32.2 maps mistral to llama and ignores sliding_window",
+        seed=6,
+    ),
+    # Qwen2 always has q/k/v biases; theta 1e6 as real Qwen2 (mlx-lm's qwen2 default)
+    "qwen2": TinySpec(
+        "qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, seed=7
+    ),
+}
+
+
+def _hf_classes(arch: str) -> tuple[type, type]:
+    import transformers as tf
+
+    return {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+    }[arch]
+
+
+def _randomize(model: Any, seed: int) -> None:
+    """Non-trivial weights: HF's init (std 0.02, norms 1, biases 0) would give almost
+    uniform logits and hide bugs in norm weights, biases and attention patterns."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * noise)
+            else:
+                p.copy_(0.15 * noise)
+
+
+def _write_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer so mlx_lm.load / mlx_lm.convert accept the folder offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.save_pretrained(str(folder))
+
+
+def _to_classic_rope(folder: Path) -> None:
+    """Rewrite config.json from `rope_parameters` to `rope_theta` + `rope_scaling`."""
+    cfg_path = folder / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    params = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = params.pop("rope_theta")
+    cfg["rope_scaling"] = None if params.get("rope_type", "default") == "default" else params
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+def build_tiny_checkpoint(spec: TinySpec, folder: Path) -> Path:
+    import torch
+
+    seed = spec.seed
+    config_cls, model_cls = _hf_classes(spec.arch)
+    cfg = config_cls(**{**_BASE, **spec.overrides})
+    torch.manual_seed(seed)
+    model = model_cls(cfg).to(torch.float32).eval()
+    _randomize(model, seed)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    _write_tokenizer(folder, cfg.vocab_size)
+    if spec.rope_form == "classic":
+        _to_classic_rope(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`tiny_checkpoint(name) -> folder` for a name in TINY_SPECS; built once per session.
+    Treat the folder as read-only (copy it before corrupting it)."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            folder = tmp_path_factory.mktemp(f"tiny_{name}")
+            built[name] = build_tiny_checkpoint(TINY_SPECS[name], folder)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def mlx_quantized(
+    tiny_checkpoint: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., Path]:
+    """`mlx_quantized(name, bits, predicate=None) -> folder` made by mlx_lm.convert
+    (group size 64; `predicate` is mlx-lm's mixed recipe name, e.g. "mixed_3_6")."""
+    built: dict[tuple[str, int, str | None], Path] = {}
+
+    def get(name: str, bits: int, predicate: str | None = None) -> Path:
+        key = (name, bits, predicate)
+        if key not in built:
+            from mlx_lm import convert
+
+            out = tmp_path_factory.mktemp(f"q{bits}_{predicate or 'uniform'}_{name}") / "mlx"
+            convert(
+                str(tiny_checkpoint(name)),
+                str(out),
+                quantize=True,
+                q_bits=bits,
+                q_group_size=64,
+                quant_predicate=predicate,
+            )
+            built[key] = out
+        return built[key]
+
+    return get
+
+
+@pytest.fixture
+def copy_checkpoint(
+    tiny_checkpoint: Callable[[str], Path], tmp_path: Path
+) -> Callable[[str], Path]:
+    """A private, writable copy of a tiny checkpoint (for tests that break it)."""
+
+    def get(name: str = "llama") -> Path:
+        dst = tmp_path / f"copy_{name}"
+        shutil.copytree(tiny_checkpoint(name), dst)
+        return dst
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def stories260k() -> Path:
+    """The real pretrained stories260K folder (../shared/models/stories260K)."""
+    if not (STORIES260K / "config.json").is_file():
+        pytest.skip(f"real model absent: {STORIES260K} (see DESIGN.md, Tests)")
+    return STORIES260K

@@ -1,0 +1,192 @@
+"""The engine on the real stories260K model: streaming, cancel, stop strings, stats,
+multi-turn prompt reuse. References: mlx-lm's greedy loop and the engine itself with
+reuse switched off."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+
+from model.engine import Engine, common_prefix_len
+from model.events import Done, Event, GenParams, Loaded, LoadFailed, Started, Stats, TextDelta
+
+from .conftest import STORIES260K
+
+pytestmark = pytest.mark.skipif(
+    not STORIES260K.is_dir(), reason=f"real model folder absent: {STORIES260K}"
+)
+
+
+class Client:
+    def __init__(self, **kw):
+        self.events: queue.Queue[Event] = queue.Queue()
+        self.engine = Engine(self.events.put, STORIES260K, **kw)
+        ev = self.wait(Loaded, LoadFailed)
+        assert isinstance(ev, Loaded), ev
+
+    def wait(self, *kinds, timeout: float = 60.0) -> Event:
+        end = time.monotonic() + timeout
+        while True:
+            ev = self.events.get(timeout=max(0.01, end - time.monotonic()))
+            if isinstance(ev, kinds):
+                return ev
+
+    def turn(self, prompt, params: GenParams) -> tuple[Done, list[Event]]:
+        self.engine.submit(prompt, params)
+        seen: list[Event] = []
+        while True:
+            ev = self.events.get(timeout=60)
+            seen.append(ev)
+            if isinstance(ev, Done):
+                return ev, seen
+
+
+@pytest.fixture(scope="module")
+def client():
+    c = Client()
+    yield c
+    c.engine.close()
+
+
+def test_common_prefix_len():
+    assert common_prefix_len([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix_len([], [1]) == 0
+    assert common_prefix_len([1, 2], [1, 2]) == 2
+
+
+def test_greedy_matches_mlx_lm_and_streams(client):
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    client.engine.reset()
+    done, seen = client.turn("Once upon a time", GenParams(max_tokens=40, ignore_eos=True))
+    assert done.prompt_ids == [1, 403, 407, 261, 378]
+    assert done.finish_reason == "length" and len(done.ids) == 40
+
+    ref_model, _ = load(str(STORIES260K))
+    ref = [
+        int(t)
+        for t, _ in generate_step(
+            mx.array(done.prompt_ids), ref_model, max_tokens=40,
+            sampler=lambda x: mx.argmax(x, axis=-1),
+        )
+    ]
+    assert done.ids == ref
+    deltas = "".join(e.text for e in seen if isinstance(e, TextDelta))
+    assert deltas == done.text
+    assert done.text == client.engine.tokenizer.decode(done.ids)
+
+
+def test_stats_follow_their_definitions(client):
+    client.engine.reset()
+    done, seen = client.turn("Once upon a time", GenParams(max_tokens=30, ignore_eos=True))
+    s = done.stats
+    assert s["prompt_tokens"] == 5 and s["cached_tokens"] == 0
+    assert s["generated_tokens"] == 30
+    assert s["decode_tps"] > 0 and s["prefill_tps"] > 0 and 0 < s["ttft_s"] < 30
+    # the last generated token is sampled but not yet fed to the model
+    assert s["cache_offset"] == s["cache_tokens"] == 5 + 29
+    cfg = client.engine.model.config
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert s["cache_bytes"] == per_token * s["cache_tokens"]
+    assert s["mha_bytes"] == s["cache_bytes"] * cfg.num_attention_heads // cfg.num_key_value_heads
+    assert s["gqa_saving"] == 2
+    assert all(isinstance(e, (Started, TextDelta, Stats, Done)) for e in seen)
+
+
+def test_stop_string_cuts_before_it(client):
+    client.engine.reset()
+    full, _ = client.turn("Once upon a time", GenParams(max_tokens=40, ignore_eos=True))
+    assert "Lily" in full.text
+    client.engine.reset()
+    done, seen = client.turn(
+        "Once upon a time", GenParams(max_tokens=40, stop=("Lily",), ignore_eos=True)
+    )
+    assert done.finish_reason == "stop"
+    assert done.text == full.text[: full.text.index("Lily")]
+    assert "".join(e.text for e in seen if isinstance(e, TextDelta)) == done.text
+
+
+def test_cancel_from_another_thread_keeps_partial_text(client):
+    client.engine.reset()
+    client.engine.submit("Once upon a time", GenParams(max_tokens=400, ignore_eos=True))
+    got: list[str] = []
+    while True:
+        ev = client.events.get(timeout=60)
+        if isinstance(ev, TextDelta):
+            got.append(ev.text)
+            if len(got) == 5:
+                t = threading.Thread(target=client.engine.cancel)
+                t.start()
+                t.join()
+                n_at_cancel = len(got)
+        if isinstance(ev, Done):
+            break
+    assert ev.finish_reason == "cancelled"
+    # within one decode step: at most one more token after the cancel call returned
+    assert len(ev.ids) <= n_at_cancel + 2
+    assert ev.text == "".join(got) and ev.text
+    # the cache holds exactly the prompt and every token of the partial reply
+    s = client.engine.cache_stats()
+    assert s["cache_tokens"] == len(ev.prompt_ids) + len(ev.ids)
+
+
+def _chat(client: Client, turns: list[str]) -> tuple[list[str], list[int]]:
+    client.engine.reset()
+    messages: list[dict[str, str]] = []
+    replies, prefilled = [], []
+    for text in turns:
+        messages.append({"role": "user", "content": text})
+        done, _ = client.turn(messages, GenParams(max_tokens=24))
+        assert done.finish_reason in ("eos", "length")
+        replies.append(done.text)
+        prefilled.append(done.stats["prompt_tokens"] - done.stats["cached_tokens"])
+        messages.append({"role": "assistant", "content": done.text})
+    return replies, prefilled
+
+
+def test_five_turn_chat_reuse_gives_same_replies_with_far_less_prefill():
+    turns = [
+        "Tell me about a cat.",
+        "What did the cat see?",
+        "Where did the dog go?",
+        "Was Lily happy?",
+        "What happened at the end?",
+    ]
+    on = Client()
+    off = Client(reuse_prefix=False)
+    try:
+        replies_on, pre_on = _chat(on, turns)
+        replies_off, pre_off = _chat(off, turns)
+    finally:
+        on.engine.close()
+        off.engine.close()
+    assert replies_on == replies_off
+    assert sum(pre_off) >= 5 * sum(pre_on), (pre_on, pre_off)
+
+
+def test_regenerate_trims_cache_back(client):
+    client.engine.reset()
+    msgs = [{"role": "user", "content": "Tell me a story."}]
+    first, _ = client.turn(msgs, GenParams(max_tokens=12))
+    again, _ = client.turn(msgs, GenParams(max_tokens=12))
+    assert again.text == first.text
+    # all but the last prompt token came from the cache
+    assert again.stats["cached_tokens"] == again.stats["prompt_tokens"] - 1
+
+
+def test_bad_model_path_keeps_current_model(client, tmp_path):
+    client.engine.load(tmp_path / "nope")
+    ev = client.wait(LoadFailed)
+    assert "not found" in ev.message and "\n" not in ev.message
+    done, _ = client.turn("Once upon a time", GenParams(max_tokens=3))
+    assert done.finish_reason == "length"
+
+
+def test_invalid_params_are_one_line_errors(client):
+    done, _ = client.turn("Once", GenParams(temp=-1))
+    assert done.finish_reason == "error" and "\n" not in done.error and "temp" in done.error

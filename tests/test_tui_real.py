@@ -1,0 +1,341 @@
+"""The real app (real engine, real MLX) with the pretrained stories260K, driven by Pilot.
+
+stories260K is a base model without a chat template, so turns use the plain fallback
+template (the chat is one text the model continues). Greedy decoding (temp 0) keeps the
+runs reproducible. KVCHAT_CONFIG_DIR / KVCHAT_DATA_DIR point into tmp_path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from textual import events
+from textual.widgets import DataTable, Input, Static
+
+from app.screens import HistoryScreen, ModelPickerScreen
+from app.screens.settings_form import SettingsScreen
+from app.settings import Settings, load_settings
+from app.tui import KVChatApp
+from app.widgets import ChatMessage
+from app.widgets.format import human_bytes
+from tests.scripted_engine import async_test, wait_for
+
+STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
+pytestmark = pytest.mark.skipif(
+    not (STORIES / "config.json").is_file(),
+    reason=f"real model absent: {STORIES} (see DESIGN.md, Tests)",
+)
+SIZE = (120, 40)
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
+    # the model picker scans the HF cache and LM Studio folders: keep it hermetic
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    return tmp_path
+
+
+def settings(**kw: Any) -> Settings:
+    base = {"temp": 0.0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+            "max_tokens": 48}
+    return Settings(**{**base, **kw})
+
+
+def geometry() -> tuple[int, int, int]:
+    cfg = json.loads((STORIES / "config.json").read_text())
+    return cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
+
+
+def replies(app: KVChatApp) -> list[ChatMessage]:
+    return [w for w in app.transcript.messages if w.role == "assistant"]
+
+
+async def ready(pilot: Any) -> None:
+    await wait_for(pilot, lambda: bool(pilot.app.model_info), timeout=120)
+
+
+async def send(pilot: Any, text: str) -> None:
+    pilot.app.input.load_text(text)
+    await pilot.press("enter")
+
+
+async def turn(pilot: Any, text: str) -> None:
+    await send(pilot, text)
+    await wait_for(pilot, lambda: not pilot.app.generating, timeout=120)
+
+
+@async_test
+async def test_real_turn_streams_and_panel_shows_formula_bytes(env: Path) -> None:
+    app = KVChatApp(str(STORIES), settings(max_tokens=160))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, PROMPT)
+        lengths: set[int] = set()
+        while app.generating:
+            r = replies(app)
+            if r:
+                lengths.add(len(r[-1].content))
+            await pilot.pause(0.005)
+        done = app.last_done
+        assert done is not None and done.finish_reason in ("length", "eos")
+        reply = replies(app)[-1]
+        assert reply.content == done.text and done.text.strip()
+        assert len(lengths - {0}) >= 2, "the reply should arrive in several pieces"
+        assert app.conversation.messages[-1] == {"role": "assistant", "content": done.text}
+
+        s = app.panel.stats
+        assert s["decode_tps"] > 0 and app.panel.decode_now and app.panel.decode_now > 0
+        layers, kv_heads, head_dim = geometry()
+        expected = 2 * layers * kv_heads * s["cache_tokens"] * head_dim * 4  # float32
+        assert s["cache_bytes"] == expected
+        assert s["cache_tokens"] >= s["prompt_tokens"]
+        cache_text = str(app.query_one("#cache", Static).render())
+        assert human_bytes(expected) in cache_text and "2× smaller" in cache_text
+        speed = str(app.query_one("#speed", Static).render())
+        assert f"{s['decode_tps']:,.1f} tok/s" in speed
+        assert f"{s['generated_tokens']:,} generated" in speed
+
+
+@async_test
+async def test_real_stop_regenerate_and_edit_trims_cache(env: Path) -> None:
+    app = KVChatApp(str(STORIES), settings(max_tokens=450))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        # Esc keeps the partial reply, marked as stopped
+        await send(pilot, PROMPT)
+        await wait_for(pilot, lambda: bool(replies(app)) and len(replies(app)[-1].content) > 30)
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not app.generating)
+        done = app.last_done
+        assert done is not None and done.finish_reason == "cancelled"
+        partial = done.text
+        assert partial.strip() and len(done.ids) < 450
+        reply = replies(app)[-1]
+        assert reply.stopped and reply.content == partial
+        assert app.conversation.messages[-1]["stopped"] is True
+
+        # regenerate: same prompt, the cache keeps it; greedy -> the same text again
+        app.settings.max_tokens = 40
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: not app.generating, timeout=120)
+        regen = app.last_done
+        assert regen is not None and regen.finish_reason in ("length", "eos")
+        assert len(app.conversation.messages) == 2
+        assert partial.startswith(regen.text) or regen.text.startswith(partial)
+        s = app.panel.stats
+        assert s["cached_tokens"] == s["prompt_tokens"] - 1  # all but the last prompt token
+        before = s["cache_tokens"]
+
+        # edit and resend the first message: truncated there, the cache trimmed back
+        await pilot.click(app.transcript.messages[0])
+        assert app.edit_index == 0 and app.input.text == PROMPT
+        app.input.load_text("Once upon a time there was a dog")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not app.generating, timeout=120)
+        assert [m["role"] for m in app.conversation.messages] == ["user", "assistant"]
+        assert app.conversation.messages[0]["content"] == "Once upon a time there was a dog"
+        s = app.panel.stats
+        assert 1 <= s["cached_tokens"] < s["prompt_tokens"]  # the shared "<s>Once upon a time"
+        # only this turn's tokens are resident: the old reply was trimmed away
+        assert s["cache_tokens"] <= s["prompt_tokens"] + s["generated_tokens"]
+        assert s["cache_tokens"] < before + s["prompt_tokens"]
+        layers, kv_heads, head_dim = geometry()
+        assert s["cache_bytes"] == 2 * layers * kv_heads * s["cache_tokens"] * head_dim * 4
+
+
+@async_test
+async def test_real_swap_model_and_failed_swap(env: Path) -> None:
+    copy = env / "models" / "stories-copy"
+    shutil.copytree(STORIES, copy)
+    broken = env / "models" / "broken"
+    broken.mkdir()
+    shutil.copy(STORIES / "config.json", broken / "config.json")  # no weights
+    app = KVChatApp(str(STORIES), settings(max_tokens=24, model_dirs=[str(env / "models")]))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await turn(pilot, PROMPT)
+        # the picker lists the configured folder's models with sizes; pick the copy
+        await pilot.press("ctrl+o")
+        picker = app.screen
+        assert isinstance(picker, ModelPickerScreen)
+        await wait_for(pilot, lambda: picker.scanned)
+        names = [e.name for e in picker.entries]
+        assert "stories-copy" in names and "broken" not in names  # no weights: not listed
+        table = picker.query_one("#models", DataTable)
+        table.move_cursor(row=names.index("stories-copy"))
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.model_path == str(copy.resolve()), timeout=120)
+        assert app.last_freed_bytes is not None and app.last_freed_bytes >= 0
+        assert any("freed" in n.message for n in app._notifications)
+        assert app.sub_title == "stories-copy"
+        # the conversation continues on the new model (its cache starts empty)
+        await turn(pilot, "The cat")
+        assert len(app.conversation.messages) == 4
+        assert app.last_done is not None and app.last_done.finish_reason in ("length", "eos")
+        assert app.panel.stats["cached_tokens"] == 0
+
+        # a failing swap (typed path) keeps the current model, with one clear message
+        await pilot.press("ctrl+o")
+        picker = app.screen
+        assert isinstance(picker, ModelPickerScreen)
+        path_input = picker.query_one("#path", Input)
+        path_input.value = str(broken)
+        path_input.focus()
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.loading_path is None, timeout=120)
+        assert app.model_path == str(copy.resolve())
+        errors = [n for n in app._notifications if n.severity == "error"]
+        assert len(errors) == 1 and "safetensors" in errors[0].message
+        assert "\n" not in errors[0].message
+        await turn(pilot, "The dog")
+        assert len(app.conversation.messages) == 6
+
+
+@async_test
+async def test_real_settings_apply_from_next_turn(env: Path) -> None:
+    app = KVChatApp(str(STORIES), settings(max_tokens=48))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+s")
+        screen = app.screen
+        assert isinstance(screen, SettingsScreen)
+        for name, value in (("max_tokens", "40"), ("max_kv_size", "32"), ("keep", "4"),
+                            ("top_k", "-1")):
+            screen.query_one(f"#{name}", Input).value = value
+        await pilot.press("ctrl+s")
+        assert app.screen is screen and "top_k" in str(
+            screen.query_one("#settings-error", Static).render()
+        )
+        screen.query_one("#top_k", Input).value = "0"
+        await pilot.press("ctrl+s")
+        assert not isinstance(app.screen, SettingsScreen)
+        saved = json.loads((env / "config" / "settings.json").read_text())
+        assert saved["max_tokens"] == 40 and saved["max_kv_size"] == 32
+        assert load_settings().max_kv_size == 32
+        await turn(pilot, PROMPT)
+        s = app.panel.stats
+        assert app.last_done is not None
+        assert s["generated_tokens"] == 40 or app.last_done.finish_reason == "eos"
+        # the cache bound applied: a 32-token window that has rotated
+        assert s["cache_capacity"] == 32 and s["cache_tokens"] == 32
+        assert s["wrapped"] and s["evicted_tokens"] > 0 and s["keep"] == 4
+        gauge = app.panel.query_one("#gauge")
+        assert gauge.has_class("-danger")
+
+
+@async_test
+async def test_real_persistence_round_trip_and_export(env: Path) -> None:
+    app = KVChatApp(str(STORIES), settings(max_tokens=24))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await turn(pilot, PROMPT)
+        conv_id = app.conversation.id
+        first_reply = app.conversation.messages[1]["content"]
+        await pilot.press("ctrl+e")
+        exported = app.last_export
+        assert exported is not None and exported.is_file()
+        assert exported.parent == env / "data" / "exports"
+        md = exported.read_text()
+        assert PROMPT in md and first_reply.strip()[:20] in md
+    assert (env / "data" / "chats" / f"{conv_id}.json").is_file()
+
+    # a fresh app (a restart): reopen the chat from history and continue it
+    app2 = KVChatApp(str(STORIES), settings(max_tokens=24))
+    async with app2.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert app2.conversation.messages == []
+        await pilot.press("f2")
+        assert isinstance(app2.screen, HistoryScreen)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app2.conversation.id == conv_id)
+        assert [w.content for w in app2.transcript.messages] == [PROMPT, first_reply]
+        await turn(pilot, "Then")
+        assert len(app2.conversation.messages) == 4
+    saved = json.loads((env / "data" / "chats" / f"{conv_id}.json").read_text())
+    assert len(saved["messages"]) == 4
+
+
+@async_test
+async def test_real_key_latency_while_decoding(env: Path, capsys: pytest.CaptureFixture) -> None:
+    """Keys are handled while tokens stream. Reported, not asserted against a target
+    (speed targets live in benchmarks): time from the key event to its effect."""
+    app = KVChatApp(str(STORIES), settings(max_tokens=480))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, PROMPT)
+        await wait_for(pilot, lambda: bool(replies(app)) and bool(replies(app)[-1].content))
+        press_s: list[float] = []  # pilot.press (includes waiting for the screen to settle)
+        event_s: list[float] = []  # key event queued as the terminal driver does -> effect
+        during = 0
+        for i in range(8):
+            want = app.input.text + "x"
+            t0 = time.perf_counter()
+            await pilot.press("x")
+            while app.input.text != want:
+                await pilot.pause(0.001)
+            press_s.append(time.perf_counter() - t0)
+            during += app.generating
+            want = app.input.text + "y"
+            t0 = time.perf_counter()
+            app._driver.send_message(events.Key("y", "y"))  # type: ignore[union-attr]
+            while app.input.text != want:
+                await pilot.pause(0.0005)
+            event_s.append(time.perf_counter() - t0)
+            during += app.generating
+            if not app.generating:
+                break
+        n_tokens = app.panel.stats.get("generated_tokens")
+        t0 = time.perf_counter()
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not app.generating)
+        stop_s = time.perf_counter() - t0
+        assert during >= 4, "too few keys landed while decoding to measure"
+        assert app.last_done is not None and app.last_done.finish_reason == "cancelled"
+    report = {
+        "key_to_effect_ms_median": round(statistics.median(event_s) * 1000, 2),
+        "key_to_effect_ms_max": round(max(event_s) * 1000, 2),
+        "pilot_press_ms_median": round(statistics.median(press_s) * 1000, 2),
+        "pilot_press_ms_max": round(max(press_s) * 1000, 2),
+        "esc_to_stopped_ms": round(stop_s * 1000, 2),
+        "keys_while_decoding": during,
+        "tokens_at_first_stats": n_tokens,
+        "decode_tps": round(app.panel.stats.get("decode_tps") or 0.0, 1),
+    }
+    with capsys.disabled():
+        print(f"\nkey latency while decoding (stories260K): {json.dumps(report)}")
+    out = os.environ.get("KVCHAT_LATENCY_REPORT")
+    if out:
+        Path(out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+@pytest.mark.skipif(
+    not os.environ.get("KVCHAT_SCREENSHOT"),
+    reason="set KVCHAT_SCREENSHOT=path/to/screenshot.svg to write the README screenshot",
+)
+@async_test
+async def test_real_readme_screenshot(env: Path) -> None:
+    """Main screen mid-generation with the real model (writes $KVCHAT_SCREENSHOT)."""
+    app = KVChatApp(str(STORIES), settings(max_tokens=400, system_prompt=""))
+    async with app.run_test(size=(120, 36)) as pilot:
+        await ready(pilot)
+        await turn(pilot, "Once upon a time, there was a little robot")
+        await send(pilot, "The robot went to the park")
+        await wait_for(pilot, lambda: bool(replies(app)) and len(replies(app)[-1].content) > 160)
+        await pilot.pause(0.15)  # one panel refresh
+        svg = app.export_screenshot(title="kvchat")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not app.generating)
+    target = Path(os.environ["KVCHAT_SCREENSHOT"])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(svg)
