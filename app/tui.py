@@ -52,6 +52,8 @@ INPUT_KEYS: tuple[tuple[str, str], ...] = (
     ("ctrl+p", "command palette: every action by name"),
 )
 
+TEXT_FLUSH_HZ = 15  # streamed text reaches the transcript at most this often
+
 FINISH_NOTES = {"length": "max tokens reached", "stop": "stop string", "eos": ""}
 
 
@@ -139,20 +141,22 @@ class KVChatApp(App[int]):
     CSS_PATH = "kvchat.tcss"
     TITLE = "kvchat"
 
+    # priority: these reach the app even while the input box (a TextArea) has focus
     BINDINGS = [
-        Binding("ctrl+q", "quit", "Quit", id="quit", priority=True),
         Binding("escape", "stop", "Stop", id="stop"),
-        Binding("ctrl+r", "regenerate", "Regenerate", id="regenerate", priority=True),
-        Binding("ctrl+n", "new_chat", "New chat", id="new_chat", priority=True),
+        Binding("ctrl+r", "regenerate", "Retry", id="regenerate", priority=True),
+        Binding("ctrl+n", "new_chat", "New", id="new_chat", priority=True),
         Binding("ctrl+o", "pick_model", "Model", id="pick_model", priority=True),
         Binding("ctrl+s", "settings", "Settings", id="settings", priority=True),
-        # most terminals send ctrl+h as Backspace, so F2 is the portable key for history
-        Binding("ctrl+h", "history", "History", id="history", priority=True),
-        Binding("f2", "history", "History", id="history_f2", show=False),
+        # most terminals send ctrl+h as Backspace, so F2 is the key the footer shows
+        Binding("f2", "history", "History", id="history", priority=True),
+        Binding("ctrl+h", "history", "History", id="history_ctrl_h", show=False,
+                priority=True),
         Binding("ctrl+e", "export", "Export", id="export", priority=True),
-        Binding("ctrl+l", "layers", "Layers", id="layers", priority=True),
         Binding("ctrl+y", "copy_reply", "Copy", id="copy_reply", priority=True),
+        Binding("ctrl+l", "layers", "Layers", id="layers", priority=True),
         Binding("f1", "help", "Help", id="help"),
+        Binding("ctrl+q", "quit", "Quit", id="quit", priority=True),
     ]
 
     # actions that only make sense on the chat screen (not while a modal is open)
@@ -197,6 +201,8 @@ class KVChatApp(App[int]):
         self.edit_index: int | None = None
         self._reply: ChatMessage | None = None
         self._ui_gen = 0
+        self._last_flush = 0.0
+        self._flush_timer_armed = False
 
     # ---- layout -------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -209,7 +215,7 @@ class KVChatApp(App[int]):
                     yield Static("", id="loading-label")
                 yield ChatInput(id="input")
             yield StatsPanel(id="stats")
-        yield Footer()
+        yield Footer(compact=True)
 
     @property
     def transcript(self) -> Transcript:
@@ -239,9 +245,21 @@ class KVChatApp(App[int]):
 
     # ---- engine events (UI thread) --------------------------------------------------------
     async def on_text_ready(self, _message: TextReady) -> None:
+        # At most TEXT_FLUSH_HZ transcript updates a second, however fast tokens come:
+        # each update re-lays out the screen, and keys must stay snappy while decoding.
+        wait = self._last_flush + 1 / TEXT_FLUSH_HZ - time.monotonic()
+        if wait <= 0:
+            await self._drain_text()
+        elif not self._flush_timer_armed:
+            self._flush_timer_armed = True
+            self.set_timer(wait, self._timed_flush)
+
+    async def _timed_flush(self) -> None:
+        self._flush_timer_armed = False
         await self._drain_text()
 
     async def _drain_text(self) -> None:
+        self._last_flush = time.monotonic()
         text = self.bridge.take(self._ui_gen)
         if text and self._reply is not None:
             await self._reply.append(text)
@@ -609,7 +627,7 @@ class KVChatApp(App[int]):
 
 ACTION_HELP = {
     "quit": "quit kvchat",
-    "stop": "stop generating (keeps the partial reply) / cancel an edit",
+    "stop": "stop the reply (partial text kept); cancel an edit",
     "regenerate": "regenerate the last reply",
     "edit_last": "put your last message in the input to edit and resend",
     "new_chat": "start a new chat (clears the cache)",

@@ -11,7 +11,10 @@ the same text transformers' ``apply_chat_template`` gives. On top of that:
 
 - ``{% include %}``, ``{% import %}``, ``{% from %}`` and ``{% extends %}`` are refused before
   anything runs (there is no loader either: a template cannot read files);
-- ``*`` and ``**`` are checked, so ``'a' * 10**12`` fails instead of eating all memory;
+- reading an underscore attribute (``__globals__``, ``__subclasses__``,
+  ``self._TemplateReference__context``) fails at once, where Jinja would quietly render "";
+- ``*`` and ``**`` are checked, so ``'a' * 10**12`` fails instead of eating all memory (the
+  sandbox already caps ``range``; a template looping long enough can still be slow);
 - every failure (syntax error, sandbox ``SecurityError``, ``raise_exception``, a Python error
   inside the template) becomes one ``TemplateError`` line.
 
@@ -22,14 +25,18 @@ more story:
 
 - the BOS token first (the tokenizer passes it only when it adds BOS to plain text);
 - each system message, stripped, followed by a blank line (``"\\n\\n"``);
-- the other messages (user and assistant), stripped, joined by single spaces, so a reply
-  continues the user's words as the model wrote them: "Once upon a time" + "there was a
-  girl." renders as "Once upon a time there was a girl.", which also keeps the token prefix
-  of the previous turn (what the KV cache holds) unchanged;
-- ``add_generation_prompt`` adds nothing: the model simply continues the text.
+- each user message, stripped, and each assistant message as written, each followed by a
+  newline, so every reply starts on a fresh line;
+- ``add_generation_prompt`` adds nothing: the prompt already ends with the newline the
+  reply follows.
+
+Why newlines: a newline is its own token that never merges with its neighbours, so a reply
+re-rendered in the next turn tokenizes exactly as the model generated it, and the KV cache
+prefix of the previous turn stays valid (prompt reuse depends on it). Assistant text is not
+stripped for the same reason.
 
 So ``[system "A story.", user "Once upon a time", assistant "there was a cat.", user "It"]``
-renders as ``"<s>A story.\\n\\nOnce upon a time there was a cat. It"``.
+renders as ``"<s>A story.\\n\\nOnce upon a time\\nthere was a cat.\\nIt\\n"``.
 """
 
 from __future__ import annotations
@@ -50,7 +57,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from .errors import KVChatError
 
-__all__ = ["PLAIN_FALLBACK", "TemplateError", "load_chat_template", "render"]
+__all__ = ["PLAIN_FALLBACK", "TemplateError", "load_chat_template", "render",
+           "template_from_config"]
 
 
 class TemplateError(KVChatError):
@@ -59,14 +67,13 @@ class TemplateError(KVChatError):
 
 PLAIN_FALLBACK = (
     "{{- bos_token if bos_token is defined and bos_token else '' -}}"
-    "{%- set ns = namespace(text=false) -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}"
     "{{- message['content'] | trim -}}{{- '\\n\\n' -}}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{{- message['content'] -}}{{- '\\n' -}}"
     "{%- else -%}"
-    "{%- if ns.text -%}{{- ' ' -}}{%- endif -%}"
-    "{{- message['content'] | trim -}}"
-    "{%- set ns.text = true -%}"
+    "{{- message['content'] | trim -}}{{- '\\n' -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
 )

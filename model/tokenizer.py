@@ -12,9 +12,15 @@ transformers and ``generate()`` do:
   SentencePiece model adds BOS when it has one (LlamaTokenizer's default).
 - Special-token strings in the text (``<s>``, ``<|im_start|>``, any added token) become their
   ids, so a rendered chat template encodes as transformers' ``apply_chat_template`` does. The
-  SentencePiece path splits the text on those strings itself and encodes each piece between
-  them with the dummy prefix (the ``legacy`` behaviour and what Llama's tokenizer.json does);
-  ``"legacy": false`` in tokenizer_config drops the prefix after a special token.
+  SentencePiece path splits the text on those strings itself (control and unknown pieces plus
+  every token the config files declare) and encodes each stretch between them with
+  SentencePiece. Whether a stretch after a special token gets SentencePiece's dummy ``▁``
+  prefix follows tokenizer_config's ``legacy`` as transformers 5 does: ``"legacy": true``
+  prefixes every stretch; false or absent only the start of the text. Each stretch goes
+  through SentencePiece's own normalizer, so a model that folds whitespace also drops spaces
+  next to a special token (tokenizer.json and transformers keep them).
+- Where tokenizer_config's ``add_bos_token`` contradicts a tokenizer.json post-processor we
+  follow the key (transformers 5.24 follows the post-processor there).
 
 Decoding keeps special tokens unless ``skip_special_tokens=True``. The SentencePiece path
 decodes the way Llama's tokenizer.json decoder does (``▁`` -> space, ``<0xNN>`` bytes, one
@@ -248,10 +254,10 @@ class _HFBackend:
         return len(with_special) > len(plain) and with_special[0] == token_id
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        try:
-            return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-        except (OverflowError, TypeError) as e:
-            raise TokenizerError(f"cannot decode token ids: {_one_line(e)}") from None
+        # The library silently drops unknown ids; we refuse them, as the SentencePiece path does.
+        if ids and (min(ids) < 0 or max(ids) >= self.size):
+            raise TokenizerError(f"token ids out of range 0..{self.size - 1}")
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def pending_ids(self, skip_special_tokens: bool = False) -> frozenset[int]:
         # tokenizers' ByteFallback decoder judges a whole run of <0xNN> tokens at once: if any
@@ -272,9 +278,10 @@ class _HFBackend:
 class StreamDetokenizer:
     """Text deltas as tokens arrive, whose concatenation (with ``finalize()``) is ``decode(ids)``.
 
-    Only a short window of recent ids is decoded per token, like transformers' TextStreamer and
-    TGI: ``anchor`` is where the window starts and ``base`` the window's text up to the last
-    emission. A new token decodes ``ids[anchor:]``; what goes past ``base`` is the delta.
+    Only a short window of recent ids is decoded per token (the prefix/read offsets of TGI and
+    vLLM's incremental detokenizer): ``anchor`` is where the window starts and ``base`` the
+    window's text up to the last emission. A new token decodes ``ids[anchor:]``; what goes
+    past ``base`` is the delta.
     After an emission the window slides to start at the previous emission point, so it holds
     one emitted chunk plus new tokens (O(1) per token). Starting the window at a chunk that was
     already emitted keeps decoders' start-of-text rules (the stripped leading space of a
@@ -283,7 +290,10 @@ class StreamDetokenizer:
     Text is held back (delta "") while it could still change:
     - it ends in U+FFFD: an unfinished UTF-8 sequence (byte-fallback ``<0xNN>`` tokens, or a
       byte-level BPE token holding half an emoji or CJK character) that later tokens complete;
-    - the last token is in ``pending`` (tokenizers' ByteFallback runs, judged as a whole);
+    - the last token is in ``pending``: tokenizers' ByteFallback decoder judges a run of
+      ``<0xNN>`` tokens as a whole, so on such a tokenizer.json a character spelled in bytes
+      arrives with the next ordinary token (the SentencePiece path decodes locally and needs
+      no wait);
     - it does not extend the text already emitted (a decoder that looks back).
     ``finalize()`` returns whatever is held back, so nothing is lost at the end.
     """
@@ -373,8 +383,9 @@ class Tokenizer:
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens)  # named tokens, passed to templates
         self.path = path
-        # Ids whose text stays open until a later token (see StreamDetokenizer), per skip mode.
-        self._pending = {skip: backend.pending_ids(skip) for skip in (False, True)}
+        # Ids whose text stays open until a later token (see StreamDetokenizer), per skip mode;
+        # built on first use (a scan of the vocabulary).
+        self._pending: dict[bool, frozenset[int]] = {}
 
     def __repr__(self) -> str:
         return (f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id},"
@@ -404,11 +415,14 @@ class Tokenizer:
     def detokenizer(self, skip_special_tokens: bool = False) -> StreamDetokenizer:
         """A fresh streaming detokenizer whose text equals ``decode(ids, skip_special_tokens)``."""
         backend = self._backend
+        skip = bool(skip_special_tokens)
 
         def decode(ids: list[int]) -> str:
-            return backend.decode(ids, skip_special_tokens)
+            return backend.decode(ids, skip)
 
-        return StreamDetokenizer(decode, self._pending[skip_special_tokens])
+        if skip not in self._pending:
+            self._pending[skip] = backend.pending_ids(skip)
+        return StreamDetokenizer(decode, self._pending[skip])
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **extra: Any) -> str:
@@ -421,7 +435,7 @@ class Tokenizer:
         if template is None:
             template = _chat.PLAIN_FALLBACK
             # The fallback is plain text, so BOS goes in front only when the model wants one.
-            bos = bos if self.add_bos else None
+            bos = (bos or self.bos_token) if self.add_bos else None
         return _chat.render(template, messages, bos_token=bos, eos_token=eos,
                             add_generation_prompt=add_generation_prompt, **context)
 
@@ -460,7 +474,8 @@ def load_tokenizer(
     if use_hf:
         backend = _HFBackend(hf_file)
     else:
-        backend = _SentencePieceBackend(sp_file, legacy=tok_cfg.get("legacy") is not False)
+        # transformers 5's LlamaTokenizer defaults to legacy=False (4.x defaulted to True).
+        backend = _SentencePieceBackend(sp_file, legacy=tok_cfg.get("legacy") is True)
 
     # Added tokens transformers knows from the config: make them split out of text too.
     added = tok_cfg.get("added_tokens_decoder")
@@ -490,10 +505,10 @@ def load_tokenizer(
             backend.register(text, token_id, special=True)
     backend.finish()
 
-    # BOS: the config's string, else an id from generation_config/config.json.
+    # BOS: the config's string, else an id from generation_config/config.json/the SP model.
     bos_token = named.get("bos_token")
     bos_id = backend.token_to_id(bos_token) if bos_token is not None else None
-    if bos_token is None:
+    if bos_id is None:
         for cfg in (gen_cfg, model_cfg):
             ids = _id_list(cfg.get("bos_token_id"))
             if ids and 0 <= ids[0] < backend.size:
@@ -502,7 +517,8 @@ def load_tokenizer(
         if bos_id is None and isinstance(backend, _SentencePieceBackend):
             sp_bos = backend.sp.bos_id()
             bos_id = sp_bos if sp_bos >= 0 else None
-        bos_token = backend.id_to_token(bos_id) if bos_id is not None else None
+        if bos_id is not None:
+            bos_token = backend.id_to_token(bos_id)
 
     # EOS: the config's token first, then every id generation_config/config.json list.
     eos_token = named.get("eos_token")
@@ -517,10 +533,14 @@ def load_tokenizer(
     if eos_token is None and eos_ids:
         eos_token = backend.id_to_token(eos_ids[0])
 
-    if bos_token is not None:
-        named["bos_token"] = bos_token
-    if eos_token is not None:
-        named["eos_token"] = eos_token
+    if isinstance(backend, _SentencePieceBackend):
+        # LlamaTokenizer's defaults: the model's own <s>/</s> count as configured. A
+        # tokenizer.json has no such defaults, so templates only see the tokens the config
+        # names (transformers leaves the others unset even when an id is known).
+        if bos_token is not None:
+            named.setdefault("bos_token", bos_token)
+        if eos_token is not None:
+            named.setdefault("eos_token", eos_token)
 
     add_bos_cfg = tok_cfg.get("add_bos_token")
     if isinstance(add_bos_cfg, bool):

@@ -44,8 +44,8 @@ from .transformer import Transformer
 BOS_ID, EOS_TEXT = 1, chatdata.IM_END
 # Architecture presets: "mini" is the shipped model, "tiny" is for tests (seconds).
 PRESETS: dict[str, dict[str, int]] = {
-    "mini": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=2, intermediate_size=768),
+    "mini": dict(hidden_size=192, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, intermediate_size=512),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=128),
 }
@@ -117,20 +117,14 @@ def encode_conversation(sp: Any, conv: chatdata.Conversation) -> tuple[list[int]
     return ids, mask
 
 
-def encode_prompt(sp: Any, messages: chatdata.Conversation) -> list[int]:
-    """Ids of the rendered chat with the assistant generation prompt (BOS from the template)."""
-    text = chatdata.render_chat(messages, add_generation_prompt=True, bos_token="")
-    return [BOS_ID] + sp.encode(text)
-
-
-def cmd_data(args: argparse.Namespace) -> None:
-    out = Path(args.data)
+def build_data(out: Path, n_train: int, n_val: int, vocab_size: int, seed: int) -> dict[str, Any]:
+    """Write the corpus (jsonl), the tokenizer and the tokenized splits (npz) to `out`."""
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    train = list(chatdata.generate(args.n_train, args.seed))
+    train = list(chatdata.generate(n_train, seed))
     seen = {chatdata.render_chat(c) for c in train}
     # held-out split: a different seed, minus any conversation that also occurs in train
-    val_all = list(chatdata.generate(args.n_val, args.seed + 7919))
+    val_all = list(chatdata.generate(n_val, seed + 7919))
     val = [c for c in val_all if chatdata.render_chat(c) not in seen]
     for name, convs in (("train", train), ("val", val)):
         with open(out / f"{name}.jsonl", "w") as f:
@@ -138,11 +132,11 @@ def cmd_data(args: argparse.Namespace) -> None:
                 f.write(json.dumps(c) + "\n")
     lines = out / "tokenizer_lines.txt"
     with open(lines, "w") as f:
-        for line in chatdata.tokenizer_text(args.n_train, args.seed):
+        for line in chatdata.tokenizer_text(n_train, seed):
             f.write(line + "\n")
     log(f"corpus: {len(train)} train, {len(val)} val conversations "
         f"({len(val_all) - len(val)} val duplicates of train dropped)")
-    train_tokenizer(lines, out / "tokenizer", args.vocab_size, args.seed)
+    train_tokenizer(lines, out / "tokenizer", vocab_size, seed)
     sp = load_sp(out / "tokenizer.model")
     # segment-wise encoding (for the loss mask) must equal whole-text encoding
     for c in train[:500]:
@@ -164,10 +158,11 @@ def cmd_data(args: argparse.Namespace) -> None:
                            loss_tokens=int(sum(mask_all)),
                            max_len=int(np.diff(offsets).max()),
                            mean_len=float(np.diff(offsets).mean()))
-    stats.update(vocab_size=sp.get_piece_size(), seed=args.seed,
+    stats.update(vocab_size=sp.get_piece_size(), seed=seed,
                  seconds=round(time.perf_counter() - t0, 1))
     (out / "stats.json").write_text(json.dumps(stats, indent=2))
     log(json.dumps(stats))
+    return stats
 
 
 def pack_rows(data_file: Path, seq_len: int, seed: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -264,19 +259,19 @@ class TrainArgs:
     data: str
     run: str
     preset: str = "mini"
-    steps: int = 2000
-    batch: int = 16
+    steps: int = 1300
+    batch: int = 8
     seq_len: int = 256
-    lr: float = 2e-3
-    warmup: int = 100
+    lr: float = 3e-3
+    warmup: int = 60
     final_lr_frac: float = 0.05
     weight_decay: float = 0.01
     clip: float = 1.0
     seed: int = 0
-    ckpt_every: int = 200
+    ckpt_every: int = 100
     eval_every: int = 500
     log_every: int = 10
-    eval_rows: int = 64
+    eval_rows: int = 32
 
 
 def save_checkpoint(run: Path, model: Transformer, opt: optim.Optimizer,
@@ -331,13 +326,14 @@ def train(a: TrainArgs, resume: bool = False, stop_after: int | None = None) -> 
     `stop_after` ends the run early at that step (a checkpoint is written), for tests.
     """
     data, run = Path(a.data), Path(a.run)
-    sp = load_sp(data / "tokenizer.model")
-    cfg = model_config(a.preset, sp.get_piece_size(), a.seq_len)
-    cfg["eos_token_id"] = sp.piece_to_id(EOS_TEXT)
-    if resume:
+    if resume:  # the checkpoint's settings win, so the run continues as it started
         meta = load_checkpoint_meta(run)
         a = TrainArgs(**{**meta["args"], "data": a.data, "run": a.run})
         cfg = meta["config"]
+    else:
+        sp = load_sp(data / "tokenizer.model")
+        cfg = model_config(a.preset, sp.get_piece_size(), a.seq_len)
+        cfg["eos_token_id"] = sp.piece_to_id(EOS_TEXT)
     rows_ids, rows_mask = pack_rows(data / "train_tokens.npz", a.seq_len, a.seed)
     val_ids, val_mask = pack_rows(data / "val_tokens.npz", a.seq_len, None)
     model = build_model(cfg, a.seed)
@@ -408,7 +404,7 @@ def train(a: TrainArgs, resume: bool = False, stop_after: int | None = None) -> 
     meta = meta_now()
     if step >= a.steps:
         vl = evaluate(model, val_ids, val_mask)
-        tl = evaluate(model, rows_ids[:len(val_ids)], rows_mask[:len(val_ids)])
+        tl = evaluate(model, rows_ids[:128], rows_mask[:128])
         meta.update(val_loss=vl, val_ppl=math.exp(vl), train_subset_loss=tl,
                     tokens_per_s=a.steps * a.batch * a.seq_len / max(elapsed, 1e-9))
         save_checkpoint(run, model, opt, meta)
@@ -526,14 +522,12 @@ Licence: MIT (weights, tokenizer and data are the project's own).
 # --------------------------------------------------------------------------- sampling
 
 
-def load_for_sampling(folder: Path) -> tuple[Transformer, Any, list[int]]:
+def load_for_sampling(folder: Path) -> tuple[Transformer, Any]:
+    """The model and the app's tokenizer (model/tokenizer.py), as the app loads them."""
+    from .tokenizer import load_tokenizer
     from .weights import load_model
 
-    model = load_model(folder)
-    sp = load_sp(folder / "tokenizer.model")
-    gen = json.loads((folder / "generation_config.json").read_text())
-    eos = gen["eos_token_id"]
-    return model, sp, eos if isinstance(eos, list) else [eos]
+    return load_model(folder), load_tokenizer(folder)
 
 
 def generate(model: Transformer, prompt: list[int], eos: list[int], max_tokens: int,
@@ -573,22 +567,23 @@ def generate(model: Transformer, prompt: list[int], eos: list[int], max_tokens: 
     return out, reason, t_first - t0, decode_tps
 
 
-def reply(model: Transformer, sp: Any, eos: list[int], prompt: str, temp: float,
-          seed: int = 0, max_tokens: int = 256,
-          system: str | None = None) -> tuple[str, str, int]:
+def reply(model: Transformer, tok: Any, prompt: str, temp: float, seed: int = 0,
+          max_tokens: int = 256, system: str | None = None) -> tuple[str, str, int]:
+    """(text, finish_reason, generated tokens) for one user prompt."""
     msgs = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": prompt}]
-    ids, reason, _, _ = generate(model, encode_prompt(sp, msgs), eos, max_tokens, temp, seed)
-    return sp.decode(ids), reason, len(ids)
+    ids, reason, _, _ = generate(model, tok.encode_chat(msgs), tok.eos_ids, max_tokens, temp,
+                                 seed)
+    return tok.decode(ids), reason, len(ids)
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
-    model, sp, eos = load_for_sampling(Path(args.model))
+    model, tok = load_for_sampling(Path(args.model))
     prompts = args.prompt or SHOWCASE_PROMPTS
     rows = []
     for p in prompts:
-        g = reply(model, sp, eos, p, 0.0, max_tokens=args.max_tokens, system=args.system)
-        s = reply(model, sp, eos, p, args.temp, seed=args.seed, max_tokens=args.max_tokens,
+        g = reply(model, tok, p, 0.0, max_tokens=args.max_tokens, system=args.system)
+        s = reply(model, tok, p, args.temp, seed=args.seed, max_tokens=args.max_tokens,
                   system=args.system)
         rows.append((p, g, s))
         print(f"> {p}\n  greedy [{g[1]}, {g[2]} tok]: {g[0]}\n"
@@ -613,8 +608,8 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> None:
     """TTFT and decode tok/s of the model on this machine (median of runs)."""
-    model, sp, eos = load_for_sampling(Path(args.model))
-    prompt = encode_prompt(sp, [{"role": "user", "content": args.prompt}])
+    model, tok = load_for_sampling(Path(args.model))
+    prompt = tok.encode_chat([{"role": "user", "content": args.prompt}])
     generate(model, prompt, [], 16)  # warm-up
     ttfts, tpss = [], []
     for r in range(args.runs):
@@ -705,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     try:
         if ns.cmd in ("data", "all"):
-            cmd_data(ns)
+            build_data(Path(ns.data), ns.n_train, ns.n_val, ns.vocab_size, ns.seed)
         if ns.cmd in ("train", "all"):
             train(_train_args(ns), resume=ns.resume)
         if ns.cmd in ("export", "all"):

@@ -19,6 +19,7 @@ from tests.tokenizer_fixtures import (
     STYLES,
     byte_level_bpe,
     chat_folder,
+    sentencepiece_byte_fallback,
     write_folder,
 )
 
@@ -129,6 +130,48 @@ def test_role_alternation_error_is_one_line(folders):
     assert isinstance(err.value, KVChatError) and "\n" not in str(err.value)
 
 
+CHATML_BOS = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_sentencepiece_chatml_without_dummy_prefix(tmp_path):
+    """A SentencePiece model that keeps text as written (no dummy prefix, no whitespace
+    folding, ChatML markers as user-defined pieces, legacy off, BOS from the template): the
+    chat encodes as transformers does and as one sp.encode of the text after <s> does."""
+    import sentencepiece as spm
+
+    folder = tmp_path / "spchat"
+    model = sentencepiece_byte_fallback(
+        folder, 400, ("<|im_start|>", "<|im_end|>"), add_dummy_prefix=False,
+        remove_extra_whitespaces=False, split_digits=True, character_coverage=1.0)
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    added = {str(i): {"content": sp.id_to_piece(i), "special": True, "normalized": False,
+                      "lstrip": False, "rstrip": False, "single_word": False}
+             for i in range(sp.get_piece_size())
+             if sp.is_control(i) or sp.is_unknown(i)
+             or sp.id_to_piece(i) in ("<|im_start|>", "<|im_end|>")}
+    write_folder(folder, tokenizer_config={
+        "tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "legacy": False,
+        "add_prefix_space": False, "bos_token": "<s>", "eos_token": "<|im_end|>",
+        "unk_token": "<unk>", "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "added_tokens_decoder": added, "chat_template": CHATML_BOS})
+    tok = load_tokenizer(folder)
+    assert tok.kind == "sentencepiece" and not tok.add_bos
+    assert tok.eos_ids == [sp.piece_to_id("<|im_end|>")]
+    messages = [*CONVERSATIONS["system_multi_turn"], {"role": "assistant", "content": " x  y"}]
+    text = tok.render_chat(messages)
+    ids = tok.encode_chat(messages)
+    assert ids == [1, *sp.encode(text.removeprefix("<s>"))]
+    assert tok.decode(ids) == text
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoTokenizer.from_pretrained(folder)
+    assert ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == text
+    assert ref.apply_chat_template(messages, add_generation_prompt=True, return_dict=False) == ids
+
+
 # --- helpers ------------------------------------------------------------------------------
 
 MSG = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
@@ -231,10 +274,11 @@ def test_hostile_template_in_a_model_folder(tmp_path, monkeypatch):
 def test_plain_fallback_documented_example():
     messages = [{"role": "system", "content": "A story."},
                 {"role": "user", "content": "Once upon a time"},
-                {"role": "assistant", "content": " there was a cat. "},
-                {"role": "user", "content": "It"}]
+                {"role": "assistant", "content": "there was a cat. "},
+                {"role": "user", "content": " It "}]
     got = render(PLAIN_FALLBACK, messages, bos_token="<s>", add_generation_prompt=True)
-    assert got == "<s>A story.\n\nOnce upon a time there was a cat. It"
+    # user text is stripped; a reply is kept exactly as generated (its tokens are cached)
+    assert got == "<s>A story.\n\nOnce upon a time\nthere was a cat. \nIt\n"
     assert render(PLAIN_FALLBACK, messages, add_generation_prompt=False) == got[3:]
 
 
@@ -245,13 +289,15 @@ def test_base_model_uses_plain_fallback(prefer):
     tok = load_tokenizer(STORIES, prefer=prefer)
     assert tok.chat_template is None
     turn1 = [{"role": "user", "content": "Once upon a time"}]
-    assert tok.render_chat(turn1) == "<s>Once upon a time"
+    assert tok.render_chat(turn1) == "<s>Once upon a time\n"
     ids1 = tok.encode_chat(turn1)
-    assert ids1 == [1, 403, 407, 261, 378] == tok.encode("Once upon a time")
-    # The reply as the detokenizer streams it (first space stripped) continues the same ids,
-    # so the next turn's prompt starts with everything the cache already holds.
-    reply_ids = tok.encode("there was a little girl.", add_special_tokens=False)
+    assert ids1[:5] == [1, 403, 407, 261, 378] == tok.encode("Once upon a time")
+    # A reply as generated after the newline (no leading space marker) and as the
+    # detokenizer streams it re-renders to the same ids, so the next turn's prompt starts
+    # with everything the cache already holds.
+    reply_ids = tok.encode("Once upon a time\nThere was a little girl.")[len(ids1):]
     reply = tok.decode(reply_ids)
+    assert reply == "There was a little girl."
     turn2 = [*turn1, {"role": "assistant", "content": reply}, {"role": "user", "content": "She"}]
     ids2 = tok.encode_chat(turn2)
     assert ids2[: len(ids1) + len(reply_ids)] == ids1 + reply_ids
@@ -262,7 +308,7 @@ def test_fallback_without_bos_when_model_adds_none(tmp_path):
                           tokenizer_config={"bos_token": "<s>", "eos_token": "</s>",
                                             "add_bos_token": False})
     tok = load_tokenizer(folder)
-    assert tok.render_chat([{"role": "user", "content": "hello"}]) == "hello"
+    assert tok.render_chat([{"role": "user", "content": "hello"}]) == "hello\n"
 
 
 # --- loading --------------------------------------------------------------------------------

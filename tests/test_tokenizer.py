@@ -200,12 +200,12 @@ def test_sentencepiece_splits_added_tokens(sp_folder):
     start, end = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")
     ids = tok.encode("<s><|im_start|>user\nHi 👋<|im_end|>", add_special_tokens=False)
     assert ids[:2] == [1, start] and ids[-1] == end
-    assert tok.decode(ids) == "<s><|im_start|> user\nHi 👋<|im_end|>"  # dummy prefix per chunk
+    assert tok.decode(ids) == "<s><|im_start|>user\nHi 👋<|im_end|>"  # no "▁" after specials
     assert tok.decode(ids, skip_special_tokens=True) == "user\nHi 👋"
 
 
 @PROPERTY
-@given(text=st.text(max_size=40).filter(lambda t: "<" not in t))
+@given(text=st.text(max_size=40).filter(lambda t: "<" not in t and "▁" not in t))
 def test_sentencepiece_matches_its_tokenizer_json(sp_folder, tmp_path_factory, text):
     """Our SentencePiece path and transformers' conversion of the same model agree."""
     sp = load_tokenizer(sp_folder)
@@ -229,16 +229,26 @@ def _converted(sp_folder: Path) -> Tokenizer:
 
 
 @needs_stories
-def test_non_legacy_sentencepiece_has_no_prefix_after_special(tmp_path):
+@pytest.mark.parametrize("legacy", [True, False, None])
+def test_legacy_prefix_after_special_tokens_like_transformers(tmp_path, legacy):
+    """legacy=true: a dummy "▁" after every special token; false or absent: only at the start."""
     folder = tmp_path / "m"
     folder.mkdir()
     shutil.copy(STORIES / "tokenizer.model", folder)
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "legacy": False}))
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>"}
+    if legacy is not None:
+        config["legacy"] = legacy
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     tok = load_tokenizer(folder)
     ids = tok.encode("Once<s>Once", add_special_tokens=False)
-    assert ids[0] == 403 and ids[1] == 1 and 403 not in ids[2:]
-    assert tok.decode(ids) == "Once<s>Once"
+    assert ids[:2] == [403, 1] and (ids[2:] == [403]) is (legacy is True)
+    assert tok.decode(ids) == ("Once<s> Once" if legacy else "Once<s>Once")
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoTokenizer.from_pretrained(folder)
+    for text in ["Once<s>Once", "<s>Once upon</s>a time", "Lily said:<unk>hi."]:
+        assert tok.encode(text, add_special_tokens=False) == ref(
+            text, add_special_tokens=False)["input_ids"]
 
 
 # --- errors: one line, KVChatError -------------------------------------------------------------
@@ -285,7 +295,8 @@ def test_bad_template_value_is_a_load_error(tmp_path, bpe):
     assert "chat_template" in _one_line_error(lambda: load_tokenizer(tmp_path))
 
 
-@pytest.mark.parametrize("bad", [[-1], [10**6]])
-def test_decode_out_of_range(sp_folder, bad):
-    tok = load_tokenizer(sp_folder)
+@pytest.mark.parametrize("prefer", ["sentencepiece", "hf"])
+@pytest.mark.parametrize("bad", [[-1], [5, 10**6]])
+def test_decode_out_of_range(sp_folder, prefer, bad):
+    tok = load_tokenizer(sp_folder) if prefer == "sentencepiece" else _converted(sp_folder)
     _one_line_error(lambda: tok.decode(bad))

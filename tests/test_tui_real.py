@@ -7,6 +7,7 @@ runs reproducible. KVCHAT_CONFIG_DIR / KVCHAT_DATA_DIR point into tmp_path.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -77,16 +78,19 @@ async def turn(pilot: Any, text: str) -> None:
 
 @async_test
 async def test_real_turn_streams_and_panel_shows_formula_bytes(env: Path) -> None:
-    app = KVChatApp(str(STORIES), settings(max_tokens=160))
+    app = KVChatApp(str(STORIES), settings(max_tokens=400))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        await send(pilot, PROMPT)
+        app.input.load_text(PROMPT)
+        # Enter as the terminal sends it; pilot.press would wait for the screen to settle
+        app._driver.send_message(events.Key("enter", "\r"))  # type: ignore[union-attr]
+        await wait_for(pilot, lambda: app.generating)
         lengths: set[int] = set()
         while app.generating:
             r = replies(app)
             if r:
                 lengths.add(len(r[-1].content))
-            await pilot.pause(0.005)
+            await asyncio.sleep(0.005)
         done = app.last_done
         assert done is not None and done.finish_reason in ("length", "eos")
         reply = replies(app)[-1]
@@ -266,51 +270,59 @@ async def test_real_persistence_round_trip_and_export(env: Path) -> None:
     assert len(saved["messages"]) == 4
 
 
+async def _key_latency(pilot: Any, key: str, char: str | None, done: Any) -> float:
+    """Queue a key event as the terminal driver does; seconds until done() holds."""
+    t0 = time.perf_counter()
+    pilot.app._driver.send_message(events.Key(key, char))
+    while not done():
+        await asyncio.sleep(0.0005)  # not pilot.pause: that forces a repaint per poll
+    return time.perf_counter() - t0
+
+
 @async_test
 async def test_real_key_latency_while_decoding(env: Path, capsys: pytest.CaptureFixture) -> None:
-    """Keys are handled while tokens stream. Reported, not asserted against a target
-    (speed targets live in benchmarks): time from the key event to its effect."""
-    app = KVChatApp(str(STORIES), settings(max_tokens=480))
+    """Keys are handled while tokens stream. Reported, not held to a target (speed
+    targets live in benchmarks): time from a key event entering the app's queue (as the
+    terminal driver delivers it) to its effect on the app's state."""
+    # a rotating 256-token window lets the tiny model decode for several seconds
+    app = KVChatApp(str(STORIES), settings(max_tokens=1500, max_kv_size=256))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await send(pilot, PROMPT)
         await wait_for(pilot, lambda: bool(replies(app)) and bool(replies(app)[-1].content))
-        press_s: list[float] = []  # pilot.press (includes waiting for the screen to settle)
-        event_s: list[float] = []  # key event queued as the terminal driver does -> effect
-        during = 0
-        for i in range(8):
+        settings_open = await _key_latency(
+            pilot, "ctrl+s", None, lambda: isinstance(app.screen, SettingsScreen)
+        )
+        settings_while_decoding = app.generating
+        await _key_latency(
+            pilot, "escape", None, lambda: not isinstance(app.screen, SettingsScreen)
+        )
+        typing: list[float] = []
+        while app.generating and len(typing) < 30:
             want = app.input.text + "x"
-            t0 = time.perf_counter()
-            await pilot.press("x")
-            while app.input.text != want:
-                await pilot.pause(0.001)
-            press_s.append(time.perf_counter() - t0)
-            during += app.generating
-            want = app.input.text + "y"
-            t0 = time.perf_counter()
-            app._driver.send_message(events.Key("y", "y"))  # type: ignore[union-attr]
-            while app.input.text != want:
-                await pilot.pause(0.0005)
-            event_s.append(time.perf_counter() - t0)
-            during += app.generating
-            if not app.generating:
-                break
-        n_tokens = app.panel.stats.get("generated_tokens")
-        t0 = time.perf_counter()
-        await pilot.press("escape")
-        await wait_for(pilot, lambda: not app.generating)
-        stop_s = time.perf_counter() - t0
-        assert during >= 4, "too few keys landed while decoding to measure"
-        assert app.last_done is not None and app.last_done.finish_reason == "cancelled"
+            typing.append(
+                await _key_latency(pilot, "x", "x", lambda w=want: app.input.text == w)
+            )
+            await asyncio.sleep(0.03)
+        samples_while_decoding = len(typing) - (not app.generating)
+        stop_while_decoding = app.generating
+        stop = await _key_latency(pilot, "escape", None, lambda: not app.generating)
+        assert samples_while_decoding >= 5, "too few keys landed while decoding to measure"
+        assert app.last_done is not None
+        tokens = app.last_done.stats.get("generated_tokens")
+        tps = app.last_done.stats.get("decode_tps") or 0.0
+    ms = sorted(x * 1000 for x in typing)
     report = {
-        "key_to_effect_ms_median": round(statistics.median(event_s) * 1000, 2),
-        "key_to_effect_ms_max": round(max(event_s) * 1000, 2),
-        "pilot_press_ms_median": round(statistics.median(press_s) * 1000, 2),
-        "pilot_press_ms_max": round(max(press_s) * 1000, 2),
-        "esc_to_stopped_ms": round(stop_s * 1000, 2),
-        "keys_while_decoding": during,
-        "tokens_at_first_stats": n_tokens,
-        "decode_tps": round(app.panel.stats.get("decode_tps") or 0.0, 1),
+        "typing_ms_median": round(statistics.median(ms), 1),
+        "typing_ms_p90": round(ms[int(0.9 * (len(ms) - 1))], 1),
+        "typing_ms_max": round(ms[-1], 1),
+        "typing_samples_while_decoding": samples_while_decoding,
+        "ctrl_s_to_settings_open_ms": round(settings_open * 1000, 1),
+        "settings_opened_while_decoding": settings_while_decoding,
+        "esc_to_reply_stopped_ms": round(stop * 1000, 1),
+        "esc_while_decoding": stop_while_decoding,
+        "decode_tps": round(tps, 1),
+        "generated_tokens": tokens,
     }
     with capsys.disabled():
         print(f"\nkey latency while decoding (stories260K): {json.dumps(report)}")

@@ -62,28 +62,30 @@ def write_folder(folder: Path, tokenizer=None, **json_files: Any) -> Path:
 
 
 def sentencepiece_byte_fallback(folder: Path, vocab_size: int = 420,
-                                user_defined_symbols: tuple[str, ...] = ()) -> Path:
+                                user_defined_symbols: tuple[str, ...] = (), **options: Any
+                                ) -> Path:
     """Train a small BPE SentencePiece model with byte_fallback into folder/tokenizer.model."""
     import sentencepiece as spm
 
     buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS * 5),
-        model_writer=buf,
-        vocab_size=vocab_size,
-        model_type="bpe",
-        byte_fallback=True,
-        character_coverage=0.98,  # leave rare characters to the byte pieces
-        normalization_rule_name="identity",  # as Llama's: newlines survive
-        unk_id=0,
-        bos_id=1,
-        eos_id=2,
-        pad_id=-1,
-        hard_vocab_limit=False,
-        user_defined_symbols=list(user_defined_symbols),
-        num_threads=1,
-        minloglevel=2,
-    )
+    spm.SentencePieceTrainer.train(**{
+        "sentence_iterator": iter(CORPUS * 5),
+        "model_writer": buf,
+        "vocab_size": vocab_size,
+        "model_type": "bpe",
+        "byte_fallback": True,
+        "character_coverage": 0.98,  # leave rare characters to the byte pieces
+        "normalization_rule_name": "identity",  # as Llama's: newlines survive
+        "unk_id": 0,
+        "bos_id": 1,
+        "eos_id": 2,
+        "pad_id": -1,
+        "hard_vocab_limit": False,
+        "user_defined_symbols": list(user_defined_symbols),
+        "num_threads": 1,
+        "minloglevel": 2,
+        **options,
+    })
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "tokenizer.model"
     path.write_bytes(buf.getvalue())

@@ -20,13 +20,13 @@ COLUMNS = (
     ("cache_offset", "offset"),
     ("cache_tokens", "tokens"),
     ("cache_capacity", "capacity"),
-    ("allocated_tokens", "allocated"),
+    ("allocated_tokens", "alloc"),
     ("cache_bytes", "bytes"),
     ("mha_bytes", "as MHA"),
-    ("allocated_bytes", "alloc bytes"),
+    ("allocated_bytes", "alloc B"),
     ("keep", "keep"),
     ("evicted_tokens", "evicted"),
-    ("wrapped", "wrapped"),
+    ("wrapped", "wrap"),
 )
 
 

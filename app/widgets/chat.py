@@ -156,6 +156,10 @@ class ChatInput(TextArea):
             highlight_cursor_line=False,
             placeholder="Message…  (Enter send · Ctrl+J newline · ↑ history)",
         )
+        # The app binds ctrl+e (export) and ctrl+y (copy reply); TextArea's aliases for
+        # line end and redo would shadow them here (End and ctrl+z undo remain).
+        for key in ("ctrl+e", "ctrl+y"):
+            self._bindings.key_to_bindings.pop(key, None)
         self.sent_history: list[str] = []
         self._hist_pos: int | None = None  # index into history while browsing
         self._draft = ""

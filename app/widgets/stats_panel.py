@@ -40,6 +40,14 @@ def _lines(*rows: Text) -> Text:
     return Text("\n").join(rows)
 
 
+def _set(widget: Static, text: Text) -> None:
+    """Update without a screen re-layout unless the number of lines changed (a layout
+    pass costs far more than the repaint, and this runs 10 times a second)."""
+    lines = len(text.plain.split("\n"))
+    widget.update(text, layout=lines != getattr(widget, "_kv_lines", None))
+    widget._kv_lines = lines  # type: ignore[attr-defined]
+
+
 def decode_elapsed(stats: dict[str, Any]) -> float | None:
     """Seconds between the first and the last generated token, from the stats alone:
     decode_tps = (n - 1) / span  =>  span = (n - 1) / decode_tps (DESIGN.md)."""
@@ -66,7 +74,7 @@ class ContextGauge(Static):
         bar.append("░" * (self.BAR_W - full), style="dim")
         bar.append(f" {frac * 100:3.0f}%")
         self.level = level
-        self.update(_lines(bar, Text(f"{tokens:,} / {capacity:,} tokens", style="dim")))
+        _set(self, _lines(bar, Text(f"{tokens:,} / {capacity:,} tokens", style="dim")))
 
 
 class StatsPanel(VerticalScroll):
@@ -171,7 +179,8 @@ class StatsPanel(VerticalScroll):
         self._dirty = False
         self.renders += 1
         s, info = self.stats, self.info
-        self.query_one("#speed", Static).update(
+        _set(
+            self.query_one("#speed", Static),
             _lines(
                 _row("now", fmt_rate(self.decode_now), "bold"),
                 _row("average", fmt_rate(s.get("decode_tps"))),
@@ -188,7 +197,8 @@ class StatsPanel(VerticalScroll):
         gauge.set_fill(tokens or 0, cap or 0)
 
         wrapped = s.get("wrapped")
-        self.query_one("#cache", Static).update(
+        _set(
+            self.query_one("#cache", Static),
             _lines(
                 _row("KV", fmt_bytes(s.get("cache_bytes")), "bold"),
                 _row("as MHA", fmt_bytes(s.get("mha_bytes"))),
@@ -204,7 +214,8 @@ class StatsPanel(VerticalScroll):
         )
         bits = info.get("bits")
         precision = f"{bits}-bit" if bits else str(info.get("dtype") or "–")
-        self.query_one("#model", Static).update(
+        _set(
+            self.query_one("#model", Static),
             _lines(
                 _row("name", str(info.get("name") or "no model"), "bold"),
                 _row("arch", str(info.get("architecture") or "–")),
@@ -227,4 +238,4 @@ class StatsPanel(VerticalScroll):
         ]
         if self.freed_bytes is not None:
             runtime.append(_row("swap", f"freed {fmt_bytes(self.freed_bytes)}"))
-        self.query_one("#runtime", Static).update(_lines(*runtime))
+        _set(self.query_one("#runtime", Static), _lines(*runtime))

@@ -1,0 +1,111 @@
+"""End to end in a real terminal: tmux runs `python -m app --model stories260K`, we type
+a prompt, read the screen with capture-pane while the reply streams, stop it with Esc
+and quit with Ctrl+Q. A private tmux server (-L) keeps it away from any user session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STORIES = REPO.parent / "shared" / "models" / "stories260K"
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed"),
+    pytest.mark.skipif(
+        not (STORIES / "config.json").is_file(),
+        reason=f"real model absent: {STORIES} (see DESIGN.md, Tests)",
+    ),
+]
+
+
+class Tmux:
+    def __init__(self, socket: str) -> None:
+        self.socket = socket
+
+    def __call__(self, *args: str, check: bool = True) -> str:
+        out = subprocess.run(
+            ["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=30
+        )
+        if check and out.returncode != 0:
+            raise AssertionError(f"tmux {' '.join(args)} failed: {out.stderr.strip()}")
+        return out.stdout
+
+    def screen(self, target: str) -> str:
+        return self("capture-pane", "-p", "-t", target)
+
+    def wait_screen(self, target: str, pred: Callable[[str], bool], timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        text = ""
+        while time.monotonic() < deadline:
+            text = self.screen(target)
+            if pred(text):
+                return text
+            time.sleep(0.1)
+        raise AssertionError(f"timed out; the screen was:\n{text}")
+
+
+def test_chat_in_tmux(tmp_path: Path) -> None:
+    config, data = tmp_path / "config", tmp_path / "data"
+    config.mkdir()
+    # a long greedy reply (a rotating 256-token window lets the tiny model keep going),
+    # so Esc lands while it streams
+    (config / "settings.json").write_text(
+        json.dumps({"temp": 0.0, "max_tokens": 3000, "max_kv_size": 256})
+    )
+    status = tmp_path / "exit_status"
+    env = {
+        "KVCHAT_CONFIG_DIR": str(config),
+        "KVCHAT_DATA_DIR": str(data),
+        "TERM": "xterm-256color",
+        "LD_PRELOAD": os.environ.get("LD_PRELOAD", ""),
+    }
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    command = (
+        f"cd {shlex.quote(str(REPO))} && env {exports} {shlex.quote(sys.executable)} -m app"
+        f" --model {shlex.quote(str(STORIES))}; echo $? > {shlex.quote(str(status))}"
+    )
+    tmux = Tmux(f"kvchat-e2e-{os.getpid()}")
+    target = "kvchat"
+    try:
+        tmux("new-session", "-d", "-s", target, "-x", "120", "-y", "36", command)
+        tmux.wait_screen(target, lambda s: "stories260K" in s and "Message" in s, timeout=90)
+
+        tmux("send-keys", "-t", target, "-l", "Once upon a time")
+        tmux("send-keys", "-t", target, "Enter")
+        streaming = tmux.wait_screen(
+            target, lambda s: "generating…" in s and "generated" in s, timeout=60
+        )
+        assert "you" in streaming and "Once upon a time" in streaming
+        # the reply is on screen while it streams, and the panel counts tokens
+        assert "assistant" in streaming and "tok/s" in streaming
+
+        tmux("send-keys", "-t", target, "Escape")
+        stopped = tmux.wait_screen(target, lambda s: "■ stopped" in s, timeout=30)
+        assert "generating…" not in stopped
+
+        tmux("send-keys", "-t", target, "C-q")
+        deadline = time.monotonic() + 30
+        while not status.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert status.exists(), "the app did not quit on Ctrl+Q"
+        assert status.read_text().strip() == "0"
+    finally:
+        tmux("kill-server", check=False)
+
+    # the stopped turn was autosaved
+    chats = list((data / "chats").glob("*.json"))
+    assert len(chats) == 1
+    saved = json.loads(chats[0].read_text())
+    assert saved["messages"][0]["content"] == "Once upon a time"
+    assert saved["messages"][1]["stopped"] is True

@@ -1,0 +1,180 @@
+"""SVG snapshots of the main screen, the stats panel, the model picker, help and settings.
+
+Every number on screen is pinned by the scripted engine (tests/scripted_engine.py): its
+statistics are functions of the token count, never of the clock. Regenerate baselines
+with `pytest tests/test_snapshots.py --snapshot-update` and review the SVGs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from textual.app import App, ComposeResult
+
+from app.settings import Settings
+from app.tui import KVChatApp
+from app.widgets import StatsPanel
+from model.discovery import ModelEntry
+from tests.scripted_engine import (
+    REPLY,
+    ScriptedEngine,
+    model_info_for,
+    split_reply,
+    wait_for,
+)
+
+MODEL = "/models/stories260K"
+APP_CSS = Path(__file__).resolve().parents[1] / "app" / "kvchat.tcss"
+
+
+@pytest.fixture(autouse=True)
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path
+
+
+def scripted_app(**engine_kw: Any) -> KVChatApp:
+    def factory(on_event: Any, path: str | None) -> ScriptedEngine:
+        return ScriptedEngine(on_event, path, **engine_kw)
+
+    return KVChatApp(MODEL, Settings(), engine_factory=factory)
+
+
+def no_blink(app: App[Any]) -> None:
+    """A blinking cursor is not a stable pixel."""
+    for w in app.screen.query("Input, TextArea"):
+        w.cursor_blink = False  # type: ignore[attr-defined]
+
+
+async def settle(pilot: Any) -> None:
+    no_blink(pilot.app)
+    await wait_for(pilot, lambda: bool(pilot.app.model_info))
+    await pilot.pause()
+
+
+def test_main_screen_mid_generation(snap_compare: Any) -> None:
+    app = scripted_app(pause_after=40)
+    first = "".join(split_reply(REPLY)[:40])
+
+    async def run_before(pilot: Any) -> None:
+        await settle(pilot)
+        app.input.load_text("Tell me a story about a robot who keeps a cache.")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.engine.paused.is_set())
+        await wait_for(pilot, lambda: app._reply is not None and app._reply.content == first)
+        await pilot.pause(0.25)  # the panel's 10 Hz refresh
+
+    assert snap_compare(app, terminal_size=(120, 36), run_before=run_before)
+
+
+def test_main_screen_after_stop(snap_compare: Any) -> None:
+    app = scripted_app(pause_after=25)
+
+    async def run_before(pilot: Any) -> None:
+        await settle(pilot)
+        app.input.load_text("Once upon a time")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.engine.paused.is_set())
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not app.generating)
+        app.input.load_text("and then?")
+        await pilot.pause(0.25)
+
+    assert snap_compare(app, terminal_size=(120, 36), run_before=run_before)
+
+
+class PanelApp(App[None]):
+    """The stats panel alone, fed pinned numbers (rotation wrapped, context in the red)."""
+
+    CSS_PATH = str(APP_CSS)
+
+    def compose(self) -> ComposeResult:
+        yield StatsPanel(id="stats")
+
+    def on_mount(self) -> None:
+        panel = self.query_one(StatsPanel)
+        panel.set_model({**model_info_for(MODEL), "bits": 4, "weight_bytes": 180_224})
+        panel.start_turn(prompt_tokens=300, cached_tokens=212)
+        for n in (10, 20, 31, 40, 52, 60, 71, 80):
+            span = sum(0.004 + 0.002 * (i % 3) for i in range(n - 1))
+            panel.update_stats(
+                {
+                    "prompt_tokens": 300,
+                    "cached_tokens": 212,
+                    "prefill_tps": 5123.4,
+                    "ttft_s": 0.0213,
+                    "generated_tokens": n,
+                    "decode_tps": (n - 1) / span,
+                    "cache_offset": 300 + n,
+                    "cache_tokens": 256,
+                    "cache_capacity": 256,
+                    "cache_bytes": 2 * 5 * 4 * 256 * 8 * 4,
+                    "mha_bytes": 2 * 5 * 8 * 256 * 8 * 4,
+                    "gqa_saving": 2.0,
+                    "evicted_tokens": 44 + n,
+                    "keep": 4,
+                    "wrapped": True,
+                    "peak_memory": 5_242_880,
+                    "active_memory": 4_718_592,
+                    "kernels_backend": "metal",
+                    "device": "Device(gpu, 0)",
+                }
+            )
+        panel.end_turn()
+
+
+def test_stats_panel(snap_compare: Any) -> None:
+    assert snap_compare(PanelApp(), terminal_size=(40, 40))
+
+
+def test_model_picker(snap_compare: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    entries = [
+        ModelEntry("stories260K", Path(MODEL), "llama", 1_044_992, None, "configured"),
+        ModelEntry("Qwen/Qwen2.5-0.5B-Instruct-4bit", Path("/hf/qwen"), "qwen2", 278_000_000,
+                   4, "hf-cache"),
+        ModelEntry("SmolLM2-135M-Instruct", Path("/lms/smol"), "llama", 269_060_096, None,
+                   "lm-studio"),
+        ModelEntry("gemma-2-2b", Path("/lms/gemma"), "gemma2", 5_228_683_776, None,
+                   "lm-studio"),
+    ]
+    monkeypatch.setattr("app.screens.picker.find_models", lambda *a, **k: entries)
+    app = scripted_app()
+
+    async def run_before(pilot: Any) -> None:
+        await settle(pilot)
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: getattr(app.screen, "scanned", False))
+        no_blink(app)
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=(110, 30), run_before=run_before)
+
+
+def test_help_screen(snap_compare: Any) -> None:
+    app = scripted_app()
+
+    async def run_before(pilot: Any) -> None:
+        await settle(pilot)
+        await pilot.press("f1")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=(100, 34), run_before=run_before)
+
+
+def test_settings_screen_with_error(snap_compare: Any) -> None:
+    app = scripted_app()
+
+    async def run_before(pilot: Any) -> None:
+        await settle(pilot)
+        await pilot.press("ctrl+s")
+        no_blink(app)
+        app.screen.query_one("#top_p").value = "1.5"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        app.clear_notifications()
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=(100, 40), run_before=run_before)
