@@ -2,6 +2,7 @@
 
 from .config import ModelConfig, load_config
 from .errors import ConfigError, KVChatError, ModelLoadError
+from .tokenizer import Tokenizer, load_tokenizer
 from .transformer import Transformer
 from .weights import load_model
 
@@ -10,7 +11,9 @@ __all__ = [
     "KVChatError",
     "ModelConfig",
     "ModelLoadError",
+    "Tokenizer",
     "Transformer",
     "load_config",
     "load_model",
+    "load_tokenizer",
 ]

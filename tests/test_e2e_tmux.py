@@ -35,7 +35,10 @@ class Tmux:
 
     def __call__(self, *args: str, check: bool = True) -> str:
         out = subprocess.run(
-            ["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=30
+            ["tmux", "-L", self.socket, "-f", "/dev/null", *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         if check and out.returncode != 0:
             raise AssertionError(f"tmux {' '.join(args)} failed: {out.stderr.strip()}")
@@ -52,7 +55,8 @@ class Tmux:
             if pred(text):
                 return text
             time.sleep(0.1)
-        raise AssertionError(f"timed out; the screen was:\n{text}")
+        size = self("display", "-p", "-t", target, "#{window_width}x#{window_height}")
+        raise AssertionError(f"timed out; the screen ({size.strip()}) was:\n{text}")
 
 
 def test_chat_in_tmux(tmp_path: Path) -> None:
@@ -78,8 +82,15 @@ def test_chat_in_tmux(tmp_path: Path) -> None:
     tmux = Tmux(f"kvchat-e2e-{os.getpid()}")
     target = "kvchat"
     try:
-        tmux("new-session", "-d", "-s", target, "-x", "120", "-y", "36", command)
-        tmux.wait_screen(target, lambda s: "stories260K" in s and "Message" in s, timeout=90)
+        # the size is set before the window exists, so the app starts at 120x36
+        tmux(
+            "start-server", ";", "set-option", "-g", "default-size", "120x36", ";",
+            "new-session", "-d", "-s", target, "-x", "120", "-y", "36", command,
+        )
+        tmux.wait_screen(
+            target, lambda s: "stories260K" in s and "Message" in s and "f1 Help" in s,
+            timeout=90,
+        )
 
         tmux("send-keys", "-t", target, "-l", "Once upon a time")
         tmux("send-keys", "-t", target, "Enter")
