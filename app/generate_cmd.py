@@ -52,6 +52,9 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
                    help="bound the KV cache to N tokens (rotating); default: the context length")
     p.add_argument("--keep", type=int, default=d.keep, metavar="K",
                    help="sink tokens kept when the cache rotates (default %(default)s)")
+    p.add_argument("--overflow", choices=["rotate", "refuse"], default=d.overflow,
+                   help="past the cache bound: rotate (keep sinks, evict the oldest) or refuse"
+                   " (default %(default)s)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when this text appears (repeatable)")
 
@@ -78,6 +81,7 @@ def params_from_args(args: argparse.Namespace) -> GenParams:
         stop=tuple(args.stop),
         max_kv_size=args.max_kv_size,
         keep=args.keep,
+        overflow=args.overflow,
     )
 
 

@@ -119,7 +119,8 @@ class ModelConfig:
             raise ConfigError(f"config.json has a malformed value: {e}") from None
         if heads % kv_heads:
             raise ConfigError(
-                f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
+                f"num_attention_heads ({heads}) is not a multiple of"
+                f" num_key_value_heads ({kv_heads})"
             )
         attn_bias = bool(cfg.get("attention_bias", False))
         window = cfg.get("sliding_window")

@@ -13,6 +13,7 @@ with `mx.async_eval` -> stream text deltas, periodic stats and one `Done`.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import os
 import queue
@@ -28,7 +29,7 @@ import mlx.core as mx
 
 import metal_kernels
 
-from .cache import cache_stats, can_trim_to, layer_stats, make_cache
+from .cache import cache_stats, can_trim_to, layer_stats, trim_to
 from .errors import KVChatError
 from .events import (
     Done,
@@ -54,7 +55,7 @@ STATS_INTERVAL_S = 0.1  # ~10 stats events a second, never one per token
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
@@ -277,8 +278,7 @@ class Engine:
         keep_n = min(common_prefix_len(self._cache_ids, ids), len(ids) - 1)
         if keep_n < len(self._cache_ids):
             if can_trim_to(self._cache, keep_n):
-                for c in self._cache:
-                    c.trim(len(self._cache_ids) - keep_n)
+                trim_to(self._cache, keep_n)
                 del self._cache_ids[keep_n:]
             else:
                 reason = "the shared prefix was evicted by rotation; prefilling again"
@@ -287,6 +287,10 @@ class Engine:
                 )
                 self._cache_ids, keep_n = [], 0
         return keep_n, reason
+
+    def _capacity(self, params: GenParams) -> int:
+        assert self.model is not None
+        return params.max_kv_size or self.model.config.max_position_embeddings
 
     def _stats_now(self) -> dict[str, Any]:
         assert self.model is not None
@@ -308,6 +312,16 @@ class Engine:
             prompt_ids = self._prompt_ids(prompt)
             if not prompt_ids:
                 raise KVChatError("empty prompt")
+            if params.overflow not in ("rotate", "refuse"):
+                raise KVChatError(f"overflow must be 'rotate' or 'refuse', got {params.overflow!r}")
+            if params.overflow == "refuse":
+                room = self._capacity(params) - len(prompt_ids) + 1
+                if room < 1:
+                    raise KVChatError(
+                        f"prompt of {len(prompt_ids)} tokens exceeds the"
+                        f" {self._capacity(params)}-token context; shorten it or allow rotation"
+                    )
+                params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
             self._generate(turn, prompt_ids, params, t_submit)
         except KVChatError as e:
             self._emit(Done("error", "", [], prompt_ids, {}, error=str(e)))

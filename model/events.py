@@ -27,6 +27,9 @@ class GenParams:
     # cache bound: None = the model's context length, then rotation with `keep` sinks
     max_kv_size: int | None = None
     keep: int = 4
+    # past the cache capacity: "rotate" (evict, keep `keep` sinks) or "refuse" (a prompt
+    # that does not fit is an error; generation stops with "length" when the cache is full)
+    overflow: str = "rotate"
 
 
 @dataclass

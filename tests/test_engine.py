@@ -190,3 +190,24 @@ def test_bad_model_path_keeps_current_model(client, tmp_path):
 def test_invalid_params_are_one_line_errors(client):
     done, _ = client.turn("Once", GenParams(temp=-1))
     assert done.finish_reason == "error" and "\n" not in done.error and "temp" in done.error
+
+
+def test_prompt_longer_than_context_rotates_or_refuses(client):
+    long_prompt = "Once upon a time there was a cat. " * 120  # ~1200 tokens > 512 context
+    client.engine.reset()
+    done, _ = client.turn(long_prompt, GenParams(max_tokens=10))
+    assert done.finish_reason == "length"
+    s = done.stats
+    assert s["cache_tokens"] == s["cache_capacity"] == 512
+    assert s["evicted_tokens"] == s["cache_offset"] - 512 > 0
+
+    client.engine.reset()
+    done, _ = client.turn(long_prompt, GenParams(max_tokens=10, overflow="refuse"))
+    assert done.finish_reason == "error" and "exceeds the 512-token context" in done.error
+    # a prompt that fits stops at the context limit instead of rotating
+    client.engine.reset()
+    done, _ = client.turn(
+        [1] * 500, GenParams(max_tokens=50, overflow="refuse", ignore_eos=True)
+    )
+    assert done.finish_reason == "length" and len(done.ids) == 13
+    assert done.stats["cache_tokens"] == 512 and done.stats["evicted_tokens"] == 0
