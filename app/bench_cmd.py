@@ -103,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
     path = str(args.model or DEFAULT_MODEL)
     runner = BlockingEngine(path)
     try:
-        ids = prompt_ids(runner.info["vocab_size"], args.prompt_tokens)
+        tokenizer = runner.engine.tokenizer
+        vocab = min(runner.info["vocab_size"], tokenizer.vocab_size if tokenizer else 1 << 30)
+        ids = prompt_ids(vocab, args.prompt_tokens)
         result: dict[str, Any] = {
             "model": path,
             "prompt_tokens": args.prompt_tokens,

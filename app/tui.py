@@ -155,7 +155,7 @@ class KVChatApp(App[int]):
         Binding("ctrl+e", "export", "Export", id="export", priority=True),
         Binding("ctrl+y", "copy_reply", "Copy", id="copy_reply", priority=True),
         Binding("ctrl+l", "layers", "Layers", id="layers", priority=True),
-        Binding("f1", "help", "Help", id="help"),
+        Binding("f1", "help", "Help", id="help", priority=True),
         Binding("ctrl+q", "quit", "Quit", id="quit", priority=True),
     ]
 
@@ -299,10 +299,14 @@ class KVChatApp(App[int]):
         self.panel.freed_bytes = ev.freed_bytes if swapped else None
         self.panel.clear_cache_stats()
         self.panel.set_model(ev.info)
-        try:
-            self.panel.update_stats(self.engine.cache_stats())
-        except Exception:  # memory numbers are a nicety; never fail a load over them
-            pass
+        # memory, kernels and device before the first turn: metadata and allocator
+        # counters only (no arrays), so this is safe off the engine thread
+        cache_stats = getattr(self.engine, "cache_stats", None)
+        if cache_stats is not None:
+            try:
+                self.panel.update_stats(cache_stats())
+            except Exception:  # a nicety; never fail a load over it
+                pass
         if swapped:
             self.notify(
                 f"Loaded {ev.info.get('name')} · freed {fmt_bytes(ev.freed_bytes)}",
@@ -428,6 +432,7 @@ class KVChatApp(App[int]):
         for w in self.transcript.messages:
             w.set_class(w.index == index, "-editing")
         inp.focus()
+        self.refresh_bindings()  # Esc now cancels the edit
         return True
 
     def _end_edit(self) -> None:
@@ -437,6 +442,7 @@ class KVChatApp(App[int]):
         inp.remove_class("-editing")
         for w in self.transcript.messages:
             w.remove_class("-editing")
+        self.refresh_bindings()
 
     # ---- actions --------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:

@@ -18,10 +18,11 @@ from textual.widgets._markdown import MarkdownFence
 from app.screens import HelpScreen, HistoryScreen, LayerCacheScreen, ModelPickerScreen
 from app.screens.settings_form import SettingsScreen
 from app.settings import Settings, load_settings
-from app.tui import KVChatApp, TextReady, _Bridge
+from app.tui import KVChatApp, TextReady, _Bridge, run_tui, validate_model_path
 from app.widgets import ChatMessage, ContextGauge
 from app.widgets.format import context_level, fmt_saving, human_bytes
 from model.discovery import ModelEntry
+from model.errors import ModelLoadError
 from model.events import Done, Started, TextDelta
 from tests.scripted_engine import REPLY, ScriptedEngine, async_test, kv_bytes, split_reply, wait_for
 
@@ -482,6 +483,14 @@ async def test_no_model_is_a_clear_message(env: Path) -> None:
         await send(pilot, "anyone?")
         assert app.conversation.messages == []
         assert any("Ctrl+O" in n.message for n in app._notifications)
+
+
+def test_bad_model_folder_fails_before_the_ui(tmp_path: Path, env: Path) -> None:
+    with pytest.raises(ModelLoadError, match="model folder not found"):
+        run_tui(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        validate_model_path(tmp_path / "empty")
 
 
 # ---- the engine -> UI bridge -------------------------------------------------------------

@@ -71,6 +71,12 @@ async def send(pilot: Any, text: str) -> None:
     await pilot.press("enter")
 
 
+def press_now(app: KVChatApp, key: str, char: str | None = None) -> None:
+    """Queue a key as the terminal driver does. pilot.press would also wait for the
+    screen to settle, which while a reply streams means until the reply ends."""
+    app._driver.send_message(events.Key(key, char))  # type: ignore[union-attr]
+
+
 async def turn(pilot: Any, text: str) -> None:
     await send(pilot, text)
     await wait_for(pilot, lambda: not pilot.app.generating, timeout=120)
@@ -83,7 +89,7 @@ async def test_real_turn_streams_and_panel_shows_formula_bytes(env: Path) -> Non
         await ready(pilot)
         app.input.load_text(PROMPT)
         # Enter as the terminal sends it; pilot.press would wait for the screen to settle
-        app._driver.send_message(events.Key("enter", "\r"))  # type: ignore[union-attr]
+        press_now(app, "enter", "\r")
         await wait_for(pilot, lambda: app.generating)
         lengths: set[int] = set()
         while app.generating:
@@ -117,9 +123,11 @@ async def test_real_stop_regenerate_and_edit_trims_cache(env: Path) -> None:
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         # Esc keeps the partial reply, marked as stopped
-        await send(pilot, PROMPT)
+        app.input.load_text(PROMPT)
+        press_now(app, "enter", "\r")
+        await wait_for(pilot, lambda: app.generating)
         await wait_for(pilot, lambda: bool(replies(app)) and len(replies(app)[-1].content) > 30)
-        await pilot.press("escape")
+        press_now(app, "escape")
         await wait_for(pilot, lambda: not app.generating)
         done = app.last_done
         assert done is not None and done.finish_reason == "cancelled"
@@ -288,7 +296,8 @@ async def test_real_key_latency_while_decoding(env: Path, capsys: pytest.Capture
     app = KVChatApp(str(STORIES), settings(max_tokens=1500, max_kv_size=256))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        await send(pilot, PROMPT)
+        app.input.load_text(PROMPT)
+        press_now(app, "enter", "\r")
         await wait_for(pilot, lambda: bool(replies(app)) and bool(replies(app)[-1].content))
         settings_open = await _key_latency(
             pilot, "ctrl+s", None, lambda: isinstance(app.screen, SettingsScreen)
@@ -338,13 +347,18 @@ async def test_real_key_latency_while_decoding(env: Path, capsys: pytest.Capture
 @async_test
 async def test_real_readme_screenshot(env: Path) -> None:
     """Main screen mid-generation with the real model (writes $KVCHAT_SCREENSHOT)."""
-    app = KVChatApp(str(STORIES), settings(max_tokens=400, system_prompt=""))
+    app = KVChatApp(str(STORIES), settings(max_tokens=60))
     async with app.run_test(size=(120, 36)) as pilot:
         await ready(pilot)
         await turn(pilot, "Once upon a time, there was a little robot")
-        await send(pilot, "The robot went to the park")
-        await wait_for(pilot, lambda: bool(replies(app)) and len(replies(app)[-1].content) > 160)
-        await pilot.pause(0.15)  # one panel refresh
+        app.settings.max_tokens = 400
+        app.input.load_text("The robot went to the park")
+        press_now(app, "enter", "\r")
+        await wait_for(pilot, lambda: app.generating)
+        while app.generating and len(replies(app)[-1].content) < 260:
+            await asyncio.sleep(0.005)
+        assert app.generating, "the reply ended before the screenshot"
+        await asyncio.sleep(0.15)  # one panel refresh
         svg = app.export_screenshot(title="kvchat")
         await pilot.press("escape")
         await wait_for(pilot, lambda: not app.generating)

@@ -26,6 +26,9 @@ from .format import (
 )
 
 REFRESH_S = 0.1
+# the "now" rate spans at least this much decode time: the last Stats of a turn can
+# follow the previous one by a token or two, and a rate over ~1 ms is noise
+NOW_MIN_WINDOW_S = 0.03
 SPARK_POINTS = 48
 LABEL_W = 9
 
@@ -97,7 +100,7 @@ class StatsPanel(VerticalScroll):
     def compose(self) -> ComposeResult:
         yield Static("Speed", classes="section")
         yield Static(id="speed")
-        yield Sparkline([0.0], id="spark")
+        yield Sparkline([], id="spark")
         yield Static("Context", classes="section")
         yield ContextGauge(id="gauge")
         yield Static("KV cache", classes="section")
@@ -141,13 +144,14 @@ class StatsPanel(VerticalScroll):
         if span is not None:
             if self._last_point is not None:
                 n0, span0 = self._last_point
-                if n > n0 and span > span0:
+                if n > n0 and span - span0 >= NOW_MIN_WINDOW_S:
                     self.decode_now = (n - n0) / (span - span0)
                     self._spark.append(self.decode_now)
+                    self._last_point = (n, span)
             elif n >= 2:
                 self.decode_now = self.stats["decode_tps"]
                 self._spark.append(self.decode_now)
-            self._last_point = (n, span)
+                self._last_point = (n, span)
         self._dirty = True
 
     def set_model(self, info: dict[str, Any]) -> None:
@@ -190,7 +194,7 @@ class StatsPanel(VerticalScroll):
             )
         )
         spark = self.query_one("#spark", Sparkline)
-        spark.data = list(self._spark) or [0.0]
+        spark.data = list(self._spark)  # empty: a flat baseline, not a full block
 
         tokens, cap = s.get("cache_tokens"), s.get("cache_capacity") or info.get("context")
         gauge = self.query_one("#gauge", ContextGauge)
