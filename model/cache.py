@@ -25,7 +25,9 @@ class CacheError(KVChatError):
     """A cache bound that cannot work (e.g. keep ≥ max size)."""
 
 
-def _causal(n: int, offset: int, window: int | None) -> mx.array:
+def causal_mask(n: int, offset: int = 0, window: int | None = None) -> mx.array:
+    """Boolean (n, offset + n) mask: query offset+i sees key j iff j <= offset+i
+    (and offset+i - j < window when a sliding window is set)."""
     q = mx.arange(offset, offset + n)[:, None]
     k = mx.arange(offset + n)[None]
     mask = q >= k
@@ -75,9 +77,9 @@ class KVCache:
         self, n: int, return_array: bool = False, window_size: int | None = None
     ) -> mx.array | str | None:
         if window_size is not None and self.offset + n > window_size:
-            return _causal(n, self.offset, window_size)
+            return causal_mask(n, self.offset, window_size)
         if return_array:
-            return _causal(n, self.offset, None)
+            return causal_mask(n, self.offset, None)
         return None if n == 1 else "causal"
 
     def size(self) -> int:

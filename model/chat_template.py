@@ -55,7 +55,7 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from .errors import KVChatError
+from .errors import KVChatError, one_line, read_json_object
 
 __all__ = ["PLAIN_FALLBACK", "TemplateError", "load_chat_template", "render",
            "template_from_config"]
@@ -81,13 +81,6 @@ PLAIN_FALLBACK = (
 # Limits for the checked operators: far above anything a real template builds.
 _MAX_SEQUENCE = 1_000_000
 _MAX_INT_BITS = 100_000
-_MAX_MESSAGE = 300
-
-
-def _one_line(text: object, limit: int = _MAX_MESSAGE) -> str:
-    """Collapse a message to one short line (user-facing errors are one line)."""
-    line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -214,10 +207,10 @@ def _compile(source: str) -> jinja2.Template:
         tree = _ENV.parse(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise TemplateError(
-            f"chat template syntax error (line {e.lineno}): {_one_line(e.message)}"
+            f"chat template syntax error (line {e.lineno}): {one_line(e.message)}"
         ) from None
     except Exception as e:  # noqa: BLE001 - any parser failure is a bad template
-        raise TemplateError(f"chat template cannot be parsed: {_one_line(e)}") from None
+        raise TemplateError(f"chat template cannot be parsed: {one_line(e)}") from None
     for node in tree.find_all(_LOADING_NODES):
         kind = type(node).__name__.lower()
         raise TemplateError(
@@ -227,7 +220,7 @@ def _compile(source: str) -> jinja2.Template:
     try:
         return _ENV.from_string(tree)
     except Exception as e:  # noqa: BLE001
-        raise TemplateError(f"chat template cannot be compiled: {_one_line(e)}") from None
+        raise TemplateError(f"chat template cannot be compiled: {one_line(e)}") from None
 
 
 def _plain(value: Any) -> Any:
@@ -294,26 +287,16 @@ def render(
         return compiled.render(**context)
     except SecurityError as e:
         raise TemplateError(
-            f"chat template refused: {_one_line(e).rstrip('.')} (templates run sandboxed: "
+            f"chat template refused: {one_line(e).rstrip('.')} (templates run sandboxed: "
             "no file, private attribute or import access)"
         ) from None
     except jinja2.exceptions.TemplateError as e:
         # raise_exception(...) from the template lands here, as do undefined-value errors.
-        raise TemplateError(f"chat template error: {_one_line(e.message or e)}") from None
+        raise TemplateError(f"chat template error: {one_line(e.message or e)}") from None
     except RecursionError:
         raise TemplateError("chat template error: recursion too deep") from None
     except Exception as e:  # noqa: BLE001 - a template must never crash the app
-        raise TemplateError(f"chat template error: {type(e).__name__}: {_one_line(e)}") from None
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:
-        raise TemplateError(f"{path}: cannot read: {_one_line(e)}") from None
-    return data if isinstance(data, dict) else {}
+        raise TemplateError(f"chat template error: {type(e).__name__}: {one_line(e)}") from None
 
 
 def template_from_config(value: Any, source: str = "tokenizer_config.json") -> str | None:
@@ -348,8 +331,8 @@ def load_chat_template(folder: str | Path, tokenizer_config: Mapping[str, Any] |
         try:
             return jinja_file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise TemplateError(f"{jinja_file}: cannot read: {_one_line(e)}") from None
+            raise TemplateError(f"{jinja_file}: cannot read: {one_line(e)}") from None
     if tokenizer_config is None:
-        tokenizer_config = _read_json(folder / "tokenizer_config.json")
+        tokenizer_config = read_json_object(folder / "tokenizer_config.json", TemplateError)
     return template_from_config(tokenizer_config.get("chat_template"))
 

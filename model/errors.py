@@ -1,5 +1,11 @@
 """Errors a user sees: each carries one clear line, never a traceback."""
 
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
 
 class KVChatError(Exception):
     """Base for every user-facing failure; str(e) is the one line to show."""
@@ -11,3 +17,21 @@ class ModelLoadError(KVChatError):
 
 class ConfigError(ModelLoadError):
     """A config.json we cannot build a model from (unknown family, bad RoPE, ...)."""
+
+
+def one_line(text: object, limit: int = 300) -> str:
+    """Collapse any message (a library's multi-line error, say) into one bounded line."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def read_json_object(path: Path, error: type[KVChatError]) -> dict[str, Any]:
+    """A JSON object from `path`; {} when the file is absent or not an object,
+    `error` (one line) when it cannot be read or parsed."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise error(f"{path}: cannot read: {one_line(e)}") from None
+    return data if isinstance(data, dict) else {}

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from . import chat_template as _chat
-from .errors import ModelLoadError
+from .errors import ModelLoadError, one_line, read_json_object
 
 __all__ = ["StreamDetokenizer", "Tokenizer", "TokenizerError", "load_tokenizer"]
 
@@ -53,21 +53,6 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 class TokenizerError(ModelLoadError):
     """A tokenizer that cannot be found or loaded, or text/ids it cannot handle."""
-
-
-def _one_line(text: object, limit: int = 300) -> str:
-    line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:
-        raise TokenizerError(f"{path}: cannot read: {_one_line(e)}") from None
-    return data if isinstance(data, dict) else {}
 
 
 def _token_str(value: Any) -> str | None:
@@ -106,7 +91,7 @@ class _SentencePieceBackend:
         try:
             self.sp = spm.SentencePieceProcessor(model_file=str(path))
         except Exception as e:  # noqa: BLE001 - the library raises plain RuntimeError/OSError
-            raise TokenizerError(f"{path}: not a SentencePiece model: {_one_line(e)}") from None
+            raise TokenizerError(f"{path}: not a SentencePiece model: {one_line(e)}") from None
         sp = self.sp
         self.legacy = legacy
         self.size = sp.get_piece_size()
@@ -211,7 +196,7 @@ class _HFBackend:
         try:
             self.tok = _HFTokenizer.from_file(str(path))
         except Exception as e:  # noqa: BLE001 - the Rust side raises plain Exception
-            raise TokenizerError(f"{path}: not a tokenizer.json: {_one_line(e)}") from None
+            raise TokenizerError(f"{path}: not a tokenizer.json: {one_line(e)}") from None
         self.size = self.tok.get_vocab_size(with_added_tokens=True)
         decoder = json.loads(self.tok.to_str()).get("decoder")
         self.byte_fallback = "ByteFallback" in json.dumps(decoder)
@@ -465,10 +450,10 @@ def load_tokenizer(
         raise TokenizerError(f"{folder}: no tokenizer.json or tokenizer.model found")
     use_hf = prefer == "hf" or (prefer == "auto" and hf_file.is_file())
 
-    tok_cfg = _read_json(folder / "tokenizer_config.json")
-    tok_map = _read_json(folder / "special_tokens_map.json")
-    gen_cfg = _read_json(folder / "generation_config.json")
-    model_cfg = _read_json(folder / "config.json")
+    tok_cfg = read_json_object(folder / "tokenizer_config.json", TokenizerError)
+    tok_map = read_json_object(folder / "special_tokens_map.json", TokenizerError)
+    gen_cfg = read_json_object(folder / "generation_config.json", TokenizerError)
+    model_cfg = read_json_object(folder / "config.json", TokenizerError)
 
     backend: _SentencePieceBackend | _HFBackend
     if use_hf:

@@ -7,20 +7,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import make_cache
+from .cache import causal_mask, make_cache
 from .config import ModelConfig
 from .layers import RMSNorm, TransformerBlock
-
-
-def causal_mask(n: int, offset: int = 0, window: int | None = None) -> mx.array:
-    """Boolean (n, offset + n) mask: query offset+i sees key j iff j <= offset+i
-    (and offset+i - j < window when a sliding window is set)."""
-    q = mx.arange(offset, offset + n)[:, None]
-    k = mx.arange(offset + n)[None]
-    mask = q >= k
-    if window is not None:
-        mask = mask & (q < k + window)
-    return mask
 
 
 class DecoderModel(nn.Module):
