@@ -475,21 +475,22 @@ def out_of_domain(rng: random.Random) -> tuple[str, str]:
 
 # --------------------------------------------------------------------------- stories
 
-# species -> how a request names it ("a cat", "an owl")
-SPECIES = [
-    "cat", "dog", "fox", "rabbit", "bear", "owl", "mouse", "duck", "frog", "turtle",
-    "squirrel", "horse", "pig", "lion", "elephant", "bee", "bird", "fish", "dragon", "robot",
-    "puppy", "kitten", "hedgehog", "penguin", "goat", "tiger", "monkey", "whale", "snail",
-    "unicorn",
+# Story heroes: kind, name, pronoun. A kind always has the same name and pronoun, so a
+# story needs only one look-up (which hero) to stay consistent; a tiny model learns that
+# in a short run, where tracking two random names (hero and friend) it did not.
+HEROES = [
+    ("cat", "Mia", "she"), ("dog", "Max", "he"), ("fox", "Ruby", "she"),
+    ("rabbit", "Toby", "he"), ("bear", "Bruno", "he"), ("mouse", "Pip", "he"),
+    ("duck", "Daisy", "she"), ("frog", "Finn", "he"), ("pig", "Rosa", "she"),
+    ("lion", "Leo", "he"), ("elephant", "Ella", "she"), ("dragon", "Sparky", "he"),
+    ("robot", "Bolt", "he"), ("penguin", "Penny", "she"), ("hedgehog", "Hazel", "she"),
+    ("puppy", "Charlie", "he"), ("girl", "Lily", "she"), ("boy", "Tom", "he"),
+    ("princess", "Anna", "she"), ("knight", "Sam", "he"),
 ]
-PEOPLE = ["girl", "boy", "princess", "knight", "farmer", "wizard"]
-GENDERED = {"girl": "she", "princess": "she", "boy": "he", "knight": "he"}
-NAMES = {
-    "she": ["Lily", "Mia", "Anna", "Lucy", "Rosa", "Daisy", "Ruby", "Zoe", "Ella", "Nora",
-            "Maya", "Luna", "Ivy", "Sara", "Emma", "Tilly", "Hazel", "Pearl"],
-    "he": ["Tom", "Max", "Sam", "Ben", "Leo", "Pip", "Oscar", "Finn", "Milo", "Jack",
-           "Theo", "Otto", "Hugo", "Felix", "Bruno", "Charlie", "Toby", "Rex"],
-}
+HERO_KINDS = [h[0] for h in HEROES]
+# Helpers in the stories: a small set disjoint from the heroes (full phrase, short noun).
+FRIENDS = [("a wise old owl", "owl"), ("a friendly squirrel", "squirrel"),
+           ("a little bird", "bird"), ("a kind old turtle", "turtle")]
 ADJECTIVES = ["little", "curious", "brave", "kind", "shy", "happy", "clever", "sleepy",
               "playful", "gentle", "small", "friendly", "young", "cheerful", "quiet", "old"]
 PLACES = [
@@ -539,21 +540,21 @@ INDOOR = [
     ("wrote a little song", "the song"),
 ]
 STUCK = [
-    ("up a tall tree", "helped {o} climb down, one branch at a time"),
-    ("in a thorny bush", "gently pushed the thorns aside and set {o} free"),
-    ("in a deep hole", "found a long stick and helped {o} climb out"),
-    ("under a heavy branch", "pushed hard and lifted the branch away"),
-    ("in a muddy puddle", "reached out and pulled {o} out"),
+    ("up a tall tree", "helped the {o} climb down, one branch at a time"),
+    ("in a thorny bush", "gently pushed the thorns aside and set the {o} free"),
+    ("in a deep hole", "found a long stick and helped the {o} climb out"),
+    ("under a heavy branch", "pushed hard and lifted the branch off the {o}"),
+    ("in a muddy puddle", "reached out and pulled the {o} out"),
 ]
 PATHS = ["through the forest", "along the river", "across the meadow", "down the lane",
          "past the old mill", "around the lake"]
 ENDINGS = [
-    "From that day on, {n} and {f} were best friends.",
+    "From that day on, {n} and the {f} were best friends.",
     "That night, {n} fell asleep with a big smile.",
     "{n} learned that friends make everything better.",
     "And {n} never forgot that special day.",
     "It was the best day {n} had ever had.",
-    "{n} and {f} laughed and played until the sun went down.",
+    "{n} and the {f} laughed and played until the sun went down.",
     "Everyone was happy, and {n} felt proud.",
 ]
 BEDTIME_ENDINGS = [
@@ -577,34 +578,28 @@ STORY_ABOUT = [
     "I want a story about {c}.", "Could you write a story about {c}?",
     "Tell me a little story about {c}.", "story about {c}", "Please tell me a story with {c}.",
 ]
-ANOTHER = ["Another one, please.", "Tell me another one.", "One more story!",
-           "Can you tell me another story?", "That was nice. Another one?"]
 LIKED = ["I liked that story.", "That was a nice story.", "Cute story!", "I loved it!"]
 LIKED_REPLIES = ["I'm glad you liked it!", "Thank you! I'm happy you enjoyed it.",
-                 "I'm glad! Would you like another one?"]
+                 "I'm glad! Is there anything else you would like?"]
 
 
-class _Char:
-    """A story character: `name` the `kind`, with pronouns."""
+class _Hero:
+    """The story's hero: `name` the `kind`, with pronouns."""
 
-    def __init__(self, rng: random.Random, kind: str | None = None, avoid: str = ""):
-        self.kind = kind or _pick(rng, SPECIES + PEOPLE)
-        self.subj = GENDERED.get(self.kind) or ("she" if rng.random() < 0.5 else "he")
-        name = _pick(rng, NAMES[self.subj])
-        while name == avoid:
-            name = _pick(rng, NAMES[self.subj])
-        self.name = name
+    def __init__(self, rng: random.Random, kind: str | None = None):
+        if kind is None:
+            kind = _pick(rng, HERO_KINDS)
+        self.kind, self.name, self.subj = HEROES[HERO_KINDS.index(kind)]
         self.poss = "her" if self.subj == "she" else "his"
-        self.obj = "her" if self.subj == "she" else "him"
 
 
 def story(rng: random.Random, kind: str | None = None, bedtime: bool = False) -> str:
-    """A short, simple, grammatical story; `kind` fixes the hero's species."""
-    h = _Char(rng, kind)
-    f = _Char(rng, _pick(rng, SPECIES), avoid=h.name)
+    """A short, simple, grammatical story; `kind` (one of HERO_KINDS) picks the hero."""
+    h = _Hero(rng, kind)
+    friend, f = FRIENDS[rng.randrange(len(FRIENDS))]
     adj = _pick(rng, ADJECTIVES)
     place, place_short = PLACES[rng.randrange(len(PLACES))]
-    S, P = _cap(h.subj), _cap(h.poss)
+    S = _cap(h.subj)
     plot = rng.randrange(5)
     if plot == 0:  # found an object
         obj = _pick(rng, OBJECTS)
@@ -613,9 +608,8 @@ def story(rng: random.Random, kind: str | None = None, bedtime: bool = False) ->
             f"Once upon a time, there was {_a(adj)} {h.kind} named {h.name}.",
             f"{S} lived {place}.",
             f"One day, {h.name} found {obj} {_pick(rng, FOUND_WHERE)}.",
-            f"{S} did not know who it belonged to, so {h.subj} showed it to {f.name} the"
-            f" {f.kind}.",
-            f"\"Let's find the owner together,\" said {f.name}.",
+            f"{S} did not know who it belonged to, so {h.subj} showed it to {friend}.",
+            f"\"Let's find the owner together,\" said the {f}.",
             f"They asked everyone {place_short}, and at last they found the owner, who was so"
             f" happy to see the {bare} again.",
         ]
@@ -627,16 +621,16 @@ def story(rng: random.Random, kind: str | None = None, bedtime: bool = False) ->
             f"{S} had a {fav}, and {h.subj} took it everywhere.",
             f"One morning, the {short} was gone!",
             f"{h.name} looked {a} and {b}, but {h.subj} could not find it.",
-            f"Then {h.subj} asked {h.poss} friend {f.name} the {f.kind} for help.",
-            f"{f.name} found the {short} {_pick(rng, FOUND_SPOTS)}.",
-            f"{h.name} was so happy that {h.subj} gave {f.name} a big hug.",
+            f"Then {h.subj} asked {friend} for help.",
+            f"The {f} found the {short} {_pick(rng, FOUND_SPOTS)}.",
+            f"{h.name} was so happy that {h.subj} gave the {f} a big hug.",
         ]
     elif plot == 2:  # a goal, tried until done
         goal, done = GOALS[rng.randrange(len(GOALS))]
         s = [
             f"There once was {_a(adj)} {h.kind} named {h.name} who wanted to {goal}.",
             f"{S} lived {place}, and every day {h.subj} tried, but it was hard.",
-            f"{S} felt sad, but {f.name} the {f.kind} said, \"Don't give up!\"",
+            f"{S} felt sad, but {friend} said, \"Don't give up!\"",
             f"So {h.name} tried again and again.",
             f"At last, {h.subj} {done}.",
         ]
@@ -647,29 +641,27 @@ def story(rng: random.Random, kind: str | None = None, bedtime: bool = False) ->
             f"{S} sat by the window of {h.poss} home {place_short} and felt bored.",
             f"Then {h.subj} had an idea.",
             f"{S} {made}.",
-            f"When the sun came out, {h.name} ran outside and showed {f.name} {thing}.",
-            f"\"It's wonderful!\" said {f.name}.",
+            f"When the sun came out, {h.name} ran outside and showed {thing} to {friend}.",
+            f"\"It's wonderful!\" said the {f}.",
         ]
     else:  # helping a friend
         where, rescue = STUCK[rng.randrange(len(STUCK))]
         s = [
             f"One sunny morning, {h.name} the {adj} {h.kind} was walking {_pick(rng, PATHS)}.",
             f"Suddenly, {h.subj} heard a small voice crying for help.",
-            f"It was {f.name}, a tiny {f.kind}, who was stuck {where}.",
-            f"{h.name} {rescue.format(o=f.obj)}.",
-            f"\"Thank you so much!\" said {f.name}.",
+            f"It was {friend}, who was stuck {where}.",
+            f"{h.name} {rescue.format(o=f)}.",
+            f"\"Thank you so much!\" said the {f}.",
         ]
-    del P  # possessive capitalised form is unused by the current skeletons
     endings = BEDTIME_ENDINGS if bedtime else ENDINGS
-    s.append(_pick(rng, endings).format(n=h.name, f=f.name))
+    s.append(_pick(rng, endings).format(n=h.name, f=f))
     return " ".join(s)
 
 
 def story_request(rng: random.Random) -> tuple[str, str]:
     if rng.random() < 0.55:
-        kind = _pick(rng, SPECIES + PEOPLE)
-        c = _a(kind) if kind not in ("girl", "boy") or rng.random() < 0.5 else (
-            "a little " + kind)
+        kind = _pick(rng, HERO_KINDS)
+        c = "a little " + kind if kind in ("girl", "boy") and rng.random() < 0.5 else _a(kind)
         q = _pick(rng, STORY_ABOUT).format(c=c)
     else:
         kind = None
@@ -694,11 +686,11 @@ SYSTEM_PROMPTS = [
 
 # single-turn generators and their weights
 _SINGLE: list[tuple[Callable[[random.Random], tuple[str, str]], float]] = [
-    (greeting, 0.14),
+    (greeting, 0.13),
     (small_talk, 0.06),
     (identity, 0.12),
-    (lambda r: topic_qa(r)[:2], 0.38),
-    (story_request, 0.24),
+    (lambda r: topic_qa(r)[:2], 0.34),
+    (story_request, 0.29),
     (out_of_domain, 0.06),
 ]
 
@@ -729,13 +721,10 @@ def _multi(rng: random.Random) -> Conversation:
                                            "And {t}?", "How about {t}?"]).format(t=alias))
             a = _pick(rng, TOPICS[other][1])
         msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-    elif kind == 2:  # story, then liked / another
+    elif kind == 2:  # story, then liked
         q, a = story_request(rng)
         msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-        if rng.random() < 0.5:
-            q, a = _perturb(rng, _pick(rng, LIKED)), _pick(rng, LIKED_REPLIES)
-        else:
-            q, a = _perturb(rng, _pick(rng, ANOTHER)), story(rng)
+        q, a = _perturb(rng, _pick(rng, LIKED)), _pick(rng, LIKED_REPLIES)
         msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
     else:  # two unrelated short exchanges
         for _ in range(2):

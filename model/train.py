@@ -259,7 +259,7 @@ class TrainArgs:
     data: str
     run: str
     preset: str = "mini"
-    steps: int = 1300
+    steps: int = 1700
     batch: int = 8
     seq_len: int = 256
     lr: float = 3e-3
