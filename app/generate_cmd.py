@@ -65,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", metavar="TEXT", help="system prompt")
     p.add_argument("--raw", action="store_true",
                    help="skip the chat template; add BOS as the tokenizer says")
+    p.add_argument("--tokenizer", choices=["auto", "sentencepiece", "hf"], default="auto",
+                   help="tokenizer file to use: auto prefers tokenizer.json over tokenizer.model")
     add_sampling_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
 
@@ -109,10 +111,15 @@ def check_params(p: GenParams) -> str | None:
 class BlockingEngine:
     """The engine driven synchronously: for the CLI and benchmarks."""
 
-    def __init__(self, model_path: str, on_delta: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        on_delta: Callable[[str], None] | None = None,
+        tokenizer: str = "auto",
+    ):
         self._events: queue.Queue[Event] = queue.Queue()
         self._on_delta = on_delta
-        self.engine = Engine(self._events.put, model_path)
+        self.engine = Engine(self._events.put, model_path, tokenizer=tokenizer)
         while True:
             ev = self._events.get()
             if isinstance(ev, LoadFailed):
@@ -166,7 +173,9 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     try:
-        runner = BlockingEngine(str(args.model or DEFAULT_MODEL), None if args.json else stream)
+        runner = BlockingEngine(
+            str(args.model or DEFAULT_MODEL), None if args.json else stream, args.tokenizer
+        )
     except KVChatError as e:
         report(str(e))
         return 1

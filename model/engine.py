@@ -134,6 +134,7 @@ class Engine:
         *,
         prefill_chunk: int = PREFILL_CHUNK,
         reuse_prefix: bool = True,
+        tokenizer: str = "auto",
     ):
         self._on_event = on_event
         self._jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
@@ -143,6 +144,7 @@ class Engine:
         self._busy = threading.Event()
         self.prefill_chunk = prefill_chunk
         self.reuse_prefix = reuse_prefix  # off: every turn prefills its whole prompt
+        self.tokenizer_kind = tokenizer  # "auto" | "sentencepiece" | "hf"
         # engine-thread state
         self.model: Transformer | None = None
         self.tokenizer: Tokenizer | None = None
@@ -236,7 +238,7 @@ class Engine:
         self._emit(Loading(path))
         try:
             model = load_model(path)
-            tokenizer = load_tokenizer(path)
+            tokenizer = load_tokenizer(path, prefer=self.tokenizer_kind)  # type: ignore[arg-type]
         except KVChatError as e:
             self._emit(LoadFailed(path, str(e)))
             return

@@ -63,6 +63,18 @@ def test_generate_json_matches_mlx_lm_greedy():
 
 
 @needs_model
+def test_both_tokenizer_files_give_the_same_generation():
+    outs = []
+    for kind in ("hf", "sentencepiece"):
+        r = kvchat("generate", "--model", str(STORIES260K), "--raw", "--prompt",
+                   "Once upon a time", "--max-tokens", "24", "--tokenizer", kind, "--json")
+        assert r.returncode == 0, r.stderr
+        outs.append(json.loads(r.stdout))
+    assert outs[0]["prompt_ids"] == outs[1]["prompt_ids"] == [1, 403, 407, 261, 378]
+    assert outs[0]["ids"] == outs[1]["ids"] and outs[0]["text"] == outs[1]["text"]
+
+
+@needs_model
 def test_generate_streams_text_and_reads_stdin():
     r = kvchat("generate", "--model", str(STORIES260K), "--raw", "--max-tokens", "20",
                stdin="Once upon a time")
