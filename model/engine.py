@@ -358,18 +358,21 @@ class Engine:
                 self._emit(Done("cancelled", "", [], prompt_ids, {**base, **self._stats_now()}))
                 return
             chunk = todo[i : i + self.prefill_chunk]
-            logits = model(mx.array([chunk]), cache=cache)[:, -1, :]
+            logits = model(mx.array([chunk]), cache=cache, logits_to_keep=1)[:, -1, :]
             mx.eval(logits if i + self.prefill_chunk >= len(todo) else [c.state for c in cache])
         self._cache_ids.extend(todo)
         prefill_s = time.perf_counter() - t_prefill
         base["prefill_tps"] = len(todo) / prefill_s if prefill_s > 0 else 0.0
 
         sampler = Sampler(SamplingParams(**_sampling_fields(params)))
+        # embedding tables are often padded past the tokenizer's vocabulary; an id the
+        # tokenizer cannot decode must never be sampled
+        n_ids = min(model.config.vocab_size, tok.vocab_size)
         history = mx.array(prompt_ids[-params.repetition_context_size :], dtype=mx.int32)
         use_history = params.repetition_penalty != 1.0
 
         def sample(lg: mx.array, hist: mx.array) -> mx.array:
-            return sampler(lg, hist if use_history else [])
+            return sampler(lg[..., :n_ids], hist if use_history else [])
 
         y = sample(logits, history)
         mx.async_eval(y)

@@ -40,7 +40,11 @@ class Transformer(nn.Module):
     def make_cache(self, max_kv_size: int | None = None, keep: int = 4) -> list[Any]:
         return make_cache(self.config, max_kv_size=max_kv_size, keep=keep)
 
-    def __call__(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
+    def __call__(
+        self, tokens: mx.array, cache: list[Any] | None = None, logits_to_keep: int = 0
+    ) -> mx.array:
+        """Logits for every position, or only the last `logits_to_keep` (as HF names it):
+        prefill then skips the vocab-sized head matmul for all but the position it samples."""
         h = self.model.embed_tokens(tokens)
         T = h.shape[1]
         if cache is not None and hasattr(cache[0], "make_mask"):
@@ -51,6 +55,8 @@ class Transformer(nn.Module):
             mask = "causal" if T > 1 else None
         for i, layer in enumerate(self.model.layers):
             h = layer(h, mask, cache[i] if cache is not None else None)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:, :]
         h = self.model.norm(h)
         if self.config.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)

@@ -211,3 +211,23 @@ def test_prompt_longer_than_context_rotates_or_refuses(client):
     )
     assert done.finish_reason == "length" and len(done.ids) == 13
     assert done.stats["cache_tokens"] == 512 and done.stats["evicted_tokens"] == 0
+
+
+def test_ids_past_the_tokenizer_vocab_are_never_sampled(copy_checkpoint):
+    """Embedding tables are often padded past the tokenizer; those ids cannot be decoded."""
+    from .conftest import _write_tokenizer
+
+    folder = copy_checkpoint("llama")  # model vocab 256
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / f).unlink(missing_ok=True)
+    _write_tokenizer(folder, 40)
+    events: queue.Queue[Event] = queue.Queue()
+    engine = Engine(events.put, folder)
+    try:
+        engine.submit([1, 5, 7], GenParams(max_tokens=60, temp=1.0, seed=0, ignore_eos=True))
+        while not isinstance(done := events.get(timeout=60), Done):
+            pass
+    finally:
+        engine.close()
+    assert done.finish_reason == "length", done.error
+    assert len(done.ids) == 60 and max(done.ids) < 40

@@ -193,3 +193,23 @@ def test_swiglu_mlp_by_hand() -> None:
     expected = (silu * up) @ np_(mlp.down_proj.weight).T
     ours = np_(mlp(mx.array(x.astype(np.float32))))
     np.testing.assert_allclose(ours, expected, atol=1e-5)
+
+
+def test_logits_to_keep_equals_the_tail_of_all_logits():
+    import mlx.core as mx
+
+    from model.config import ModelConfig
+    from model.transformer import Transformer
+
+    cfg = ModelConfig.from_dict({
+        "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+        "vocab_size": 100,
+    })
+    mx.random.seed(0)
+    m = Transformer(cfg)
+    tokens = mx.array([[5, 9, 3, 7, 1, 2]])
+    full = m(tokens)
+    tail = m(tokens, logits_to_keep=2)
+    assert tail.shape == (1, 2, 100)
+    assert mx.allclose(tail, full[:, -2:, :], atol=1e-6).item()
