@@ -144,10 +144,11 @@ def greeting(rng: random.Random) -> tuple[str, str]:
 def small_talk(rng: random.Random) -> tuple[str, str]:
     kind = rng.random()
     if kind < 0.45:
-        return _perturb(rng, _pick(rng, HOW_ARE_YOU)), _pick(rng, HOW_ARE_YOU_REPLIES)
+        q = _lead(rng, _pick(rng, HOW_ARE_YOU), 0.3)
+        return _perturb(rng, q), _pick(rng, HOW_ARE_YOU_REPLIES)
     if kind < 0.75:
         return _perturb(rng, _pick(rng, BYES)), _pick(rng, BYE_REPLIES)
-    return _perturb(rng, _pick(rng, JOKES)), _pick(rng, JOKE_REPLIES)
+    return _perturb(rng, _lead(rng, _pick(rng, JOKES), 0.5)), _pick(rng, JOKE_REPLIES)
 
 
 # --------------------------------------------------------------------------- identity
@@ -215,9 +216,10 @@ ABOUT_SELF: list[tuple[list[str], list[str]]] = [
 
 def identity(rng: random.Random) -> tuple[str, str]:
     if rng.random() < 0.4:
-        return _perturb(rng, _pick(rng, IDENTITY_QUESTIONS)), _pick(rng, IDENTITY_REPLIES)
+        q = _lead(rng, _pick(rng, IDENTITY_QUESTIONS))
+        return _perturb(rng, q), _pick(rng, IDENTITY_REPLIES)
     questions, replies = ABOUT_SELF[rng.randrange(len(ABOUT_SELF))]
-    return _perturb(rng, _pick(rng, questions)), _pick(rng, replies)
+    return _perturb(rng, _lead(rng, _pick(rng, questions))), _pick(rng, replies)
 
 
 # --------------------------------------------------------------------------- topics
@@ -385,7 +387,8 @@ TOPIC_WEIGHTS = {
 }
 LEADS = [
     "", "", "", "", "", "Hi! ", "Hey, ", "Quick question: ", "Hello. ", "I have a question. ",
-    "I'm curious. ", "Sorry, ", "OK, ", "So, ", "Hmm, ",
+    "I'm curious. ", "Sorry, ", "OK, ", "So, ", "Hmm, ", "Hey there, ", "Hi there! ",
+    "Well, ", "Excuse me, ", "Hello! ",
 ]
 QUESTION_FORMS = [
     "What is {t}?", "What is {t}?", "What's {t}?", "Explain {t}.", "Explain {t}.",
@@ -405,17 +408,22 @@ MORE = ["Tell me more.", "Tell me more about it.", "Can you say more?", "Go on."
         "And what else?", "Interesting. Tell me more.", "What else should I know?"]
 
 
-def topic_question(rng: random.Random, topic: str) -> str:
-    aliases = TOPICS[topic][0]
-    form = _pick(rng, QUESTION_FORMS)
-    q = form.format(t=_pick(rng, aliases))
+def _lead(rng: random.Random, q: str, p: float = 1.0) -> str:
+    """Prefix a lead-in ("Hey, ", "Quick question: ") with probability `p` (LEADS itself
+    is mostly empty); after a comma a plain first word is lowered, an acronym kept."""
+    if rng.random() >= p:
+        return q
     lead = _pick(rng, LEADS)
-    if lead.endswith(", ") and q[0].isupper() and not q.startswith(("I ", "I'm")):
-        # "Hey, what is GQA?" keeps an acronym's case but lowers a plain first word
+    if lead.endswith(", ") and q[0].isupper() and not q.startswith(("I ", "I'm", "I'd")):
         first = q.split(" ", 1)[0]
         if not first.isupper() and first not in ("GQA", "RoPE", "RMSNorm", "SwiGLU", "MLX"):
             q = q[0].lower() + q[1:]
-    q = lead + q
+    return lead + q
+
+
+def topic_question(rng: random.Random, topic: str) -> str:
+    aliases = TOPICS[topic][0]
+    q = _lead(rng, _pick(rng, QUESTION_FORMS).format(t=_pick(rng, aliases)))
     tail = _pick(rng, TAILS)
     if tail and q[-1] in ".?!":
         q += tail
@@ -435,26 +443,40 @@ def topic_qa(rng: random.Random) -> tuple[str, str, str]:
 
 # --------------------------------------------------------------------------- out of domain
 
+COUNTRIES = ["France", "Japan", "Italy", "Brazil", "Canada", "Egypt", "India", "Spain",
+             "Kenya", "Peru", "Norway", "Mexico", "China", "Germany", "Australia", "Chile"]
+THINGS = ["the telephone", "the light bulb", "paper", "the bicycle", "chess", "the radio",
+          "the airplane", "pizza", "the internet", "music", "the wheel", "glass"]
 OOD_SUBJECTS = [
-    "the capital of France", "the capital of Japan", "the tallest mountain", "the speed of"
-    " light", "the population of Brazil", "the longest river", "the boiling point of water",
-    "the largest planet", "the best programming language", "the meaning of life",
-    "the price of gold", "the weather tomorrow", "the date today", "the square root of 2",
+    "the capital of {c}", "the population of {c}", "the currency of {c}", "the biggest city"
+    " in {c}", "the language of {c}", "the tallest mountain", "the speed of light",
+    "the longest river", "the boiling point of water", "the largest planet",
+    "the best programming language", "the meaning of life", "the price of gold",
+    "the weather tomorrow", "the date today", "the square root of 2", "the history of {t}",
+    "the recipe for {t}",
 ]
 OOD_FORMS = [
     "What is {s}?", "Do you know {s}?", "Tell me {s}.", "Can you tell me {s}?",
-    "What's {s}?",
+    "What's {s}?", "I need to know {s}.",
+]
+OOD_QUESTIONS = [
+    "Who invented {t}?", "When was {t} invented?", "How does {t} work?",
+    "Where is {c}?", "How big is {c}?", "What should I visit in {c}?", "Who rules {c}?",
+    "What is {n} times {m}?", "What is {n} plus {m}?", "How much is {n} divided by {m}?",
 ]
 OOD_REQUESTS = [
     "Write a poem about the ocean.", "Translate this sentence into French.",
-    "Write some Python code to sort a list.", "What is 17 times 23?", "Solve 2x + 3 = 7.",
+    "Write some Python code to sort a list.", "Solve 2x + 3 = 7.",
     "What time is it?", "What's the weather like today?", "Recommend a good movie.",
     "Who won the World Cup?", "Who wrote Hamlet?", "Can you help me with my homework?",
     "How do I cook rice?", "Write an email to my boss.", "What is the news today?",
     "Can you browse the internet?", "Summarize this article for me.",
     "Who is the president?", "How do I fix my car?", "What should I eat for dinner?",
     "Give me stock advice.", "How far is the moon?", "Write a song.",
+    "Plan a trip to {c} for me.", "Write a poem about {t}.", "Translate hello into {l}.",
+    "Do you speak {l}?", "What is the best phone to buy?", "How do I lose weight?",
 ]
+LANGUAGES = ["French", "Spanish", "German", "Japanese", "Italian", "Chinese"]
 OOD_REPLIES = [
     "I'm sorry, I don't know that. I am a very small model, so I only know about kvchat,"
     " language models and short stories.",
@@ -466,11 +488,17 @@ OOD_REPLIES = [
 
 
 def out_of_domain(rng: random.Random) -> tuple[str, str]:
-    if rng.random() < 0.5:
-        q = _pick(rng, OOD_FORMS).format(s=_pick(rng, OOD_SUBJECTS))
+    """Questions outside the model's small world (answered with a polite refusal)."""
+    slots = dict(c=_pick(rng, COUNTRIES), t=_pick(rng, THINGS), l=_pick(rng, LANGUAGES),
+                 n=rng.randrange(2, 100), m=rng.randrange(2, 20))
+    r = rng.random()
+    if r < 0.4:
+        q = _pick(rng, OOD_FORMS).format(s=_pick(rng, OOD_SUBJECTS).format(**slots))
+    elif r < 0.7:
+        q = _pick(rng, OOD_QUESTIONS).format(**slots)
     else:
-        q = _pick(rng, OOD_REQUESTS)
-    return _perturb(rng, q), _pick(rng, OOD_REPLIES)
+        q = _pick(rng, OOD_REQUESTS).format(**slots)
+    return _perturb(rng, _lead(rng, q, 0.5)), _pick(rng, OOD_REPLIES)
 
 
 # --------------------------------------------------------------------------- stories
@@ -568,7 +596,8 @@ STORY_REQUESTS = [
     "Write me a short story.", "Story time!", "Could you tell me a short story?",
     "Tell me a fun story.", "Tell me a happy story.", "Make up a story for me.",
     "Write a story for kids.", "Can I have a story?", "Tell me a nice story.",
-    "Tell me a story, please.", "Can you write a short story?",
+    "Tell me a story, please.", "Can you write a short story?", "Tell me a tale.",
+    "Tell me a fairy tale.", "Tell me a children's story.", "Do you know any stories?",
 ]
 STORY_ABOUT = [
     "Tell me a story about {c}.", "Tell me a story about {c}.", "Tell me a short story about"
@@ -577,6 +606,8 @@ STORY_ABOUT = [
     "Tell me a bedtime story about {c}.", "Make up a story about {c}.",
     "I want a story about {c}.", "Could you write a story about {c}?",
     "Tell me a little story about {c}.", "story about {c}", "Please tell me a story with {c}.",
+    "Tell me a tale about {c}.", "Tell me a fairy tale about {c}.",
+    "Can you make up a story about {c}?", "Do you know a story about {c}?",
 ]
 LIKED = ["I liked that story.", "That was a nice story.", "Cute story!", "I loved it!"]
 LIKED_REPLIES = ["I'm glad you liked it!", "Thank you! I'm happy you enjoyed it.",
@@ -670,7 +701,7 @@ def story_request(rng: random.Random) -> tuple[str, str]:
     reply = story(rng, kind, bedtime)
     if rng.random() < 0.15:
         reply = "Sure! " + reply
-    return _perturb(rng, q), reply
+    return _perturb(rng, _lead(rng, q, 0.5)), reply
 
 
 # --------------------------------------------------------------------------- conversations
@@ -686,12 +717,12 @@ SYSTEM_PROMPTS = [
 
 # single-turn generators and their weights
 _SINGLE: list[tuple[Callable[[random.Random], tuple[str, str]], float]] = [
-    (greeting, 0.13),
+    (greeting, 0.12),
     (small_talk, 0.06),
     (identity, 0.12),
-    (lambda r: topic_qa(r)[:2], 0.34),
+    (lambda r: topic_qa(r)[:2], 0.33),
     (story_request, 0.29),
-    (out_of_domain, 0.06),
+    (out_of_domain, 0.08),
 ]
 
 
