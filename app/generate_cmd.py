@@ -87,27 +87,6 @@ def params_from_args(args: argparse.Namespace) -> GenParams:
     )
 
 
-def check_params(p: GenParams) -> str | None:
-    """A usage error for a bad flag value (exit 2), else None."""
-    from model.sampling import SamplingParams
-
-    try:
-        SamplingParams(
-            temp=p.temp, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-            repetition_penalty=p.repetition_penalty,
-            repetition_context_size=p.repetition_context_size, seed=p.seed,
-        ).validate()
-    except KVChatError as e:
-        return str(e)
-    if p.max_tokens < 1:
-        return f"--max-tokens must be >= 1, got {p.max_tokens}"
-    if p.keep < 0:
-        return f"--keep must be >= 0, got {p.keep}"
-    if p.max_kv_size is not None and p.max_kv_size <= p.keep:
-        return f"--max-kv-size ({p.max_kv_size}) must be larger than --keep ({p.keep})"
-    return None
-
-
 class BlockingEngine:
     """The engine driven synchronously: for the CLI and benchmarks."""
 
@@ -154,8 +133,10 @@ def _finite(v: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     params = params_from_args(args)
-    if (problem := check_params(params)) is not None:
-        report(problem)
+    try:
+        params.validate()
+    except KVChatError as e:  # a bad flag value is a usage error
+        report(str(e))
         return 2
     if args.prompt is not None:
         text = args.prompt

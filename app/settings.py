@@ -146,11 +146,11 @@ def _field_error(name: str, v: Any) -> str | None:
 
 
 def _cross_error(s: Settings) -> str | None:
-    if s.max_kv_size is not None and _is_int(s.keep) and s.max_kv_size < s.keep + 1:
-        return (
-            f"max_kv_size ({s.max_kv_size}) must be at least keep + 1 ({s.keep + 1}):"
-            " the window needs room beyond the kept tokens"
-        )
+    """Checks across fields, once each field is valid: the engine's own (GenParams)."""
+    try:
+        s.gen_params().validate()
+    except KVChatError as e:
+        return str(e)
     return None
 
 

@@ -42,7 +42,7 @@ from .events import (
     Stats,
     TextDelta,
 )
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler
 from .tokenizer import Tokenizer, load_tokenizer
 from .transformer import Transformer
 from .weights import load_model, parameter_count, weight_bytes
@@ -308,14 +308,10 @@ class Engine:
         try:
             if self.model is None or self.tokenizer is None:
                 raise KVChatError("no model loaded")
-            SamplingParams(**_sampling_fields(params)).validate()
-            if params.max_tokens < 1:
-                raise KVChatError(f"max_tokens must be >= 1, got {params.max_tokens}")
+            params.validate()
             prompt_ids = self._prompt_ids(prompt)
             if not prompt_ids:
                 raise KVChatError("empty prompt")
-            if params.overflow not in ("rotate", "refuse"):
-                raise KVChatError(f"overflow must be 'rotate' or 'refuse', got {params.overflow!r}")
             if params.overflow == "refuse":
                 room = self._capacity(params) - len(prompt_ids) + 1
                 if room < 1:
@@ -364,7 +360,7 @@ class Engine:
         prefill_s = time.perf_counter() - t_prefill
         base["prefill_tps"] = len(todo) / prefill_s if prefill_s > 0 else 0.0
 
-        sampler = Sampler(SamplingParams(**_sampling_fields(params)))
+        sampler = Sampler(params.sampling())
         # embedding tables are often padded past the tokenizer's vocabulary; an id the
         # tokenizer cannot decode must never be sampled
         n_ids = min(model.config.vocab_size, tok.vocab_size)
@@ -444,15 +440,3 @@ class Engine:
             "generated_tokens": n,
             "decode_tps": (n - 1) / span if n > 1 and span > 0 else 0.0,
         }
-
-
-def _sampling_fields(p: GenParams) -> dict[str, Any]:
-    return {
-        "temp": p.temp,
-        "top_p": p.top_p,
-        "top_k": p.top_k,
-        "min_p": p.min_p,
-        "repetition_penalty": p.repetition_penalty,
-        "repetition_context_size": p.repetition_context_size,
-        "seed": p.seed,
-    }

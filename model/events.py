@@ -7,7 +7,14 @@ client hops to its own thread with `App.call_from_thread`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from .errors import KVChatError
+
+if TYPE_CHECKING:
+    from .sampling import SamplingParams
+
+OVERFLOW_MODES = ("rotate", "refuse")
 
 
 @dataclass
@@ -30,6 +37,35 @@ class GenParams:
     # past the cache capacity: "rotate" (evict, keep `keep` sinks) or "refuse" (a prompt
     # that does not fit is an error; generation stops with "length" when the cache is full)
     overflow: str = "rotate"
+
+    def sampling(self) -> SamplingParams:
+        from .sampling import SamplingParams  # imports MLX; keep this module light
+
+        return SamplingParams(
+            temp=self.temp,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            repetition_context_size=self.repetition_context_size,
+            seed=self.seed,
+        )
+
+    def validate(self) -> GenParams:
+        """Raise KVChatError (one line, naming the field) on the first bad value."""
+        self.sampling().validate()
+        if self.max_tokens < 1:
+            raise KVChatError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.keep < 0:
+            raise KVChatError(f"keep must be >= 0, got {self.keep}")
+        if self.max_kv_size is not None and self.max_kv_size <= self.keep:
+            raise KVChatError(
+                f"max_kv_size ({self.max_kv_size}) must be at least keep + 1"
+                f" ({self.keep + 1}): the window needs room beyond the kept tokens"
+            )
+        if self.overflow not in OVERFLOW_MODES:
+            raise KVChatError(f"overflow must be 'rotate' or 'refuse', got {self.overflow!r}")
+        return self
 
 
 @dataclass

@@ -97,7 +97,7 @@ def test_generate_chat_template_fallback_and_system():
         (["--model", "/nonexistent/model", "--prompt", "hi"], 1, "not found"),
         (["--model", str(STORIES260K), "--prompt", "hi", "--temp", "-1"], 2, "temp"),
         (["--model", str(STORIES260K), "--prompt", "hi", "--top-p", "0"], 2, "top_p"),
-        (["--model", str(STORIES260K), "--prompt", "hi", "--max-tokens", "0"], 2, "max-tokens"),
+        (["--model", str(STORIES260K), "--prompt", "hi", "--max-tokens", "0"], 2, "max_tokens"),
         (["--model", str(STORIES260K), "--prompt", "hi", "--max-kv-size", "4"], 2, "keep"),
         (["--bogus-flag"], 2, "unrecognized"),
     ],
