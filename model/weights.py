@@ -217,7 +217,7 @@ def parameter_count(model: nn.Module) -> int:
     """Logical parameters (quantized weights counted unpacked; scales and biases not)."""
     total = 0
     for name, arr in tree_flatten(model.parameters()):
-        if name.endswith((".scales", ".biases")) and arr.dtype != mx.uint32:
+        if name.endswith((".scales", ".biases")):
             # quantization metadata; a real bias on a quantized layer is named ".bias"
             continue
         if arr.dtype == mx.uint32:
