@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from textual import events
 from textual.widgets import DataTable, Input, Markdown, Static
 from textual.widgets._markdown import MarkdownFence
 
@@ -223,8 +224,8 @@ async def test_autoscroll_only_while_at_bottom(env: Path) -> None:
         await pilot.pause(0.1)
         t = app.transcript
         assert t.following and t.max_scroll_y > 0 and t.scroll_y == t.max_scroll_y
-        t.scroll_home(animate=False)
-        t.release_anchor()
+        for _ in range(40):  # the user scrolls up with the mouse wheel
+            t.post_message(events.MouseScrollUp(t, 2, 2, 0, -1, 0, False, False, False))
         await pilot.pause()
         assert not t.following
         engine(app).resume()

@@ -144,6 +144,7 @@ async def test_real_stop_regenerate_and_edit_trims_cache(env: Path) -> None:
         regen = app.last_done
         assert regen is not None and regen.finish_reason in ("length", "eos")
         assert len(app.conversation.messages) == 2
+        assert regen.text.strip()
         assert partial.startswith(regen.text) or regen.text.startswith(partial)
         s = app.panel.stats
         assert s["cached_tokens"] == s["prompt_tokens"] - 1  # all but the last prompt token
@@ -188,7 +189,7 @@ async def test_real_swap_model_and_failed_swap(env: Path) -> None:
         table.move_cursor(row=names.index("stories-copy"))
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.model_path == str(copy.resolve()), timeout=120)
-        assert app.last_freed_bytes is not None and app.last_freed_bytes >= 0
+        assert app.last_freed_bytes is not None and app.last_freed_bytes > 0
         assert any("freed" in n.message for n in app._notifications)
         assert app.sub_title == "stories-copy"
         # the conversation continues on the new model (its cache starts empty)
@@ -317,7 +318,8 @@ async def test_real_key_latency_while_decoding(env: Path, capsys: pytest.Capture
         stop_while_decoding = app.generating
         stop = await _key_latency(pilot, "escape", None, lambda: not app.generating)
         assert samples_while_decoding >= 5, "too few keys landed while decoding to measure"
-        assert app.last_done is not None
+        assert settings_while_decoding and stop_while_decoding
+        assert app.last_done is not None and app.last_done.finish_reason == "cancelled"
         tokens = app.last_done.stats.get("generated_tokens")
         tps = app.last_done.stats.get("decode_tps") or 0.0
     ms = sorted(x * 1000 for x in typing)
