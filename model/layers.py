@@ -27,6 +27,10 @@ class RMSNorm(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         return metal_kernels.rms_norm(x, self.weight, self.eps)
 
+    def add_and_norm(self, x: mx.array, residual: mx.array) -> tuple[mx.array, mx.array]:
+        """(x + residual, norm(x + residual)) in one fused pass where the backend has it."""
+        return metal_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+
 
 def rope_periods(dims: int, rope: RopeConfig) -> mx.array | None:
     """Per-pair periods for scaled RoPE (`None` for the plain base-theta schedule).
@@ -61,9 +65,13 @@ class RoPE(nn.Module):
         self.scale = 1.0 / rope.factor if rope.type == "linear" else 1.0
         self._periods = rope_periods(dims, rope)  # underscore: not a parameter
 
-    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
-        return metal_kernels.rope(
-            x,
+    def __call__(
+        self, q: mx.array, k: mx.array, offset: int | mx.array = 0
+    ) -> tuple[mx.array, mx.array]:
+        """Q and K rotated together (one kernel launch where the backend fuses them)."""
+        return metal_kernels.rope_qk(
+            q,
+            k,
             self.dims,
             traditional=False,
             base=self.base,
@@ -102,8 +110,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
-        q = self.rope(q, offset)
-        k = self.rope(k, offset)
+        q, k = self.rope(q, k, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
@@ -135,5 +142,7 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, normed = self.post_attention_layernorm.add_and_norm(
+            self.self_attn(self.input_layernorm(x), mask, cache), x
+        )
+        return h + self.mlp(normed)
