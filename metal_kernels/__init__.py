@@ -7,20 +7,71 @@
 - `fast`:  `mx.fast.rms_norm` / `mx.fast.rope` (default elsewhere);
 - `ops`:   plain mlx ops written from the formulas — the readable reference.
 
-`KVCHAT_KERNELS=metal|fast|ops` forces one; `set_backend()` switches at run time.
+`KVCHAT_KERNELS=metal|fast|ops` forces one (and wins over the settings entry, see
+`configure`); `set_backend()` switches at run time. Tests register more backends with
+`register_backend` (the CPU Metal emulator running the same `.metal` sources); a CUDA
+twin (`mx.fast.cuda_kernel`) would register the same way. Every backend gets the same
+shape checks (`shapes.py`) first, so a bad shape is one line, never a kernel crash.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
 
 import mlx.core as mx
 
-BACKENDS = ("metal", "fast", "ops")
+from . import fast, ops
+from .errors import KernelError
+from .shapes import check_norm, check_rope
+
+BACKENDS = ("metal", "fast", "ops")  # the built-in names KVCHAT_KERNELS accepts
+
+__all__ = [
+    "BACKENDS", "Backend", "KernelError", "add_rms_norm", "available_backends", "backend",
+    "configure", "register_backend", "rms_norm", "rope", "rope_qk", "set_backend",
+    "switch_backend", "unregister_backend", "using",
+]
 
 
-class KernelError(ValueError):
-    """A backend or a shape the kernels cannot serve (one line for the user)."""
+class Backend(Protocol):
+    """What a backend provides (a module or an object): the four entry points, on inputs
+    that already passed the shape checks."""
+
+    def rms_norm(self, x: mx.array, weight: mx.array, eps: float) -> mx.array: ...
+    def add_rms_norm(self, x: mx.array, residual: mx.array, weight: mx.array,
+                     eps: float) -> tuple[mx.array, mx.array]: ...
+    def rope(self, x: mx.array, dims: int, traditional: bool, base: float | None,
+             scale: float, offset: int | mx.array, freqs: mx.array | None) -> mx.array: ...
+    def rope_qk(self, q: mx.array, k: mx.array, dims: int, traditional: bool,
+                base: float | None, scale: float, offset: int | mx.array,
+                freqs: mx.array | None) -> tuple[mx.array, mx.array]: ...
+
+
+_REGISTERED: dict[str, Any] = {"fast": fast, "ops": ops}  # "metal" is built on first use
+_BACKEND: str | None = None
+
+
+def _impl(name: str) -> Any:
+    if name == "metal" and "metal" not in _REGISTERED:
+        from .metal import MetalBackend
+
+        _REGISTERED["metal"] = MetalBackend()
+    return _REGISTERED[name]
+
+
+def _names() -> list[str]:
+    return list(BACKENDS) + [n for n in _REGISTERED if n not in BACKENDS]
+
+
+def _check(name: str) -> str:
+    if name not in _names():
+        raise KernelError(f"unknown kernels backend {name!r}; allowed: {', '.join(_names())}")
+    if name == "metal" and not mx.metal.is_available():
+        raise KernelError("kernels backend 'metal' needs Metal, which this machine lacks")
+    return name
 
 
 def _default_backend() -> str:
@@ -28,17 +79,6 @@ def _default_backend() -> str:
     if forced:
         return _check(forced)
     return "metal" if mx.metal.is_available() else "fast"
-
-
-def _check(name: str) -> str:
-    if name not in BACKENDS:
-        raise KernelError(f"unknown kernels backend {name!r}; allowed: {', '.join(BACKENDS)}")
-    if name == "metal" and not mx.metal.is_available():
-        raise KernelError("kernels backend 'metal' needs Metal, which this machine lacks")
-    return name
-
-
-_BACKEND: str | None = None
 
 
 def backend() -> str:
@@ -56,60 +96,78 @@ def set_backend(name: str) -> str:
     return _BACKEND
 
 
-# ----------------------------------------------------------------------------- ops reference
+def available_backends() -> list[str]:
+    """The names `set_backend` accepts on this machine (for a picker or palette)."""
+    return [n for n in _names() if n != "metal" or mx.metal.is_available()]
 
 
-def _ops_rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    xf = x.astype(mx.float32)
-    y = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y.astype(x.dtype) * weight).astype(x.dtype)
+def switch_backend(name: str) -> str:
+    """The UI's run-time switch: one line to show, for success and failure alike.
+
+    Takes effect from the next kernel call; the model needs no rebuild (a compiled
+    decode step keyed on `backend()` must be re-traced, as the engine does)."""
+    before = backend()
+    try:
+        now = set_backend(name)
+    except KernelError as e:
+        return str(e)
+    return f"kernels: {now}" + ("" if now != before else " (unchanged)")
 
 
-def _ops_rope(
-    x: mx.array,
-    dims: int,
-    traditional: bool,
-    base: float | None,
-    scale: float,
-    offset: int | mx.array,
-    freqs: mx.array | None,
-) -> mx.array:
-    T = x.shape[-2]
-    half = dims // 2
-    if freqs is None:
-        inv = base ** (-mx.arange(0, dims, 2, dtype=mx.float32) / dims)
-    else:
-        inv = 1.0 / freqs.astype(mx.float32)
-    pos = (mx.arange(T, dtype=mx.float32) + mx.array(offset, dtype=mx.float32)) * scale
-    theta = pos[:, None] * inv[None, :]  # (T, dims/2)
-    cos, sin = mx.cos(theta), mx.sin(theta)
-    rot, rest = x[..., :dims].astype(mx.float32), x[..., dims:]
-    if traditional:
-        a, b = rot[..., 0::2], rot[..., 1::2]
-        ra, rb = a * cos - b * sin, a * sin + b * cos
-        out = mx.stack([ra, rb], axis=-1).reshape(rot.shape)
-    else:
-        a, b = rot[..., :half], rot[..., half:]
-        out = mx.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
-    return mx.concatenate([out.astype(x.dtype), rest], axis=-1)
+def configure(setting: str | None = None) -> str:
+    """Pick the backend at start-up: KVCHAT_KERNELS, else the settings entry (`kernels`),
+    else the machine's default. Raises KernelError for an unknown or unusable name."""
+    global _BACKEND
+    _BACKEND = None
+    if not os.environ.get("KVCHAT_KERNELS") and setting:
+        return set_backend(setting)
+    return backend()
+
+
+def register_backend(name: str, impl: Any) -> None:
+    """Add a backend under `name` (tests: the Metal emulator; a CUDA twin would too)."""
+    if name in ("fast", "ops"):
+        raise KernelError(f"kernels backend {name!r} is built in")
+    _REGISTERED[name] = impl
+
+
+def unregister_backend(name: str) -> None:
+    """Remove a registered backend; the default is used again if it was the current one."""
+    global _BACKEND
+    if name in ("fast", "ops"):
+        raise KernelError(f"kernels backend {name!r} is built in")
+    _REGISTERED.pop(name, None)
+    if _BACKEND == name:
+        _BACKEND = None
+
+
+@contextmanager
+def using(name: str) -> Iterator[str]:
+    """Run a block on one backend, then restore the previous one (tests, benchmarks)."""
+    global _BACKEND
+    before = _BACKEND
+    set_backend(name)
+    try:
+        yield name
+    finally:
+        _BACKEND = before
 
 
 # ----------------------------------------------------------------------------- entry points
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    """y = x / sqrt(mean(x², last axis) + eps) * weight."""
-    if backend() == "ops":
-        return _ops_rms_norm(x, weight, eps)
-    return mx.fast.rms_norm(x, weight, eps)
+    """y = x / sqrt(mean(x², last axis) + eps) * weight; dtype result_type(x, weight)."""
+    check_norm(x, weight)
+    return _impl(backend()).rms_norm(x, weight, eps)
 
 
 def add_rms_norm(
     x: mx.array, residual: mx.array, weight: mx.array, eps: float
 ) -> tuple[mx.array, mx.array]:
     """h = x + residual; returns (h, rms_norm(h, weight, eps)) — one pass on `metal`."""
-    h = x + residual
-    return h, rms_norm(h, weight, eps)
+    check_norm(x, weight, residual)
+    return _impl(backend()).add_rms_norm(x, residual, weight, eps)
 
 
 def rope(
@@ -126,13 +184,11 @@ def rope(
 
     `traditional=False` is the Hugging Face "rotate_half" layout (pairs i, i + dims/2);
     `freqs` (periods, one per pair) overrides `base` for scaled RoPE variants; `scale`
-    multiplies positions (linear scaling). Features past `dims` pass through.
+    multiplies positions (linear scaling); `offset` is an int or an integer array with one
+    value per batch row. Features past `dims` pass through.
     """
-    if backend() == "ops":
-        return _ops_rope(x, dims, traditional, base, scale, offset, freqs)
-    return mx.fast.rope(
-        x, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs
-    )
+    check_rope((x,), dims, base, offset, freqs)
+    return _impl(backend()).rope(x, dims, traditional, base, scale, offset, freqs)
 
 
 def rope_qk(
@@ -148,5 +204,5 @@ def rope_qk(
 ) -> tuple[mx.array, mx.array]:
     """RoPE on Q and K of one attention call (their head counts differ under GQA);
     one launch on `metal`."""
-    kw = dict(traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs)
-    return rope(q, dims, **kw), rope(k, dims, **kw)
+    check_rope((q, k), dims, base, offset, freqs)
+    return _impl(backend()).rope_qk(q, k, dims, traditional, base, scale, offset, freqs)
