@@ -1,0 +1,233 @@
+"""A CPU emulator for `mx.fast.metal_kernel`: runs the exact Metal sources without a Mac.
+
+`metal_kernel(...)` has the signature of `mx.fast.metal_kernel`; the callable it returns
+takes the same keywords and returns a list of `mx.array`. The kernel text is wrapped in
+the signature MLX would write (`signature.py`), compiled with g++ against a small MSL
+compatibility header (`metal_compat.h`, `kvemu_runtime.h`), cached by hash, and run
+threadgroup by threadgroup with cooperative threads (see kvemu_runtime.h).
+
+Thread order is a module setting: `set_schedule("sequential" | "reversed" | "shuffled",
+seed)` or `with schedule(...)`. Differences from a GPU, on purpose: inputs are always
+passed row-contiguous (strides describe the copy), execution is eager (no lazy graph),
+and fast-math accuracy is not modelled.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import mlx.core as mx
+import numpy as np
+
+from .compiler import BufferCast, EmulatorError, compiler, is_cooperative, load, translation_unit
+from .signature import (
+    InputSpec,
+    TemplateArg,
+    attributes,
+    kernel_name,
+    shape_infos,
+    type_string,
+    write_signature,
+    write_template,
+)
+
+__all__ = [
+    "EmulatorError", "available", "launches", "metal_kernel", "schedule", "set_schedule",
+]
+
+ORDERS = {"sequential": 0, "reversed": 1, "shuffled": 2}
+_schedule: tuple[str, int] = ("sequential", 0)
+
+# Launch count per kernel name, so tests can prove a call went through the emulator.
+launches: Counter[str] = Counter()
+
+
+def available() -> bool:
+    """Whether a C++ compiler exists to build kernels with."""
+    return compiler() is not None
+
+
+def set_schedule(order: str, seed: int = 0) -> None:
+    """Thread order within each threadgroup for every later launch."""
+    global _schedule
+    if order not in ORDERS:
+        raise ValueError(f"unknown schedule {order!r}; allowed: {', '.join(ORDERS)}")
+    _schedule = (order, seed)
+
+
+@contextmanager
+def schedule(order: str, seed: int = 0) -> Iterator[None]:
+    saved = _schedule
+    set_schedule(order, seed)
+    try:
+        yield
+    finally:
+        set_schedule(*saved)
+
+
+def _as_array(value: object) -> mx.array:
+    if isinstance(value, mx.array):
+        return value
+    # What MLX's `to_array` makes of a Python scalar: bool, int32 or float32.
+    if isinstance(value, bool):
+        return mx.array(value, dtype=mx.bool_)
+    if isinstance(value, int):
+        return mx.array(value, dtype=mx.int32)
+    if isinstance(value, float):
+        return mx.array(value, dtype=mx.float32)
+    raise TypeError(f"[metal_kernel] inputs must be arrays or scalars, got {type(value).__name__}")
+
+
+def _raw(a: mx.array) -> np.ndarray:
+    """Row-contiguous bytes of `a` as numpy (bfloat16 through its bits)."""
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.ascontiguousarray(np.array(a, copy=True))
+
+
+def _from_raw(buf: np.ndarray, shape: Sequence[int], dtype: mx.Dtype) -> mx.array:
+    if dtype == mx.bfloat16:
+        return mx.array(buf.view(np.uint16)).view(mx.bfloat16).reshape(shape)
+    np_dtype = np.dtype(np.bool_) if dtype == mx.bool_ else np.dtype(_NP_NAMES[dtype])
+    return mx.array(buf.view(np_dtype)).reshape(shape)
+
+
+_NP_NAMES = {
+    mx.float32: "float32", mx.float16: "float16", mx.float64: "float64", mx.int8: "int8",
+    mx.int16: "int16", mx.int32: "int32", mx.int64: "int64", mx.uint8: "uint8",
+    mx.uint16: "uint16", mx.uint32: "uint32", mx.uint64: "uint64",
+}
+
+
+class EmulatedKernel:
+    """The callable `metal_kernel` returns."""
+
+    def __init__(
+        self, name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
+        header: str, ensure_row_contiguous: bool, atomic_outputs: bool,
+    ) -> None:
+        if not output_names:
+            raise ValueError("[metal_kernel] Must specify at least one output.")
+        self.name = name
+        self.input_names = list(input_names)
+        self.output_names = list(output_names)
+        self.source = source
+        self.header = header
+        self.ensure_row_contiguous = ensure_row_contiguous
+        self.atomic_outputs = atomic_outputs
+        self.shape_infos = shape_infos(source, self.input_names)
+        self.attributes = attributes(source)
+        self.cooperative = is_cooperative(header + source)
+
+    def generated_source(
+        self, inputs: list[mx.array], output_dtypes: list[mx.Dtype],
+        template: list[tuple[str, TemplateArg]],
+    ) -> tuple[str, str]:
+        """(kernel name, full source) exactly as MLX would compile it."""
+        specs = [InputSpec(n, a.dtype, a.ndim, a.size) for n, a in zip(self.input_names, inputs, strict=True)]
+        kname = kernel_name(self.name, specs, output_dtypes, template)
+        src = write_signature(
+            kname, self.header, self.source, specs, self.output_names, output_dtypes, template,
+            self.attributes, self.shape_infos, self.atomic_outputs,
+        )
+        return kname, src
+
+    def __call__(
+        self,
+        *,
+        inputs: Sequence[mx.array | bool | int | float],
+        output_shapes: Sequence[Sequence[int]],
+        output_dtypes: Sequence[mx.Dtype],
+        grid: tuple[int, int, int],
+        threadgroup: tuple[int, int, int],
+        template: Sequence[tuple[str, TemplateArg]] | None = None,
+        init_value: float | None = None,
+        verbose: bool = False,
+        stream: object = None,
+    ) -> list[mx.array]:
+        del stream  # the emulator always runs on the CPU, eagerly
+        arrays = [_as_array(v) for v in inputs]
+        for actual, expected, what in (
+            (len(arrays), len(self.input_names), "inputs"),
+            (len(output_shapes), len(self.output_names), "output_shapes"),
+            (len(output_dtypes), len(self.output_names), "output_dtypes"),
+        ):
+            if actual != expected:
+                raise ValueError(f"[metal_kernel] Expected `{what}` to have size {expected} but got size {actual}.")
+        tmpl = list(template or [])
+        if any(not isinstance(v, bool | int | mx.Dtype) for _, v in tmpl):
+            raise ValueError("[metal_kernel] Invalid template argument. Must be `mlx.core.Dtype`, `int` or `bool`.")
+        out_dtypes = list(output_dtypes)
+        kname, src = self.generated_source(arrays, out_dtypes, tmpl)
+        if verbose:
+            print(f"Generated source code for `{self.name}`:\n```\n{src}\n```", file=sys.stdout)
+
+        keep: list[np.ndarray] = []  # buffers in MLX's buffer-index order
+        casts: list[BufferCast] = []
+        for a, (has_shape, has_strides, has_ndim) in zip(arrays, self.shape_infos, strict=True):
+            keep.append(_raw(a))
+            casts.append(BufferCast(f"const {type_string(a.dtype)}", by_ref=a.ndim == 0))
+            if a.ndim > 0:
+                if has_shape:
+                    keep.append(np.array(a.shape, dtype=np.int32))
+                    casts.append(BufferCast("const int", False))
+                if has_strides:
+                    strides = [int(np.prod(a.shape[i + 1:])) for i in range(a.ndim)]
+                    keep.append(np.array(strides, dtype=np.int64))
+                    casts.append(BufferCast("const int64_t", False))
+                if has_ndim:
+                    keep.append(np.array([a.ndim], dtype=np.int32))
+                    casts.append(BufferCast("const int", True))
+        outs: list[np.ndarray] = []
+        for shape, dt in zip(output_shapes, out_dtypes, strict=True):
+            if init_value is None:
+                # Metal leaves outputs uninitialised: poison them so unwritten elements show.
+                buf = np.full(max(1, int(np.prod(shape)) * dt.size), 0xFF, dtype=np.uint8)
+            else:
+                buf = _raw(mx.full(tuple(shape), init_value, dtype=dt)).reshape(-1).view(np.uint8).copy()
+                if buf.size == 0:
+                    buf = np.zeros(1, np.uint8)
+            outs.append(buf)
+            keep.append(buf)
+            t = type_string(dt)
+            casts.append(BufferCast(f"atomic<{t}>" if self.atomic_outputs else t, False))
+
+        tu = translation_unit(src, kname, write_template(tmpl) if tmpl else "", casts,
+                              [a for a, _ in self.attributes])
+        lib = load(tu, kname)
+        ptrs = (ctypes.c_void_p * max(1, len(keep)))(*[b.ctypes.data for b in keep])
+        g = (ctypes.c_uint * 3)(*grid)
+        t = (ctypes.c_uint * 3)(*threadgroup)
+        err = ctypes.create_string_buffer(512)
+        order, seed = _schedule
+        rc = lib.kvemu_launch(ptrs, g, t, ORDERS[order], seed, int(self.cooperative), err, 512)
+        if rc != 0:
+            raise EmulatorError(f"[metal_kernel] {self.name}: {err.value.decode(errors='replace')}")
+        launches[self.name] += 1
+        return [_from_raw(b, s, dt) for b, s, dt in zip(outs, output_shapes, out_dtypes, strict=True)]
+
+
+def metal_kernel(
+    name: str,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    source: str,
+    header: str = "",
+    ensure_row_contiguous: bool = True,
+    atomic_outputs: bool = False,
+    compile_options: dict | None = None,
+) -> EmulatedKernel:
+    """Drop-in for `mx.fast.metal_kernel` that runs the kernel on the CPU."""
+    if compile_options is not None:
+        if not isinstance(compile_options, dict):
+            raise ValueError("[metal_kernel] Expected `compile_options` to be a dict.")
+        for key, value in compile_options.items():
+            if key != "math_mode":
+                raise ValueError(f"[metal_kernel] Unknown compile option `{key}`.")
+            if value not in ("safe", "relaxed", "fast"):
+                raise ValueError("[metal_kernel] Expected math_mode to be 'safe', 'relaxed', or 'fast'.")
+    return EmulatedKernel(name, input_names, output_names, source, header, ensure_row_contiguous, atomic_outputs)
