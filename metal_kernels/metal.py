@@ -39,11 +39,12 @@ def read_source(kind: str) -> str:
 
 
 def split_source(text: str) -> tuple[str, str]:
-    """(header, body) of a .metal file, split at the `//// body` line."""
-    head, marker, body = text.partition(BODY_MARKER)
-    if not marker:
-        raise KernelError(f"kernel source lacks the {BODY_MARKER!r} line")
-    return head, body.split("\n", 1)[1] if "\n" in body else ""
+    """(header, body) of a .metal file, split at the line that is exactly `//// body`."""
+    lines = text.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if line.strip() == BODY_MARKER:
+            return "".join(lines[:i]), "".join(lines[i + 1 :])
+    raise KernelError(f"kernel source lacks the {BODY_MARKER!r} line")
 
 
 def norm_launch(hidden: int, rows: int) -> tuple[int, int]:
