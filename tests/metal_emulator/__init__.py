@@ -7,9 +7,10 @@ compatibility header (`metal_compat.h`, `kvemu_runtime.h`), cached by hash, and 
 threadgroup by threadgroup with cooperative threads (see kvemu_runtime.h).
 
 Thread order is a module setting: `set_schedule("sequential" | "reversed" | "shuffled",
-seed)` or `with schedule(...)`. Differences from a GPU, on purpose: inputs are always
-passed row-contiguous (strides describe the copy), execution is eager (no lazy graph),
-and fast-math accuracy is not modelled.
+seed)` or `with schedule(...)`. Differences from a GPU: inputs a kernel reads through
+`<name>_strides` (with ensure_row_contiguous=False) arrive as gapped views, all others
+row-contiguous; execution is eager (no lazy graph, no mx.compile tracing); fast-math
+accuracy is not modelled.
 """
 
 from __future__ import annotations
@@ -36,11 +37,20 @@ from .signature import (
 )
 
 __all__ = [
-    "EmulatorError", "available", "launches", "metal_kernel", "schedule", "set_schedule",
+    "EmulatorError",
+    "available",
+    "launches",
+    "metal_kernel",
+    "schedule",
+    "set_schedule",
 ]
 
 ORDERS = {"sequential": 0, "reversed": 1, "shuffled": 2}
 _schedule: tuple[str, int] = ("sequential", 0)
+
+# With ensure_row_contiguous=False, inputs whose strides the kernel reads are passed as
+# gapped views (see `_strided`); False passes row-contiguous copies.
+strided_views = True
 
 # Launch count per kernel name, so tests can prove a call went through the emulator.
 launches: Counter[str] = Counter()
@@ -89,6 +99,25 @@ def _raw(a: mx.array) -> np.ndarray:
     return np.ascontiguousarray(np.array(a, copy=True))
 
 
+def _strided(a: mx.array) -> tuple[np.ndarray, list[int]]:
+    """`a` laid out as a view with gaps: last-axis stride 2 and padded rows, poison between.
+
+    A kernel launched with ensure_row_contiguous=False must honour `<name>_strides`; MLX
+    passes a view's real strides, and this layout makes a kernel that assumes contiguity
+    read poison."""
+    data = _raw(a)
+    strides = [0] * a.ndim
+    step = 2
+    for i in reversed(range(a.ndim)):
+        strides[i] = step
+        step = step * a.shape[i] + 3
+    size = 1 + sum((n - 1) * st for n, st in zip(a.shape, strides, strict=True)) if data.size else 1
+    buf = np.full(size * data.itemsize, 0xFF, dtype=np.uint8).view(data.dtype)
+    view = np.lib.stride_tricks.as_strided(buf, a.shape, [st * data.itemsize for st in strides])
+    view[...] = data
+    return buf, strides
+
+
 def _from_raw(buf: np.ndarray, shape: Sequence[int], dtype: mx.Dtype) -> mx.array:
     if dtype == mx.bfloat16:
         return mx.array(buf.view(np.uint16)).view(mx.bfloat16).reshape(shape)
@@ -97,9 +126,17 @@ def _from_raw(buf: np.ndarray, shape: Sequence[int], dtype: mx.Dtype) -> mx.arra
 
 
 _NP_NAMES = {
-    mx.float32: "float32", mx.float16: "float16", mx.float64: "float64", mx.int8: "int8",
-    mx.int16: "int16", mx.int32: "int32", mx.int64: "int64", mx.uint8: "uint8",
-    mx.uint16: "uint16", mx.uint32: "uint32", mx.uint64: "uint64",
+    mx.float32: "float32",
+    mx.float16: "float16",
+    mx.float64: "float64",
+    mx.int8: "int8",
+    mx.int16: "int16",
+    mx.int32: "int32",
+    mx.int64: "int64",
+    mx.uint8: "uint8",
+    mx.uint16: "uint16",
+    mx.uint32: "uint32",
+    mx.uint64: "uint64",
 }
 
 
@@ -107,8 +144,14 @@ class EmulatedKernel:
     """The callable `metal_kernel` returns."""
 
     def __init__(
-        self, name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
-        header: str, ensure_row_contiguous: bool, atomic_outputs: bool,
+        self,
+        name: str,
+        input_names: Sequence[str],
+        output_names: Sequence[str],
+        source: str,
+        header: str,
+        ensure_row_contiguous: bool,
+        atomic_outputs: bool,
     ) -> None:
         if not output_names:
             raise ValueError("[metal_kernel] Must specify at least one output.")
@@ -124,15 +167,28 @@ class EmulatedKernel:
         self.cooperative = is_cooperative(header + source)
 
     def generated_source(
-        self, inputs: list[mx.array], output_dtypes: list[mx.Dtype],
+        self,
+        inputs: list[mx.array],
+        output_dtypes: list[mx.Dtype],
         template: list[tuple[str, TemplateArg]],
     ) -> tuple[str, str]:
         """(kernel name, full source) exactly as MLX would compile it."""
-        specs = [InputSpec(n, a.dtype, a.ndim, a.size) for n, a in zip(self.input_names, inputs, strict=True)]
+        specs = [
+            InputSpec(n, a.dtype, a.ndim, a.size)
+            for n, a in zip(self.input_names, inputs, strict=True)
+        ]
         kname = kernel_name(self.name, specs, output_dtypes, template)
         src = write_signature(
-            kname, self.header, self.source, specs, self.output_names, output_dtypes, template,
-            self.attributes, self.shape_infos, self.atomic_outputs,
+            kname,
+            self.header,
+            self.source,
+            specs,
+            self.output_names,
+            output_dtypes,
+            template,
+            self.attributes,
+            self.shape_infos,
+            self.atomic_outputs,
         )
         return kname, src
 
@@ -157,10 +213,16 @@ class EmulatedKernel:
             (len(output_dtypes), len(self.output_names), "output_dtypes"),
         ):
             if actual != expected:
-                raise ValueError(f"[metal_kernel] Expected `{what}` to have size {expected} but got size {actual}.")
+                raise ValueError(
+                    f"[metal_kernel] Expected `{what}` to have size {expected} "
+                    f"but got size {actual}."
+                )
         tmpl = list(template or [])
         if any(not isinstance(v, bool | int | mx.Dtype) for _, v in tmpl):
-            raise ValueError("[metal_kernel] Invalid template argument. Must be `mlx.core.Dtype`, `int` or `bool`.")
+            raise ValueError(
+                "[metal_kernel] Invalid template argument. "
+                "Must be `mlx.core.Dtype`, `int` or `bool`."
+            )
         out_dtypes = list(output_dtypes)
         kname, src = self.generated_source(arrays, out_dtypes, tmpl)
         if verbose:
@@ -169,14 +231,18 @@ class EmulatedKernel:
         keep: list[np.ndarray] = []  # buffers in MLX's buffer-index order
         casts: list[BufferCast] = []
         for a, (has_shape, has_strides, has_ndim) in zip(arrays, self.shape_infos, strict=True):
-            keep.append(_raw(a))
+            strides = [int(np.prod(a.shape[i + 1 :])) for i in range(a.ndim)]
+            if has_strides and not self.ensure_row_contiguous and strided_views and a.ndim > 0:
+                buf, strides = _strided(a)
+                keep.append(buf)
+            else:
+                keep.append(_raw(a))
             casts.append(BufferCast(f"const {type_string(a.dtype)}", by_ref=a.ndim == 0))
             if a.ndim > 0:
                 if has_shape:
                     keep.append(np.array(a.shape, dtype=np.int32))
                     casts.append(BufferCast("const int", False))
                 if has_strides:
-                    strides = [int(np.prod(a.shape[i + 1:])) for i in range(a.ndim)]
                     keep.append(np.array(strides, dtype=np.int64))
                     casts.append(BufferCast("const int64_t", False))
                 if has_ndim:
@@ -188,7 +254,12 @@ class EmulatedKernel:
                 # Metal leaves outputs uninitialised: poison them so unwritten elements show.
                 buf = np.full(max(1, int(np.prod(shape)) * dt.size), 0xFF, dtype=np.uint8)
             else:
-                buf = _raw(mx.full(tuple(shape), init_value, dtype=dt)).reshape(-1).view(np.uint8).copy()
+                buf = (
+                    _raw(mx.full(tuple(shape), init_value, dtype=dt))
+                    .reshape(-1)
+                    .view(np.uint8)
+                    .copy()
+                )
                 if buf.size == 0:
                     buf = np.zeros(1, np.uint8)
             outs.append(buf)
@@ -196,8 +267,9 @@ class EmulatedKernel:
             t = type_string(dt)
             casts.append(BufferCast(f"atomic<{t}>" if self.atomic_outputs else t, False))
 
-        tu = translation_unit(src, kname, write_template(tmpl) if tmpl else "", casts,
-                              [a for a, _ in self.attributes])
+        tu = translation_unit(
+            src, kname, write_template(tmpl) if tmpl else "", casts, [a for a, _ in self.attributes]
+        )
         lib = load(tu, kname)
         ptrs = (ctypes.c_void_p * max(1, len(keep)))(*[b.ctypes.data for b in keep])
         g = (ctypes.c_uint * 3)(*grid)
@@ -208,7 +280,9 @@ class EmulatedKernel:
         if rc != 0:
             raise EmulatorError(f"[metal_kernel] {self.name}: {err.value.decode(errors='replace')}")
         launches[self.name] += 1
-        return [_from_raw(b, s, dt) for b, s, dt in zip(outs, output_shapes, out_dtypes, strict=True)]
+        return [
+            _from_raw(b, s, dt) for b, s, dt in zip(outs, output_shapes, out_dtypes, strict=True)
+        ]
 
 
 def metal_kernel(
@@ -229,5 +303,9 @@ def metal_kernel(
             if key != "math_mode":
                 raise ValueError(f"[metal_kernel] Unknown compile option `{key}`.")
             if value not in ("safe", "relaxed", "fast"):
-                raise ValueError("[metal_kernel] Expected math_mode to be 'safe', 'relaxed', or 'fast'.")
-    return EmulatedKernel(name, input_names, output_names, source, header, ensure_row_contiguous, atomic_outputs)
+                raise ValueError(
+                    "[metal_kernel] Expected math_mode to be 'safe', 'relaxed', or 'fast'."
+                )
+    return EmulatedKernel(
+        name, input_names, output_names, source, header, ensure_row_contiguous, atomic_outputs
+    )

@@ -15,8 +15,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 HEADERS = ("metal_compat.h", "kvemu_abi.h", "kvemu_runtime.h", "kvemu_runtime.cpp")
 CXX_FLAGS = (
-    "-std=c++20", "-O1", "-shared", "-fPIC", "-fvisibility=hidden", "-ffp-contract=off",
-    "-fno-strict-aliasing", "-Wno-attributes", "-w",
+    "-std=c++20",
+    "-O1",
+    "-shared",
+    "-fPIC",
+    "-fvisibility=hidden",
+    "-ffp-contract=off",
+    "-fno-strict-aliasing",
+    "-Wno-attributes",
+    "-w",
 )
 
 # `threadgroup T name[N];` / `threadgroup T name;` declare memory shared by the
@@ -60,7 +67,10 @@ class BufferCast:
 
 
 def translation_unit(
-    kernel_source: str, func_name: str, template_def: str, casts: list[BufferCast],
+    kernel_source: str,
+    func_name: str,
+    template_def: str,
+    casts: list[BufferCast],
     attrs: list[str],
 ) -> str:
     """Kernel source plus an `extern "C"` launcher that calls it for one thread."""
@@ -73,7 +83,7 @@ def translation_unit(
         '#include "kvemu_runtime.h"\n'
         f'#line 1 "{func_name}.metal"\n'
         f"{rewrite_threadgroup_decls(kernel_source)}\n"
-        "#line 100000 \"kvemu_launcher\"\n"
+        '#line 100000 "kvemu_launcher"\n'
         "static void kvemu_run(void* ctx, const kvemu::Ids& id) {\n"
         "  void** b = (void**)ctx;\n"
         f"  {call};\n"
@@ -82,7 +92,7 @@ def translation_unit(
         "    void** b, const unsigned* grid, const unsigned* tg, int order,\n"
         "    unsigned long long seed, int cooperative, char* err, int errlen) {\n"
         "  return kvemu::kvemu_run_grid(kvemu::Kernel{kvemu_run, b}, grid, tg, order, seed,\n"
-        "                              cooperative, __start_kvemu_tg, __stop_kvemu_tg, err, errlen);\n"
+        "      cooperative, __start_kvemu_tg, __stop_kvemu_tg, err, errlen);\n"
         "}\n"
     )
 
@@ -109,7 +119,8 @@ def _compile(cxx: str, source: str, out: Path, label: str, extra: tuple[str, ...
         lib = Path(tmp) / out.name
         res = subprocess.run(
             [cxx, *CXX_FLAGS, *extra, "-I", str(HERE), str(src), "-o", str(lib)],
-            capture_output=True, text=True,
+            capture_output=True,
+            text=True,
         )
         if res.returncode != 0:
             raise EmulatorError(f"[metal_emulator] compiling {label} failed:\n{res.stderr[-4000:]}")
@@ -124,7 +135,9 @@ def _runtime(cxx: str) -> ctypes.CDLL:
     global _RUNTIME
     if _RUNTIME is None:
         out = cache_dir() / f"kvemu_runtime_{_header_digest()[:16]}.so"
-        _compile(cxx, (HERE / "kvemu_runtime.cpp").read_text(), out, "the emulator runtime", ("-O2",))
+        _compile(
+            cxx, (HERE / "kvemu_runtime.cpp").read_text(), out, "the emulator runtime", ("-O2",)
+        )
         _RUNTIME = ctypes.CDLL(str(out), mode=ctypes.RTLD_GLOBAL)
     return _RUNTIME
 
@@ -137,8 +150,19 @@ def _pch_dir(cxx: str) -> Path | None:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f"kvemu_runtime.h.gch.{os.getpid()}"
         res = subprocess.run(
-            [cxx, *CXX_FLAGS, "-x", "c++-header", "-I", str(HERE), str(HERE / "kvemu_runtime.h"), "-o", str(tmp)],
-            capture_output=True, text=True,
+            [
+                cxx,
+                *CXX_FLAGS,
+                "-x",
+                "c++-header",
+                "-I",
+                str(HERE),
+                str(HERE / "kvemu_runtime.h"),
+                "-o",
+                str(tmp),
+            ],
+            capture_output=True,
+            text=True,
         )
         if res.returncode != 0:
             tmp.unlink(missing_ok=True)
@@ -163,8 +187,14 @@ def load(tu: str, label: str) -> ctypes.CDLL:
     dll = ctypes.CDLL(str(out))
     dll.kvemu_launch.restype = ctypes.c_int
     dll.kvemu_launch.argtypes = [
-        ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint),
-        ctypes.c_int, ctypes.c_ulonglong, ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.POINTER(ctypes.c_uint),
+        ctypes.POINTER(ctypes.c_uint),
+        ctypes.c_int,
+        ctypes.c_ulonglong,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
     ]
     _LOADED[key] = dll
     return dll

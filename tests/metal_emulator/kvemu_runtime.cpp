@@ -100,7 +100,10 @@ extern "C" int kvemu_run_grid(Kernel k, const unsigned grid[3], const unsigned t
     RT.stacks = (char*)mmap(nullptr, kStackBytes * kMaxThreads, PROT_READ | PROT_WRITE,
                             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (RT.stacks == MAP_FAILED) { RT.stacks = nullptr; std::snprintf(err, errlen, "cannot map fiber stacks"); return 1; }
-    for (int i = 0; i < kMaxThreads; ++i) RT.fibers[i].stack = RT.stacks + i * kStackBytes;
+    for (int i = 0; i < kMaxThreads; ++i) {
+      RT.fibers[i].stack = RT.stacks + i * kStackBytes;
+      getcontext(&RT.fibers[i].uc);  // once: makecontext below re-targets it per thread
+    }
   }
   unsigned ngroups[3];
   for (int d = 0; d < 3; ++d) ngroups[d] = (grid[d] + tg[d] - 1) / tg[d];
@@ -142,17 +145,17 @@ extern "C" int kvemu_run_grid(Kernel k, const unsigned grid[3], const unsigned t
       id.quadgroups_per_threadgroup = (n + 3) / 4;
       id.dispatch_quadgroups_per_threadgroup = (unsigned)((tg_threads + 3) / 4);
     }
-    if (!cooperative) {
-      for (int i = 0; i < n; ++i) k.run(k.ctx, RT.lanes[i].ids);
+    perm.resize(n);
+    for (int i = 0; i < n; ++i) perm[i] = order == 1 ? n - 1 - i : i;
+    if (!cooperative) {  // nothing can suspend: plain calls, in the chosen order
+      if (order == 2) std::shuffle(perm.begin(), perm.end(), rng);
+      for (int i : perm) k.run(k.ctx, RT.lanes[i].ids);
       continue;
     }
-    perm.resize(n);
     for (int i = 0; i < n; ++i) {
-      perm[i] = order == 1 ? n - 1 - i : i;
       RT.lanes[i].state = State::Runnable;
       Fiber& f = RT.fibers[i];
       f.started = false;
-      getcontext(&f.uc);
       f.uc.uc_stack.ss_sp = f.stack;
       f.uc.uc_stack.ss_size = kStackBytes;
       f.uc.uc_link = nullptr;

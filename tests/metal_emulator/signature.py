@@ -82,7 +82,10 @@ class InputSpec:
 
 def shape_infos(source: str, input_names: list[str]) -> list[tuple[bool, bool, bool]]:
     """Which of `<name>_shape`, `_strides`, `_ndim` the source mentions (plain substring)."""
-    return [(f"{n}_shape" in source, f"{n}_strides" in source, f"{n}_ndim" in source) for n in input_names]
+    return [
+        (f"{n}_shape" in source, f"{n}_strides" in source, f"{n}_ndim" in source)
+        for n in input_names
+    ]
 
 
 def attributes(source: str) -> list[tuple[str, str]]:
@@ -159,7 +162,7 @@ def write_signature(
     infos: list[tuple[bool, bool, bool]],
     atomic_outputs: bool,
 ) -> str:
-    """The full kernel source: header, template line, signature, body (MLX's text, byte for byte)."""
+    """The full kernel source: header, template line, signature, body (MLX's text exactly)."""
     ks = header
     if template:
         ks += "template <" + ", ".join(f"{_template_kind(a)} {n}" for n, a in template) + ">\n"
@@ -168,7 +171,9 @@ def write_signature(
     for spec, (has_shape, has_strides, has_ndim) in zip(inputs, infos, strict=True):
         location = "constant" if spec.constant else "device"
         ref = "&" if spec.ndim == 0 else "*"
-        ks += f"  const {location} {type_string(spec.dtype)}{ref} {spec.name} [[buffer({index})]],\n"
+        ks += (
+            f"  const {location} {type_string(spec.dtype)}{ref} {spec.name} [[buffer({index})]],\n"
+        )
         index += 1
         if spec.ndim > 0:
             if has_shape:
