@@ -11,10 +11,12 @@ import os
 import sys
 from collections.abc import Sequence
 
+import metal_kernels
 from model.errors import KVChatError
 
 from . import bench_cmd, generate_cmd, inspect_cmd, models_cmd
 from .errors import report, report_exception
+from .settings import load_settings
 
 COMMANDS = {
     "generate": (generate_cmd, "generate one reply on the command line"),
@@ -40,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:  # KVCHAT_KERNELS (an unusable value is a usage error), else the settings entry
+        metal_kernels.configure(load_settings().kernels)
+    except metal_kernels.KernelError as e:
+        report(str(e))
+        return 2
     try:
         if args.command is None:
             from .tui import run_tui

@@ -19,6 +19,7 @@ from typing import Any
 
 import platformdirs
 
+import metal_kernels
 from model.errors import KVChatError
 from model.events import GenParams
 from model.sampling import SamplingParams
@@ -46,6 +47,7 @@ class Settings:
     keep: int = 4
     model_dirs: list[str] = field(default_factory=list)
     last_model: str | None = None
+    kernels: str | None = None  # RMSNorm/RoPE backend (metal|fast|ops); None: the default
     # what load_settings() had to fix (one line each); never saved
     warnings: list[str] = field(default_factory=list, init=False, compare=False, repr=False)
 
@@ -139,6 +141,10 @@ def _field_error(name: str, v: Any) -> str | None:
     elif name == "last_model":
         if v is not None and not isinstance(v, str):
             return f"last_model must be a path (got {v!r})"
+    elif name == "kernels":
+        if v is not None and v not in metal_kernels.available_backends():
+            return (f"kernels must be empty (the default) or one of "
+                    f"{', '.join(metal_kernels.available_backends())} here (got {v!r})")
     elif name == "model_dirs":
         if not isinstance(v, list) or not all(isinstance(d, str) for d in v):
             return f"model_dirs must be a list of folder paths (got {v!r})"

@@ -1,0 +1,355 @@
+"""Kernel entry points: every backend equals the `ops` reference (the formulas in plain mlx
+ops) on the shapes and dtypes the decoder meets; dispatch and bad input are one line.
+
+Which pairs run where: `fast` vs `ops` everywhere; the custom Metal kernels (`metal`) vs
+`ops` and `fast` on Apple silicon only (skipped elsewhere: `mx.metal.is_available()` is
+false). The same .metal sources run on the CPU emulator in tests/test_emulator*.py, which
+imports the cases and tolerances below.
+
+Tolerances, per element: |got - ref| <= atol + rtol * |ref|, with (rtol, atol)
+  float32 (1e-5, 1e-6): summation order and rsqrt/exp2/pow rounding;
+  float16 (2^-9, 2^-14) and bfloat16 (2^-6, 2^-14): two units in the last place, as the
+  normalised value is rounded to the dtype once and then scaled by the weight (a
+  reduction in another order can move it across a rounding boundary);
+plus, for RoPE, (2.4e-7 * max position + rtol) * max |x|: the angle pos / period is a
+float32 whose rounding (one ulp is 1.2e-7 relative) grows with the position and that
+backends form differently (pow vs exp2 for the periods); and a rotation mixes two inputs,
+so an output near 0 can carry the rounding of a large input (mx.fast's CPU path also
+rounds cos, sin and each product to the dtype).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import metal_kernels
+from metal_kernels import KernelError
+from model.layers import rope_periods
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+HIDDEN = (1, 7, 64, 576, 4096, 8193)
+ROWS = (1, 3, 512)
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+TOL = {mx.float32: (1e-5, 1e-6), mx.float16: (2**-9, 2**-14), mx.bfloat16: (2**-6, 2**-14)}
+EPS = 1e-5
+# GQA head counts (query heads, KV heads) as the issue lists them
+GQA = ((8, 2), (32, 8), (4, 1))
+
+METAL = pytest.mark.skipif(
+    not mx.metal.is_available(), reason="mx.metal.is_available() is false: no Metal GPU"
+)
+
+
+def assert_close(got: mx.array, ref: mx.array, dtype: mx.Dtype, extra: float = 0.0) -> None:
+    """The module docstring's tolerance; `extra` is an absolute allowance (RoPE angles)."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype, (got.shape, got.dtype, ref.dtype)
+    g, r = np.array(got.astype(mx.float32)), np.array(ref.astype(mx.float32))
+    rtol, atol = TOL[dtype]
+    bound = atol + extra + rtol * np.abs(r)
+    worst = float(np.max(np.abs(g - r) - bound)) if g.size else -1.0
+    assert np.isfinite(g).all(), "non-finite output"
+    assert worst <= 0, f"max excess over tolerance {worst:.3g} ({dtype})"
+
+
+def rope_allowance(x: mx.array, max_pos: int) -> float:
+    """RoPE's extra absolute allowance (module docstring): angle rounding, and the
+    relative tolerance taken against max |x| as well as the element."""
+    return (2.4e-7 * max_pos + TOL[x.dtype][0]) * float(mx.abs(x.astype(mx.float32)).max())
+
+
+def on(name: str, fn: Callable, *args, **kw):
+    with metal_kernels.using(name):
+        out = fn(*args, **kw)
+        mx.eval(out)
+        return out
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def norm_inputs(rows: int, hidden: int, dtype: mx.Dtype, seed: int = 0):
+    key = mx.random.key(seed + 7 * hidden + rows)
+    k1, k2, k3 = mx.random.split(key, 3)
+    x = (2.0 * mx.random.normal((rows, hidden), key=k1)).astype(dtype)
+    residual = mx.random.normal((rows, hidden), key=k2).astype(dtype)
+    weight = (1.0 + 0.2 * mx.random.normal((hidden,), key=k3)).astype(dtype)
+    return x, residual, weight
+
+
+def qk_inputs(B: int, hq: int, hk: int, T: int, D: int, dtype: mx.Dtype, seed: int = 0):
+    """Q and K as the attention makes them: (B, T, H, D) projections viewed as (B, H, T, D)."""
+    k1, k2 = mx.random.split(mx.random.key(seed + hq * 100 + T), 2)
+    q = mx.random.normal((B, T, hq, D), key=k1).astype(dtype).transpose(0, 2, 1, 3)
+    k = mx.random.normal((B, T, hk, D), key=k2).astype(dtype).transpose(0, 2, 1, 3)
+    return q, k
+
+
+def llama3_periods(dims: int) -> mx.array:
+    from model.config import RopeConfig
+
+    return rope_periods(dims, RopeConfig(type="llama3", theta=500000.0, factor=8.0,
+                                         low_freq_factor=1.0, high_freq_factor=4.0,
+                                         original_max_position_embeddings=64))
+
+
+# ----------------------------------------------------------------------------- cases
+# (shared with the emulator tests: each case is a dict of keyword arguments)
+
+NORM_CASES = [
+    dict(rows=rows, hidden=hidden, dtype=dtype)
+    for hidden in HIDDEN
+    for rows in ROWS
+    for dtype in DTYPES
+    if not (rows == 512 and hidden == 8193 and dtype != mx.float32)  # same path as fp32
+]
+
+ROPE_CASES = (
+    # both layouts x offsets (0, 1000, an int array, one per batch row) x dtypes
+    [
+        dict(B=2, hq=8, hk=2, T=T, D=64, dims=64, traditional=trad, offset=off,
+             freqs=False, scale=1.0, dtype=dtype)
+        for trad in (False, True)
+        for off in (0, 1000, "array", "per_batch")
+        for dtype in DTYPES
+        for T in (1, 17)
+    ]
+    # GQA head counts at decode (T = 1) and prefill (T = 512) shapes
+    + [
+        dict(B=1, hq=hq, hk=hk, T=T, D=128, dims=128, traditional=False, offset=off,
+             freqs=False, scale=1.0, dtype=dtype)
+        for hq, hk in GQA
+        for T, off in ((1, 1000), (512, 0))
+        for dtype in (mx.float32, mx.bfloat16)
+    ]
+    # llama3 periods, linear scale, partial rotary (pass-through features)
+    + [
+        dict(B=1, hq=4, hk=1, T=33, D=64, dims=64, traditional=False, offset=off,
+             freqs=True, scale=1.0, dtype=dtype)
+        for off in (0, 1000)
+        for dtype in DTYPES
+    ]
+    + [
+        dict(B=1, hq=4, hk=2, T=9, D=D, dims=dims, traditional=trad, offset=7,
+             freqs=False, scale=0.25, dtype=dtype)
+        for D, dims in ((64, 32), (80, 64), (96, 24), (8, 2))
+        for trad in (False, True)
+        for dtype in (mx.float32, mx.float16)
+    ]
+)
+
+
+def case_id(case: dict) -> str:
+    return "-".join(f"{k}={getattr(v, 'name', str(v).replace('mlx.core.', ''))}"
+                    for k, v in case.items())
+
+
+def run_norm(backend: str, rows: int, hidden: int, dtype: mx.Dtype):
+    x, residual, weight = norm_inputs(rows, hidden, dtype)
+    y = on(backend, metal_kernels.rms_norm, x, weight, EPS)
+    h, y2 = on(backend, metal_kernels.add_rms_norm, x, residual, weight, EPS)
+    return y, h, y2
+
+
+def run_rope(backend: str, *, B: int, hq: int, hk: int, T: int, D: int, dims: int,
+             traditional: bool, offset, freqs: bool, scale: float, dtype: mx.Dtype):
+    """(q_out, k_out, single-tensor rope of q, allowance for the angle rounding)."""
+    q, k = qk_inputs(B, hq, hk, T, D, dtype)
+    off = {"array": mx.array(1000), "per_batch": mx.array([0, 1000] * (B // 2) + [5] * (B % 2))
+           }.get(offset, offset)
+    kw = dict(traditional=traditional, scale=scale, offset=off,
+              base=None if freqs else 10000.0, freqs=llama3_periods(dims) if freqs else None)
+    qo, ko = on(backend, metal_kernels.rope_qk, q, k, dims, **kw)
+    single = on(backend, metal_kernels.rope, q, dims, **kw)
+    max_pos = int(np.max(np.array(off))) + T if isinstance(off, mx.array) else off + T
+    allowance = rope_allowance(mx.concatenate([q.flatten(), k.flatten()]), max_pos)
+    return qo, ko, single, allowance
+
+
+def check_norm_pair(backend: str, reference: str, case: dict) -> None:
+    got, ref = run_norm(backend, **case), run_norm(reference, **case)
+    for g, r in zip(got, ref, strict=True):
+        assert_close(g, r, case["dtype"])
+
+
+def check_rope_pair(backend: str, reference: str, case: dict) -> None:
+    *got, allowance = run_rope(backend, **case)
+    *ref, _ = run_rope(reference, **case)
+    for g, r in zip(got, ref, strict=True):
+        assert_close(g, r, case["dtype"], allowance)
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("case", NORM_CASES, ids=case_id)
+def test_norms_fast_equal_ops(case: dict) -> None:
+    check_norm_pair("fast", "ops", case)
+
+
+@pytest.mark.parametrize("case", ROPE_CASES, ids=case_id)
+def test_rope_fast_equals_ops(case: dict) -> None:
+    check_rope_pair("fast", "ops", case)
+
+
+@METAL
+@pytest.mark.parametrize("reference", ["ops", "fast"])
+@pytest.mark.parametrize("case", NORM_CASES, ids=case_id)
+def test_norms_metal_equal_reference(case: dict, reference: str) -> None:
+    check_norm_pair("metal", reference, case)
+
+
+@METAL
+@pytest.mark.parametrize("reference", ["ops", "fast"])
+@pytest.mark.parametrize("case", ROPE_CASES, ids=case_id)
+def test_rope_metal_equals_reference(case: dict, reference: str) -> None:
+    check_rope_pair("metal", reference, case)
+
+
+def test_ops_reference_matches_hand_computed_values() -> None:
+    """The reference itself against numbers worked out by hand, not against mlx."""
+    x = mx.array([[3.0, 4.0]])  # mean square 12.5
+    y = on("ops", metal_kernels.rms_norm, x, mx.array([1.0, 2.0]), 0.0)
+    np.testing.assert_allclose(np.array(y), [[3 / math.sqrt(12.5), 8 / math.sqrt(12.5)]],
+                               rtol=1e-6)
+    # one head, one position at offset 1, dims 4 of D 6, base 100: pair periods 1 and 10
+    v = mx.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).reshape(1, 1, 1, 6)
+    got = np.array(on("ops", metal_kernels.rope, v, 4, traditional=False, base=100.0,
+                      scale=1.0, offset=1)).ravel()
+    c0, s0, c1, s1 = math.cos(1), math.sin(1), math.cos(0.1), math.sin(0.1)
+    want = [1 * c0 - 3 * s0, 2 * c1 - 4 * s1, 1 * s0 + 3 * c0, 2 * s1 + 4 * c1, 5, 6]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    got_t = np.array(on("ops", metal_kernels.rope, v, 4, traditional=True, base=100.0,
+                        scale=1.0, offset=1)).ravel()
+    want_t = [1 * c0 - 2 * s0, 1 * s0 + 2 * c0, 3 * c1 - 4 * s1, 3 * s1 + 4 * c1, 5, 6]
+    np.testing.assert_allclose(got_t, want_t, rtol=1e-6)
+
+
+def test_norm_output_dtype_follows_the_weight() -> None:
+    """A float16 activation with a float32 weight gives float32, as mx.fast does."""
+    x, _, w = norm_inputs(2, 64, mx.float16)
+    for name in ("ops", "fast"):
+        assert on(name, metal_kernels.rms_norm, x, w.astype(mx.float32), EPS).dtype == mx.float32
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def test_default_backend_is_fast_without_metal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVCHAT_KERNELS", raising=False)
+    metal_kernels.configure()
+    assert metal_kernels.backend() == ("metal" if mx.metal.is_available() else "fast")
+
+
+@pytest.mark.parametrize("name", ["ops", "fast"])
+def test_env_forces_a_backend_and_wins_over_the_setting(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    monkeypatch.setenv("KVCHAT_KERNELS", name)
+    try:
+        assert metal_kernels.configure("ops" if name == "fast" else "fast") == name
+        assert metal_kernels.backend() == name
+    finally:
+        monkeypatch.delenv("KVCHAT_KERNELS")
+        metal_kernels.configure()
+
+
+def test_setting_chooses_when_env_is_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVCHAT_KERNELS", raising=False)
+    try:
+        assert metal_kernels.configure("ops") == "ops"
+        with pytest.raises(KernelError, match="allowed: metal, fast, ops"):
+            metal_kernels.configure("cuda")
+    finally:
+        metal_kernels.configure()
+
+
+def test_switch_at_run_time_reports_one_line() -> None:
+    before = metal_kernels.backend()
+    try:
+        assert metal_kernels.switch_backend("ops") == "kernels: ops"
+        assert metal_kernels.backend() == "ops"
+        assert metal_kernels.switch_backend("ops") == "kernels: ops (unchanged)"
+        msg = metal_kernels.switch_backend("nope")
+        assert "\n" not in msg and "allowed: metal, fast, ops" in msg
+        assert metal_kernels.backend() == "ops"  # a refused switch changes nothing
+    finally:
+        metal_kernels.set_backend(before)
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="this machine has Metal")
+def test_metal_without_metal_is_an_error_not_a_fallback() -> None:
+    with pytest.raises(KernelError, match="needs Metal"):
+        metal_kernels.set_backend("metal")
+    assert "metal" not in metal_kernels.available_backends()
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [("bogus", "allowed: metal, fast, ops"), ("metal", "needs Metal")],
+)
+def test_cli_exits_2_on_an_unusable_kernels_env(value: str, needle: str) -> None:
+    if value == "metal" and mx.metal.is_available():
+        pytest.skip("this machine has Metal")
+    env = {**os.environ, "KVCHAT_KERNELS": value, "PYTHONPATH": str(REPO_ROOT),
+           "KVCHAT_NO_OPENBLAS": "1"}
+    res = subprocess.run([sys.executable, "-m", "app", "models"], env=env, cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], res.stderr
+
+
+# ----------------------------------------------------------------------------- bad input
+
+BAD_CALLS: list[tuple[str, Callable[[], object], str]] = [
+    ("hidden 0", lambda: metal_kernels.rms_norm(mx.zeros((2, 0)), mx.zeros((0,)), EPS),
+     "hidden size is 0"),
+    ("hidden 0 fused", lambda: metal_kernels.add_rms_norm(
+        mx.zeros((2, 0)), mx.zeros((2, 0)), mx.zeros((0,)), EPS), "hidden size is 0"),
+    ("weight size", lambda: metal_kernels.rms_norm(mx.zeros((2, 8)), mx.zeros((7,)), EPS),
+     "does not match hidden size 8"),
+    ("residual shape", lambda: metal_kernels.add_rms_norm(
+        mx.zeros((2, 8)), mx.zeros((3, 8)), mx.zeros((8,)), EPS), "residual of shape"),
+    ("odd dims", lambda: metal_kernels.rope(
+        mx.zeros((1, 2, 3, 8)), 5, traditional=False, base=1e4, scale=1.0, offset=0),
+     "positive even"),
+    ("dims > head", lambda: metal_kernels.rope(
+        mx.zeros((1, 2, 3, 8)), 10, traditional=False, base=1e4, scale=1.0, offset=0),
+     "exceed the head size 8"),
+    ("freqs size", lambda: metal_kernels.rope(
+        mx.zeros((1, 2, 3, 8)), 8, traditional=False, base=None, scale=1.0, offset=0,
+        freqs=mx.ones((3,))), "dims/2 = 4"),
+    ("base and freqs", lambda: metal_kernels.rope(
+        mx.zeros((1, 2, 3, 8)), 8, traditional=False, base=1e4, scale=1.0, offset=0,
+        freqs=mx.ones((4,))), "exactly one of base and freqs"),
+    ("offset count", lambda: metal_kernels.rope(
+        mx.zeros((2, 2, 3, 8)), 8, traditional=False, base=1e4, scale=1.0,
+        offset=mx.array([1, 2, 3])), "1 or batch = 2"),
+    ("float offset", lambda: metal_kernels.rope(
+        mx.zeros((1, 2, 3, 8)), 8, traditional=False, base=1e4, scale=1.0,
+        offset=mx.array([1.5])), "integer"),
+    ("qk mismatch", lambda: metal_kernels.rope_qk(
+        mx.zeros((1, 4, 3, 8)), mx.zeros((1, 2, 3, 16)), 8, traditional=False, base=1e4,
+        scale=1.0, offset=0), "share batch, positions and head size"),
+    ("2-d rope", lambda: metal_kernels.rope(
+        mx.zeros((3, 8)), 8, traditional=False, base=1e4, scale=1.0, offset=0), "(B, ..., T, D)"),
+]
+
+
+@pytest.mark.parametrize("backend", ["ops", "fast"])
+@pytest.mark.parametrize(("what", "call", "needle"), BAD_CALLS, ids=[b[0] for b in BAD_CALLS])
+def test_bad_shapes_are_one_line_on_every_backend(
+    backend: str, what: str, call: Callable[[], object], needle: str
+) -> None:
+    with metal_kernels.using(backend), pytest.raises(KernelError) as err:
+        mx.eval(call())
+    assert needle in str(err.value) and "\n" not in str(err.value)
