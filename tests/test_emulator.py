@@ -692,3 +692,13 @@ def test_vectors_math_and_constant_inputs():
         + 1
     )
     np.testing.assert_allclose(np.array(out), want, rtol=1e-6)
+
+
+def test_writes_past_an_output_are_caught_and_reads_past_an_input_are_poison():
+    src = "uint i = thread_position_in_grid.x; out[i] = inp[i + 1];"
+    k = me.metal_kernel("past", ["inp"], ["out"], src)
+    kw = dict(grid=(8, 1, 1), threadgroup=(8, 1, 1), output_dtypes=[mx.float32])
+    (out,) = k(inputs=[mx.arange(8, dtype=mx.float32)], output_shapes=[(8,)], **kw)
+    assert np.array(out)[:7].tolist() == list(range(1, 8)) and np.isnan(np.array(out)[7])
+    with pytest.raises(me.EmulatorError, match="wrote past the end of `out`"):
+        k(inputs=[mx.arange(9, dtype=mx.float32)], output_shapes=[(7,)], **kw)

@@ -118,6 +118,16 @@ def _strided(a: mx.array) -> tuple[np.ndarray, list[int]]:
     return buf, strides
 
 
+# Poison bytes after every buffer: reads past the end get NaN, writes past it are caught.
+GUARD_BYTES = 4096
+
+
+def _guarded(data: np.ndarray) -> np.ndarray:
+    buf = np.full(data.nbytes + GUARD_BYTES, 0xFF, dtype=np.uint8)
+    buf[: data.nbytes] = data.reshape(-1).view(np.uint8)
+    return buf
+
+
 def _from_raw(buf: np.ndarray, shape: Sequence[int], dtype: mx.Dtype) -> mx.array:
     if dtype == mx.bfloat16:
         return mx.array(buf.view(np.uint16)).view(mx.bfloat16).reshape(shape)
@@ -234,9 +244,9 @@ class EmulatedKernel:
             strides = [int(np.prod(a.shape[i + 1 :])) for i in range(a.ndim)]
             if has_strides and not self.ensure_row_contiguous and strided_views and a.ndim > 0:
                 buf, strides = _strided(a)
-                keep.append(buf)
+                keep.append(_guarded(buf))
             else:
-                keep.append(_raw(a))
+                keep.append(_guarded(_raw(a)))
             casts.append(BufferCast(f"const {type_string(a.dtype)}", by_ref=a.ndim == 0))
             if a.ndim > 0:
                 if has_shape:
@@ -248,21 +258,15 @@ class EmulatedKernel:
                 if has_ndim:
                     keep.append(np.array([a.ndim], dtype=np.int32))
                     casts.append(BufferCast("const int", True))
-        outs: list[np.ndarray] = []
+        outs: list[tuple[np.ndarray, int]] = []
         for shape, dt in zip(output_shapes, out_dtypes, strict=True):
+            nbytes = int(np.prod(shape)) * dt.size
             if init_value is None:
                 # Metal leaves outputs uninitialised: poison them so unwritten elements show.
-                buf = np.full(max(1, int(np.prod(shape)) * dt.size), 0xFF, dtype=np.uint8)
+                buf = _guarded(np.full(nbytes, 0xFF, dtype=np.uint8))
             else:
-                buf = (
-                    _raw(mx.full(tuple(shape), init_value, dtype=dt))
-                    .reshape(-1)
-                    .view(np.uint8)
-                    .copy()
-                )
-                if buf.size == 0:
-                    buf = np.zeros(1, np.uint8)
-            outs.append(buf)
+                buf = _guarded(_raw(mx.full(tuple(shape), init_value, dtype=dt)))
+            outs.append((buf, nbytes))
             keep.append(buf)
             t = type_string(dt)
             casts.append(BufferCast(f"atomic<{t}>" if self.atomic_outputs else t, False))
@@ -279,9 +283,13 @@ class EmulatedKernel:
         rc = lib.kvemu_launch(ptrs, g, t, ORDERS[order], seed, int(self.cooperative), err, 512)
         if rc != 0:
             raise EmulatorError(f"[metal_kernel] {self.name}: {err.value.decode(errors='replace')}")
+        for name, (buf, nbytes) in zip(self.output_names, outs, strict=True):
+            if (buf[nbytes:] != 0xFF).any():
+                raise EmulatorError(f"[metal_kernel] {self.name}: wrote past the end of `{name}`")
         launches[self.name] += 1
         return [
-            _from_raw(b, s, dt) for b, s, dt in zip(outs, output_shapes, out_dtypes, strict=True)
+            _from_raw(buf[:nbytes], s, dt)
+            for (buf, nbytes), s, dt in zip(outs, output_shapes, out_dtypes, strict=True)
         ]
 
 
