@@ -25,6 +25,7 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer, Header, LoadingIndicator, Static
 
+import metal_kernels
 from model.discovery import DEFAULT_MODEL
 from model.errors import KVChatError, ModelLoadError
 from model.events import Done, Event, Loaded, LoadFailed, Loading, Started, Stats, TextDelta
@@ -614,6 +615,7 @@ class KVChatApp(App[int]):
         yield from super().get_system_commands(screen)
         for title, action, callback in self._palette_actions():
             yield SystemCommand(title, ACTION_HELP.get(action, title), callback)
+        yield from (SystemCommand(*c) for c in metal_kernels.switch_commands(self.notify))
 
     def _palette_actions(self) -> list[tuple[str, str, Callable[[], Any]]]:
         return [

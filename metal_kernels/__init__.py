@@ -17,7 +17,7 @@ shape checks (`shapes.py`) first, so a bad shape is one line, never a kernel cra
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -32,7 +32,7 @@ BACKENDS = ("metal", "fast", "ops")  # the built-in names KVCHAT_KERNELS accepts
 __all__ = [
     "BACKENDS", "Backend", "KernelError", "add_rms_norm", "available_backends", "backend",
     "configure", "register_backend", "rms_norm", "rope", "rope_qk", "set_backend",
-    "switch_backend", "unregister_backend", "using",
+    "switch_backend", "switch_commands", "unregister_backend", "using",
 ]
 
 
@@ -112,6 +112,19 @@ def switch_backend(name: str) -> str:
     except KernelError as e:
         return str(e)
     return f"kernels: {now}" + ("" if now != before else " (unchanged)")
+
+
+def switch_commands(
+    notify: Callable[[str], object],
+) -> list[tuple[str, str, Callable[[], object]]]:
+    """Command-palette entries `(title, help, callback)`, one per usable backend; the
+    callback switches and passes the one-line outcome to `notify` (the UI's toast)."""
+    return [
+        (f"Kernels: use {name}", f"run RMSNorm and RoPE on the {name!r} backend from the next"
+         " token on (compare decode tok/s on the same chat)",
+         lambda name=name: notify(switch_backend(name)))
+        for name in available_backends()
+    ]
 
 
 def configure(setting: str | None = None) -> str:

@@ -353,3 +353,43 @@ def test_bad_shapes_are_one_line_on_every_backend(
     with metal_kernels.using(backend), pytest.raises(KernelError) as err:
         mx.eval(call())
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_palette_commands_switch_and_notify_one_line() -> None:
+    said: list[str] = []
+    cmds = {title: cb for title, _help, cb in metal_kernels.switch_commands(said.append)}
+    assert set(cmds) == {f"Kernels: use {n}" for n in metal_kernels.available_backends()}
+    before = metal_kernels.backend()
+    try:
+        cmds["Kernels: use ops"]()
+        assert metal_kernels.backend() == "ops" and said == ["kernels: ops"]
+    finally:
+        metal_kernels.set_backend(before)
+
+
+def test_chat_palette_switches_the_backend(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the real command palette of the chat app (scripted engine)."""
+    from tests.scripted_engine import async_test, wait_for
+    from tests.test_tui_app import SIZE, make_app, ready
+
+    monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "cfg"))
+    monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
+    before = metal_kernels.backend()
+
+    @async_test
+    async def run() -> None:
+        app = make_app()
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await pilot.press("ctrl+p")
+            await pilot.press(*"Kernels: use ops")
+            await pilot.pause(0.3)
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: metal_kernels.backend() == "ops")
+
+    try:
+        metal_kernels.set_backend("fast")
+        run()
+    finally:
+        metal_kernels.set_backend(before)
