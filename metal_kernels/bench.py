@@ -65,7 +65,7 @@ def _time(backend: str, fn: Callable[[], Any]) -> float:
 def run(hidden: int, dtype: mx.Dtype, rounds: int, emulator_rounds: int,
         shapes: dict[str, int]) -> list[dict[str, Any]]:
     backends = metal_kernels.available_backends()
-    emulated = _emulated_backend()
+    emulated = _emulated_backend() if emulator_rounds > 0 else None
     if emulated and emulated not in backends:
         backends.append(emulated)
     results = []
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="default: float16 on a GPU, float32 on the CPU")
     p.add_argument("--rounds", type=int, default=30)
-    p.add_argument("--emulator-rounds", type=int, default=3)
+    p.add_argument("--emulator-rounds", type=int, default=3, help="0: leave the emulator out")
     p.add_argument("--prefill-rows", type=int, default=512)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)

@@ -78,6 +78,16 @@ def test_transformers_checkpoint_ops_equals_fast(
     assert_same_logits(load_model(tiny_checkpoint(name)), monkeypatch, IDS)
 
 
+@pytest.mark.skipif(not mx.metal.is_available(),
+                    reason="mx.metal.is_available() is false: no Metal GPU")
+def test_stories260k_metal_equals_fast(stories260k: Path) -> None:
+    """On Apple silicon: the real custom kernels against mx.fast, whole model."""
+    model = load_model(stories260k)
+    for a, b in zip(logits_on("metal", model, IDS), logits_on("fast", model, IDS), strict=True):
+        assert float(np.abs(a - b).max()) <= tolerance(b)
+    assert greedy(model, "metal", GREEDY_STEPS)[0] == greedy(model, "fast", GREEDY_STEPS)[0]
+
+
 # ----------------------------------------------------------------------------- emulator
 
 
