@@ -1,6 +1,8 @@
 """Whole models on each kernel backend: the same logits with `KVCHAT_KERNELS=ops` as with
-`fast`, and the real stories260K decoded with every RMSNorm / fused residual norm / RoPE
-call executed by the CPU Metal emulator on the shipped `.metal` sources.
+`fast`; on Apple silicon the custom kernels (`metal`) against `fast`; and a whole prompt
+prefilled with every RMSNorm / fused residual norm / RoPE call executed by the CPU Metal
+emulator on the shipped `.metal` sources (the 20-token greedy decode on the emulator is
+in tests/test_emulator_kernels.py).
 
 Tolerance for logits: max |a - b| <= 1e-4 * max(1, max |b|) (float32 models; the kernels
 differ only in summation order and in how the rotary angle is rounded, ~1e-7 relative).
@@ -20,8 +22,6 @@ from metal_kernels.metal import MetalBackend
 from model import load_model
 
 IDS = np.random.default_rng(99).integers(3, 256, size=(1, 40))
-BOS = 1
-GREEDY_STEPS = 20
 
 
 def tolerance(ref: np.ndarray) -> float:
@@ -85,7 +85,6 @@ def test_stories260k_metal_equals_fast(stories260k: Path) -> None:
     model = load_model(stories260k)
     for a, b in zip(logits_on("metal", model, IDS), logits_on("fast", model, IDS), strict=True):
         assert float(np.abs(a - b).max()) <= tolerance(b)
-    assert greedy(model, "metal", GREEDY_STEPS)[0] == greedy(model, "fast", GREEDY_STEPS)[0]
 
 
 # ----------------------------------------------------------------------------- emulator
@@ -102,34 +101,6 @@ def emulated() -> Iterator[object]:
         yield emulator
     finally:
         metal_kernels.unregister_backend("emulated")
-
-
-def greedy(model, name: str, steps: int) -> tuple[list[int], np.ndarray]:
-    """Greedy ids from BOS through the KV cache, one token per step, and the last logits."""
-    with metal_kernels.using(name):
-        cache = model.make_cache()
-        ids = [BOS]
-        for _ in range(steps):
-            logits = model(mx.array([ids[-1:]]), cache=cache)
-            ids.append(int(mx.argmax(logits[0, -1]).item()))
-        return ids[1:], np.array(logits)
-
-
-def test_stories260k_greedy_on_the_emulated_metal_kernels(stories260k: Path, emulated) -> None:
-    model = load_model(stories260k)
-    layers = model.config.num_hidden_layers
-    before = dict(emulated.launches)
-    emu_ids, emu_logits = greedy(model, "emulated", GREEDY_STEPS)
-    ran = {k: emulated.launches[k] - before.get(k, 0) for k in emulated.launches}
-    # every call went through the emulator: per step each layer's input norm + the final
-    # norm, one fused residual norm and one Q/K rotation per layer
-    assert ran.get("kvchat_rms_norm") == GREEDY_STEPS * (layers + 1)
-    assert ran.get("kvchat_add_rms_norm") == GREEDY_STEPS * layers
-    assert ran.get("kvchat_rope") == GREEDY_STEPS * layers
-
-    fast_ids, fast_logits = greedy(model, "fast", GREEDY_STEPS)
-    assert emu_ids == fast_ids
-    assert float(np.abs(emu_logits - fast_logits).max()) <= tolerance(fast_logits)
 
 
 def test_prefill_on_the_emulated_metal_kernels(stories260k: Path, emulated) -> None:
