@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -50,11 +50,11 @@ class Backend(Protocol):
                 freqs: mx.array | None) -> tuple[mx.array, mx.array]: ...
 
 
-_REGISTERED: dict[str, Any] = {"fast": fast, "ops": ops}  # "metal" is built on first use
+_REGISTERED: dict[str, Backend] = {"fast": fast, "ops": ops}  # type: ignore[dict-item]  # "metal" is built on first use
 _BACKEND: str | None = None
 
 
-def _impl(name: str) -> Any:
+def _impl(name: str) -> Backend:
     if name == "metal" and "metal" not in _REGISTERED:
         from .metal import MetalBackend
 
@@ -137,7 +137,7 @@ def configure(setting: str | None = None) -> str:
     return backend()
 
 
-def register_backend(name: str, impl: Any) -> None:
+def register_backend(name: str, impl: Backend) -> None:
     """Add a backend under `name` (tests: the Metal emulator; a CUDA twin would too)."""
     if name in ("fast", "ops"):
         raise KernelError(f"kernels backend {name!r} is built in")
