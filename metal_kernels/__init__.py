@@ -50,7 +50,7 @@ class Backend(Protocol):
                 freqs: mx.array | None) -> tuple[mx.array, mx.array]: ...
 
 
-_REGISTERED: dict[str, Backend] = {"fast": fast, "ops": ops}  # type: ignore[dict-item]  # "metal" is built on first use
+_REGISTERED: dict[str, Backend] = {"fast": fast, "ops": ops}  # "metal" is built on first use
 _BACKEND: str | None = None
 
 
