@@ -197,15 +197,19 @@ def test_verbose_prints_the_generated_source(capsys):
     )
 
 
-def test_threadgroup_declarations_become_shared_statics():
+def test_threadgroup_declarations_become_shared_arena_places():
     src = (
-        "threadgroup float a[32];\nthreadgroup T b;\nthreadgroup float* p = a;\n"
+        "threadgroup float a[32];\nthreadgroup T b;\nthreadgroup float c[N][4];\n"
+        "threadgroup float* p = a; // threadgroup memory\n"
         "threadgroup_barrier(mem_flags::mem_threadgroup);"
     )
     assert rewrite_threadgroup_decls(src) == (
-        "KVEMU_TG_STATIC float a[32];\nKVEMU_TG_STATIC T b;\nthreadgroup float* p = a;\n"
+        "auto& a = KVEMU_TG(float[32]);\nauto& b = KVEMU_TG(T);\nauto& c = KVEMU_TG(float[N][4]);\n"
+        "threadgroup float* p = a; // threadgroup memory\n"
         "threadgroup_barrier(mem_flags::mem_threadgroup);"
     )
+    with pytest.raises(me.EmulatorError, match="unsupported threadgroup declaration, line 2"):
+        rewrite_threadgroup_decls("\nthreadgroup float a[4], b[4];")
 
 
 def test_bad_calls_are_one_line_errors():
@@ -361,18 +365,20 @@ def test_missing_barrier_reads_unwritten_memory():
     assert np.isnan(out).sum() >= 190
 
 
-def test_threadgroup_memory_is_poisoned_for_every_threadgroup():
-    # Threadgroup 1 must not see what threadgroup 0 left behind.
+@pytest.mark.parametrize("template", [[], [("T", mx.float32)]], ids=["plain", "template"])
+def test_threadgroup_memory_is_poisoned_for_every_threadgroup(template):
+    # Threadgroup 1 must not see what threadgroup 0 left behind (in template kernels too).
     src = """
-    threadgroup float buf[4];
+    threadgroup TYPE buf[4];
     uint g = threadgroup_position_in_grid.x;
     if (g == 0) { buf[thread_position_in_threadgroup.x] = 7.0f; }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     out[thread_position_in_grid.x] = buf[thread_position_in_threadgroup.x];
     """
-    k = me.metal_kernel("leak", [], ["out"], src)
+    k = me.metal_kernel("leak", [], ["out"], src.replace("TYPE", "T" if template else "float"))
     (out,) = k(
         inputs=[],
+        template=template,
         grid=(8, 1, 1),
         threadgroup=(4, 1, 1),
         output_shapes=[(8,)],

@@ -27,11 +27,14 @@ CXX_FLAGS = (
 )
 
 # `threadgroup T name[N];` / `threadgroup T name;` declare memory shared by the
-# threadgroup: those become statics in the section the scheduler poisons. Other uses of
-# the word (pointer types such as `threadgroup float* p`) are address-space qualifiers.
+# threadgroup: those become references into the runtime's arena (kvemu_runtime.h). Other
+# uses of the word (pointer types such as `threadgroup float* p`) are address spaces.
 _TG_DECL = re.compile(
-    r"\bthreadgroup(\s+(?:const\s+)?[A-Za-z_][\w:]*(?:\s*<[^;<>]*>)?\s+[A-Za-z_]\w*\s*[\[;])"
+    r"\bthreadgroup\s+(?P<type>[A-Za-z_][\w:]*(?:\s*<[^;<>]*>)?)\s+(?P<name>[A-Za-z_]\w*)"
+    r"\s*(?P<dims>(?:\[[^\]]+\]\s*)*);"
 )
+_TG_POINTER = re.compile(r"\bthreadgroup\s+(?:const\s+)?[A-Za-z_][\w:]*(?:\s*<[^;<>]*>)?\s*[*&]")
+_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 # Anything that can suspend a thread; kernels without them run as plain calls.
 _COOPERATIVE = ("threadgroup_barrier", "simdgroup_barrier", "simd_", "quad_")
 
@@ -51,7 +54,19 @@ def cache_dir() -> Path:
 
 
 def rewrite_threadgroup_decls(text: str) -> str:
-    return _TG_DECL.sub(r"KVEMU_TG_STATIC\1", text)
+    def decl(m: re.Match[str]) -> str:
+        dims = re.sub(r"\s+", "", m["dims"])
+        return f"auto& {m['name']} = KVEMU_TG({m['type']}{dims});"
+
+    out = _TG_DECL.sub(decl, text)
+    code = _COMMENT.sub(lambda m: re.sub(r"[^\n]", " ", m[0]), out)  # same offsets, no comments
+    for m in re.finditer(r"\bthreadgroup\b", code):
+        if not _TG_POINTER.match(code, m.start()):
+            line = code[: m.start()].count("\n") + 1
+            raise EmulatorError(
+                f"[metal_emulator] unsupported threadgroup declaration, line {line}"
+            )
+    return out
 
 
 def is_cooperative(text: str) -> bool:
@@ -92,7 +107,7 @@ def translation_unit(
         "    void** b, const unsigned* grid, const unsigned* tg, int order,\n"
         "    unsigned long long seed, int cooperative, char* err, int errlen) {\n"
         "  return kvemu::kvemu_run_grid(kvemu::Kernel{kvemu_run, b}, grid, tg, order, seed,\n"
-        "      cooperative, __start_kvemu_tg, __stop_kvemu_tg, err, errlen);\n"
+        "      cooperative, err, errlen);\n"
         "}\n"
     )
 

@@ -11,6 +11,7 @@ namespace kvemu {
 constexpr int kSimdWidth = 32;
 constexpr int kMaxThreads = 1024;
 constexpr size_t kSlotBytes = 64;  // largest value a collective carries
+constexpr size_t kThreadgroupBytes = 32768;  // Apple GPUs' threadgroup memory
 
 enum class State { Runnable, AtBarrier, AtSimd, Done };
 
@@ -46,14 +47,14 @@ struct Kernel {
 #define KVEMU_API __attribute__((visibility("default")))
 extern "C" {
 KVEMU_API Lane* kvemu_current_lane();
+// The threadgroup memory arena (kThreadgroupBytes), 0xFF bytes at each threadgroup start.
+KVEMU_API char* kvemu_threadgroup_memory();
 // Park the current thread in state `s`; returns its lane when the scheduler resumes it.
 KVEMU_API Lane* kvemu_suspend(State s);
 [[noreturn]] KVEMU_API void kvemu_fail(const char* msg);
-// order: 0 sequential, 1 reversed, 2 shuffled with `seed`. [tg_begin, tg_end) is the
-// kernel's threadgroup memory, poisoned before each threadgroup. Returns 0 or 1 (+ err).
+// order: 0 sequential, 1 reversed, 2 shuffled with `seed`. Returns 0, or 1 and `err`.
 KVEMU_API int kvemu_run_grid(Kernel k, const unsigned grid[3], const unsigned tg[3], int order,
-                   unsigned long long seed, int cooperative, char* tg_begin, char* tg_end,
-                   char* err, int errlen);
+                             unsigned long long seed, int cooperative, char* err, int errlen);
 }
 
 }  // namespace kvemu

@@ -41,6 +41,7 @@ struct Runtime {
   Kernel kernel{};
   char err[512] = {0};
   bool failed = false;
+  alignas(64) char tg_memory[kThreadgroupBytes];
 };
 Runtime RT;
 
@@ -51,6 +52,8 @@ void fiber_main() {
 }
 
 }  // namespace
+
+extern "C" char* kvemu_threadgroup_memory() { return RT.tg_memory; }
 
 extern "C" Lane* kvemu_current_lane() {
   if (RT.current < 0) kvemu_fail("SIMD collective or barrier outside a kernel");
@@ -80,8 +83,7 @@ extern "C" Lane* kvemu_suspend(State s) {
 // order: 0 sequential (thread index order), 1 reversed, 2 shuffled (seeded, reshuffled
 // every round; threadgroups also visited in shuffled order).
 extern "C" int kvemu_run_grid(Kernel k, const unsigned grid[3], const unsigned tg_in[3], int order,
-                              unsigned long long seed, int cooperative, char* tg_begin, char* tg_end,
-                              char* err, int errlen) {
+                              unsigned long long seed, int cooperative, char* err, int errlen) {
   RT.kernel = k;
   RT.failed = false;
   RT.err[0] = 0;
@@ -120,7 +122,7 @@ extern "C" int kvemu_run_grid(Kernel k, const unsigned grid[3], const unsigned t
     unsigned sz[3];  // the last threadgroup along an axis is partial (dispatchThreads)
     for (int d = 0; d < 3; ++d) sz[d] = std::min(tg[d], grid[d] - gp[d] * tg[d]);
     int n = (int)(sz[0] * sz[1] * sz[2]);
-    if (tg_begin != tg_end) std::memset(tg_begin, 0xFF, (size_t)(tg_end - tg_begin));
+    std::memset(RT.tg_memory, 0xFF, kThreadgroupBytes);
     for (int i = 0; i < n; ++i) {
       Ids& id = RT.lanes[i].ids;
       unsigned lx = i % sz[0], ly = i / sz[0] % sz[1], lz = i / sz[0] / sz[1];

@@ -8,12 +8,25 @@
 #include "kvemu_abi.h"
 #include "metal_compat.h"
 
-// Threadgroup variables live in one ELF section so the scheduler can poison them.
-extern "C" char __start_kvemu_tg[] __attribute__((weak, visibility("hidden")));
-extern "C" char __stop_kvemu_tg[] __attribute__((weak, visibility("hidden")));
-#define KVEMU_TG_STATIC static __attribute__((section("kvemu_tg")))
-
 namespace kvemu {
+
+// Threadgroup memory: each `threadgroup T name[N];` declaration (rewritten by the
+// emulator to `auto& name = KVEMU_TG(T[N]);`) gets a fixed place in the runtime's arena,
+// which the scheduler poisons before every threadgroup. All threads of a threadgroup see
+// the same place; the layout is fixed on first use, as a compiler would fix it.
+static size_t tg_offsets[256];  // per declaration site (__COUNTER__): offset + 1, 0 = unset
+static size_t tg_used;
+template <class T> inline T& tg_alloc(int site) {
+  if (site >= 256) kvemu_fail("more than 256 threadgroup declarations");
+  if (!tg_offsets[site]) {
+    size_t off = (tg_used + 15) & ~size_t(15);
+    if (off + sizeof(T) > kThreadgroupBytes) kvemu_fail("threadgroup memory exceeds 32 KB");
+    tg_offsets[site] = off + 1;
+    tg_used = off + sizeof(T);
+  }
+  return *reinterpret_cast<T*>(kvemu_threadgroup_memory() + tg_offsets[site] - 1);
+}
+#define KVEMU_TG(...) kvemu::tg_alloc<__VA_ARGS__>(__COUNTER__)
 
 // ----------------------------------------------------------------------------- collectives
 
@@ -160,7 +173,7 @@ typedef metal::half float16_t;
 typedef metal::bfloat bfloat16_t;
 
 // Address spaces are one flat memory here. `threadgroup` declarations were rewritten to
-// KVEMU_TG_STATIC by the emulator before compiling; the remaining uses are pointer types.
+// KVEMU_TG by the emulator before compiling; the remaining uses are pointer types.
 #define device
 #define constant
 #define thread
