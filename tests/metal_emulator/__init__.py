@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -46,6 +47,9 @@ __all__ = [
 ]
 
 ORDERS = {"sequential": 0, "reversed": 1, "shuffled": 2}
+# One scheduler per process: launches from several Python threads (ctypes drops the GIL)
+# take turns.
+_LAUNCH_LOCK = threading.Lock()
 _schedule: tuple[str, int] = ("sequential", 0)
 
 # With ensure_row_contiguous=False, inputs whose strides the kernel reads are passed as
@@ -280,7 +284,8 @@ class EmulatedKernel:
         t = (ctypes.c_uint * 3)(*threadgroup)
         err = ctypes.create_string_buffer(512)
         order, seed = _schedule
-        rc = lib.kvemu_launch(ptrs, g, t, ORDERS[order], seed, int(self.cooperative), err, 512)
+        with _LAUNCH_LOCK:
+            rc = lib.kvemu_launch(ptrs, g, t, ORDERS[order], seed, int(self.cooperative), err, 512)
         if rc != 0:
             raise EmulatorError(f"[metal_kernel] {self.name}: {err.value.decode(errors='replace')}")
         for name, (buf, nbytes) in zip(self.output_names, outs, strict=True):
