@@ -122,12 +122,14 @@ def _strided(a: mx.array) -> tuple[np.ndarray, list[int]]:
     return buf, strides
 
 
-# Poison bytes after every buffer: reads past the end get NaN, writes past it are caught.
+# Bytes after every buffer: past an input they are poison (reads get NaN); past an output
+# they are a pattern no NaN-propagating store reproduces, so any write past it is caught.
 GUARD_BYTES = 4096
+INPUT_GUARD, OUTPUT_GUARD = 0xFF, 0xA5
 
 
-def _guarded(data: np.ndarray) -> np.ndarray:
-    buf = np.full(data.nbytes + GUARD_BYTES, 0xFF, dtype=np.uint8)
+def _guarded(data: np.ndarray, fill: int = INPUT_GUARD) -> np.ndarray:
+    buf = np.full(data.nbytes + GUARD_BYTES, fill, dtype=np.uint8)
     buf[: data.nbytes] = data.reshape(-1).view(np.uint8)
     return buf
 
@@ -267,9 +269,9 @@ class EmulatedKernel:
             nbytes = int(np.prod(shape)) * dt.size
             if init_value is None:
                 # Metal leaves outputs uninitialised: poison them so unwritten elements show.
-                buf = _guarded(np.full(nbytes, 0xFF, dtype=np.uint8))
+                buf = _guarded(np.full(nbytes, 0xFF, dtype=np.uint8), OUTPUT_GUARD)
             else:
-                buf = _guarded(_raw(mx.full(tuple(shape), init_value, dtype=dt)))
+                buf = _guarded(_raw(mx.full(tuple(shape), init_value, dtype=dt)), OUTPUT_GUARD)
             outs.append((buf, nbytes))
             keep.append(buf)
             t = type_string(dt)
@@ -289,7 +291,7 @@ class EmulatedKernel:
         if rc != 0:
             raise EmulatorError(f"[metal_kernel] {self.name}: {err.value.decode(errors='replace')}")
         for name, (buf, nbytes) in zip(self.output_names, outs, strict=True):
-            if (buf[nbytes:] != 0xFF).any():
+            if (buf[nbytes:] != OUTPUT_GUARD).any():
                 raise EmulatorError(f"[metal_kernel] {self.name}: wrote past the end of `{name}`")
         launches[self.name] += 1
         return [
