@@ -708,3 +708,11 @@ def test_writes_past_an_output_are_caught_and_reads_past_an_input_are_poison():
     assert np.array(out)[:7].tolist() == list(range(1, 8)) and np.isnan(np.array(out)[7])
     with pytest.raises(me.EmulatorError, match="wrote past the end of `out`"):
         k(inputs=[mx.arange(9, dtype=mx.float32)], output_shapes=[(7,)], **kw)
+
+
+def test_schedule_setting_is_checked_and_restored():
+    with pytest.raises(ValueError, match="unknown schedule 'backwards'"):
+        me.set_schedule("backwards")
+    with me.schedule("shuffled", 5):
+        assert me._schedule == ("shuffled", 5)
+    assert me._schedule == ("sequential", 0)

@@ -152,6 +152,8 @@ KVEMU_F16_ASSIGN(/)
 #undef KVEMU_F16_ASSIGN
 
 // ----------------------------------------------------------------------------- vectors
+// Components .x .y .z .w (and .r .g .b .a) and v[i]; multi-component swizzles (v.xy) are
+// not provided (no kernel here uses them).
 
 template <class T, int N> struct vec_storage;
 template <class T> struct vec_storage<T, 2> {
@@ -181,9 +183,6 @@ struct alignas(sizeof(T) * (N == 3 ? 4 : N)) vec : vec_storage<T, N> {
   }
   T& operator[](int i) { return this->v[i]; }
   const T& operator[](int i) const { return this->v[i]; }
-  // Swizzles used as functions are not MSL; the common two-element reads are members.
-  vec<T, 2> xy() const { return vec<T, 2>(this->v[0], this->v[1]); }
-  vec<T, 2> zw() const { return vec<T, 2>(this->v[2], this->v[3]); }
  private:
   template <class U> void put(int& i, U s) {
     if constexpr (requires { U::size; }) {
