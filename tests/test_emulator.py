@@ -716,3 +716,37 @@ def test_schedule_setting_is_checked_and_restored():
     with me.schedule("shuffled", 5):
         assert me._schedule == ("shuffled", 5)
     assert me._schedule == ("sequential", 0)
+
+
+def test_literals_are_float_and_half_as_in_msl():
+    # MSL has no double: 2^24 + 1 + 1 in float stays 2^24 (in double it would be 2^24 + 2).
+    src = """
+    out[0] = 16777216.0 + 1.0 + 1.0;
+    out[1] = 0.1h;
+    out[2] = .5h + 1e1h + 2.h;
+    """
+    k = me.metal_kernel("literals", [], ["out"], src)
+    (out,) = k(
+        inputs=[],
+        grid=(1, 1, 1),
+        threadgroup=(1, 1, 1),
+        output_shapes=[(3,)],
+        output_dtypes=[mx.float32],
+    )
+    assert np.array(out).tolist() == [16777216.0, float(np.float16(0.1)), 12.5]
+
+
+def test_lanes_at_different_collectives_are_reported():
+    src = """
+    float v = 1.0f;
+    out[thread_index_in_simdgroup] = thread_index_in_simdgroup < 16 ? simd_sum(v) : simd_max(v);
+    """
+    k = me.metal_kernel("mixed_collectives", [], ["out"], src)
+    with pytest.raises(me.EmulatorError, match="different SIMD collectives"):
+        k(
+            inputs=[],
+            grid=(32, 1, 1),
+            threadgroup=(32, 1, 1),
+            output_shapes=[(32,)],
+            output_dtypes=[mx.float32],
+        )

@@ -22,6 +22,7 @@ CXX_FLAGS = (
     "-fvisibility=hidden",
     "-ffp-contract=off",
     "-fno-strict-aliasing",
+    "-fsingle-precision-constant",  # MSL has no double: 0.5 is a float literal
     "-Wno-attributes",
     "-w",
 )
@@ -69,6 +70,16 @@ def rewrite_threadgroup_decls(text: str) -> str:
     return out
 
 
+# MSL half literals (1.5h, 2e-3h) -> half(1.5f)
+_HALF_LITERAL = re.compile(
+    r"(?<![\w.])(\d+\.\d*(?:[eE][+-]?\d+)?|\d*\.\d+(?:[eE][+-]?\d+)?|\d+[eE][+-]?\d+)h\b"
+)
+
+
+def rewrite_half_literals(text: str) -> str:
+    return _HALF_LITERAL.sub(r"half(\1f)", text)
+
+
 def is_cooperative(text: str) -> bool:
     return any(tok in text for tok in _COOPERATIVE)
 
@@ -97,7 +108,7 @@ def translation_unit(
     return (
         '#include "kvemu_runtime.h"\n'
         f'#line 1 "{func_name}.metal"\n'
-        f"{rewrite_threadgroup_decls(kernel_source)}\n"
+        f"{rewrite_half_literals(rewrite_threadgroup_decls(kernel_source))}\n"
         '#line 100000 "kvemu_launcher"\n'
         "static void kvemu_run(void* ctx, const kvemu::Ids& id) {\n"
         "  void** b = (void**)ctx;\n"
