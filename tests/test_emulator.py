@@ -26,6 +26,35 @@ def run(kernel, *, order=("sequential", 0), **kw) -> list[mx.array]:
         return kernel(**kw)
 
 
+def run1(
+    name: str,
+    body: str,
+    grid: int,
+    tg: int,
+    shape: tuple,
+    *,
+    inputs: dict | None = None,
+    dtype=mx.float32,
+    template=(),
+    order=("sequential", 0),
+) -> np.ndarray:
+    """Run `body` as a kernel with inputs `inputs` (name -> value) and one output `out`,
+    over a 1-D grid; the output as numpy."""
+    inputs = inputs or {}
+    k = me.metal_kernel(name, list(inputs), ["out"], body)
+    (out,) = run(
+        k,
+        order=order,
+        inputs=list(inputs.values()),
+        template=list(template),
+        grid=(grid, 1, 1),
+        threadgroup=(tg, 1, 1),
+        output_shapes=[shape],
+        output_dtypes=[dtype],
+    )
+    return np.array(out)
+
+
 # ----------------------------------------------------------------------------- signature
 
 MYEXP = """
@@ -375,16 +404,9 @@ def test_threadgroup_memory_is_poisoned_for_every_threadgroup(template):
     threadgroup_barrier(mem_flags::mem_threadgroup);
     out[thread_position_in_grid.x] = buf[thread_position_in_threadgroup.x];
     """
-    k = me.metal_kernel("leak", [], ["out"], src.replace("TYPE", "T" if template else "float"))
-    (out,) = k(
-        inputs=[],
-        template=template,
-        grid=(8, 1, 1),
-        threadgroup=(4, 1, 1),
-        output_shapes=[(8,)],
-        output_dtypes=[mx.float32],
+    out = run1(
+        "leak", src.replace("TYPE", "T" if template else "float"), 8, 4, (8,), template=template
     )
-    out = np.array(out)
     assert (out[:4] == 7).all() and np.isnan(out[4:]).all()
 
 
@@ -393,15 +415,8 @@ def test_barrier_in_divergent_code_is_reported():
     if (thread_index_in_simdgroup == 0) { threadgroup_barrier(mem_flags::mem_threadgroup); }
     else { out[0] = simd_sum(1.0f); }
     """
-    k = me.metal_kernel("diverge", [], ["out"], src)
     with pytest.raises(me.EmulatorError, match="deadlock"):
-        k(
-            inputs=[],
-            grid=(32, 1, 1),
-            threadgroup=(32, 1, 1),
-            output_shapes=[(1,)],
-            output_dtypes=[mx.float32],
-        )
+        run1("diverge", src, 32, 32, (1,))
 
 
 def test_order_dependent_kernel_differs_between_orders():
@@ -412,15 +427,9 @@ def test_order_dependent_kernel_differs_between_orders():
     threadgroup_barrier(mem_flags::mem_threadgroup);
     out[thread_index_in_threadgroup] = last[0];
     """
-    k = me.metal_kernel("last_writer", [], ["out"], src)
-    kw = dict(
-        inputs=[],
-        grid=(64, 1, 1),
-        threadgroup=(64, 1, 1),
-        output_shapes=[(64,)],
-        output_dtypes=[mx.uint32],
-    )
-    seen = {int(np.array(run(k, order=o, **kw)[0])[0]) for o in ORDERS}
+    seen = {
+        int(run1("last_writer", src, 64, 64, (64,), dtype=mx.uint32, order=o)[0]) for o in ORDERS
+    }
     assert {63, 0} <= seen and len(seen) >= 3
 
 
@@ -495,15 +504,7 @@ def test_simd_sum_counts_only_live_lanes():
     if (thread_index_in_simdgroup >= 20) { return; }
     out[thread_position_in_grid.x] = simd_sum(1.0f);
     """
-    k = me.metal_kernel("live", [], ["out"], src)
-    (out,) = k(
-        inputs=[],
-        grid=(32, 1, 1),
-        threadgroup=(32, 1, 1),
-        output_shapes=[(32,)],
-        output_dtypes=[mx.float32],
-    )
-    out = np.array(out)
+    out = run1("live", src, 32, 32, (32,))
     assert (out[:20] == 20).all() and np.isnan(out[20:]).all()
 
 
@@ -627,18 +628,11 @@ def test_half_arithmetic_matches_numpy_float16():
     """
     rng = np.random.default_rng(3)
     x = (rng.standard_normal(2000) * 100).astype(np.float16)
-    k = me.metal_kernel("harith", ["inp"], ["out"], src)
-    (out,) = k(
-        inputs=[mx.array(x)],
-        grid=(1000, 1, 1),
-        threadgroup=(250, 1, 1),
-        output_shapes=[(1000, 4)],
-        output_dtypes=[mx.float16],
-    )
+    out = run1("harith", src, 1000, 250, (1000, 4), inputs={"inp": mx.array(x)}, dtype=mx.float16)
     a, b = x[0::2], x[1::2]
     with np.errstate(over="ignore"):
         want = np.stack([a + b, a - b, a / b, a * b], 1)
-    np.testing.assert_array_equal(np.array(out), want)
+    np.testing.assert_array_equal(out, want)
 
 
 # ----------------------------------------------------------------------------- strides
@@ -678,14 +672,7 @@ def test_vectors_math_and_constant_inputs():
            + metal::clamp(v.x, 0.0f, 1.0f) + metal::max(v.y, v.z) + metal::fma(v.w, 2.0f, 1.0f);
     """
     x = np.linspace(-2, 2, 16).astype(np.float32)
-    k = me.metal_kernel("vec", ["inp", "c"], ["out"], src)
-    (out,) = k(
-        inputs=[mx.array(x), mx.array([0.5])],
-        grid=(4, 1, 1),
-        threadgroup=(4, 1, 1),
-        output_shapes=[(4,)],
-        output_dtypes=[mx.float32],
-    )
+    out = run1("vec", src, 4, 4, (4,), inputs={"inp": mx.array(x), "c": mx.array([0.5])})
     v = x.reshape(4, 4)
     h = v.astype(np.float16).astype(np.float32)
     want = (
@@ -697,7 +684,7 @@ def test_vectors_math_and_constant_inputs():
         + v[:, 3] * 2
         + 1
     )
-    np.testing.assert_allclose(np.array(out), want, rtol=1e-6)
+    np.testing.assert_allclose(out, want, rtol=1e-6)
 
 
 def test_writes_past_an_output_are_caught_and_reads_past_an_input_are_poison():
@@ -725,15 +712,8 @@ def test_literals_are_float_and_half_as_in_msl():
     out[1] = 0.1h;
     out[2] = .5h + 1e1h + 2.h;
     """
-    k = me.metal_kernel("literals", [], ["out"], src)
-    (out,) = k(
-        inputs=[],
-        grid=(1, 1, 1),
-        threadgroup=(1, 1, 1),
-        output_shapes=[(3,)],
-        output_dtypes=[mx.float32],
-    )
-    assert np.array(out).tolist() == [16777216.0, float(np.float16(0.1)), 12.5]
+    out = run1("literals", src, 1, 1, (3,))
+    assert out.tolist() == [16777216.0, float(np.float16(0.1)), 12.5]
 
 
 def test_lanes_at_different_collectives_are_reported():
@@ -741,12 +721,5 @@ def test_lanes_at_different_collectives_are_reported():
     float v = 1.0f;
     out[thread_index_in_simdgroup] = thread_index_in_simdgroup < 16 ? simd_sum(v) : simd_max(v);
     """
-    k = me.metal_kernel("mixed_collectives", [], ["out"], src)
     with pytest.raises(me.EmulatorError, match="different SIMD collectives"):
-        k(
-            inputs=[],
-            grid=(32, 1, 1),
-            threadgroup=(32, 1, 1),
-            output_shapes=[(32,)],
-            output_dtypes=[mx.float32],
-        )
+        run1("mixed_collectives", src, 32, 32, (32,))

@@ -36,6 +36,7 @@ from tests.test_kernels import (
     run_norm,
     run_rope,
 )
+from tests.test_stories260k import greedy_ids
 
 pytestmark = pytest.mark.skipif(
     not me.available(), reason="the Metal emulator needs g++ (not found)"
@@ -133,62 +134,35 @@ def _mutate(text: str, old: str, new: str, occurrence: int) -> str:
 
 NORM_SMALL = dict(rows=3, hidden=576, dtype=mx.float32)  # 160 threads: 5 simdgroups
 NORM_LONG = dict(rows=3, hidden=8193, dtype=mx.float32)  # 1024 threads x 3 chunks
-ROPE_HALF = dict(
-    B=1,
-    hq=4,
-    hk=1,
-    T=5,
-    D=64,
-    dims=48,
-    traditional=False,
-    offset=3,
-    freqs=False,
-    scale=1.0,
-    dtype=mx.float32,
-)
+ROPE_HALF = {  # partial rotary: 16 of 64 features pass through
+    **dict(B=1, hq=4, hk=1, T=5, D=64, dims=48, traditional=False, offset=3),
+    **dict(freqs=False, scale=1.0, dtype=mx.float32),
+}
 ROPE_TRAD = {**ROPE_HALF, "traditional": True}
 
-# (name, kind, old, new, occurrence, cases)
-MUTANTS = [
+# (name, old text, new text, which occurrence, cases that expose it)
+NORM_MUTANTS = [
     *[
-        (f"barrier {i + 1} removed", "rms_norm", BARRIER, "", i, [NORM_LONG, NORM_SMALL])
+        (f"barrier {i + 1} removed", BARRIER, "", i, [NORM_LONG, NORM_SMALL])
         for i in range(read_source("rms_norm").count(BARRIER))
     ],
-    ("read loop: c < N_CHUNKS - 1", "rms_norm", "c < N_CHUNKS", "c < N_CHUNKS - 1", 0, [NORM_LONG]),
-    (
-        "write loop: c < N_CHUNKS - 1",
-        "rms_norm",
-        "c < N_CHUNKS",
-        "c < N_CHUNKS - 1",
-        1,
-        [NORM_LONG],
-    ),
-    ("read loop: i < N_READS - 1", "rms_norm", "i < N_READS", "i < N_READS - 1", 0, [NORM_SMALL]),
-    ("write loop: i < N_READS - 1", "rms_norm", "i < N_READS", "i < N_READS - 1", 1, [NORM_SMALL]),
-    ("reduction: lane < n_sg - 1", "rms_norm", "lane < n_sg", "lane < n_sg - 1", 0, [NORM_SMALL]),
-    ("reduction: lane <= n_sg", "rms_norm", "lane < n_sg", "lane <= n_sg", 0, [NORM_SMALL]),
-    (
-        "reduction: partial[lane + 1]",
-        "rms_norm",
-        "partial[lane]",
-        "partial[lane + 1]",
-        0,
-        [NORM_SMALL],
-    ),
-    ("reduction: partial[sg + 1]", "rms_norm", "partial[sg]", "partial[sg + 1]", 0, [NORM_SMALL]),
-    ("row bound: j <= D", "rms_norm", "j < D", "j <= D", 1, [NORM_SMALL]),
-    (
-        "rope pair: j + half_dims - 1",
-        "rope",
-        "j + half_dims;",
-        "j + half_dims - 1;",
-        0,
-        [ROPE_HALF],
-    ),
-    ("rope pair: 2 * j + 1 -> 2 * j + 2", "rope", "2 * j + 1", "2 * j + 2", 0, [ROPE_TRAD]),
-    ("rope slots: j <= half_dims", "rope", "j < half_dims", "j <= half_dims", 0, [ROPE_HALF]),
-    ("rope stride ignored", "rope", "i1 * strides[3]", "i1", 0, [ROPE_HALF]),
+    ("read loop: c < N_CHUNKS - 1", "c < N_CHUNKS", "c < N_CHUNKS - 1", 0, [NORM_LONG]),
+    ("write loop: c < N_CHUNKS - 1", "c < N_CHUNKS", "c < N_CHUNKS - 1", 1, [NORM_LONG]),
+    ("read loop: i < N_READS - 1", "i < N_READS", "i < N_READS - 1", 0, [NORM_SMALL]),
+    ("write loop: i < N_READS - 1", "i < N_READS", "i < N_READS - 1", 1, [NORM_SMALL]),
+    ("reduction: lane < n_sg - 1", "lane < n_sg", "lane < n_sg - 1", 0, [NORM_SMALL]),
+    ("reduction: lane <= n_sg", "lane < n_sg", "lane <= n_sg", 0, [NORM_SMALL]),
+    ("reduction: partial[lane + 1]", "partial[lane]", "partial[lane + 1]", 0, [NORM_SMALL]),
+    ("reduction: partial[sg + 1]", "partial[sg]", "partial[sg + 1]", 0, [NORM_SMALL]),
+    ("row bound: j <= D", "j < D", "j <= D", 1, [NORM_SMALL]),
 ]
+ROPE_MUTANTS = [
+    ("rope pair: j + half_dims - 1", "j + half_dims;", "j + half_dims - 1;", 0, [ROPE_HALF]),
+    ("rope pair: 2 * j + 2", "2 * j + 1", "2 * j + 2", 0, [ROPE_TRAD]),
+    ("rope slots: j <= half_dims", "j < half_dims", "j <= half_dims", 0, [ROPE_HALF]),
+    ("rope stride ignored", "i1 * strides[3]", "i1", 0, [ROPE_HALF]),
+]
+MUTANTS = [("rms_norm", *m) for m in NORM_MUTANTS] + [("rope", *m) for m in ROPE_MUTANTS]
 
 
 def _wrong(kind: str, text: str, case: dict) -> list[str]:
@@ -213,15 +187,15 @@ def _wrong(kind: str, text: str, case: dict) -> list[str]:
 
 @pytest.mark.parametrize("kind", ["rms_norm", "rope"])
 def test_unmutated_sources_pass_the_mutant_inputs_in_every_order(emulated, kind: str) -> None:
-    for _, k, _, _, _, cases in MUTANTS:
+    for k, *_, cases in MUTANTS:
         if k == kind:
             for case in cases:
                 assert _wrong(kind, read_source(kind), case) == []
 
 
-@pytest.mark.parametrize("mutant", MUTANTS, ids=[m[0] for m in MUTANTS])
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[m[1] for m in MUTANTS])
 def test_broken_kernel_variants_fail(emulated, mutant) -> None:
-    _, kind, old, new, occurrence, cases = mutant
+    kind, _, old, new, occurrence, cases = mutant
     text = _mutate(read_source(kind), old, new, occurrence)
     failed = {o for case in cases for o in _wrong(kind, text, case)}
     # Caught deterministically in plain thread order (the default), whatever else catches it;
@@ -233,20 +207,11 @@ def test_broken_kernel_variants_fail(emulated, mutant) -> None:
 # ----------------------------------------------------------------------------- the model
 
 STEPS = 20
-BOS = 1
 
 
 def _greedy(folder: Path, backend: str) -> list[int]:
-    from model import load_model
-
     with metal_kernels.using(backend):
-        model = load_model(folder)
-        cache = model.make_cache()
-        ids = [BOS]
-        for _ in range(STEPS):
-            logits = model(mx.array([ids[-1:]]), cache=cache)
-            ids.append(int(mx.argmax(logits[0, -1]).item()))
-    return ids[1:]
+        return greedy_ids(folder, STEPS)
 
 
 def test_stories260k_decodes_the_same_on_the_emulated_kernels(emulated, stories260k: Path) -> None:

@@ -13,16 +13,20 @@ BOS = 1
 STEPS = 60
 
 
-@pytest.fixture(scope="module")
-def our_greedy_ids(stories260k: Path) -> list[int]:
-    """Greedy argmax for STEPS tokens through our KV cache (one token per step)."""
-    model = load_model(stories260k)
+def greedy_ids(folder: Path, steps: int) -> list[int]:
+    """Greedy argmax for `steps` tokens from BOS through our KV cache (one token per step)."""
+    model = load_model(folder)
     cache = model.make_cache()
     ids = [BOS]
-    for _ in range(STEPS):
+    for _ in range(steps):
         logits = model(mx.array([ids[-1:]]), cache=cache)
         ids.append(int(mx.argmax(logits[0, -1]).item()))
     return ids[1:]
+
+
+@pytest.fixture(scope="module")
+def our_greedy_ids(stories260k: Path) -> list[int]:
+    return greedy_ids(stories260k, STEPS)
 
 
 def hf_greedy_ids(folder: Path) -> list[int]:
