@@ -227,3 +227,53 @@ def test_stories260k_decodes_the_same_on_the_emulated_kernels(emulated, stories2
     assert launched["kvchat_add_rms_norm"] == emulated.calls["add_rms_norm"]
     assert launched["kvchat_rope"] == emulated.calls["rope_qk"] + emulated.calls["rope"]
     assert got == _greedy(stories260k, "fast")
+
+
+# ----------------------------------------------------------------------------- MLX's own text
+
+
+def _printed_sources(capfd, factory, run, trace: bool) -> str:
+    """What the backend's kernel launches print with verbose=True; MLX's under an export
+    trace (MLX writes and prints its kernel source there even without a Metal device)."""
+
+    def verbose_factory(**spec):
+        kernel = factory(**spec)
+        return lambda **call: kernel(**{**call, "verbose": True})
+
+    backend = MetalBackend(factory=verbose_factory, name="printing")
+    capfd.readouterr()
+    if not trace:
+        mx.eval(run(backend, *SOURCE_INPUTS))
+        return capfd.readouterr().out
+    try:
+        mx.export_function("/dev/null", lambda *a: run(backend, *a), *SOURCE_INPUTS)
+    except Exception:  # noqa: BLE001 - exporting may fail after the sources were printed
+        pass
+    return capfd.readouterr().out
+
+
+SOURCE_INPUTS = (
+    mx.zeros((2, 7), mx.float16),  # hidden 7: the weight arrives in the constant space
+    mx.zeros((3, 4096), mx.bfloat16),
+    mx.zeros((2, 8, 5, 64), mx.float32),
+    mx.zeros((2, 2, 5, 64), mx.float32),
+)
+
+
+def _launch_all(backend, x7, x4096, q, k):
+    w7, w4096 = mx.ones((7,), mx.float16), mx.ones((4096,), mx.bfloat16)
+    offsets = mx.array([3, 1000])
+    return [
+        backend.rms_norm(x7, w7, 1e-5),
+        *backend.add_rms_norm(x4096, x4096, w4096, 1e-6),
+        *backend.rope_qk(q, k, 48, True, None, 0.5, offsets, mx.full((24,), 7.0)),
+    ]
+
+
+def test_shipped_kernel_sources_are_the_text_mlx_generates(capfd) -> None:
+    theirs = _printed_sources(capfd, mx.fast.metal_kernel, _launch_all, trace=True)
+    if "```" not in theirs:
+        pytest.skip("this MLX build does not print custom kernel sources without Metal")
+    ours = _printed_sources(capfd, me.metal_kernel, _launch_all, trace=False)
+    assert theirs.count("Generated source code for") == 3
+    assert ours == theirs
