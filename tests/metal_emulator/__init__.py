@@ -16,6 +16,7 @@ accuracy is not modelled.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 from collections import Counter
@@ -51,6 +52,18 @@ ORDERS = {"sequential": 0, "reversed": 1, "shuffled": 2}
 # take turns.
 _LAUNCH_LOCK = threading.Lock()
 _schedule: tuple[str, int] = ("sequential", 0)
+
+
+def _env_schedule() -> tuple[str, int]:
+    """KVCHAT_EMULATOR_SCHEDULE=order[:seed] runs a whole test session in another order."""
+    value = os.environ.get("KVCHAT_EMULATOR_SCHEDULE", "sequential")
+    order, _, seed = value.partition(":")
+    if order not in ORDERS or (seed and not seed.isdigit()):
+        raise ValueError(
+            f"KVCHAT_EMULATOR_SCHEDULE={value!r}; expected one of {list(ORDERS)}[:seed]"
+        )
+    return order, int(seed or 0)
+
 
 # With ensure_row_contiguous=False, inputs whose strides the kernel reads are passed as
 # gapped views (see `_strided`); False passes row-contiguous copies.
@@ -324,3 +337,6 @@ def metal_kernel(
     return EmulatedKernel(
         name, input_names, output_names, source, header, ensure_row_contiguous, atomic_outputs
     )
+
+
+_schedule = _env_schedule()
