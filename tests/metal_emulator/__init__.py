@@ -7,10 +7,12 @@ compatibility header (`metal_compat.h`, `kvemu_runtime.h`), cached by hash, and 
 threadgroup by threadgroup with cooperative threads (see kvemu_runtime.h).
 
 Thread order is a module setting: `set_schedule("sequential" | "reversed" | "shuffled",
-seed)` or `with schedule(...)`. Differences from a GPU: inputs a kernel reads through
-`<name>_strides` (with ensure_row_contiguous=False) arrive as gapped views, all others
-row-contiguous; execution is eager (no lazy graph, no mx.compile tracing); fast-math
-accuracy is not modelled.
+seed)`, `with schedule(...)`, or KVCHAT_EMULATOR_SCHEDULE=order[:seed] for a session.
+Outputs and threadgroup memory start as NaN bytes, and guard bytes follow every buffer,
+so unwritten, unsynchronised and out-of-bounds accesses show. Differences from a GPU:
+inputs a kernel reads through `<name>_strides` (with ensure_row_contiguous=False) arrive
+as gapped views, all others row-contiguous; execution is eager (no lazy graph, no
+mx.compile tracing); fast-math accuracy is not modelled.
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ ORDERS = {"sequential": 0, "reversed": 1, "shuffled": 2}
 # One scheduler per process: launches from several Python threads (ctypes drops the GIL)
 # take turns.
 _LAUNCH_LOCK = threading.Lock()
-_schedule: tuple[str, int] = ("sequential", 0)
 
 
 def _env_schedule() -> tuple[str, int]:
@@ -64,6 +65,8 @@ def _env_schedule() -> tuple[str, int]:
         )
     return order, int(seed or 0)
 
+
+_schedule: tuple[str, int] = _env_schedule()
 
 # With ensure_row_contiguous=False, inputs whose strides the kernel reads are passed as
 # gapped views (see `_strided`); False passes row-contiguous copies.
@@ -337,6 +340,3 @@ def metal_kernel(
     return EmulatedKernel(
         name, input_names, output_names, source, header, ensure_row_contiguous, atomic_outputs
     )
-
-
-_schedule = _env_schedule()
