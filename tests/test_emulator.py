@@ -724,3 +724,23 @@ def test_lanes_at_different_collectives_are_reported():
     """
     with pytest.raises(me.EmulatorError, match="different SIMD collectives"):
         run1("mixed_collectives", src, 32, 32, (32,))
+
+
+def test_threadgroup_memory_beyond_32_kb_is_an_error_not_a_crash():
+    src = "threadgroup float big[9000]; big[0] = 1.0f; out[0] = big[0];"
+    with pytest.raises(me.EmulatorError, match="threadgroup memory exceeds 32 KB"):
+        run1("big_tg", src, 1, 1, (1,))
+
+
+def test_collectives_carry_vectors_and_halves():
+    src = """
+    uint lane = thread_index_in_simdgroup;
+    float4 v = float4(float(lane), 1.0f, -float(lane), 2.0f);
+    float4 s = simd_sum(v);
+    half h = simd_shuffle_xor(half(lane) * 0.5h, 1);
+    out[lane] = s.x + 10000.0f * s.y + s.z * 0.001f + s.w + float(h) * 1000000.0f;
+    """
+    out = run1("vec_collectives", src, 32, 32, (32,))
+    lanes = np.arange(32)
+    want = 496 + 10000 * 32 - 0.496 + 64 + (lanes ^ 1) * 0.5 * 1e6
+    np.testing.assert_allclose(out, want.astype(np.float32), rtol=1e-7)

@@ -63,7 +63,7 @@ extern "C" Lane* kvemu_current_lane() {
 extern "C" void kvemu_fail(const char* msg) {
   std::snprintf(RT.err, sizeof(RT.err), "%s", msg);
   RT.failed = true;
-  if (RT.current >= 0 && RT.cooperative) {
+  if (RT.current >= 0) {  // back to the scheduler, which reports the error
     RT.lanes[RT.current].state = State::Done;
     _longjmp(RT.sched, 1);
   }
@@ -151,7 +151,12 @@ extern "C" int kvemu_run_grid(Kernel k, const unsigned grid[3], const unsigned t
     for (int i = 0; i < n; ++i) perm[i] = order == 1 ? n - 1 - i : i;
     if (!cooperative) {  // nothing can suspend: plain calls, in the chosen order
       if (order == 2) std::shuffle(perm.begin(), perm.end(), rng);
-      for (int i : perm) k.run(k.ctx, RT.lanes[i].ids);
+      for (int i : perm) {
+        RT.current = i;
+        if (!_setjmp(RT.sched)) k.run(k.ctx, RT.lanes[i].ids);
+        RT.current = -1;
+        if (RT.failed) { std::snprintf(err, errlen, "%s", RT.err); return 1; }
+      }
       continue;
     }
     for (int i = 0; i < n; ++i) {
