@@ -28,7 +28,14 @@ from contextlib import contextmanager
 import mlx.core as mx
 import numpy as np
 
-from .compiler import BufferCast, EmulatorError, compiler, is_cooperative, load, translation_unit
+from .compiler import (
+    BufferCast,
+    EmulatorError,
+    find_compiler,
+    is_cooperative,
+    load,
+    translation_unit,
+)
 from .signature import (
     InputSpec,
     TemplateArg,
@@ -78,7 +85,7 @@ launches: Counter[str] = Counter()
 
 def available() -> bool:
     """Whether a C++ compiler exists to build kernels with."""
-    return compiler() is not None
+    return find_compiler() is not None
 
 
 def set_schedule(order: str, seed: int = 0) -> None:

@@ -44,7 +44,7 @@ class EmulatorError(RuntimeError):
     """The emulator could not compile or run a kernel (message names the kernel)."""
 
 
-def compiler() -> str | None:
+def find_compiler() -> str | None:
     """The C++ compiler the emulator uses, or None if there is none."""
     return os.environ.get("CXX") or shutil.which("g++")
 
@@ -202,7 +202,7 @@ def load(tu: str, label: str) -> ctypes.CDLL:
     key = hashlib.sha256((_header_digest() + tu).encode()).hexdigest()[:32]
     if key in _LOADED:
         return _LOADED[key]
-    cxx = compiler()
+    cxx = find_compiler()
     if cxx is None:
         raise EmulatorError("the Metal emulator needs a C++ compiler (g++), and none was found")
     _runtime(cxx)
