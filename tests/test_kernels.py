@@ -393,3 +393,72 @@ def test_chat_palette_switches_the_backend(tmp_path: Path,
         run()
     finally:
         metal_kernels.set_backend(before)
+
+
+# ----------------------------------------------------------------------------- metal launch
+
+
+def _doc_params(fn: object) -> set[str]:
+    """Parameter names from a nanobind function's signature line (its __doc__ head)."""
+    import re
+
+    head = (fn.__doc__ or "").strip().split("\n", 1)[0]
+    return set(re.findall(r"(\w+):", head.split("(", 1)[1].rsplit(")", 1)[0]))
+
+
+def test_metal_backend_calls_the_factory_as_mx_fast_metal_kernel_takes_it() -> None:
+    """The seam the emulator plugs into: keywords that mx.fast.metal_kernel (and the
+    kernel it returns) really accept, grids in threads, one threadgroup per norm row."""
+    from metal_kernels.metal import MetalBackend
+
+    built: list[dict] = []
+    calls: list[dict] = []
+
+    def factory(**kw):
+        built.append(kw)
+
+        def kernel(**call):
+            calls.append(call)
+            shapes, dtypes = call["output_shapes"], call["output_dtypes"]
+            return [mx.zeros(s, d) for s, d in zip(shapes, dtypes, strict=True)]
+
+        return kernel
+
+    be = MetalBackend(factory=factory)
+    x, r, w = norm_inputs(3, 4096, mx.float16)
+    be.rms_norm(x, w, EPS)
+    be.add_rms_norm(x, r, w.astype(mx.float32), EPS)
+    q, k = qk_inputs(2, 8, 2, 5, 64, mx.float32)
+    be.rope_qk(q, k, 48, False, None, 1.0, 3, mx.ones((24,)))
+    be.rms_norm(x, w, EPS)  # a second call builds nothing new
+
+    factory_params = _doc_params(mx.fast.metal_kernel)
+    assert len(built) == 3 and all(set(b) <= factory_params for b in built)
+    real_kernel = mx.fast.metal_kernel(name="probe", input_names=["x"], output_names=["y"],
+                                       source="")  # building one needs no GPU
+    kernel_params = _doc_params(real_kernel)
+    assert {"inputs", "grid", "threadgroup", "template"} <= kernel_params
+    assert all(set(c) <= kernel_params for c in calls)
+    norm, fused, rope, _ = calls
+    assert norm["grid"] == (3 * 1024, 1, 1) and norm["threadgroup"] == (1024, 1, 1)
+    assert dict(norm["template"]) == {"T": mx.float16, "W": mx.float16, "N_READS": 4,
+                                      "N_CHUNKS": 1}
+    assert dict(fused["template"])["W"] == mx.float32  # result_type(float16, float32)
+    assert fused["output_dtypes"] == [mx.float16, mx.float32]
+    # RoPE: 24 pairs + 16 pass-through features per row, 5 positions, 2 x (8 + 2) heads
+    assert rope["grid"] == (64 - 24, 5, 2 * 10)
+    assert [b["name"] for b in built] == ["kvchat_rms_norm", "kvchat_add_rms_norm",
+                                          "kvchat_rope"]
+
+
+def test_norm_launch_covers_any_hidden_size_and_refuses_past_the_limit() -> None:
+    from metal_kernels.metal import MAX_THREADS, N_READS, norm_launch
+
+    for hidden in (1, 7, 64, 576, 4096, 4097, 8193, 32768):
+        threads, chunks = norm_launch(hidden, 1)
+        assert threads % 32 == 0 and threads <= MAX_THREADS
+        assert threads * chunks * N_READS >= hidden  # every element has a thread
+        assert threads * (chunks - 1) * N_READS < hidden  # and no step is wasted whole
+    assert norm_launch(8193, 1) == (1024, 3)
+    with pytest.raises(KernelError, match="hidden size 32769 exceeds"):
+        norm_launch(32769, 1)
