@@ -6,8 +6,14 @@ launch code runs the sources on a GPU and, in tests, on the CPU emulator
 compute what the kernels need: template parameters (dtype and shape class), the grid (in
 threads, as MLX's dispatchThreads takes it) and the threadgroup size.
 
-A CUDA twin would be another backend of the same shape: `.cu` bodies for
-`mx.fast.cuda_kernel` (the same factory signature) behind the same four entry points.
+The CUDA seam: `mx.fast.cuda_kernel` takes nearly the same arguments (name, input/output
+names, source, header, ensure_row_contiguous; `shared_memory` instead of
+`atomic_outputs`), and its kernel the same call (grid, threadgroup, template, output
+shapes and dtypes). A `cuda` backend is a subclass that overrides `_kernel` to read `.cu` twins
+of the two sources (warp shuffles for `simd_sum`, `__shared__` for threadgroup memory,
+`__syncthreads()` for the barriers) and keeps this class's launch geometry; it is then
+registered with `metal_kernels.register_backend("cuda", ...)` where
+`mx.cuda.is_available()`. Not written yet: no CUDA GPU was lent to run its tests.
 """
 
 from __future__ import annotations
