@@ -104,8 +104,8 @@ def available_backends() -> list[str]:
 def switch_backend(name: str) -> str:
     """The UI's run-time switch: one line to show, for success and failure alike.
 
-    Takes effect from the next kernel call; the model needs no rebuild (a compiled
-    decode step keyed on `backend()` must be re-traced, as the engine does)."""
+    Takes effect from the next kernel call; the model needs no rebuild. (A decode step
+    traced by `mx.compile` captures the backend: key it on `backend()` to re-trace.)"""
     before = backend()
     try:
         now = set_backend(name)
