@@ -160,7 +160,8 @@ ROPE_MUTANTS = [
     ("rope pair: j + half_dims - 1", "j + half_dims;", "j + half_dims - 1;", 0, [ROPE_HALF]),
     ("rope pair: 2 * j + 2", "2 * j + 1", "2 * j + 2", 0, [ROPE_TRAD]),
     ("rope slots: j <= half_dims", "j < half_dims", "j <= half_dims", 0, [ROPE_HALF]),
-    ("rope stride ignored", "i1 * strides[3]", "i1", 0, [ROPE_HALF]),
+    # Q arrives as a transposed view (B, T, H, D) -> (B, H, T, D): its head stride is D
+    ("rope: q heads as if contiguous", "head * q_strides[1]", "head * T_len * D", 0, [ROPE_HALF]),
 ]
 MUTANTS = [("rms_norm", *m) for m in NORM_MUTANTS] + [("rope", *m) for m in ROPE_MUTANTS]
 

@@ -9,10 +9,11 @@ threadgroup by threadgroup with cooperative threads (see kvemu_runtime.h).
 Thread order is a module setting: `set_schedule("sequential" | "reversed" | "shuffled",
 seed)`, `with schedule(...)`, or KVCHAT_EMULATOR_SCHEDULE=order[:seed] for a session.
 Outputs and threadgroup memory start as NaN bytes, and guard bytes follow every buffer,
-so unwritten, unsynchronised and out-of-bounds accesses show. Differences from a GPU:
-inputs a kernel reads through `<name>_strides` (with ensure_row_contiguous=False) arrive
-as gapped views, all others row-contiguous; execution is eager (no lazy graph, no
-mx.compile tracing); fast-math accuracy is not modelled.
+so unwritten, unsynchronised and out-of-bounds accesses show. With
+ensure_row_contiguous=False inputs keep their own layout (as on a GPU), and contiguous
+ones whose strides the kernel reads become gapped views. Differences from a GPU:
+execution is eager (no lazy graph, no mx.compile tracing); fast-math accuracy is not
+modelled.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def _env_schedule() -> tuple[str, int]:
 
 _schedule: tuple[str, int] = _env_schedule()
 
-# With ensure_row_contiguous=False, inputs whose strides the kernel reads are passed as
-# gapped views (see `_strided`); False passes row-contiguous copies.
+# With ensure_row_contiguous=False, inputs arrive in their own layout, as MLX passes them
+# (a transposed view stays transposed); row-contiguous ones whose strides the kernel reads
+# are re-laid as gapped views (see `_strided`) unless this is False.
 strided_views = True
 
 # Launch count per kernel name, so tests can prove a call went through the emulator.
@@ -124,6 +126,26 @@ def _raw(a: mx.array) -> np.ndarray:
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
     return np.ascontiguousarray(np.array(a, copy=True))
+
+
+def _row_strides(shape: Sequence[int]) -> list[int]:
+    return [int(np.prod(shape[i + 1 :])) for i in range(len(shape))]
+
+
+def _as_laid_out(a: mx.array) -> tuple[np.ndarray, int, list[int]]:
+    """`a`'s own memory layout, as MLX passes it when it does not copy: (guarded bytes,
+    byte offset of element 0 in them, strides in elements). Broadcast (0), transposed
+    and negative strides come through as they are."""
+    view = np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)  # no copy
+    item = view.itemsize
+    if view.size == 0:
+        return _guarded(np.zeros(0, np.uint8)), 0, [st // item for st in view.strides]
+    lo = sum(min(0, (n - 1) * st) for n, st in zip(view.shape, view.strides, strict=True))
+    hi = sum(max(0, (n - 1) * st) for n, st in zip(view.shape, view.strides, strict=True))
+    mem = np.ctypeslib.as_array(
+        (ctypes.c_uint8 * (hi - lo + item)).from_address(view.ctypes.data + lo)
+    )
+    return _guarded(mem.copy()), -lo, [st // item for st in view.strides]
 
 
 def _strided(a: mx.array) -> tuple[np.ndarray, list[int]]:
@@ -267,25 +289,28 @@ class EmulatedKernel:
         if verbose:
             print(f"Generated source code for `{self.name}`:\n```\n{src}\n```", file=sys.stdout)
 
-        keep: list[np.ndarray] = []  # buffers in MLX's buffer-index order
+        keep: list[tuple[np.ndarray, int]] = []  # (buffer, byte offset), MLX's buffer order
         casts: list[BufferCast] = []
         for a, (has_shape, has_strides, has_ndim) in zip(arrays, self.shape_infos, strict=True):
-            strides = [int(np.prod(a.shape[i + 1 :])) for i in range(a.ndim)]
-            if has_strides and not self.ensure_row_contiguous and strided_views and a.ndim > 0:
-                buf, strides = _strided(a)
-                keep.append(_guarded(buf))
-            else:
-                keep.append(_guarded(_raw(a)))
+            strides = _row_strides(a.shape)
+            if self.ensure_row_contiguous or a.ndim == 0:
+                keep.append((_guarded(_raw(a)), 0))
+            else:  # MLX passes the array's own buffer and strides
+                buf, offset, strides = _as_laid_out(a)
+                if strides == _row_strides(a.shape) and has_strides and strided_views:
+                    gapped, strides = _strided(a)  # make a contiguity assumption visible
+                    buf, offset = _guarded(gapped), 0
+                keep.append((buf, offset))
             casts.append(BufferCast(f"const {type_string(a.dtype)}", by_ref=a.ndim == 0))
             if a.ndim > 0:
                 if has_shape:
-                    keep.append(np.array(a.shape, dtype=np.int32))
+                    keep.append((np.array(a.shape, dtype=np.int32), 0))
                     casts.append(BufferCast("const int", False))
                 if has_strides:
-                    keep.append(np.array(strides, dtype=np.int64))
+                    keep.append((np.array(strides, dtype=np.int64), 0))
                     casts.append(BufferCast("const int64_t", False))
                 if has_ndim:
-                    keep.append(np.array([a.ndim], dtype=np.int32))
+                    keep.append((np.array([a.ndim], dtype=np.int32), 0))
                     casts.append(BufferCast("const int", True))
         outs: list[tuple[np.ndarray, int]] = []
         for shape, dt in zip(output_shapes, out_dtypes, strict=True):
@@ -296,7 +321,7 @@ class EmulatedKernel:
             else:
                 buf = _guarded(_raw(mx.full(tuple(shape), init_value, dtype=dt)), OUTPUT_GUARD)
             outs.append((buf, nbytes))
-            keep.append(buf)
+            keep.append((buf, 0))
             t = type_string(dt)
             casts.append(BufferCast(f"atomic<{t}>" if self.atomic_outputs else t, False))
 
@@ -304,7 +329,7 @@ class EmulatedKernel:
             src, kname, write_template(tmpl) if tmpl else "", casts, [a for a, _ in self.attributes]
         )
         lib = load(tu, kname)
-        ptrs = (ctypes.c_void_p * max(1, len(keep)))(*[b.ctypes.data for b in keep])
+        ptrs = (ctypes.c_void_p * max(1, len(keep)))(*[b.ctypes.data + o for b, o in keep])
         g = (ctypes.c_uint * 3)(*grid)
         t = (ctypes.c_uint * 3)(*threadgroup)
         err = ctypes.create_string_buffer(512)
