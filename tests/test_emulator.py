@@ -763,3 +763,21 @@ def test_collectives_carry_vectors_and_halves():
     lanes = np.arange(32)
     want = 496 + 10000 * 32 - 0.496 + 64 + (lanes ^ 1) * 0.5 * 1e6
     np.testing.assert_allclose(out, want.astype(np.float32), rtol=1e-7)
+
+
+def test_atomic_outputs():
+    src = """
+    uint i = thread_position_in_grid.x;
+    atomic_fetch_add_explicit(&hist[bins[i]], 1.0f, memory_order_relaxed);
+    """
+    k = me.metal_kernel("hist", ["bins"], ["hist"], src, atomic_outputs=True)
+    bins = np.random.default_rng(4).integers(0, 10, 500)
+    (out,) = k(
+        inputs=[mx.array(bins, dtype=mx.uint32)],
+        grid=(500, 1, 1),
+        threadgroup=(128, 1, 1),
+        output_shapes=[(10,)],
+        output_dtypes=[mx.float32],
+        init_value=0.0,
+    )
+    np.testing.assert_array_equal(np.array(out), np.bincount(bins, minlength=10))

@@ -23,6 +23,7 @@ namespace kvemu {
 namespace {
 
 constexpr size_t kStackBytes = 64 * 1024;
+constexpr size_t kGuardBytes = 4096;  // a no-access page below each stack: overflow faults
 
 struct Fiber {
   jmp_buf jb;
@@ -99,11 +100,13 @@ extern "C" int kvemu_run_grid(Kernel k, const unsigned grid[3], const unsigned t
     return 1;
   }
   if (cooperative && !RT.stacks) {
-    RT.stacks = (char*)mmap(nullptr, kStackBytes * kMaxThreads, PROT_READ | PROT_WRITE,
+    RT.stacks = (char*)mmap(nullptr, (kStackBytes + kGuardBytes) * kMaxThreads, PROT_READ | PROT_WRITE,
                             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (RT.stacks == MAP_FAILED) { RT.stacks = nullptr; std::snprintf(err, errlen, "cannot map fiber stacks"); return 1; }
     for (int i = 0; i < kMaxThreads; ++i) {
-      RT.fibers[i].stack = RT.stacks + i * kStackBytes;
+      char* slot = RT.stacks + i * (kStackBytes + kGuardBytes);
+      mprotect(slot, kGuardBytes, PROT_NONE);
+      RT.fibers[i].stack = slot + kGuardBytes;
       getcontext(&RT.fibers[i].uc);  // once: makecontext below re-targets it per thread
     }
   }
