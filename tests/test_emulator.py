@@ -781,3 +781,27 @@ def test_atomic_outputs():
         init_value=0.0,
     )
     np.testing.assert_array_equal(np.array(out), np.bincount(bins, minlength=10))
+
+
+def test_threadgroup_declarations_in_a_template_helper_get_a_place_per_type():
+    header = """
+    template <typename U> U roundtrip(U v, uint i) {
+      threadgroup U slot[64];
+      slot[i] = v;
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      return slot[63 - i];
+    }
+    """
+    src = """
+    uint i = thread_index_in_threadgroup;
+    out[i] = float(roundtrip<half>(half(i), i)) + float(roundtrip<float4>(float4(i), i).w);
+    """
+    k = me.metal_kernel("tg_helper", [], ["out"], src, header=header)
+    (out,) = k(
+        inputs=[],
+        grid=(64, 1, 1),
+        threadgroup=(64, 1, 1),
+        output_shapes=[(64,)],
+        output_dtypes=[mx.float32],
+    )
+    np.testing.assert_array_equal(np.array(out), 2.0 * (63 - np.arange(64)))

@@ -14,19 +14,20 @@ namespace kvemu {
 // emulator to `auto& name = KVEMU_TG(T[N]);`) gets a fixed place in the runtime's arena,
 // which the scheduler poisons before every threadgroup. All threads of a threadgroup see
 // the same place; the layout is fixed on first use, as a compiler would fix it.
-static size_t tg_offsets[256];  // per declaration site (__COUNTER__): offset + 1, 0 = unset
+#include <cstdint>
 static size_t tg_used;
-template <class T> inline T& tg_alloc(int site) {
-  if (site >= 256) kvemu_fail("more than 256 threadgroup declarations");
-  if (!tg_offsets[site]) {
-    size_t off = (tg_used + 15) & ~size_t(15);
-    if (off + sizeof(T) > kThreadgroupBytes) kvemu_fail("threadgroup memory exceeds 32 KB");
-    tg_offsets[site] = off + 1;
-    tg_used = off + sizeof(T);
-  }
-  return *reinterpret_cast<T*>(kvemu_threadgroup_memory() + tg_offsets[site] - 1);
+inline size_t tg_place(size_t bytes) {  // SIZE_MAX when the 32 KB are exhausted
+  size_t off = (tg_used + 15) & ~size_t(15);
+  if (off + bytes > kThreadgroupBytes) return SIZE_MAX;
+  tg_used = off + bytes;
+  return off;
 }
-#define KVEMU_TG(...) kvemu::tg_alloc<__VA_ARGS__>(__COUNTER__)
+template <class T, int Site> inline T& tg_alloc() {  // one place per declaration and type
+  static const size_t off = tg_place(sizeof(T));
+  if (off == SIZE_MAX) kvemu_fail("threadgroup memory exceeds 32 KB");
+  return *reinterpret_cast<T*>(kvemu_threadgroup_memory() + off);
+}
+#define KVEMU_TG(...) kvemu::tg_alloc<__VA_ARGS__, __COUNTER__>()
 
 // ----------------------------------------------------------------------------- collectives
 
