@@ -14,9 +14,7 @@ import pytest
 from tests import metal_emulator as me
 from tests.metal_emulator.compiler import rewrite_threadgroup_decls
 
-pytestmark = pytest.mark.skipif(
-    not me.available(), reason="the Metal emulator needs g++ (not found)"
-)
+pytestmark = pytest.mark.skipif(not me.available(), reason=str(me.unavailable_reason()))
 
 ORDERS = [("sequential", 0), ("reversed", 0), ("shuffled", 1), ("shuffled", 2)]
 

@@ -38,9 +38,7 @@ from tests.test_kernels import (
 )
 from tests.test_stories260k import greedy_ids
 
-pytestmark = pytest.mark.skipif(
-    not me.available(), reason="the Metal emulator needs g++ (not found)"
-)
+pytestmark = pytest.mark.skipif(not me.available(), reason=str(me.unavailable_reason()))
 
 EMU = "emulated"
 ORDERS = [("sequential", 0), ("reversed", 0), ("shuffled", 7)]

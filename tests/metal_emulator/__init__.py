@@ -51,6 +51,7 @@ from .signature import (
 __all__ = [
     "EmulatorError",
     "available",
+    "unavailable_reason",
     "launches",
     "metal_kernel",
     "schedule",
@@ -85,9 +86,19 @@ strided_views = True
 launches: Counter[str] = Counter()
 
 
+def unavailable_reason() -> str | None:
+    """Why the emulator cannot run here (for a test's skip reason), or None."""
+    if not sys.platform.startswith("linux"):
+        # ELF shared libraries, glibc ucontext and g++ flags: only built and tested on Linux
+        return f"the Metal emulator runs on Linux only (this is {sys.platform})"
+    if find_compiler() is None:
+        return "the Metal emulator needs g++ (not found; set CXX to use another compiler)"
+    return None
+
+
 def available() -> bool:
-    """Whether a C++ compiler exists to build kernels with."""
-    return find_compiler() is not None
+    """Whether the emulator can build and run kernels here."""
+    return unavailable_reason() is None
 
 
 def set_schedule(order: str, seed: int = 0) -> None:

@@ -46,7 +46,7 @@ class EmulatorError(RuntimeError):
 
 def find_compiler() -> str | None:
     """The C++ compiler the emulator uses, or None if there is none."""
-    return os.environ.get("CXX") or shutil.which("g++")
+    return shutil.which(os.environ.get("CXX") or "g++")
 
 
 def cache_dir() -> Path:
