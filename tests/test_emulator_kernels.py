@@ -8,11 +8,13 @@ backend code (`MetalBackend(factory=tests.metal_emulator.metal_kernel)`).
    (1e-5, 1e-6), float16 (2^-9, 2^-14), bfloat16 (2^-6, 2^-14), plus RoPE's angle allowance.
    Rows 512 run with hidden sizes up to 576 here (hidden 4096 and 8193 with 1 and 3 rows):
    the same code path, at a cost the CI budget allows.
-2. Mutants: textual edits of the real sources (each barrier removed, loop bounds and lane
-   indices shifted by one) must give a wrong answer or an emulator error, while the
+2. Mutants: textual edits of the real sources (each barrier removed, loop bounds, lane
+   and pair indices shifted by one, a row bound past the end, Q read as if contiguous)
+   must give a wrong answer or an emulator error already in plain thread order, while the
    unedited sources pass the same inputs in every thread order.
-3. The whole model: stories260K decoded greedily with every norm and RoPE call executed
-   by the emulator gives the same ids as `fast`.
+3. The whole model: stories260K decoded greedily for 20 tokens with every norm and RoPE
+   call executed by the emulator (plain and shuffled thread order) gives the same ids as
+   `fast`; and the generated kernel sources are the text MLX itself writes.
 """
 
 from __future__ import annotations
