@@ -25,10 +25,10 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer, Header, LoadingIndicator, Static
 
-from model.discovery import DEFAULT_MODEL
 from model.errors import KVChatError, ModelLoadError
 from model.events import Done, Event, Loaded, LoadFailed, Loading, Started, Stats, TextDelta
 
+from .discovery import DEFAULT_MODEL
 from .screens import (
     HelpScreen,
     HistoryScreen,

@@ -1,13 +1,18 @@
 """What the engine says to its client (the UI, the CLI), and what a client asks of it.
 
 Events are plain dataclasses delivered by a callback on the engine thread; a Textual
-client hops to its own thread with `App.call_from_thread`.
+client hops to its own thread with `App.call_from_thread`. `EngineLike` is the engine as
+its clients see it (the UI and the CLI depend on this, not on `model.engine`). No MLX here.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import KVChatError
 
@@ -69,6 +74,64 @@ class GenParams:
 
 
 @dataclass
+class TurnStats:
+    """A turn's and the cache's statistics, named and defined as in DESIGN.md.
+
+    None means "not measured yet" (no turn has run, or the cache is empty); every field the
+    engine can know is set on the stats of `Done`. Cache numbers come from metadata only.
+    """
+
+    # this turn
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    prefill_tps: float | None = None
+    ttft_s: float | None = None
+    generated_tokens: int | None = None
+    decode_tps: float | None = None
+    # the cache now
+    cache_offset: int | None = None
+    cache_tokens: int | None = None
+    cache_capacity: int | None = None
+    cache_bytes: int | None = None
+    mha_bytes: int | None = None
+    gqa_saving: float | None = None
+    evicted_tokens: int | None = None
+    keep: int | None = None
+    wrapped: bool | None = None
+    # the runtime
+    peak_memory: int | None = None
+    active_memory: int | None = None
+    kernels_backend: str | None = None
+    device: str | None = None
+
+    def with_(self, **changes: Any) -> TurnStats:
+        return dataclasses.replace(self, **changes)
+
+    def merged(self, newer: TurnStats) -> TurnStats:
+        """These stats updated by every field `newer` knows."""
+        known = {k: v for k, v in dataclasses.asdict(newer).items() if v is not None}
+        return dataclasses.replace(self, **known)
+
+
+TURN_FIELDS = ("prompt_tokens", "cached_tokens", "prefill_tps", "ttft_s", "generated_tokens",
+               "decode_tps")
+CACHE_FIELDS = ("cache_offset", "cache_tokens", "cache_capacity", "cache_bytes", "mha_bytes",
+                "gqa_saving", "evicted_tokens", "keep", "wrapped")
+
+
+def stats_json(stats: TurnStats) -> dict[str, Any]:
+    """The one serialisation of statistics (`generate --json`, bench): every field by its
+    DESIGN.md name, numbers never absent (0 when not measured), non-finite floats as null."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(stats):
+        v = getattr(stats, f.name)
+        if v is None and f.name not in ("kernels_backend", "device", "wrapped"):
+            v = 0
+        out[f.name] = None if isinstance(v, float) and not math.isfinite(v) else v
+    return out
+
+
+@dataclass
 class Loading:
     path: str
 
@@ -102,7 +165,7 @@ class TextDelta:
 
 @dataclass
 class Stats:
-    stats: dict[str, Any]
+    stats: TurnStats
 
 
 @dataclass
@@ -111,8 +174,51 @@ class Done:
     text: str
     ids: list[int]
     prompt_ids: list[int]
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: TurnStats = field(default_factory=TurnStats)
     error: str | None = None
 
 
-Event = Loading | Loaded | LoadFailed | Started | TextDelta | Stats | Done
+@dataclass
+class CacheSaved:
+    """The K/V cache was written to `path` (`nbytes` on disk) for `tokens` tokens."""
+
+    path: str
+    tokens: int
+    nbytes: int
+
+
+@dataclass
+class CacheRestored:
+    """A saved K/V cache was loaded (`tokens` > 0), or could not be (`error` says why; the
+    next turn then prefills as usual)."""
+
+    path: str
+    tokens: int = 0
+    error: str | None = None
+
+
+Event = (
+    Loading | Loaded | LoadFailed | Started | TextDelta | Stats | Done | CacheSaved
+    | CacheRestored
+)
+
+Prompt = Sequence[Mapping[str, str]] | Sequence[int] | str
+
+
+class EngineLike(Protocol):
+    """What the UI and the CLI need of an engine (model.engine.Engine implements it).
+    Every method returns at once; results arrive as events through the callback given
+    at construction, on the engine's thread."""
+
+    def load(self, path: str | Path) -> None: ...
+    def submit(self, prompt: Prompt, params: GenParams | None = None) -> int: ...
+    def cancel(self) -> None: ...
+    def reset(self) -> None: ...
+    def close(self, timeout: float = 10.0) -> None: ...
+    def save_cache(self, path: str | Path, max_bytes: int | None = None) -> None: ...
+    def restore_cache(self, path: str | Path) -> None: ...
+    def cache_stats(self) -> TurnStats: ...
+    def layer_stats(self) -> list[dict[str, Any]]: ...
+
+
+EngineFactory = Callable[[Callable[[Event], None], "str | None"], EngineLike]

@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import model
-from app import models_cmd
-from model import discovery
-from model.discovery import (
+from app import discovery, models_cmd
+from app.discovery import (
     DEFAULT_MODEL,
     ModelEntry,
     default_model_dirs,
@@ -285,7 +283,7 @@ def test_dedup_by_resolved_path_and_sort(
 
 def test_default_model_is_repo_assets() -> None:
     # DEFAULT_MODEL was imported before the autouse fixture patched the module attribute
-    expected = Path(model.__file__).resolve().parents[1] / "assets" / "kvchat-mini"
+    expected = Path(discovery.__file__).resolve().parents[1] / "assets" / "kvchat-mini"
     assert DEFAULT_MODEL == expected == REPO / "assets" / "kvchat-mini"
 
 

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from textual.app import App, ComposeResult
 
+from app.discovery import ModelEntry
 from app.settings import Settings
 from app.tui import KVChatApp
 from app.widgets import StatsPanel
-from model.discovery import ModelEntry
 from tests.scripted_engine import (
     REPLY,
     ScriptedEngine,

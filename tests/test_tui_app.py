@@ -16,13 +16,13 @@ from textual import events
 from textual.widgets import DataTable, Input, Markdown, Static
 from textual.widgets._markdown import MarkdownFence
 
+from app.discovery import ModelEntry
 from app.screens import HelpScreen, HistoryScreen, LayerCacheScreen, ModelPickerScreen
 from app.screens.settings_form import SettingsScreen
 from app.settings import Settings, load_settings
 from app.tui import KVChatApp, TextReady, _Bridge, run_tui, validate_model_path
 from app.widgets import ChatMessage, ContextGauge
 from app.widgets.format import context_level, fmt_saving, human_bytes
-from model.discovery import ModelEntry
 from model.errors import ModelLoadError
 from model.events import Done, Started, TextDelta
 from tests.scripted_engine import REPLY, ScriptedEngine, async_test, kv_bytes, split_reply, wait_for
