@@ -7,7 +7,7 @@ from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Markdown, Static, TextArea
-from textual.widgets._markdown import MarkdownStream
+from textual.widgets.markdown import MarkdownStream
 
 ROLE_TITLES = {"user": "you", "assistant": "assistant", "system": "system"}
 
@@ -122,7 +122,7 @@ class Transcript(VerticalScroll):
     @property
     def following(self) -> bool:
         """True while new text scrolls the view (the anchor is held)."""
-        return self._anchored and not self._anchor_released
+        return self.is_anchored and self.is_vertical_scroll_end
 
     async def add(self, widget: ChatMessage) -> ChatMessage:
         await self.mount(widget)
@@ -156,10 +156,8 @@ class ChatInput(TextArea):
             highlight_cursor_line=False,
             placeholder="Message…  (Enter send · Ctrl+J newline · ↑ history)",
         )
-        # The app binds ctrl+e (export) and ctrl+y (copy reply); TextArea's aliases for
-        # line end and redo would shadow them here (End and ctrl+z undo remain).
-        for key in ("ctrl+e", "ctrl+y"):
-            self._bindings.key_to_bindings.pop(key, None)
+        # ctrl+e (export) and ctrl+y (copy reply) are priority bindings of the chat screen,
+        # so TextArea's aliases for line end and redo never see them (End and ctrl+z remain)
         self.sent_history: list[str] = []
         self._hist_pos: int | None = None  # index into history while browsing
         self._draft = ""
