@@ -64,10 +64,11 @@ class KVChatApp(App[int]):
         store: ConversationStore | None = None,
     ) -> None:
         super().__init__()
-        self.settings = settings if settings is not None else load_settings()
-        self.store = store if store is not None else ConversationStore()
         self.chat = ChatScreen(
-            self.settings, self.store, engine_factory or _default_engine, model_path
+            settings if settings is not None else load_settings(),
+            store if store is not None else ConversationStore(),
+            engine_factory or _default_engine,
+            model_path,
         )
 
     def get_default_screen(self) -> Screen[Any]:

@@ -333,8 +333,9 @@ class Engine:
             return list(prompt)  # type: ignore[arg-type]
         return self.tokenizer.encode_chat(list(prompt))  # type: ignore[arg-type]
 
-    def _prepare_cache(self, ids: list[int], params: GenParams) -> tuple[int, str | None]:
-        """Reuse the longest common prefix; return (cached tokens, why not reused)."""
+    def _prepare_cache(self, ids: list[int], params: GenParams) -> tuple[int, int, str | None]:
+        """Reuse the longest common prefix; return (cached tokens, tokens the cache held
+        that run again, why the prefix was not reused)."""
         assert self.model is not None
         key = (params.max_kv_size, params.keep)
         reason = None
@@ -347,7 +348,8 @@ class Engine:
             self._cache = self.model.make_cache(max_kv_size=params.max_kv_size, keep=params.keep)
             self._cache_key = key
         # at least one token must run through the model to give the next logits
-        keep_n = min(common_prefix_len(self._cache_ids, ids), len(ids) - 1)
+        shared = common_prefix_len(self._cache_ids, ids)
+        keep_n = min(shared, len(ids) - 1)
         if keep_n < len(self._cache_ids):
             if can_trim_to(self._cache, keep_n):
                 trim_to(self._cache, keep_n)
@@ -358,7 +360,7 @@ class Engine:
                     max_kv_size=params.max_kv_size, keep=params.keep
                 )
                 self._cache_ids, keep_n = [], 0
-        return keep_n, reason
+        return keep_n, shared - keep_n, reason
 
     def _capacity(self, params: GenParams) -> int:
         assert self.model is not None
@@ -417,9 +419,9 @@ class Engine:
         assert model is not None and tok is not None
         cancelled = lambda: turn <= self._cancel_upto  # noqa: E731
         mx.reset_peak_memory()
-        cached, reason = self._prepare_cache(prompt_ids, params)
+        cached, again, reason = self._prepare_cache(prompt_ids, params)
         cache = self._cache
-        self._emit(Started(len(prompt_ids), cached, reason))
+        self._emit(Started(len(prompt_ids), cached, reason, again))
         stats = TurnStats(prompt_tokens=len(prompt_ids), cached_tokens=cached)
 
         # prefill the new suffix in chunks; the last chunk's final logits start decoding

@@ -155,6 +155,9 @@ class Started:
     prompt_tokens: int
     cached_tokens: int
     reprefill_reason: str | None = None  # set when the shared prefix could not be reused
+    # tokens the cache held that match this prompt but run through the model again (the
+    # prompt's last token when the whole prompt was cached; all of them after an eviction)
+    reprefilled_tokens: int = 0
 
 
 @dataclass

@@ -193,10 +193,10 @@ class ChatScreen(Screen[None]):
         self.panel.start_turn(ev.prompt_tokens, ev.cached_tokens)
         if ev.reprefill_reason:
             self.notify(ev.reprefill_reason, title="Cache")
-        if self._restored_tokens:
-            again = max(0, self._restored_tokens - ev.cached_tokens)
+        if self._restored_tokens:  # the first turn of a chat reopened with its cache
             self.notify(
-                f"{ev.cached_tokens:,} tokens from the saved cache; {again:,} re-prefilled.",
+                f"{ev.cached_tokens:,} tokens from the saved cache;"
+                f" {ev.reprefilled_tokens:,} re-prefilled.",
                 title="Reopened warm",
             )
             self._restored_tokens = 0
