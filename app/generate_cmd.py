@@ -52,19 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def params_from_args(args: argparse.Namespace) -> GenParams:
-    return GenParams(
-        max_tokens=args.max_tokens,
-        temp=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        max_kv_size=args.max_kv_size,
-        keep=args.keep,
-        overflow=args.overflow,
-    )
+    return GenParams.from_fields(args, stop=tuple(args.stop))
 
 
 def run(args: argparse.Namespace) -> int:

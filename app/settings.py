@@ -53,17 +53,7 @@ class Settings:
     warnings: list[str] = field(default_factory=list, init=False, compare=False, repr=False)
 
     def gen_params(self) -> GenParams:
-        return GenParams(
-            max_tokens=self.max_tokens,
-            temp=self.temp,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            seed=self.seed,
-            max_kv_size=self.max_kv_size,
-            keep=self.keep,
-        )
+        return GenParams.from_fields(self)
 
     def validate(self) -> Settings:
         """Raise SettingsError on the first invalid value; returns self for chaining."""

@@ -53,7 +53,37 @@ def _grow(buf: mx.array | None, like: mx.array, need: int, step: int, cap: int |
     return fresh if buf is None else mx.concatenate([buf[..., :have, :], fresh], axis=2)
 
 
-class KVCache:
+class _Buffers:
+    """What both caches share: K and V buffers of shape (B, n_kv_heads, slots, head_dim)
+    whose first `_written()` slots hold tokens; `state` is those slots (arrays only)."""
+
+    keys: mx.array | None
+    values: mx.array | None
+
+    def _written(self) -> int:
+        raise NotImplementedError
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        if self.keys is None or self.values is None:
+            return ()
+        n = self._written()
+        if n == self.keys.shape[2]:
+            return self.keys, self.values
+        return self.keys[..., :n, :], self.values[..., :n, :]
+
+    @state.setter
+    def state(self, v: tuple[mx.array, ...]) -> None:
+        self.keys, self.values = v
+
+
+class KVCache(_Buffers):
     """Growing (unbounded) cache: K/V (B, n_kv_heads, capacity, head_dim) allocated in
     `step`s and written in place; `offset` tokens are resident."""
 
@@ -63,6 +93,9 @@ class KVCache:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = 0
+
+    def _written(self) -> int:
+        return self.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         prev, n = self.offset, keys.shape[2]
@@ -88,9 +121,6 @@ class KVCache:
     def size(self) -> int:
         return self.offset
 
-    def is_trimmable(self) -> bool:
-        return True
-
     def can_trim_to(self, n: int) -> bool:
         return 0 <= n <= self.offset
 
@@ -98,21 +128,6 @@ class KVCache:
         n = max(0, min(self.offset, n))
         self.offset -= n
         return n
-
-    def empty(self) -> bool:
-        return self.keys is None
-
-    @property
-    def state(self) -> tuple[mx.array, ...]:
-        """The resident K and V (arrays only; the offset is in meta_state)."""
-        if self.keys is None:
-            return ()
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
-
-    @state.setter
-    def state(self, v: tuple[mx.array, ...]) -> None:
-        self.keys, self.values = v
-        self.offset = self.keys.shape[2]
 
     @property
     def meta_state(self) -> tuple[str, ...]:
@@ -126,8 +141,8 @@ class KVCache:
     def from_state(cls, state: Any, meta_state: tuple[str, ...] | None = None) -> KVCache:
         obj = cls()
         obj.state = state
-        if meta_state:
-            obj.meta_state = meta_state
+        # without meta_state (mlx-lm's old KVCache files) every slot holds a token
+        obj.meta_state = meta_state or (str(obj.keys.shape[2]) if obj.keys is not None else "0",)
         return obj
 
     @property
@@ -151,7 +166,7 @@ class KVCache:
         }
 
 
-class RotatingKVCache:
+class RotatingKVCache(_Buffers):
     """Bounded cache: `keep` sink tokens plus a ring of the `max_size − keep` most recent.
 
     Writes are in place. A single token (decode) or a chunk that fits before the buffer
@@ -294,8 +309,9 @@ class RotatingKVCache:
         o = self.offset
         return min(o, self.keep) + max(0, o - self._ring_lo(o))
 
-    def is_trimmable(self) -> bool:
-        return True
+    def _written(self) -> int:
+        assert self.keys is not None
+        return min(self.offset, self.max_size, self.keys.shape[2])
 
     def can_trim_to(self, n: int) -> bool:
         """True when, after trimming to `n` tokens, the query at position n would find
@@ -313,23 +329,6 @@ class RotatingKVCache:
         self._lo = min(self._ring_lo(self.offset), max(self.keep, new))
         self.offset = new
         return n
-
-    def empty(self) -> bool:
-        return self.keys is None
-
-    @property
-    def state(self) -> tuple[mx.array, ...]:
-        """The written slots of the K and V buffers (arrays only; offsets in meta_state)."""
-        if self.keys is None:
-            return ()
-        n = min(self.offset, self.max_size, self.keys.shape[2])
-        if n == self.keys.shape[2]:
-            return self.keys, self.values
-        return self.keys[..., :n, :], self.values[..., :n, :]
-
-    @state.setter
-    def state(self, v: tuple[mx.array, ...]) -> None:
-        self.keys, self.values = v
 
     @property
     def meta_state(self) -> tuple[str, ...]:

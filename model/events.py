@@ -22,6 +22,12 @@ if TYPE_CHECKING:
 OVERFLOW_MODES = ("rotate", "refuse")
 
 
+def _same_fields(cls: Any, source: Any) -> dict[str, Any]:
+    """The attributes of `source` named like the fields of dataclass `cls`."""
+    names = (f.name for f in dataclasses.fields(cls))
+    return {n: getattr(source, n) for n in names if hasattr(source, n)}
+
+
 @dataclass
 class GenParams:
     """One turn's generation settings (sampling + limits + cache bound)."""
@@ -43,18 +49,16 @@ class GenParams:
     # that does not fit is an error; generation stops with "length" when the cache is full)
     overflow: str = "rotate"
 
+    @classmethod
+    def from_fields(cls, source: Any, **overrides: Any) -> GenParams:
+        """GenParams from any object with attributes of the same names (settings, parsed
+        command-line arguments); missing ones keep their defaults."""
+        return cls(**{**_same_fields(cls, source), **overrides})
+
     def sampling(self) -> SamplingParams:
         from .sampling import SamplingParams  # imports MLX; keep this module light
 
-        return SamplingParams(
-            temp=self.temp,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            repetition_context_size=self.repetition_context_size,
-            seed=self.seed,
-        )
+        return SamplingParams(**_same_fields(SamplingParams, self))
 
     def validate(self) -> GenParams:
         """Raise KVChatError (one line, naming the field) on the first bad value."""

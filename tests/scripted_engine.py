@@ -266,6 +266,19 @@ class ScriptedEngine(Engine):
         super().reset()
 
 
+def record_notifications(app: Any) -> list[tuple[str, str]]:
+    """(message, severity) of every notification from now on (App.notify is public)."""
+    seen: list[tuple[str, str]] = []
+    notify = app.notify
+
+    def recording(message: str, *, severity: str = "information", **kw: Any) -> None:
+        seen.append((str(message), severity))
+        notify(message, severity=severity, **kw)
+
+    app.notify = recording
+    return seen
+
+
 async def wait_for(pilot: Any, predicate: Callable[[], bool], timeout: float = 30.0) -> None:
     """Let the app run until predicate() holds (polling every 10 ms), else fail."""
     deadline = time.monotonic() + timeout

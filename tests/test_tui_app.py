@@ -35,6 +35,7 @@ from tests.scripted_engine import (
     ScriptedEngine,
     async_test,
     kv_bytes,
+    record_notifications,
     split_reply,
     wait_for,
 )
@@ -93,19 +94,6 @@ def last_done(app: KVChatApp) -> Done:
     done = [e for e in engine(app).events if isinstance(e, Done)]
     assert done, "no turn has ended"
     return done[-1]
-
-
-def record_notifications(app: KVChatApp) -> list[tuple[str, str]]:
-    """(message, severity) of every notification from now on (App.notify is public)."""
-    seen: list[tuple[str, str]] = []
-    notify = app.notify
-
-    def recording(message: str, *, severity: str = "information", **kw: Any) -> None:
-        seen.append((str(message), severity))
-        notify(message, severity=severity, **kw)  # type: ignore[arg-type]
-
-    app.notify = recording  # type: ignore[method-assign]
-    return seen
 
 
 # ---- chat ----------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from app.widgets import ChatMessage
 from app.widgets.format import human_bytes
 from model.engine import Engine
 from model.events import CacheRestored, Done, Event, Loaded, Started
-from tests.scripted_engine import async_test, wait_for
+from tests.scripted_engine import async_test, record_notifications, wait_for
 
 STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
 pytestmark = pytest.mark.skipif(
@@ -83,18 +83,6 @@ def last(seen: list[Event], kind: type) -> Any:
 
 def busy(app: KVChatApp) -> bool:
     return app.chat.phase.generating
-
-
-def record_notifications(app: KVChatApp) -> list[tuple[str, str]]:
-    seen: list[tuple[str, str]] = []
-    notify = app.notify
-
-    def recording(message: str, *, severity: str = "information", **kw: Any) -> None:
-        seen.append((str(message), severity))
-        notify(message, severity=severity, **kw)  # type: ignore[arg-type]
-
-    app.notify = recording  # type: ignore[method-assign]
-    return seen
 
 
 def replies(app: KVChatApp) -> list[ChatMessage]:
