@@ -10,7 +10,11 @@ from pathlib import Path
 
 import pytest
 
+import app as _app
+
 REPO = Path(__file__).resolve().parents[1]
+# "" in the repository layout, "kvchat." once installed under the kvchat namespace
+PREFIX = _app.__name__.removesuffix("app")
 
 
 def imported_after(statement: str) -> set[str]:
@@ -25,14 +29,14 @@ def imported_after(statement: str) -> set[str]:
     "module", ["model", "model.events", "model.kv_math", "model.files", "model.errors"]
 )
 def test_light_modules_do_not_import_mlx(module: str) -> None:
-    mods = imported_after(f"import {module}")
+    mods = imported_after(f"import {PREFIX}{module}")
     assert "mlx" not in mods and "textual" not in mods
 
 
 def test_model_names_still_import_lazily() -> None:
-    mods = imported_after("from model import load_config")
+    mods = imported_after(f"from {PREFIX}model import load_config")
     assert "mlx" not in mods
-    assert "mlx" in imported_after("from model import load_model")
+    assert "mlx" in imported_after(f"from {PREFIX}model import load_model")
 
 
 def _imports(path: Path) -> list[str]:
@@ -43,7 +47,7 @@ def _imports(path: Path) -> list[str]:
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.append(node.module)
-    return names
+    return [n.removeprefix(PREFIX) for n in names]
 
 
 def test_imports_point_one_way_and_textual_only_public() -> None:
@@ -59,7 +63,7 @@ def test_imports_point_one_way_and_textual_only_public() -> None:
 def test_version() -> None:
     from app import __version__
 
-    out = subprocess.run([sys.executable, "-m", "app", "--version"], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", f"{PREFIX}app", "--version"], cwd=REPO,
                          capture_output=True, text=True, env={"PYTHONPATH": str(REPO),
                                                               "KVCHAT_NO_OPENBLAS": "1"})
     assert out.returncode == 0 and out.stdout.strip() == f"kvchat {__version__}"
