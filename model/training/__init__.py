@@ -4,9 +4,9 @@
     python -m model.training train  --data ... --run /tmp/kvchat-train/run [--resume]
     python -m model.training export --data ... --run ... --out assets/kvchat-mini
     python -m model.training sample --model assets/kvchat-mini [--markdown FILE]
-    python -m model.training eval   --data ... --model assets/kvchat-mini   # val loss / ppl
-    python -m model.training bench  --model assets/kvchat-mini              # TTFT, decode tok/s
-    python -m model.training all    --data ... --run ... --out ...          # data+train+export
+    python -m model.training eval   --data ... --model assets/kvchat-mini  # val loss, ppl
+    python -m model.training bench  --model assets/kvchat-mini    # TTFT, decode tok/s
+    python -m model.training all    --data ... --run ... --out ...  # data+train+export
 
 Everything is deterministic for a seed: the corpus (model/training/corpus.py), the tokenizer,
 the packing of conversations into rows, the order of batches (a pure function of the

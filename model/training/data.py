@@ -55,7 +55,9 @@ def load_sp(path: Path) -> Any:
     import sentencepiece as spm
 
     if not path.is_file():
-        raise TrainError(f"no tokenizer at {path}; run `python -m model.training data` first")
+        raise TrainError(
+            f"no tokenizer at {path}; run `python -m model.training data` first"
+        )
     return spm.SentencePieceProcessor(model_file=str(path))
 
 
