@@ -56,8 +56,11 @@ def no_blink(app: App[Any]) -> None:
 
 
 async def settle(pilot: Any) -> None:
-    no_blink(pilot.app)
     await wait_for(pilot, lambda: bool(pilot.app.chat.model_info))
+    # only once the input has focus: switching blinking off pins the cursor's visibility
+    # to whether the box has focus at that moment
+    await wait_for(pilot, lambda: pilot.app.chat.input.has_focus)
+    no_blink(pilot.app)
     await pilot.pause()
 
 
