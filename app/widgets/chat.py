@@ -119,11 +119,6 @@ class Transcript(VerticalScroll):
     def messages(self) -> list[ChatMessage]:
         return list(self.query_children(ChatMessage))
 
-    @property
-    def following(self) -> bool:
-        """True while new text scrolls the view (the anchor is held)."""
-        return self.is_anchored and self.is_vertical_scroll_end
-
     async def add(self, widget: ChatMessage) -> ChatMessage:
         await self.mount(widget)
         return widget

@@ -67,7 +67,6 @@ class ContextGauge(Static):
     """cache_tokens / cache_capacity as a bar; yellow from 75 %, red from 90 %."""
 
     BAR_W = 18
-    level = "ok"
 
     def set_fill(self, tokens: int, capacity: int) -> None:
         frac = tokens / capacity if capacity > 0 else 0.0
@@ -78,7 +77,6 @@ class ContextGauge(Static):
         bar = Text("█" * full, style="bold")
         bar.append("░" * (self.BAR_W - full), style="dim")
         bar.append(f" {frac * 100:3.0f}%")
-        self.level = level
         _set(self, _lines(bar, Text(f"{tokens:,} / {capacity:,} tokens", style="dim")))
 
 
