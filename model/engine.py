@@ -304,7 +304,7 @@ class Engine:
         try:
             written = save_cache(path, cache, meta)
         except (OSError, KVChatError) as e:
-            self._emit(CacheRestored(str(path), 0, f"K/V cache not saved: {e}"))
+            self._emit(CacheSaved(str(path), error=f"K/V cache not saved: {e}"))
             return
         self._emit(CacheSaved(str(path), len(self._cache_ids), written))
 

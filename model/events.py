@@ -187,11 +187,13 @@ class Done:
 
 @dataclass
 class CacheSaved:
-    """The K/V cache was written to `path` (`nbytes` on disk) for `tokens` tokens."""
+    """The K/V cache was written to `path` (`nbytes` on disk) for `tokens` tokens, or
+    could not be (`error` says why; the chat itself is saved regardless)."""
 
     path: str
-    tokens: int
-    nbytes: int
+    tokens: int = 0
+    nbytes: int = 0
+    error: str | None = None
 
 
 @dataclass

@@ -100,3 +100,35 @@ def test_unreadable_file_is_one_line(tmp_path: Path) -> None:
     bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
     with pytest.raises(CacheError, match="unreadable K/V cache file"):
         load_cache(bad)
+
+
+def test_engine_restores_only_for_the_model_that_saved(tmp_path: Path) -> None:
+    """Through the real Engine (scripted model): a cache saved for one model is refused,
+    in one line, by another; for the same model the next turn reuses all of it."""
+    from model.client import EngineClient
+    from model.events import CacheRestored, CacheSaved, GenParams, Started
+    from tests.scripted_engine import ScriptedEngine
+
+    chat = [{"role": "user", "content": "hello there"}]
+    path = tmp_path / "c.kv.safetensors"
+    with EngineClient("/models/a", engine=ScriptedEngine, timeout=30) as a:
+        done = a.run(chat, GenParams(max_tokens=8))
+        a.engine.save_cache(path)
+        saved = a.wait(CacheSaved)
+        assert isinstance(saved, CacheSaved) and saved.error is None
+        assert saved.tokens == len(done.prompt_ids) + len(done.ids) - 1  # last not fed
+        assert saved.nbytes == path.stat().st_size
+    with EngineClient("/models/b", engine=ScriptedEngine, timeout=30) as b:
+        b.engine.restore_cache(path)
+        ev = b.wait(CacheRestored)
+        assert isinstance(ev, CacheRestored) and ev.tokens == 0
+        assert ev.error == "K/V cache not restored: it was saved with another model"
+    with EngineClient("/models/a", engine=ScriptedEngine, timeout=30) as again:
+        again.engine.restore_cache(path)
+        ev = again.wait(CacheRestored)
+        assert isinstance(ev, CacheRestored) and ev.error is None
+        follow = chat + [{"role": "assistant", "content": done.text},
+                         {"role": "user", "content": "more"}]
+        again.run(follow, GenParams(max_tokens=4))
+        started = [e for e in again.events if isinstance(e, Started)][-1]
+        assert started.cached_tokens == saved.tokens and started.reprefilled_tokens == 0

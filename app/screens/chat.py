@@ -256,7 +256,9 @@ class ChatScreen(Screen[None]):
         self.notify(f"{ev.message}{keep}", severity="error", title="Model not loaded")
 
     def on_cache_saved(self, ev: CacheSaved) -> None:
-        pass  # History shows the file's size; nothing to say after every turn
+        # success is silent (History shows the file's size); a failure is one line
+        if ev.error:
+            self.notify(ev.error, severity="warning", title="Cache")
 
     def on_cache_restored(self, ev: CacheRestored) -> None:
         if ev.error:
