@@ -28,11 +28,19 @@ MLX_LM_SCALARS = {"KVCache": 1, "RotatingKVCache": 4}
 META_KEY = "kvchat_meta_state"  # no dots: tree_unflatten splits keys at dots
 
 
+def savable(caches: list[Any]) -> bool:
+    """Whether save_cache can write these layers (our two classes, none empty)."""
+    return bool(caches) and all(
+        type(c).__name__ in CLASSES and type(c) is CLASSES[type(c).__name__] and not c.empty()
+        for c in caches
+    )
+
+
 def save_cache(path: str | Path, caches: list[Any], metadata: dict[str, str]) -> int:
     """Write `caches` (+ string `metadata`) to `path` atomically; returns bytes written."""
     path = Path(path)
     names = [type(c).__name__ for c in caches]
-    if any(n not in CLASSES for n in names) or any(c.empty() for c in caches):
+    if not savable(caches):
         raise CacheError("only non-empty KVCache / RotatingKVCache layers can be saved")
     layers: list[list[Any]] = []
     for c, name in zip(caches, names, strict=True):

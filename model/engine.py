@@ -31,7 +31,7 @@ import mlx.core as mx
 import metal_kernels
 
 from .cache import cache_stats, can_trim_to, layer_stats, trim_to
-from .cache_file import load_cache, save_cache
+from .cache_file import load_cache, savable, save_cache
 from .errors import KVChatError
 from .events import (
     CacheRestored,
@@ -294,10 +294,10 @@ class Engine:
 
     def _save_cache(self, path: Path, max_bytes: int | None) -> None:
         cache = self._cache
-        if self.model is None or not cache or not self._cache_ids or cache[0].empty():
+        if self.model is None or not cache or not self._cache_ids:
             return
-        nbytes = sum(c.nbytes for c in cache)
-        if max_bytes is not None and nbytes > max_bytes:
+        too_big = max_bytes is not None and sum(c.nbytes for c in cache) > max_bytes
+        if too_big or not savable(cache):
             path.unlink(missing_ok=True)  # an older, shorter cache would only mislead
             return
         meta = {**self._cache_identity(), "kvchat_ids": json.dumps(self._cache_ids)}

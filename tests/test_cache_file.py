@@ -118,6 +118,13 @@ def test_engine_restores_only_for_the_model_that_saved(tmp_path: Path) -> None:
         assert isinstance(saved, CacheSaved) and saved.error is None
         assert saved.tokens == len(done.prompt_ids) + len(done.ids) - 1  # last not fed
         assert saved.nbytes == path.stat().st_size
+        # over the cap: not written, and the older file goes (it would only mislead)
+        a.engine.save_cache(path, max_bytes=saved.nbytes // 2)
+        a.run(chat, GenParams(max_tokens=2))  # jobs run in order: the save came first
+        assert not path.exists()
+        a.run(chat, GenParams(max_tokens=8))
+        a.engine.save_cache(path)
+        assert isinstance(a.wait(CacheSaved), CacheSaved) and path.is_file()
     with EngineClient("/models/b", engine=ScriptedEngine, timeout=30) as b:
         b.engine.restore_cache(path)
         ev = b.wait(CacheRestored)
