@@ -16,11 +16,11 @@ import statistics
 import time
 from typing import Any
 
-from model.discovery import DEFAULT_MODEL
+from model.client import EngineClient
 from model.events import GenParams
 
+from .discovery import DEFAULT_MODEL
 from .errors import report
-from .generate_cmd import BlockingEngine
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,21 +39,21 @@ def prompt_ids(vocab: int, n: int, seed: int = 0) -> list[int]:
     return [rng.randrange(lo, vocab) for _ in range(n)]
 
 
-def bench_kvchat(runner: BlockingEngine, ids: list[int], gen: int, runs: int) -> dict[str, float]:
+def bench_kvchat(runner: EngineClient, ids: list[int], gen: int, runs: int) -> dict[str, float]:
     params = GenParams(max_tokens=gen, temp=0.0, ignore_eos=True)
     rows = []
     runner.run(ids[: min(8, len(ids))], GenParams(max_tokens=2, ignore_eos=True))  # warm-up
     for _ in range(runs):
-        runner.engine.reset()
+        runner.reset()
         done = runner.run(ids, params)
         if done.finish_reason == "error":
             raise RuntimeError(done.error)
         rows.append(done.stats)
     return {
-        "prefill_tps": statistics.median(r["prefill_tps"] for r in rows),
-        "decode_tps": statistics.median(r["decode_tps"] for r in rows),
-        "ttft_s": statistics.median(r["ttft_s"] for r in rows),
-        "peak_memory": max(r["peak_memory"] for r in rows),
+        "prefill_tps": statistics.median(r.prefill_tps or 0.0 for r in rows),
+        "decode_tps": statistics.median(r.decode_tps or 0.0 for r in rows),
+        "ttft_s": statistics.median(r.ttft_s or 0.0 for r in rows),
+        "peak_memory": max(r.peak_memory or 0 for r in rows),
     }
 
 
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         report("--prompt-tokens must be >= 1, --gen-tokens >= 2 and --runs >= 1")
         return 2
     path = str(args.model or DEFAULT_MODEL)
-    runner = BlockingEngine(path)
+    runner = EngineClient(path)
     try:
         tokenizer = runner.engine.tokenizer
         vocab = min(runner.info["vocab_size"], tokenizer.vocab_size if tokenizer else 1 << 30)

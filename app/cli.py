@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import metal_kernels
 from model.errors import KVChatError
 
-from . import bench_cmd, generate_cmd, inspect_cmd, models_cmd
+from . import __version__, bench_cmd, generate_cmd, inspect_cmd, models_cmd
 from .errors import report, report_exception
 from .settings import load_settings
 
@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Chat with a local LLM on MLX and watch its KV cache. "
         "Without a command: open the chat.",
     )
+    p.add_argument("--version", action="version", version=f"kvchat {__version__}")
     p.add_argument("--model", dest="tui_model", metavar="DIR",
                    help="model folder for the chat (default: the shipped model)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")

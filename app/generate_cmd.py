@@ -4,35 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import queue
 import sys
-from collections.abc import Callable
 from typing import Any
 
-from model.discovery import DEFAULT_MODEL
-from model.engine import Engine
+from model.client import EngineClient
 from model.errors import KVChatError
-from model.events import Done, Event, GenParams, Loaded, LoadFailed, TextDelta
+from model.events import GenParams, stats_json
 
+from .discovery import DEFAULT_MODEL
 from .errors import report
-
-# every statistic of DESIGN.md, present in --json output even when zero
-STAT_KEYS = (
-    "prompt_tokens",
-    "cached_tokens",
-    "prefill_tps",
-    "ttft_s",
-    "decode_tps",
-    "cache_offset",
-    "cache_tokens",
-    "cache_capacity",
-    "cache_bytes",
-    "mha_bytes",
-    "gqa_saving",
-    "evicted_tokens",
-    "peak_memory",
-)
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
@@ -72,63 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def params_from_args(args: argparse.Namespace) -> GenParams:
-    return GenParams(
-        max_tokens=args.max_tokens,
-        temp=args.temp,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        max_kv_size=args.max_kv_size,
-        keep=args.keep,
-        overflow=args.overflow,
-    )
-
-
-class BlockingEngine:
-    """The engine driven synchronously: for the CLI and benchmarks."""
-
-    def __init__(
-        self,
-        model_path: str,
-        on_delta: Callable[[str], None] | None = None,
-        tokenizer: str = "auto",
-    ):
-        self._events: queue.Queue[Event] = queue.Queue()
-        self._on_delta = on_delta
-        self.engine = Engine(self._events.put, model_path, tokenizer=tokenizer)
-        while True:
-            ev = self._events.get()
-            if isinstance(ev, LoadFailed):
-                self.engine.close()
-                raise KVChatError(ev.message)
-            if isinstance(ev, Loaded):
-                self.info = ev.info
-                return
-
-    def run(self, prompt: Any, params: GenParams) -> Done:
-        self.engine.submit(prompt, params)
-        try:
-            while True:
-                ev = self._events.get()
-                if isinstance(ev, TextDelta) and self._on_delta is not None:
-                    self._on_delta(ev.text)
-                elif isinstance(ev, Done):
-                    return ev
-        except KeyboardInterrupt:
-            self.engine.cancel()
-            while not isinstance(ev := self._events.get(), Done):
-                pass
-            return ev
-
-    def close(self) -> None:
-        self.engine.close()
-
-
-def _finite(v: Any) -> Any:
-    return None if isinstance(v, float) and not math.isfinite(v) else v
+    return GenParams.from_fields(args, stop=tuple(args.stop))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,8 +78,9 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     try:
-        runner = BlockingEngine(
-            str(args.model or DEFAULT_MODEL), None if args.json else stream, args.tokenizer
+        runner = EngineClient(
+            args.model or DEFAULT_MODEL, on_delta=None if args.json else stream,
+            tokenizer=args.tokenizer,
         )
     except KVChatError as e:
         report(str(e))
@@ -176,8 +101,7 @@ def run(args: argparse.Namespace) -> int:
             "prompt_ids": done.prompt_ids,
             "ids": done.ids,
             "finish_reason": done.finish_reason,
-            **{k: _finite(done.stats.get(k, 0)) for k in STAT_KEYS},
-            **{k: _finite(v) for k, v in done.stats.items() if k not in STAT_KEYS},
+            **stats_json(done.stats),
         }
         if done.error:
             out["error"] = done.error

@@ -154,6 +154,7 @@ def _live(folder: Path, cfg: ModelConfig) -> dict[str, Any]:
     import mlx.core as mx
 
     from model.cache import cache_stats, make_cache
+    from model.events import CACHE_FIELDS, stats_json
     from model.weights import load_model
 
     model = load_model(folder)
@@ -183,8 +184,8 @@ def _live(folder: Path, cfg: ModelConfig) -> dict[str, Any]:
         "nbytes_sum": sum(c.nbytes for c in caches),
         "formula_bytes": formula,
         "allocated_bytes": sum(c.keys.nbytes + c.values.nbytes for c in caches),
-        "cache_stats": stats,
-        "equal": measured == formula == stats["cache_bytes"] == sum(c.nbytes for c in caches),
+        "cache_stats": {k: v for k, v in stats_json(stats).items() if k in CACHE_FIELDS},
+        "equal": measured == formula == stats.cache_bytes == sum(c.nbytes for c in caches),
     }
 
 

@@ -7,8 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from model.discovery import ModelEntry, default_model_dirs, find_models, human_bytes
-
+from .discovery import ModelEntry, default_model_dirs, find_models, human_bytes
 from .settings import load_settings
 
 COLUMNS = ("NAME", "ARCH", "BITS", "SIZE", "SOURCE", "PATH")

@@ -48,21 +48,14 @@ class Settings:
     model_dirs: list[str] = field(default_factory=list)
     last_model: str | None = None
     kernels: str | None = None  # RMSNorm/RoPE backend (metal|fast|ops); None: the default
+    # warm chats: save each chat's K/V cache beside it, unless larger than the cap (MiB)
+    save_kv_cache: bool = True
+    kv_cache_max_mib: int = 256
     # what load_settings() had to fix (one line each); never saved
     warnings: list[str] = field(default_factory=list, init=False, compare=False, repr=False)
 
     def gen_params(self) -> GenParams:
-        return GenParams(
-            max_tokens=self.max_tokens,
-            temp=self.temp,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            seed=self.seed,
-            max_kv_size=self.max_kv_size,
-            keep=self.keep,
-        )
+        return GenParams.from_fields(self)
 
     def validate(self) -> Settings:
         """Raise SettingsError on the first invalid value; returns self for chaining."""
@@ -103,7 +96,7 @@ class Settings:
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(Settings) if f.init)
 _SAMPLING_FIELDS = {"temp", "top_p", "top_k", "min_p", "repetition_penalty", "seed"}
-_INT_FIELDS = {"top_k", "max_tokens", "keep", "seed", "max_kv_size"}
+_INT_FIELDS = {"top_k", "max_tokens", "keep", "seed", "max_kv_size", "kv_cache_max_mib"}
 
 
 def _is_int(x: Any) -> bool:
@@ -135,6 +128,12 @@ def _field_error(name: str, v: Any) -> str | None:
     elif name == "max_kv_size":
         if v is not None and (not _is_int(v) or v < 1):
             return f"max_kv_size must be empty (the model's context) or an integer >= 1 (got {v!r})"
+    elif name == "save_kv_cache":
+        if not isinstance(v, bool):
+            return f"save_kv_cache must be true or false (got {v!r})"
+    elif name == "kv_cache_max_mib":
+        if not _is_int(v) or v < 0:
+            return f"kv_cache_max_mib must be an integer >= 0 (got {v!r})"
     elif name == "system_prompt":
         if not isinstance(v, str):
             return f"system_prompt must be text (got {v!r})"

@@ -1,9 +1,11 @@
 """Saved conversations: one JSON file per chat, written atomically.
 
-Layout: <data dir>/chats/<id>.json where the data dir is platformdirs.user_data_dir("kvchat"),
-or $KVCHAT_DATA_DIR when set (tests). A save writes a temp file in the same folder, fsyncs
-it and renames it over the old file, so a crash at any point leaves either the old or the
-new conversation on disk, never a torn one. A corrupt file is skipped when listing
+Layout: <data dir>/chats/<id>.json, plus <id>.kv.safetensors (the chat's K/V cache, so a
+reopened chat continues without prefilling its history again), where the data dir is
+platformdirs.user_data_dir("kvchat"), or $KVCHAT_DATA_DIR when set (tests).
+A save writes a temp file in the same folder, fsyncs it and renames it over the old
+file, so a crash at any point leaves either the old or the new conversation on disk,
+never a torn one. A corrupt file is skipped when listing
 (reported in `ConversationStore.skipped`), never fatal.
 """
 
@@ -29,6 +31,7 @@ SCHEMA_VERSION = 1
 TITLE_MAX = 50
 ROLES = ("system", "user", "assistant")
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+CACHE_SUFFIX = ".kv.safetensors"
 _STALE_TMP_S = 3600.0  # leftover temp files older than this came from a crashed save
 
 
@@ -200,6 +203,17 @@ class ConversationStore:
             raise StoreError(f"bad conversation id {conv_id!r}")
         return self.root / f"{conv_id}.json"
 
+    def cache_path(self, conv_id: str) -> Path:
+        """Where the chat's K/V cache lives (written by the engine, atomically)."""
+        return self.path_for(conv_id).with_suffix(CACHE_SUFFIX)
+
+    def cache_bytes(self, conv_id: str) -> int | None:
+        """Size of the chat's saved K/V cache, None when there is none."""
+        try:
+            return self.cache_path(conv_id).stat().st_size
+        except (OSError, StoreError):
+            return None
+
     def save(self, conv: Conversation) -> Path:
         """Write atomically; fills an empty title from the first user message."""
         path = self.path_for(conv.id)
@@ -255,7 +269,9 @@ class ConversationStore:
         return convs
 
     def delete(self, conv_id: str) -> bool:
-        """Remove a conversation; False when there was none."""
+        """Remove a conversation (and its K/V cache); False when there was none."""
+        with contextlib.suppress(OSError):
+            self.cache_path(conv_id).unlink()
         try:
             self.path_for(conv_id).unlink()
         except FileNotFoundError:
@@ -268,7 +284,8 @@ class ConversationStore:
         """Remove temp files a killed save left behind (old enough to be no live save's)."""
         now = time.time()
         with contextlib.suppress(OSError):
-            for tmp in self.root.glob(".*.json.*.tmp"):
+            stale = [*self.root.glob(".*.json.*.tmp"), *self.root.glob(".*.tmp.safetensors")]
+            for tmp in stale:
                 with contextlib.suppress(OSError):
                     if now - tmp.stat().st_mtime > _STALE_TMP_S:
                         tmp.unlink()

@@ -1,5 +1,6 @@
 """KV caches following mlx-lm's duck-typed protocol (update_and_fetch, offset, make_mask,
-trim, is_trimmable, nbytes, state, empty, size) plus a read-only `stats()` built from
+trim, is_trimmable, nbytes, state (arrays only), meta_state (integers as strings),
+from_state(state, meta_state), empty, size) plus a read-only `stats()` built from
 metadata only, so mlx-lm's `generate_step` can drive our model with our caches and the UI
 can poll statistics every token for free.
 
@@ -19,6 +20,8 @@ import mlx.core as mx
 
 from .config import ModelConfig
 from .errors import KVChatError
+from .events import TurnStats
+from .kv_math import kv_bytes
 
 
 class CacheError(KVChatError):
@@ -50,7 +53,37 @@ def _grow(buf: mx.array | None, like: mx.array, need: int, step: int, cap: int |
     return fresh if buf is None else mx.concatenate([buf[..., :have, :], fresh], axis=2)
 
 
-class KVCache:
+class _Buffers:
+    """What both caches share: K and V buffers of shape (B, n_kv_heads, slots, head_dim)
+    whose first `_written()` slots hold tokens; `state` is those slots (arrays only)."""
+
+    keys: mx.array | None
+    values: mx.array | None
+
+    def _written(self) -> int:
+        raise NotImplementedError
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        if self.keys is None or self.values is None:
+            return ()
+        n = self._written()
+        if n == self.keys.shape[2]:
+            return self.keys, self.values
+        return self.keys[..., :n, :], self.values[..., :n, :]
+
+    @state.setter
+    def state(self, v: tuple[mx.array, ...]) -> None:
+        self.keys, self.values = v
+
+
+class KVCache(_Buffers):
     """Growing (unbounded) cache: K/V (B, n_kv_heads, capacity, head_dim) allocated in
     `step`s and written in place; `offset` tokens are resident."""
 
@@ -60,6 +93,9 @@ class KVCache:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = 0
+
+    def _written(self) -> int:
+        return self.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         prev, n = self.offset, keys.shape[2]
@@ -85,9 +121,6 @@ class KVCache:
     def size(self) -> int:
         return self.offset
 
-    def is_trimmable(self) -> bool:
-        return True
-
     def can_trim_to(self, n: int) -> bool:
         return 0 <= n <= self.offset
 
@@ -96,49 +129,44 @@ class KVCache:
         self.offset -= n
         return n
 
-    def empty(self) -> bool:
-        return self.keys is None
-
     @property
-    def state(self) -> tuple[mx.array, mx.array]:
-        if self.keys is None:
-            return ()  # type: ignore[return-value]
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+    def meta_state(self) -> tuple[str, ...]:
+        return (str(self.offset),)
 
-    @state.setter
-    def state(self, v: tuple[mx.array, mx.array]) -> None:
-        self.keys, self.values = v
-        self.offset = self.keys.shape[2]
+    @meta_state.setter
+    def meta_state(self, v: tuple[str, ...]) -> None:
+        self.offset = int(v[0])
 
     @classmethod
-    def from_state(cls, state: Any) -> KVCache:
+    def from_state(cls, state: Any, meta_state: tuple[str, ...] | None = None) -> KVCache:
         obj = cls()
         obj.state = state
+        # without meta_state (mlx-lm's old KVCache files) every slot holds a token
+        obj.meta_state = meta_state or (str(obj.keys.shape[2]) if obj.keys is not None else "0",)
         return obj
 
     @property
     def nbytes(self) -> int:
         """Bytes of the resident K and V (the allocated buffer may be up to a step larger)."""
-        return _per_token_bytes(self.keys, self.values) * self.offset
+        return _layer_bytes(self.keys, self.offset)
 
     def stats(self) -> dict[str, Any]:
         allocated = 0 if self.keys is None else self.keys.shape[2]
-        per_token = _per_token_bytes(self.keys, self.values)
         return {
             "kind": "full",
             "cache_offset": self.offset,
             "cache_tokens": self.offset,
             "cache_capacity": None,  # unbounded: cache_stats reports the model's context
             "allocated_tokens": allocated,
-            "cache_bytes": per_token * self.offset,
-            "allocated_bytes": per_token * allocated,
+            "cache_bytes": _layer_bytes(self.keys, self.offset),
+            "allocated_bytes": _layer_bytes(self.keys, allocated),
             "evicted_tokens": 0,
             "keep": 0,
             "wrapped": False,
         }
 
 
-class RotatingKVCache:
+class RotatingKVCache(_Buffers):
     """Bounded cache: `keep` sink tokens plus a ring of the `max_size − keep` most recent.
 
     Writes are in place. A single token (decode) or a chunk that fits before the buffer
@@ -281,8 +309,9 @@ class RotatingKVCache:
         o = self.offset
         return min(o, self.keep) + max(0, o - self._ring_lo(o))
 
-    def is_trimmable(self) -> bool:
-        return True
+    def _written(self) -> int:
+        assert self.keys is not None
+        return min(self.offset, self.max_size, self.keys.shape[2])
 
     def can_trim_to(self, n: int) -> bool:
         """True when, after trimming to `n` tokens, the query at position n would find
@@ -301,55 +330,54 @@ class RotatingKVCache:
         self.offset = new
         return n
 
-    def empty(self) -> bool:
-        return self.keys is None
-
     @property
-    def state(self) -> tuple[Any, ...]:
-        if self.keys is None:
-            return ()
-        return self.keys, self.values, self.offset, self.keep, self.max_size, self._lo
+    def meta_state(self) -> tuple[str, ...]:
+        """offset, keep, max_size, the next write slot (mlx-lm's `_idx`, so its
+        RotatingKVCache can continue from our buffers), and our lowest valid position."""
+        o = self.offset
+        return tuple(map(str, (o, self.keep, self.max_size, self._slot(o), self._lo)))
 
-    @state.setter
-    def state(self, v: tuple[Any, ...]) -> None:
-        self.keys, self.values, self.offset, self.keep, self.max_size, self._lo = v
+    @meta_state.setter
+    def meta_state(self, v: tuple[str, ...]) -> None:
+        offset, keep, max_size, _idx, lo = map(int, v)
+        self.offset, self.keep, self.max_size, self._lo = offset, keep, max_size, lo
 
     @classmethod
-    def from_state(cls, state: Any) -> RotatingKVCache:
-        obj = cls(max_size=int(state[4]), keep=int(state[3]))
+    def from_state(cls, state: Any, meta_state: tuple[str, ...]) -> RotatingKVCache:
+        obj = cls(max_size=int(meta_state[2]), keep=int(meta_state[1]))
         obj.state = state
+        obj.meta_state = meta_state
         return obj
 
     @property
     def nbytes(self) -> int:
         """Bytes of the resident K and V (not the allocated buffer)."""
-        return _per_token_bytes(self.keys, self.values) * self.size()
+        return _layer_bytes(self.keys, self.size())
 
     def stats(self) -> dict[str, Any]:
         tokens = self.size()
         allocated = 0 if self.keys is None else self.keys.shape[2]
-        per_token = _per_token_bytes(self.keys, self.values)
         return {
             "kind": "rotating",
             "cache_offset": self.offset,
             "cache_tokens": tokens,
             "cache_capacity": self.max_size,
             "allocated_tokens": allocated,
-            "cache_bytes": per_token * tokens,
-            "allocated_bytes": per_token * allocated,
+            "cache_bytes": _layer_bytes(self.keys, tokens),
+            "allocated_bytes": _layer_bytes(self.keys, allocated),
             "evicted_tokens": self.offset - tokens,
             "keep": self.keep,
             "wrapped": self.offset > tokens,
         }
 
 
-def _per_token_bytes(keys: mx.array | None, values: mx.array | None) -> int:
-    """K + V bytes of one token position, from shapes and dtypes only."""
-    if keys is None or values is None:
+def _layer_bytes(keys: mx.array | None, tokens: int, heads_factor: float = 1) -> int:
+    """K + V bytes of `tokens` positions of one layer, from the buffer's shape and dtype
+    (kv_math's formula with one layer); `heads_factor` scales the KV heads (MHA bytes)."""
+    if keys is None:
         return 0
-    B, H, _, Dk = keys.shape
-    Dv = values.shape[3]
-    return B * H * (Dk * keys.dtype.size + Dv * values.dtype.size)
+    B, H, _, D = keys.shape
+    return kv_bytes(tokens, 1, int(B * H * heads_factor), D, keys.dtype.size)
 
 
 def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, keep: int = 4) -> list[Any]:
@@ -377,58 +405,42 @@ def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, keep: int = 4) 
 
 
 # ---- statistics (metadata only) ---------------------------------------------------------
-def _kv_heads_and_dims(c: Any, cfg: ModelConfig) -> tuple[int, int, int]:
-    """(batch × kv heads, head_dim, dtype bytes) from the buffer's shape, else the config."""
-    if getattr(c, "keys", None) is not None:
-        B, H, _, D = c.keys.shape
-        return B * H, D, c.keys.dtype.size
-    return cfg.num_key_value_heads, cfg.head_dim, 0
-
-
 def layer_stats(caches: list[Any], cfg: ModelConfig) -> list[dict[str, Any]]:
     """Per-layer view for the UI: the cache's own stats() plus the layer index and the
     MHA-equivalent bytes."""
     out = []
-    groups = cfg.num_attention_heads / cfg.num_key_value_heads
     for i, c in enumerate(caches):
         s = dict(c.stats())
         if s["cache_capacity"] is None:
             s["cache_capacity"] = cfg.max_position_embeddings
         s["layer"] = i
-        s["mha_bytes"] = int(s["cache_bytes"] * groups)
+        s["mha_bytes"] = _layer_bytes(getattr(c, "keys", None), s["cache_tokens"], cfg.gqa_groups)
         out.append(s)
     return out
 
 
-def cache_stats(caches: list[Any], cfg: ModelConfig) -> dict[str, Any]:
-    """Totals over layers, by DESIGN.md's definitions; never reads array values."""
+def cache_stats(caches: list[Any], cfg: ModelConfig) -> TurnStats:
+    """The cache fields of TurnStats, summed over layers by DESIGN.md's definitions;
+    never reads array values."""
+    saving = cfg.num_attention_heads / cfg.num_key_value_heads
     if not caches:
-        return {
-            "cache_offset": 0, "cache_tokens": 0, "cache_capacity": 0, "cache_bytes": 0,
-            "mha_bytes": 0, "gqa_saving": cfg.num_attention_heads / cfg.num_key_value_heads,
-            "evicted_tokens": 0, "keep": 0, "wrapped": False,
-        }
-    first = caches[0].stats()
-    cache_bytes = mha_bytes = 0
-    for c in caches:
-        s = c.stats()
-        kv_heads, head_dim, dtype_bytes = _kv_heads_and_dims(c, cfg)
-        # 2 (K and V) × kv_heads × tokens × head_dim × dtype bytes, summed over layers
-        cache_bytes += 2 * kv_heads * s["cache_tokens"] * head_dim * dtype_bytes
-        heads = kv_heads * cfg.gqa_groups
-        mha_bytes += 2 * heads * s["cache_tokens"] * head_dim * dtype_bytes
-    capacity = first["cache_capacity"]
-    return {
-        "cache_offset": first["cache_offset"],
-        "cache_tokens": first["cache_tokens"],
-        "cache_capacity": cfg.max_position_embeddings if capacity is None else capacity,
-        "cache_bytes": cache_bytes,
-        "mha_bytes": mha_bytes,
-        "gqa_saving": cfg.num_attention_heads / cfg.num_key_value_heads,
-        "evicted_tokens": first["evicted_tokens"],
-        "keep": first["keep"],
-        "wrapped": first["wrapped"],
-    }
+        return TurnStats(
+            cache_offset=0, cache_tokens=0, cache_capacity=0, cache_bytes=0, mha_bytes=0,
+            gqa_saving=saving, evicted_tokens=0, keep=0, wrapped=False,
+        )
+    rows = layer_stats(caches, cfg)
+    first = rows[0]
+    return TurnStats(
+        cache_offset=first["cache_offset"],
+        cache_tokens=first["cache_tokens"],
+        cache_capacity=first["cache_capacity"],
+        cache_bytes=sum(r["cache_bytes"] for r in rows),
+        mha_bytes=sum(r["mha_bytes"] for r in rows),
+        gqa_saving=saving,
+        evicted_tokens=first["evicted_tokens"],
+        keep=first["keep"],
+        wrapped=first["wrapped"],
+    )
 
 
 def can_trim_to(caches: list[Any], n_tokens_to_keep: int) -> bool:

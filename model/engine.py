@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import gc
+import json
 import os
 import queue
 import threading
@@ -30,24 +31,27 @@ import mlx.core as mx
 import metal_kernels
 
 from .cache import cache_stats, can_trim_to, layer_stats, trim_to
+from .cache_file import load_cache, savable, save_cache
 from .errors import KVChatError
 from .events import (
+    CacheRestored,
+    CacheSaved,
     Done,
     Event,
     GenParams,
     Loaded,
     LoadFailed,
     Loading,
+    Prompt,
     Started,
     Stats,
     TextDelta,
+    TurnStats,
 )
 from .sampling import Sampler
 from .tokenizer import Tokenizer, load_tokenizer
 from .transformer import Transformer
 from .weights import load_model, parameter_count, weight_bytes
-
-Prompt = Sequence[dict[str, str]] | Sequence[int] | str
 
 PREFILL_CHUNK = 512
 STATS_INTERVAL_S = 0.1  # ~10 stats events a second, never one per token
@@ -127,6 +131,12 @@ def _close_live_engines() -> None:
 
 
 class Engine:
+    """Implements model.events.EngineLike. Subclasses may replace model execution only:
+    `_open` (what a path loads), `clock` and `_runtime_stats` (tests/scripted_engine.py)."""
+
+    clock = staticmethod(time.perf_counter)
+    stats_interval_s = STATS_INTERVAL_S
+
     def __init__(
         self,
         on_event: Callable[[Event], None],
@@ -167,7 +177,7 @@ class Engine:
         with self._lock:
             self._last_turn += 1
             turn = self._last_turn
-        self._jobs.put(("turn", (turn, prompt, params or GenParams(), time.perf_counter())))
+        self._jobs.put(("turn", (turn, prompt, params or GenParams(), self.clock())))
         return turn
 
     def cancel(self) -> None:
@@ -178,6 +188,16 @@ class Engine:
     def reset(self) -> None:
         """New chat: drop the cache (on the engine thread, after queued work)."""
         self._jobs.put(("reset", None))
+
+    def save_cache(self, path: str | Path, max_bytes: int | None = None) -> None:
+        """Write the K/V cache beside a saved chat (after queued turns); skipped when it
+        would exceed `max_bytes`. Reports CacheSaved."""
+        self._jobs.put(("save", (Path(path), max_bytes)))
+
+    def restore_cache(self, path: str | Path) -> None:
+        """Load a cache save_cache wrote for the loaded model; the next turn reuses its
+        prefix as if the chat had never closed. Reports CacheRestored."""
+        self._jobs.put(("restore", Path(path)))
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (idempotent); its MLX state is released there."""
@@ -197,9 +217,9 @@ class Engine:
             return []
         return layer_stats(self._cache, self.model.config)
 
-    def cache_stats(self) -> dict[str, Any]:
+    def cache_stats(self) -> TurnStats:
         if self.model is None:
-            return {}
+            return TurnStats()
         return self._stats_now()
 
     # ---- engine thread -------------------------------------------------------------
@@ -221,6 +241,10 @@ class Engine:
                         self._turn(*arg)
                     elif kind == "reset":
                         self._drop_cache()
+                    elif kind == "save":
+                        self._save_cache(*arg)
+                    elif kind == "restore":
+                        self._restore_cache(arg)
                 finally:
                     self._busy.clear()
         finally:
@@ -234,11 +258,16 @@ class Engine:
     def _drop_cache(self) -> None:
         self._cache, self._cache_key, self._cache_ids = None, None, []
 
+    def _open(self, path: str) -> tuple[Any, Tokenizer, dict[str, Any]]:
+        """Model, tokenizer and model info of a folder (engine thread)."""
+        model = load_model(path)
+        tokenizer = load_tokenizer(path, prefer=self.tokenizer_kind)  # type: ignore[arg-type]
+        return model, tokenizer, model_info(model, tokenizer)
+
     def _load(self, path: str) -> None:
         self._emit(Loading(path))
         try:
-            model = load_model(path)
-            tokenizer = load_tokenizer(path, prefer=self.tokenizer_kind)  # type: ignore[arg-type]
+            model, tokenizer, info = self._open(path)
         except KVChatError as e:
             self._emit(LoadFailed(path, str(e)))
             return
@@ -252,8 +281,49 @@ class Engine:
         gc.collect()
         mx.clear_cache()
         freed = max(0, before - mx.get_active_memory())
-        self.model_info = model_info(self.model, self.tokenizer)
+        self.model_info = info
         self._emit(Loaded(dict(self.model_info), freed))
+
+    def _cache_identity(self) -> dict[str, str]:
+        """What a saved cache must match to be reused: the model and the cache bound."""
+        keys = ("path", "architecture", "parameters", "n_layers", "n_kv_heads", "head_dim")
+        return {
+            "kvchat_model": json.dumps({k: self.model_info.get(k) for k in keys}),
+            "kvchat_bound": json.dumps(list(self._cache_key or ())),
+        }
+
+    def _save_cache(self, path: Path, max_bytes: int | None) -> None:
+        cache = self._cache
+        if self.model is None or not cache or not self._cache_ids:
+            return
+        too_big = max_bytes is not None and sum(c.nbytes for c in cache) > max_bytes
+        if too_big or not savable(cache):
+            path.unlink(missing_ok=True)  # an older, shorter cache would only mislead
+            return
+        meta = {**self._cache_identity(), "kvchat_ids": json.dumps(self._cache_ids)}
+        try:
+            written = save_cache(path, cache, meta)
+        except (OSError, KVChatError) as e:
+            self._emit(CacheSaved(str(path), error=f"K/V cache not saved: {e}"))
+            return
+        self._emit(CacheSaved(str(path), len(self._cache_ids), written))
+
+    def _restore_cache(self, path: Path) -> None:
+        try:
+            if self.model is None:
+                raise KVChatError("no model loaded")
+            caches, meta = load_cache(path)
+            if meta.get("kvchat_model") != self._cache_identity()["kvchat_model"]:
+                raise KVChatError("it was saved with another model")
+            ids = [int(i) for i in json.loads(meta["kvchat_ids"])]
+            bound = json.loads(meta["kvchat_bound"])
+            if len(caches) != self.model.config.num_hidden_layers or len(bound) != 2:
+                raise KVChatError("its layers do not match the model")
+        except (KVChatError, ValueError, KeyError, TypeError) as e:
+            self._emit(CacheRestored(str(path), 0, f"K/V cache not restored: {e}"))
+            return
+        self._cache, self._cache_key, self._cache_ids = caches, (bound[0], bound[1]), ids
+        self._emit(CacheRestored(str(path), len(ids)))
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         assert self.tokenizer is not None
@@ -263,8 +333,9 @@ class Engine:
             return list(prompt)  # type: ignore[arg-type]
         return self.tokenizer.encode_chat(list(prompt))  # type: ignore[arg-type]
 
-    def _prepare_cache(self, ids: list[int], params: GenParams) -> tuple[int, str | None]:
-        """Reuse the longest common prefix; return (cached tokens, why not reused)."""
+    def _prepare_cache(self, ids: list[int], params: GenParams) -> tuple[int, int, str | None]:
+        """Reuse the longest common prefix; return (cached tokens, tokens the cache held
+        that run again, why the prefix was not reused)."""
         assert self.model is not None
         key = (params.max_kv_size, params.keep)
         reason = None
@@ -277,7 +348,8 @@ class Engine:
             self._cache = self.model.make_cache(max_kv_size=params.max_kv_size, keep=params.keep)
             self._cache_key = key
         # at least one token must run through the model to give the next logits
-        keep_n = min(common_prefix_len(self._cache_ids, ids), len(ids) - 1)
+        shared = common_prefix_len(self._cache_ids, ids)
+        keep_n = min(shared, len(ids) - 1)
         if keep_n < len(self._cache_ids):
             if can_trim_to(self._cache, keep_n):
                 trim_to(self._cache, keep_n)
@@ -288,20 +360,28 @@ class Engine:
                     max_kv_size=params.max_kv_size, keep=params.keep
                 )
                 self._cache_ids, keep_n = [], 0
-        return keep_n, reason
+        return keep_n, shared - keep_n, reason
 
     def _capacity(self, params: GenParams) -> int:
         assert self.model is not None
         return params.max_kv_size or self.model.config.max_position_embeddings
 
-    def _stats_now(self) -> dict[str, Any]:
+    def _runtime_stats(self) -> TurnStats:
+        """Allocator counters and where the model runs (no arrays read)."""
+        return TurnStats(
+            peak_memory=mx.get_peak_memory(),
+            active_memory=mx.get_active_memory(),
+            kernels_backend=metal_kernels.backend(),
+            device=str(mx.default_device()),
+        )
+
+    def _stats_now(self, turn: TurnStats | None = None) -> TurnStats:
+        """`turn`'s numbers with the cache's and the runtime's as they are now."""
         assert self.model is not None
-        s = cache_stats(self._cache, self.model.config) if self._cache else {}
-        s["peak_memory"] = mx.get_peak_memory()
-        s["active_memory"] = mx.get_active_memory()
-        s["kernels_backend"] = metal_kernels.backend()
-        s["device"] = str(mx.default_device())
-        return s
+        s = turn or TurnStats()
+        if self._cache:
+            s = s.merged(cache_stats(self._cache, self.model.config))
+        return s.merged(self._runtime_stats())
 
     def _turn(self, turn: int, prompt: Prompt, params: GenParams, t_submit: float) -> None:
         prompt_ids: list[int] = []
@@ -322,14 +402,14 @@ class Engine:
                 params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
             self._generate(turn, prompt_ids, params, t_submit)
         except KVChatError as e:
-            self._emit(Done("error", "", [], prompt_ids, {}, error=str(e)))
+            self._emit(Done("error", "", [], prompt_ids, error=str(e)))
         except Exception as e:
             if os.environ.get("KVCHAT_DEBUG") == "1":
                 traceback.print_exc()
             # the cache may hold a half-written step: start clean next turn
             self._drop_cache()
             self._emit(
-                Done("error", "", [], prompt_ids, {}, error=f"{type(e).__name__}: {e}")
+                Done("error", "", [], prompt_ids, error=f"{type(e).__name__}: {e}")
             )
 
     def _generate(
@@ -339,26 +419,26 @@ class Engine:
         assert model is not None and tok is not None
         cancelled = lambda: turn <= self._cancel_upto  # noqa: E731
         mx.reset_peak_memory()
-        cached, reason = self._prepare_cache(prompt_ids, params)
+        cached, again, reason = self._prepare_cache(prompt_ids, params)
         cache = self._cache
-        self._emit(Started(len(prompt_ids), cached, reason))
-        base = {"prompt_tokens": len(prompt_ids), "cached_tokens": cached}
+        self._emit(Started(len(prompt_ids), cached, reason, again))
+        stats = TurnStats(prompt_tokens=len(prompt_ids), cached_tokens=cached)
 
         # prefill the new suffix in chunks; the last chunk's final logits start decoding
-        t_prefill = time.perf_counter()
+        t_prefill = self.clock()
         todo = prompt_ids[cached:]
         logits = None
         for i in range(0, len(todo), self.prefill_chunk):
             if cancelled():
                 self._cache_ids.extend(todo[:i])
-                self._emit(Done("cancelled", "", [], prompt_ids, {**base, **self._stats_now()}))
+                self._emit(Done("cancelled", "", [], prompt_ids, self._stats_now(stats)))
                 return
             chunk = todo[i : i + self.prefill_chunk]
             logits = model(mx.array([chunk]), cache=cache, logits_to_keep=1)[:, -1, :]
             mx.eval(logits if i + self.prefill_chunk >= len(todo) else [c.state for c in cache])
         self._cache_ids.extend(todo)
-        prefill_s = time.perf_counter() - t_prefill
-        base["prefill_tps"] = len(todo) / prefill_s if prefill_s > 0 else 0.0
+        prefill_s = self.clock() - t_prefill
+        stats.prefill_tps = len(todo) / prefill_s if prefill_s > 0 else 0.0
 
         sampler = Sampler(params.sampling())
         # embedding tables are often padded past the tokenizer's vocabulary; an id the
@@ -379,8 +459,7 @@ class Engine:
         eos = set(tok.eos_ids)
         reason_done = "length"
         t_first = t_last = None
-        last_stats = time.perf_counter()
-        stats: dict[str, Any] = dict(base)
+        last_stats = self.clock()
 
         while True:
             if len(generated) + 1 < params.max_tokens:
@@ -392,11 +471,11 @@ class Engine:
             else:
                 next_y = None
             token = int(y.item())
-            now = time.perf_counter()
+            now = self.clock()
             t_last = now
             if t_first is None:
                 t_first = now
-                stats["ttft_s"] = now - t_submit
+                stats.ttft_s = now - t_submit
             generated.append(token)
             if token in eos and not params.ignore_eos:
                 reason_done = "eos"
@@ -412,11 +491,10 @@ class Engine:
             if cancelled():
                 reason_done = "cancelled"
                 break
-            if now - last_stats >= STATS_INTERVAL_S:
+            if now - last_stats >= self.stats_interval_s:
                 last_stats = now
-                stats.update(self._decode_stats(generated, t_first, t_last))
-                stats.update(self._stats_now())
-                self._emit(Stats(dict(stats)))
+                self._decode_stats(stats, generated, t_first, t_last)
+                self._emit(Stats(self._stats_now(stats)))
             y = next_y
 
         if reason_done != "stop":  # flush text held for UTF-8 completion or stop matching
@@ -427,16 +505,16 @@ class Engine:
         if next_y is not None:
             mx.eval(next_y)  # let the in-flight step finish before the cache is touched
         self._cache_ids.extend(generated[:fed])
-        stats.update(self._decode_stats(generated, t_first, t_last))
-        stats.update(self._stats_now())
-        self._emit(Stats(dict(stats)))
-        self._emit(Done(reason_done, stops.text, generated, prompt_ids, dict(stats)))
+        self._decode_stats(stats, generated, t_first, t_last)
+        final = self._stats_now(stats)
+        self._emit(Stats(final))
+        self._emit(Done(reason_done, stops.text, generated, prompt_ids, final))
 
     @staticmethod
-    def _decode_stats(generated: list[int], t_first: float | None, t_last: float | None):
+    def _decode_stats(
+        stats: TurnStats, generated: list[int], t_first: float | None, t_last: float | None
+    ) -> None:
         n = len(generated)
         span = (t_last - t_first) if (t_first is not None and t_last is not None) else 0.0
-        return {
-            "generated_tokens": n,
-            "decode_tps": (n - 1) / span if n > 1 and span > 0 else 0.0,
-        }
+        stats.generated_tokens = n
+        stats.decode_tps = (n - 1) / span if n > 1 and span > 0 else 0.0

@@ -1,13 +1,18 @@
 """What the engine says to its client (the UI, the CLI), and what a client asks of it.
 
 Events are plain dataclasses delivered by a callback on the engine thread; a Textual
-client hops to its own thread with `App.call_from_thread`.
+client hops to its own thread with `App.call_from_thread`. `EngineLike` is the engine as
+its clients see it (the UI and the CLI depend on this, not on `model.engine`). No MLX here.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import KVChatError
 
@@ -15,6 +20,12 @@ if TYPE_CHECKING:
     from .sampling import SamplingParams
 
 OVERFLOW_MODES = ("rotate", "refuse")
+
+
+def _same_fields(cls: Any, source: Any) -> dict[str, Any]:
+    """The attributes of `source` named like the fields of dataclass `cls`."""
+    names = (f.name for f in dataclasses.fields(cls))
+    return {n: getattr(source, n) for n in names if hasattr(source, n)}
 
 
 @dataclass
@@ -38,18 +49,16 @@ class GenParams:
     # that does not fit is an error; generation stops with "length" when the cache is full)
     overflow: str = "rotate"
 
+    @classmethod
+    def from_fields(cls, source: Any, **overrides: Any) -> GenParams:
+        """GenParams from any object with attributes of the same names (settings, parsed
+        command-line arguments); missing ones keep their defaults."""
+        return cls(**{**_same_fields(cls, source), **overrides})
+
     def sampling(self) -> SamplingParams:
         from .sampling import SamplingParams  # imports MLX; keep this module light
 
-        return SamplingParams(
-            temp=self.temp,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            repetition_context_size=self.repetition_context_size,
-            seed=self.seed,
-        )
+        return SamplingParams(**_same_fields(SamplingParams, self))
 
     def validate(self) -> GenParams:
         """Raise KVChatError (one line, naming the field) on the first bad value."""
@@ -66,6 +75,64 @@ class GenParams:
         if self.overflow not in OVERFLOW_MODES:
             raise KVChatError(f"overflow must be 'rotate' or 'refuse', got {self.overflow!r}")
         return self
+
+
+@dataclass
+class TurnStats:
+    """A turn's and the cache's statistics, named and defined as in DESIGN.md.
+
+    None means "not measured yet" (no turn has run, or the cache is empty); every field the
+    engine can know is set on the stats of `Done`. Cache numbers come from metadata only.
+    """
+
+    # this turn
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    prefill_tps: float | None = None
+    ttft_s: float | None = None
+    generated_tokens: int | None = None
+    decode_tps: float | None = None
+    # the cache now
+    cache_offset: int | None = None
+    cache_tokens: int | None = None
+    cache_capacity: int | None = None
+    cache_bytes: int | None = None
+    mha_bytes: int | None = None
+    gqa_saving: float | None = None
+    evicted_tokens: int | None = None
+    keep: int | None = None
+    wrapped: bool | None = None
+    # the runtime
+    peak_memory: int | None = None
+    active_memory: int | None = None
+    kernels_backend: str | None = None
+    device: str | None = None
+
+    def with_(self, **changes: Any) -> TurnStats:
+        return dataclasses.replace(self, **changes)
+
+    def merged(self, newer: TurnStats) -> TurnStats:
+        """These stats updated by every field `newer` knows."""
+        known = {k: v for k, v in dataclasses.asdict(newer).items() if v is not None}
+        return dataclasses.replace(self, **known)
+
+
+TURN_FIELDS = ("prompt_tokens", "cached_tokens", "prefill_tps", "ttft_s", "generated_tokens",
+               "decode_tps")
+CACHE_FIELDS = ("cache_offset", "cache_tokens", "cache_capacity", "cache_bytes", "mha_bytes",
+                "gqa_saving", "evicted_tokens", "keep", "wrapped")
+
+
+def stats_json(stats: TurnStats) -> dict[str, Any]:
+    """The one serialisation of statistics (`generate --json`, bench): every field by its
+    DESIGN.md name, numbers never absent (0 when not measured), non-finite floats as null."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(stats):
+        v = getattr(stats, f.name)
+        if v is None and f.name not in ("kernels_backend", "device", "wrapped"):
+            v = 0
+        out[f.name] = None if isinstance(v, float) and not math.isfinite(v) else v
+    return out
 
 
 @dataclass
@@ -92,6 +159,9 @@ class Started:
     prompt_tokens: int
     cached_tokens: int
     reprefill_reason: str | None = None  # set when the shared prefix could not be reused
+    # tokens the cache held that match this prompt but run through the model again (the
+    # prompt's last token when the whole prompt was cached; all of them after an eviction)
+    reprefilled_tokens: int = 0
 
 
 @dataclass
@@ -102,7 +172,7 @@ class TextDelta:
 
 @dataclass
 class Stats:
-    stats: dict[str, Any]
+    stats: TurnStats
 
 
 @dataclass
@@ -111,8 +181,53 @@ class Done:
     text: str
     ids: list[int]
     prompt_ids: list[int]
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: TurnStats = field(default_factory=TurnStats)
     error: str | None = None
 
 
-Event = Loading | Loaded | LoadFailed | Started | TextDelta | Stats | Done
+@dataclass
+class CacheSaved:
+    """The K/V cache was written to `path` (`nbytes` on disk) for `tokens` tokens, or
+    could not be (`error` says why; the chat itself is saved regardless)."""
+
+    path: str
+    tokens: int = 0
+    nbytes: int = 0
+    error: str | None = None
+
+
+@dataclass
+class CacheRestored:
+    """A saved K/V cache was loaded (`tokens` > 0), or could not be (`error` says why; the
+    next turn then prefills as usual)."""
+
+    path: str
+    tokens: int = 0
+    error: str | None = None
+
+
+Event = (
+    Loading | Loaded | LoadFailed | Started | TextDelta | Stats | Done | CacheSaved
+    | CacheRestored
+)
+
+Prompt = Sequence[Mapping[str, str]] | Sequence[int] | str
+
+
+class EngineLike(Protocol):
+    """What the UI and the CLI need of an engine (model.engine.Engine implements it).
+    Every method returns at once; results arrive as events through the callback given
+    at construction, on the engine's thread."""
+
+    def load(self, path: str | Path) -> None: ...
+    def submit(self, prompt: Prompt, params: GenParams | None = None) -> int: ...
+    def cancel(self) -> None: ...
+    def reset(self) -> None: ...
+    def close(self, timeout: float = 10.0) -> None: ...
+    def save_cache(self, path: str | Path, max_bytes: int | None = None) -> None: ...
+    def restore_cache(self, path: str | Path) -> None: ...
+    def cache_stats(self) -> TurnStats: ...
+    def layer_stats(self) -> list[dict[str, Any]]: ...
+
+
+EngineFactory = Callable[[Callable[[Event], None], "str | None"], EngineLike]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .config import ModelConfig
 from .errors import KVChatError
-from .weights import safetensors_header, weight_files
+from .files import safetensors_header, weight_files
 
 # bytes per element of the dtype names in config.json (torch_dtype) and safetensors headers
 DTYPE_BYTES: dict[str, int] = {

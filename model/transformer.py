@@ -48,7 +48,10 @@ class Transformer(nn.Module):
         h = self.model.embed_tokens(tokens)
         T = h.shape[1]
         if cache is not None and hasattr(cache[0], "make_mask"):
-            mask = cache[0].make_mask(T, window_size=self.config.sliding_window)
+            # return_array named: mlx-lm's caches require it (their helper always passes it)
+            mask = cache[0].make_mask(
+                T, window_size=self.config.sliding_window, return_array=False
+            )
         elif self.config.sliding_window is not None and T > self.config.sliding_window:
             mask = causal_mask(T, window=self.config.sliding_window)
         else:

@@ -1,37 +1,38 @@
-"""A fake engine with the real `model.engine.Engine` API and events, for UI tests.
+"""The real `model.engine.Engine` with a scripted model, for UI tests.
 
-It runs on its own thread (as the real one does, so the app's thread hop is exercised),
-replays a fixed reply piece by piece and reports *pinned* statistics computed from a
-fixed geometry (stories260K's: 5 layers, 8 heads, 4 KV heads, head_dim 8, float32), so
-snapshots are byte-stable and tests can check the panel against the DESIGN.md formulas.
+Only model execution is replaced (`Engine._open`, its clock and its allocator counters):
+queueing, cancel, prefix reuse, cache trimming, sampling, stop strings, detokenizing and
+every statistic are the production code. The scripted model has stories260K's geometry
+(5 layers, 8 heads, 4 KV heads, head_dim 8, float32, context 512) and writes zero K/V into
+the engine's real caches; its logits make the sampler pick the next piece of a fixed
+reply, then EOS. Each model step advances a simulated clock by a pinned time, so speeds,
+TTFT and the sparkline are byte-stable in snapshots.
 
-Knobs: `token_delay` (seconds between pieces), `pause_after` (stop after N pieces until
-`resume()` or `cancel()`), `fail_paths` / a path containing "broken" (load fails),
-`load_delay`. Everything the app asked for is recorded (`submitted`, `loads`, `resets`).
+Knobs: `token_delay` (real seconds per step), `pause_after` (the model blocks after that
+many pieces have been emitted until `resume()` or `cancel()`; the engine still emits the
+piece it holds before it sees the cancel), `fail_paths` / a path containing "broken"
+(load fails), `load_delay`. The test side records `submitted`, `loads`, `resets` and every
+event the app was sent (`events`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from model.events import (
-    Done,
-    Event,
-    GenParams,
-    Loaded,
-    LoadFailed,
-    Loading,
-    Started,
-    Stats,
-    TextDelta,
-)
+import mlx.core as mx
+
+from model.cache import make_cache
+from model.config import ModelConfig
+from model.engine import Engine
+from model.errors import KVChatError
+from model.events import Event, GenParams, Prompt, TurnStats
+from model.tokenizer import StreamDetokenizer
 
 REPLY = (
     "Once upon a time, a little **robot** named Kiv lived in a *cache*. "
@@ -41,13 +42,14 @@ REPLY = (
 )
 
 GEOMETRY = {"n_layers": 5, "n_heads": 8, "n_kv_heads": 4, "head_dim": 8, "context": 512}
-DTYPE_BYTES = 4
+VOCAB = 4096
+EOS = 2
 # per-token decode times (s), cycled: gives a deterministic, non-flat sparkline
 STEP_TIMES = (0.010, 0.0125, 0.008, 0.011, 0.009, 0.014, 0.0095)
-TTFT_S = 0.042
-PREFILL_S = 0.02
+PREFILL_S = 0.02  # simulated seconds per prefill chunk
 ACTIVE_MEMORY = 2_621_440
 PEAK_MEMORY = 3_407_872
+WEIGHT_BYTES = 1_040_128  # the scripted model holds this many bytes of "weights"
 
 
 def split_reply(text: str) -> list[str]:
@@ -70,44 +72,113 @@ def model_info_for(path: str) -> dict[str, Any]:
         "name": p.name,
         "path": str(p),
         "architecture": "llama",
-        "parameters": 260_032,
+        "parameters": WEIGHT_BYTES // 4,
         "bits": None,
         "dtype": "float32",
-        "weight_bytes": 1_040_128,
+        "weight_bytes": WEIGHT_BYTES,
         "n_layers": GEOMETRY["n_layers"],
         "n_heads": GEOMETRY["n_heads"],
         "n_kv_heads": GEOMETRY["n_kv_heads"],
         "head_dim": GEOMETRY["head_dim"],
         "context": GEOMETRY["context"],
-        "vocab_size": 512,
-        "tokenizer": "sentencepiece",
+        "vocab_size": VOCAB,
+        "tokenizer": "scripted",
         "chat_template": False,
     }
 
 
 def kv_bytes(tokens: int, kv_heads: int | None = None) -> int:
-    """DESIGN.md: 2 × layers × kv_heads × cache_tokens × head_dim × dtype_bytes."""
+    """DESIGN.md, by hand: 2 × layers × kv_heads × cache_tokens × head_dim × dtype_bytes."""
     g = GEOMETRY
     heads = g["n_kv_heads"] if kv_heads is None else kv_heads
-    return 2 * g["n_layers"] * heads * tokens * g["head_dim"] * DTYPE_BYTES
+    return 2 * g["n_layers"] * heads * tokens * g["head_dim"] * 4
 
 
-def pseudo_tokens(messages: Sequence[dict[str, str]] | Sequence[int] | str) -> list[str]:
-    """A stand-in tokenizer: one token per role tag and per word."""
-    if isinstance(messages, str):
-        return messages.split()
-    out: list[str] = []
-    for m in messages:
-        if isinstance(m, int):
-            out.append(str(m))
-            continue
-        out.append(f"<{m['role']}>")
-        out.extend(m["content"].split())
-    out.append("<assistant>")
-    return out
+class WordTokenizer:
+    """One id per word-ish piece (split_reply) and per role tag; ids are handed out on
+    first sight, so a reply the model generated re-encodes to the same ids."""
+
+    kind = "scripted"
+    chat_template = None
+    vocab_size = VOCAB
+    eos_ids = [EOS]
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self._pieces: dict[int, str] = {}
+        self._tags: set[int] = set()
+
+    def id(self, piece: str) -> int:
+        if piece not in self._ids:
+            i = 3 + len(self._ids)
+            if i >= VOCAB:
+                raise KVChatError("scripted vocabulary full")
+            self._ids[piece], self._pieces[i] = i, piece
+        return self._ids[piece]
+
+    def encode(self, text: str) -> list[int]:
+        return [self.id(p) for p in split_reply(text)]
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        out: list[int] = []
+        for m in messages:
+            out.append(self._tag(m["role"]))
+            out += self.encode(m["content"])
+        return out + [self._tag("assistant")]
+
+    def _tag(self, role: str) -> int:
+        i = self.id(f"<{role}>")
+        self._tags.add(i)
+        return i
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self._pieces.get(int(i), "") for i in ids if int(i) not in self._tags)
+
+    def detokenizer(self) -> StreamDetokenizer:
+        return StreamDetokenizer(self.decode)
 
 
-class ScriptedEngine:
+class ScriptedModel:
+    """Stands in for the Transformer (same call signature, real caches)."""
+
+    def __init__(self, engine: ScriptedEngine, path: str, reply_ids: list[int]) -> None:
+        g = GEOMETRY
+        self.engine = engine
+        self.path = path
+        self.reply_ids = reply_ids
+        self.config = ModelConfig.from_dict({
+            "model_type": "llama", "hidden_size": g["n_heads"] * g["head_dim"],
+            "num_hidden_layers": g["n_layers"], "num_attention_heads": g["n_heads"],
+            "num_key_value_heads": g["n_kv_heads"], "head_dim": g["head_dim"],
+            "intermediate_size": 64, "vocab_size": VOCAB,
+            "max_position_embeddings": g["context"],
+        })
+        self.weights = mx.zeros((WEIGHT_BYTES // 4,), mx.float32)
+        mx.eval(self.weights)
+        self.step = 0
+
+    def make_cache(self, max_kv_size: int | None = None, keep: int = 4) -> list[Any]:
+        return make_cache(self.config, max_kv_size=max_kv_size, keep=keep)
+
+    def __call__(self, tokens: mx.array, cache: list[Any], logits_to_keep: int = 0) -> mx.array:
+        g = GEOMETRY
+        n = tokens.shape[1]
+        kv = mx.zeros((1, g["n_kv_heads"], n, g["head_dim"]), mx.float32)
+        keys = [c.update_and_fetch(kv, kv)[0] for c in cache]
+        if logits_to_keep:  # a prefill chunk: the next token is the reply's first
+            self.step = 0
+            self.engine.advance(PREFILL_S)
+        else:
+            self.step += 1
+            self.engine.decode_step(self.step)
+        token = self.reply_ids[self.step] if self.step < len(self.reply_ids) else EOS
+        logits = mx.zeros((1, 1 if logits_to_keep else n, VOCAB), mx.float32)
+        logits[..., token] = 60.0
+        # depend on the cache writes so they are evaluated with the logits, step by step
+        return logits + 0 * sum(k[..., -1:, :1].sum() for k in keys)
+
+
+class ScriptedEngine(Engine):
     def __init__(
         self,
         on_event: Callable[[Event], None],
@@ -116,216 +187,96 @@ class ScriptedEngine:
         reply: str = REPLY,
         token_delay: float = 0.0,
         pause_after: int | None = None,
-        stats_every: int = 4,
+        stats_interval_s: float | None = None,
         load_delay: float = 0.0,
         fail_paths: Sequence[str] = (),
     ):
-        self._on_event = on_event
         self.reply = reply
         self.token_delay = token_delay
         self.pause_after = pause_after
-        self.stats_every = stats_every
+        if stats_interval_s is not None:
+            self.stats_interval_s = stats_interval_s
         self.load_delay = load_delay
         self.fail_paths = {str(p) for p in fail_paths}
-        self.model_info: dict[str, Any] = {}
         self.submitted: list[tuple[Any, GenParams]] = []
         self.loads: list[str] = []
         self.resets = 0
-        self.cancels = 0
+        self.events: list[Event] = []
         self.paused = threading.Event()  # set while a turn waits at `pause_after`
         self._resume = threading.Event()
-        self._jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
-        self._lock = threading.Lock()
-        self._last_turn = 0
-        self._cancel_upto = 0
-        self._busy = threading.Event()
-        self._cache_ids: list[str] = []
-        self._last_stats: dict[str, Any] = {}
-        self._thread = threading.Thread(target=self._run, name="scripted-engine", daemon=True)
-        self._thread.start()
-        if model_path is not None:
-            self.load(model_path)
+        self._now = 0.0
 
-    # ---- the Engine API ---------------------------------------------------------------
-    def load(self, path: str | Path) -> None:
-        self.loads.append(str(path))
-        self._jobs.put(("load", str(path)))
+        def record(ev: Event) -> None:
+            self.events.append(ev)
+            on_event(ev)
 
-    def submit(self, prompt: Any, params: GenParams | None = None) -> int:
-        params = params or GenParams()
-        self.submitted.append((prompt, params))
-        with self._lock:
-            self._last_turn += 1
-            turn = self._last_turn
-        self._jobs.put(("turn", (turn, prompt, params)))
-        return turn
+        super().__init__(record, model_path)
 
-    def cancel(self) -> None:
-        with self._lock:
-            self._cancel_upto = self._last_turn
-            self.cancels += 1
-        self._resume.set()
+    # ---- model execution (the only overrides of Engine) -------------------------------
+    def _open(self, path: str) -> tuple[Any, Any, dict[str, Any]]:
+        if self.load_delay:
+            time.sleep(self.load_delay)
+        if path in self.fail_paths or "broken" in path:
+            raise KVChatError(f"no config.json in {path}")
+        tok = WordTokenizer()
+        reply_ids = tok.encode(self.reply)
+        return ScriptedModel(self, path, reply_ids), tok, model_info_for(path)  # type: ignore[return-value]
 
-    def reset(self) -> None:
-        self.resets += 1
-        self._jobs.put(("reset", None))
+    def clock(self) -> float:  # type: ignore[override]
+        return self._now
 
-    def close(self, timeout: float = 5.0) -> None:
-        self.cancel()
-        self._jobs.put(None)
-        self._thread.join(timeout)
+    def _runtime_stats(self) -> TurnStats:
+        return TurnStats(peak_memory=PEAK_MEMORY, active_memory=ACTIVE_MEMORY,
+                         kernels_backend="mx.fast", device="Device(cpu, 0)")
 
-    @property
-    def busy(self) -> bool:
-        return self._busy.is_set()
+    # ---- the script's time and pauses (called by ScriptedModel on the engine thread) ------
+    def advance(self, seconds: float) -> None:
+        self._now += seconds
+
+    def decode_step(self, step: int) -> None:
+        self.advance(STEP_TIMES[(step - 1) % len(STEP_TIMES)])
+        if self.pause_after is not None and step == self.pause_after + 1:
+            self._resume.clear()
+            self.paused.set()
+            self._resume.wait()
+            self.paused.clear()
+        if self.token_delay:
+            time.sleep(self.token_delay)
 
     def resume(self) -> None:
         """Let a turn paused at `pause_after` run to its end."""
         self.pause_after = None
         self._resume.set()
 
-    def layer_stats(self) -> list[dict[str, Any]]:
-        if not self.model_info:
-            return []
-        tokens = min(len(self._cache_ids), GEOMETRY["context"])
-        g = GEOMETRY
-        per_token = 2 * g["n_kv_heads"] * g["head_dim"] * DTYPE_BYTES
-        allocated = -(-tokens // 256) * 256  # grown in steps of 256, as the real cache
-        return [
-            {
-                "layer": i,
-                "kind": "full",
-                "cache_offset": len(self._cache_ids),
-                "cache_tokens": tokens,
-                "cache_capacity": g["context"],
-                "allocated_tokens": allocated,
-                "cache_bytes": per_token * tokens,
-                "allocated_bytes": per_token * allocated,
-                "mha_bytes": per_token * tokens * g["n_heads"] // g["n_kv_heads"],
-                "evicted_tokens": 0,
-                "keep": 0,
-                "wrapped": False,
-            }
-            for i in range(g["n_layers"])
-        ]
+    # ---- recording (test side; the Engine's behaviour is unchanged) -------------------------
+    def load(self, path: str | Path) -> None:
+        self.loads.append(str(path))
+        super().load(path)
 
-    def cache_stats(self) -> dict[str, Any]:
-        if not self.model_info:
-            return {}
-        return dict(self._last_stats) or self._stats(len(self._cache_ids), GEOMETRY["context"])
+    def submit(self, prompt: Prompt, params: GenParams | None = None) -> int:
+        self.submitted.append((prompt, params or GenParams()))
+        return super().submit(prompt, params)
 
-    # ---- engine thread ----------------------------------------------------------------
-    def _emit(self, event: Event) -> None:
-        self._on_event(event)
+    def cancel(self) -> None:
+        super().cancel()
+        self._resume.set()  # a paused scripted step returns, as a real one would end
 
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            kind, arg = job
-            self._busy.set()
-            try:
-                if kind == "load":
-                    self._load(arg)
-                elif kind == "turn":
-                    self._turn(*arg)
-                elif kind == "reset":
-                    self._cache_ids = []
-                    self._last_stats = {}
-            finally:
-                self._busy.clear()
+    def reset(self) -> None:
+        self.resets += 1
+        super().reset()
 
-    def _load(self, path: str) -> None:
-        self._emit(Loading(path))
-        if self.load_delay:
-            time.sleep(self.load_delay)
-        if path in self.fail_paths or "broken" in path:
-            self._emit(LoadFailed(path, f"no config.json in {path}"))
-            return
-        freed = 1_040_128 if self.model_info else 0
-        self.model_info = model_info_for(path)
-        self._cache_ids = []
-        self._emit(Loaded(dict(self.model_info), freed))
 
-    def _stats(self, cache_tokens: int, capacity: int) -> dict[str, Any]:
-        g = GEOMETRY
-        resident = min(cache_tokens, capacity)
-        return {
-            "cache_offset": cache_tokens,
-            "cache_tokens": resident,
-            "cache_capacity": capacity,
-            "cache_bytes": kv_bytes(resident),
-            "mha_bytes": kv_bytes(resident, g["n_heads"]),
-            "gqa_saving": g["n_heads"] / g["n_kv_heads"],
-            "evicted_tokens": max(0, cache_tokens - capacity),
-            "keep": 4,
-            "wrapped": cache_tokens > capacity,
-            "peak_memory": PEAK_MEMORY,
-            "active_memory": ACTIVE_MEMORY,
-            "kernels_backend": "mx.fast",
-            "device": "Device(cpu, 0)",
-        }
+def record_notifications(app: Any) -> list[tuple[str, str]]:
+    """(message, severity) of every notification from now on (App.notify is public)."""
+    seen: list[tuple[str, str]] = []
+    notify = app.notify
 
-    def _turn(self, turn: int, prompt: Any, params: GenParams) -> None:
-        cancelled = lambda: turn <= self._cancel_upto  # noqa: E731
-        if not self.model_info:
-            self._emit(Done("error", "", [], [], {}, error="no model loaded"))
-            return
-        ids = pseudo_tokens(prompt)
-        cached = 0
-        for a, b in zip(self._cache_ids, ids, strict=False):
-            if a != b:
-                break
-            cached += 1
-        cached = min(cached, len(ids) - 1)
-        self._cache_ids = list(ids)
-        capacity = params.max_kv_size or GEOMETRY["context"]
-        self._emit(Started(len(ids), cached, None))
-        base = {
-            "prompt_tokens": len(ids),
-            "cached_tokens": cached,
-            "prefill_tps": (len(ids) - cached) / PREFILL_S,
-            "ttft_s": TTFT_S,
-        }
-        pieces = split_reply(self.reply)[: params.max_tokens]
-        text = ""
-        generated: list[int] = []
-        reason = "eos" if len(pieces) < params.max_tokens else "length"
-        stats: dict[str, Any] = dict(base)
-        for i, piece in enumerate(pieces):
-            if cancelled():
-                reason = "cancelled"
-                break
-            if self.pause_after is not None and i == self.pause_after:
-                self._resume.clear()
-                self.paused.set()
-                self._resume.wait()
-                self.paused.clear()
-                if cancelled():
-                    reason = "cancelled"
-                    break
-            if self.token_delay:
-                time.sleep(self.token_delay)
-            text += piece
-            generated.append(100 + i)
-            self._cache_ids.append(piece)
-            self._emit(TextDelta(piece, 100 + i))
-            n = len(generated)
-            if n % self.stats_every == 0:
-                stats = {**base, **self._decode(n), **self._stats(len(self._cache_ids), capacity)}
-                self._last_stats = stats
-                self._emit(Stats(dict(stats)))
-        n = len(generated)
-        stats = {**base, **self._decode(n), **self._stats(len(self._cache_ids), capacity)}
-        self._last_stats = stats
-        self._emit(Stats(dict(stats)))
-        self._emit(Done(reason, text, generated, list(range(len(ids))), dict(stats)))
+    def recording(message: str, *, severity: str = "information", **kw: Any) -> None:
+        seen.append((str(message), severity))
+        notify(message, severity=severity, **kw)
 
-    @staticmethod
-    def _decode(n: int) -> dict[str, Any]:
-        span = sum(STEP_TIMES[i % len(STEP_TIMES)] for i in range(max(0, n - 1)))
-        return {
-            "generated_tokens": n,
-            "decode_tps": (n - 1) / span if n > 1 else 0.0,
-        }
+    app.notify = recording
+    return seen
 
 
 async def wait_for(pilot: Any, predicate: Callable[[], bool], timeout: float = 30.0) -> None:

@@ -27,13 +27,10 @@ from model.cache import (
     trim_to,
 )
 from model.config import ModelConfig
+from model.events import TurnStats
 from model.transformer import Transformer
 
 STORIES = Path(__file__).resolve().parents[1].parent / "shared/models/stories260K"
-STAT_KEYS = {
-    "cache_offset", "cache_tokens", "cache_capacity", "cache_bytes", "mha_bytes",
-    "gqa_saving", "evicted_tokens", "keep", "wrapped",
-}
 
 
 def tiny_cfg(kv_heads: int = 2, window: int | None = None, layers: int = 2) -> ModelConfig:
@@ -305,7 +302,7 @@ def test_greedy_rotation_matches_mlx_lm_on_stories260k(stories: Path) -> None:
     assert sum(c.nbytes for c in our_caches) == expected
     measured = sum(c.keys[..., : c.size(), :].nbytes + c.values[..., : c.size(), :].nbytes
                    for c in our_caches)
-    assert measured == expected == cache_stats(our_caches, ours.config)["cache_bytes"]
+    assert measured == expected == cache_stats(our_caches, ours.config).cache_bytes
 
 
 def test_memory_stays_flat_while_rotating() -> None:
@@ -330,26 +327,25 @@ def test_stats_and_nbytes_match_the_formula() -> None:
     model = tiny_model(2)
     caches = make_cache(cfg, max_kv_size=20, keep=4)
     s = cache_stats(caches, cfg)
-    assert set(s) == STAT_KEYS and s["cache_bytes"] == 0 and s["cache_tokens"] == 0
+    assert s.cache_bytes == 0 and s.cache_tokens == 0
     model(mx.array([list(range(9))]), cache=caches)
     s = cache_stats(caches, cfg)
     per_tok = 2 * 2 * 16 * 4  # K+V × kv heads × head_dim × float32
-    assert s == {
-        "cache_offset": 9, "cache_tokens": 9, "cache_capacity": 20,
-        "cache_bytes": 2 * per_tok * 9, "mha_bytes": 2 * 2 * per_tok * 9, "gqa_saving": 2.0,
-        "evicted_tokens": 0, "keep": 4, "wrapped": False,
-    }
+    assert s == TurnStats(
+        cache_offset=9, cache_tokens=9, cache_capacity=20,
+        cache_bytes=2 * per_tok * 9, mha_bytes=2 * 2 * per_tok * 9, gqa_saving=2.0,
+        evicted_tokens=0, keep=4, wrapped=False,
+    )
     model(mx.array([list(range(30))]), cache=caches)
     s = cache_stats(caches, cfg)
-    assert (s["cache_offset"], s["cache_tokens"], s["evicted_tokens"], s["wrapped"]) == (
-        39, 20, 19, True)
-    assert s["cache_bytes"] == 2 * 2 * 2 * 20 * 16 * 4  # 2 × layers × kv × tokens × hd × 4
+    assert (s.cache_offset, s.cache_tokens, s.evicted_tokens, s.wrapped) == (39, 20, 19, True)
+    assert s.cache_bytes == 2 * 2 * 2 * 20 * 16 * 4  # 2 × layers × kv × tokens × hd × 4
     for c in caches:
         assert c.nbytes == c.keys[..., :20, :].nbytes + c.values[..., :20, :].nbytes
     rows = layer_stats(caches, cfg)
     assert [r["layer"] for r in rows] == [0, 1]
-    assert sum(r["cache_bytes"] for r in rows) == s["cache_bytes"]
-    assert sum(r["mha_bytes"] for r in rows) == s["mha_bytes"]
+    assert sum(r["cache_bytes"] for r in rows) == s.cache_bytes
+    assert sum(r["mha_bytes"] for r in rows) == s.mha_bytes
 
 
 def test_stats_read_metadata_only() -> None:
@@ -360,8 +356,8 @@ def test_stats_read_metadata_only() -> None:
     c.keys = c.values = fake  # type: ignore[assignment]
     c.offset = 100
     s = cache_stats([c], cfg)
-    assert s["cache_tokens"] == 64 and s["cache_bytes"] == 2 * 2 * 64 * 16 * 2
-    assert c.nbytes == s["cache_bytes"] and s["evicted_tokens"] == 36
+    assert s.cache_tokens == 64 and s.cache_bytes == 2 * 2 * 64 * 16 * 2
+    assert c.nbytes == s.cache_bytes and s.evicted_tokens == 36
 
 
 def test_unbounded_cache_stats_use_the_model_context() -> None:
@@ -369,7 +365,7 @@ def test_unbounded_cache_stats_use_the_model_context() -> None:
     caches = [KVCache() for _ in range(2)]
     tiny_model()(mx.array([[1, 2, 3]]), cache=caches)
     s = cache_stats(caches, cfg)
-    assert s["cache_capacity"] == 256 and s["cache_tokens"] == 3 and not s["wrapped"]
+    assert s.cache_capacity == 256 and s.cache_tokens == 3 and not s.wrapped
     assert caches[0].nbytes == caches[0].keys[..., :3, :].nbytes * 2
 
 
@@ -406,7 +402,7 @@ def test_state_round_trip() -> None:
         caches = [RotatingKVCache(W, 4) for _ in range(2)]
         model(tokens, cache=caches)
         if restore:  # (state shares the arrays: each run builds its own)
-            caches = [RotatingKVCache.from_state(c.state) for c in caches]
+            caches = [RotatingKVCache.from_state(c.state, c.meta_state) for c in caches]
         runs.append(model(nxt, cache=caches))
     assert mx.array_equal(runs[0], runs[1])
     kv = mx.zeros((1, 1, 2, 4))

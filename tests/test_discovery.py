@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import model
-from app import models_cmd
-from model import discovery
-from model.discovery import (
+from app import discovery, models_cmd
+from app.discovery import (
     DEFAULT_MODEL,
     ModelEntry,
     default_model_dirs,
@@ -285,8 +283,11 @@ def test_dedup_by_resolved_path_and_sort(
 
 def test_default_model_is_repo_assets() -> None:
     # DEFAULT_MODEL was imported before the autouse fixture patched the module attribute
-    expected = Path(model.__file__).resolve().parents[1] / "assets" / "kvchat-mini"
-    assert DEFAULT_MODEL == expected == REPO / "assets" / "kvchat-mini"
+    expected = Path(discovery.__file__).resolve().parents[1] / "assets" / "kvchat-mini"
+    assert DEFAULT_MODEL == expected
+    # the repository's assets, or their copy inside an installed (non-editable) package
+    shipped = REPO / "assets" / "kvchat-mini" / "config.json"
+    assert (DEFAULT_MODEL / "config.json").read_bytes() == shipped.read_bytes()
 
 
 def test_default_model_dirs_order(tmp_path: Path, isolated_home: Path) -> None:

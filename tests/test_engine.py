@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 
 import pytest
 
+from model.client import EngineClient
 from model.engine import Engine, common_prefix_len
-from model.events import Done, Event, GenParams, Loaded, LoadFailed, Started, Stats, TextDelta
+from model.events import Done, Event, GenParams, LoadFailed, Started, Stats, TextDelta
 
 from .conftest import STORIES260K
 
@@ -20,35 +20,20 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-class Client:
-    def __init__(self, **kw):
-        self.events: queue.Queue[Event] = queue.Queue()
-        self.engine = Engine(self.events.put, STORIES260K, **kw)
-        ev = self.wait(Loaded, LoadFailed)
-        assert isinstance(ev, Loaded), ev
+def Client(**kw) -> EngineClient:  # noqa: N802 - reads as a class at the call sites
+    return EngineClient(STORIES260K, timeout=60, **kw)
 
-    def wait(self, *kinds, timeout: float = 60.0) -> Event:
-        end = time.monotonic() + timeout
-        while True:
-            ev = self.events.get(timeout=max(0.01, end - time.monotonic()))
-            if isinstance(ev, kinds):
-                return ev
 
-    def turn(self, prompt, params: GenParams) -> tuple[Done, list[Event]]:
-        self.engine.submit(prompt, params)
-        seen: list[Event] = []
-        while True:
-            ev = self.events.get(timeout=60)
-            seen.append(ev)
-            if isinstance(ev, Done):
-                return ev, seen
+def turn(client: EngineClient, prompt, params: GenParams) -> tuple[Done, list[Event]]:
+    done = client.run(prompt, params)
+    return done, list(client.events)
 
 
 @pytest.fixture(scope="module")
 def client():
     c = Client()
     yield c
-    c.engine.close()
+    c.close()
 
 
 def test_common_prefix_len():
@@ -63,7 +48,7 @@ def test_greedy_matches_mlx_lm_and_streams(client):
     from mlx_lm.generate import generate_step
 
     client.engine.reset()
-    done, seen = client.turn("Once upon a time", GenParams(max_tokens=40, ignore_eos=True))
+    done, seen = turn(client, "Once upon a time", GenParams(max_tokens=40, ignore_eos=True))
     assert done.prompt_ids == [1, 403, 407, 261, 378]
     assert done.finish_reason == "length" and len(done.ids) == 40
 
@@ -83,27 +68,27 @@ def test_greedy_matches_mlx_lm_and_streams(client):
 
 def test_stats_follow_their_definitions(client):
     client.engine.reset()
-    done, seen = client.turn("Once upon a time", GenParams(max_tokens=30, ignore_eos=True))
+    done, seen = turn(client, "Once upon a time", GenParams(max_tokens=30, ignore_eos=True))
     s = done.stats
-    assert s["prompt_tokens"] == 5 and s["cached_tokens"] == 0
-    assert s["generated_tokens"] == 30
-    assert s["decode_tps"] > 0 and s["prefill_tps"] > 0 and 0 < s["ttft_s"] < 30
+    assert s.prompt_tokens == 5 and s.cached_tokens == 0
+    assert s.generated_tokens == 30
+    assert s.decode_tps > 0 and s.prefill_tps > 0 and 0 < s.ttft_s < 30
     # the last generated token is sampled but not yet fed to the model
-    assert s["cache_offset"] == s["cache_tokens"] == 5 + 29
+    assert s.cache_offset == s.cache_tokens == 5 + 29
     cfg = client.engine.model.config
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
-    assert s["cache_bytes"] == per_token * s["cache_tokens"]
-    assert s["mha_bytes"] == s["cache_bytes"] * cfg.num_attention_heads // cfg.num_key_value_heads
-    assert s["gqa_saving"] == 2
+    assert s.cache_bytes == per_token * s.cache_tokens
+    assert s.mha_bytes == s.cache_bytes * cfg.num_attention_heads // cfg.num_key_value_heads
+    assert s.gqa_saving == 2
     assert all(isinstance(e, (Started, TextDelta, Stats, Done)) for e in seen)
 
 
 def test_stop_string_cuts_before_it(client):
     client.engine.reset()
-    full, _ = client.turn("Once upon a time", GenParams(max_tokens=40, ignore_eos=True))
+    full, _ = turn(client, "Once upon a time", GenParams(max_tokens=40, ignore_eos=True))
     assert "Lily" in full.text
     client.engine.reset()
-    done, seen = client.turn(
+    done, seen = turn(client,
         "Once upon a time", GenParams(max_tokens=40, stop=("Lily",), ignore_eos=True)
     )
     assert done.finish_reason == "stop"
@@ -116,7 +101,7 @@ def test_cancel_from_another_thread_keeps_partial_text(client):
     client.engine.submit("Once upon a time", GenParams(max_tokens=400, ignore_eos=True))
     got: list[str] = []
     while True:
-        ev = client.events.get(timeout=60)
+        ev = client.wait(TextDelta, Done)
         if isinstance(ev, TextDelta):
             got.append(ev.text)
             if len(got) == 5:
@@ -132,19 +117,19 @@ def test_cancel_from_another_thread_keeps_partial_text(client):
     assert ev.text == "".join(got) and ev.text
     # the cache holds exactly the prompt and every token of the partial reply
     s = client.engine.cache_stats()
-    assert s["cache_tokens"] == len(ev.prompt_ids) + len(ev.ids)
+    assert s.cache_tokens == len(ev.prompt_ids) + len(ev.ids)
 
 
-def _chat(client: Client, turns: list[str]) -> tuple[list[str], list[int]]:
+def _chat(client: EngineClient, turns: list[str]) -> tuple[list[str], list[int]]:
     client.engine.reset()
     messages: list[dict[str, str]] = []
     replies, prefilled = [], []
     for text in turns:
         messages.append({"role": "user", "content": text})
-        done, _ = client.turn(messages, GenParams(max_tokens=24))
+        done, _ = turn(client, messages, GenParams(max_tokens=24))
         assert done.finish_reason in ("eos", "length")
         replies.append(done.text)
-        prefilled.append(done.stats["prompt_tokens"] - done.stats["cached_tokens"])
+        prefilled.append(done.stats.prompt_tokens - done.stats.cached_tokens)
         messages.append({"role": "assistant", "content": done.text})
     return replies, prefilled
 
@@ -163,8 +148,8 @@ def test_five_turn_chat_reuse_gives_same_replies_with_far_less_prefill():
         replies_on, pre_on = _chat(on, turns)
         replies_off, pre_off = _chat(off, turns)
     finally:
-        on.engine.close()
-        off.engine.close()
+        on.close()
+        off.close()
     assert replies_on == replies_off
     assert sum(pre_off) >= 5 * sum(pre_on), (pre_on, pre_off)
 
@@ -172,45 +157,45 @@ def test_five_turn_chat_reuse_gives_same_replies_with_far_less_prefill():
 def test_regenerate_trims_cache_back(client):
     client.engine.reset()
     msgs = [{"role": "user", "content": "Tell me a story."}]
-    first, _ = client.turn(msgs, GenParams(max_tokens=12))
-    again, _ = client.turn(msgs, GenParams(max_tokens=12))
+    first, _ = turn(client, msgs, GenParams(max_tokens=12))
+    again, _ = turn(client, msgs, GenParams(max_tokens=12))
     assert again.text == first.text
     # all but the last prompt token came from the cache
-    assert again.stats["cached_tokens"] == again.stats["prompt_tokens"] - 1
+    assert again.stats.cached_tokens == again.stats.prompt_tokens - 1
 
 
 def test_bad_model_path_keeps_current_model(client, tmp_path):
     client.engine.load(tmp_path / "nope")
     ev = client.wait(LoadFailed)
     assert "not found" in ev.message and "\n" not in ev.message
-    done, _ = client.turn("Once upon a time", GenParams(max_tokens=3))
+    done, _ = turn(client, "Once upon a time", GenParams(max_tokens=3))
     assert done.finish_reason == "length"
 
 
 def test_invalid_params_are_one_line_errors(client):
-    done, _ = client.turn("Once", GenParams(temp=-1))
+    done, _ = turn(client, "Once", GenParams(temp=-1))
     assert done.finish_reason == "error" and "\n" not in done.error and "temp" in done.error
 
 
 def test_prompt_longer_than_context_rotates_or_refuses(client):
     long_prompt = "Once upon a time there was a cat. " * 120  # ~1200 tokens > 512 context
     client.engine.reset()
-    done, _ = client.turn(long_prompt, GenParams(max_tokens=10))
+    done, _ = turn(client, long_prompt, GenParams(max_tokens=10))
     assert done.finish_reason == "length"
     s = done.stats
-    assert s["cache_tokens"] == s["cache_capacity"] == 512
-    assert s["evicted_tokens"] == s["cache_offset"] - 512 > 0
+    assert s.cache_tokens == s.cache_capacity == 512
+    assert s.evicted_tokens == s.cache_offset - 512 > 0
 
     client.engine.reset()
-    done, _ = client.turn(long_prompt, GenParams(max_tokens=10, overflow="refuse"))
+    done, _ = turn(client, long_prompt, GenParams(max_tokens=10, overflow="refuse"))
     assert done.finish_reason == "error" and "exceeds the 512-token context" in done.error
     # a prompt that fits stops at the context limit instead of rotating
     client.engine.reset()
-    done, _ = client.turn(
+    done, _ = turn(client,
         [1] * 500, GenParams(max_tokens=50, overflow="refuse", ignore_eos=True)
     )
     assert done.finish_reason == "length" and len(done.ids) == 13
-    assert done.stats["cache_tokens"] == 512 and done.stats["evicted_tokens"] == 0
+    assert done.stats.cache_tokens == 512 and done.stats.evicted_tokens == 0
 
 
 def test_ids_past_the_tokenizer_vocab_are_never_sampled(copy_checkpoint):

@@ -11,8 +11,9 @@ import mlx.nn as nn
 import pytest
 
 from model import load_model
+from model.client import EngineClient
+from model.events import GenParams
 from model.tokenizer import load_tokenizer
-from model.train import generate
 from model.weights import parameter_count
 
 MODEL = Path(__file__).resolve().parents[1] / "assets" / "kvchat-mini"
@@ -78,10 +79,10 @@ def test_tokenizer_and_chat_template(tok) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("prompt", ["Hello!", "What is a KV cache?", "Tell me a short story."])
 def test_greedy_reply_stops_at_eos(model: nn.Module, tok, prompt: str) -> None:  # noqa: ANN001
-    ids = tok.encode_chat([{"role": "user", "content": prompt}])
-    out, reason, _, _ = generate(model, ids, tok.eos_ids, max_tokens=200)
-    text = tok.decode(out)
-    assert reason == "eos", text
+    with EngineClient(MODEL) as client:
+        done = client.run([{"role": "user", "content": prompt}], GenParams(max_tokens=200))
+    text = done.text
+    assert done.finish_reason == "eos", text
     assert len(text.split()) >= 3 and text[0].isupper(), text
 
 

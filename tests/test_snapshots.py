@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 from textual.app import App, ComposeResult
 
+from app.discovery import ModelEntry
 from app.settings import Settings
 from app.tui import KVChatApp
 from app.widgets import StatsPanel
-from model.discovery import ModelEntry
+from model.events import TurnStats
 from tests.scripted_engine import (
     REPLY,
     ScriptedEngine,
@@ -43,6 +44,11 @@ def scripted_app(**engine_kw: Any) -> KVChatApp:
     return KVChatApp(MODEL, Settings(), engine_factory=factory)
 
 
+def streaming_text(app: KVChatApp) -> str | None:
+    replies = [m for m in app.chat.transcript.messages if m.streaming]
+    return replies[-1].content if replies else None
+
+
 def no_blink(app: App[Any]) -> None:
     """A blinking cursor is not a stable pixel."""
     for w in app.screen.query("Input, TextArea"):
@@ -50,8 +56,11 @@ def no_blink(app: App[Any]) -> None:
 
 
 async def settle(pilot: Any) -> None:
+    await wait_for(pilot, lambda: bool(pilot.app.chat.model_info))
+    # only once the input has focus: switching blinking off pins the cursor's visibility
+    # to whether the box has focus at that moment
+    await wait_for(pilot, lambda: pilot.app.chat.input.has_focus)
     no_blink(pilot.app)
-    await wait_for(pilot, lambda: bool(pilot.app.model_info))
     await pilot.pause()
 
 
@@ -61,10 +70,10 @@ def test_main_screen_mid_generation(snap_compare: Any) -> None:
 
     async def run_before(pilot: Any) -> None:
         await settle(pilot)
-        app.input.load_text("Tell me a story about a robot who keeps a cache.")
+        app.chat.input.load_text("Tell me a story about a robot who keeps a cache.")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.engine.paused.is_set())
-        await wait_for(pilot, lambda: app._reply is not None and app._reply.content == first)
+        await wait_for(pilot, lambda: app.chat.engine.paused.is_set())
+        await wait_for(pilot, lambda: streaming_text(app) == first)
         await pilot.pause(0.25)  # the panel's 10 Hz refresh
 
     assert snap_compare(app, terminal_size=(120, 36), run_before=run_before)
@@ -75,12 +84,12 @@ def test_main_screen_after_stop(snap_compare: Any) -> None:
 
     async def run_before(pilot: Any) -> None:
         await settle(pilot)
-        app.input.load_text("Once upon a time")
+        app.chat.input.load_text("Once upon a time")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.engine.paused.is_set())
+        await wait_for(pilot, lambda: app.chat.engine.paused.is_set())
         await pilot.press("escape")
-        await wait_for(pilot, lambda: not app.generating)
-        app.input.load_text("and then?")
+        await wait_for(pilot, lambda: not app.chat.phase.generating)
+        app.chat.input.load_text("and then?")
         await pilot.pause(0.25)
 
     assert snap_compare(app, terminal_size=(120, 36), run_before=run_before)
@@ -101,27 +110,27 @@ class PanelApp(App[None]):
         for n in (10, 20, 31, 40, 52, 60, 71, 80):
             span = sum(0.004 + 0.002 * (i % 3) for i in range(n - 1))
             panel.update_stats(
-                {
-                    "prompt_tokens": 300,
-                    "cached_tokens": 212,
-                    "prefill_tps": 5123.4,
-                    "ttft_s": 0.0213,
-                    "generated_tokens": n,
-                    "decode_tps": (n - 1) / span,
-                    "cache_offset": 300 + n,
-                    "cache_tokens": 256,
-                    "cache_capacity": 256,
-                    "cache_bytes": 2 * 5 * 4 * 256 * 8 * 4,
-                    "mha_bytes": 2 * 5 * 8 * 256 * 8 * 4,
-                    "gqa_saving": 2.0,
-                    "evicted_tokens": 44 + n,
-                    "keep": 4,
-                    "wrapped": True,
-                    "peak_memory": 5_242_880,
-                    "active_memory": 4_718_592,
-                    "kernels_backend": "metal",
-                    "device": "Device(gpu, 0)",
-                }
+                TurnStats(
+                    prompt_tokens=300,
+                    cached_tokens=212,
+                    prefill_tps=5123.4,
+                    ttft_s=0.0213,
+                    generated_tokens=n,
+                    decode_tps=(n - 1) / span,
+                    cache_offset=300 + n,
+                    cache_tokens=256,
+                    cache_capacity=256,
+                    cache_bytes=2 * 5 * 4 * 256 * 8 * 4,
+                    mha_bytes=2 * 5 * 8 * 256 * 8 * 4,
+                    gqa_saving=2.0,
+                    evicted_tokens=44 + n,
+                    keep=4,
+                    wrapped=True,
+                    peak_memory=5_242_880,
+                    active_memory=4_718_592,
+                    kernels_backend="metal",
+                    device="Device(gpu, 0)",
+                )
             )
         panel.end_turn()
 

@@ -388,3 +388,33 @@ def test_export_markdown(tmp_path: Path) -> None:
     assert out.stat().st_mode & 0o777 == 0o644
     into_dir = export_markdown(c, tmp_path)
     assert into_dir == tmp_path / f"{c.id}.md" and into_dir.is_file()
+
+
+# --- the chat's K/V cache beside it ----------------------------------------------------
+
+
+def test_cache_file_sits_beside_the_chat_and_goes_with_it(tmp_path: Path) -> None:
+    store = ConversationStore(tmp_path / "chats")
+    conv = Conversation()
+    conv.add_message("user", "hi")
+    chat = store.save(conv)
+    kv = store.cache_path(conv.id)
+    assert kv == chat.with_name(f"{conv.id}.kv.safetensors")
+    assert store.cache_bytes(conv.id) is None
+    kv.write_bytes(b"x" * 1234)
+    assert store.cache_bytes(conv.id) == 1234
+    assert [c.id for c in store.list()] == [conv.id]  # the cache is not a chat
+    assert store.delete(conv.id)
+    assert not kv.exists() and not chat.exists()
+
+
+def test_cache_settings_are_validated() -> None:
+    from app.settings import Settings, SettingsError
+
+    s = Settings.from_dict({"save_kv_cache": "yes", "kv_cache_max_mib": -1})
+    assert (s.save_kv_cache, s.kv_cache_max_mib) == (True, 256)  # defaults kept
+    assert len(s.warnings) == 2 and "save_kv_cache must be true or false" in s.warnings[0]
+    s = Settings.from_dict({"save_kv_cache": False, "kv_cache_max_mib": 64.0})
+    assert (s.save_kv_cache, s.kv_cache_max_mib, s.warnings) == (False, 64, [])
+    with pytest.raises(SettingsError, match="kv_cache_max_mib"):
+        Settings(kv_cache_max_mib=-5).validate()

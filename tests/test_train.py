@@ -10,9 +10,13 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from model import chatdata
-from model import train as T
 from model.chat_template import render
+from model.client import EngineClient
+from model.events import GenParams
+from model.training import corpus as chatdata
+from model.training import data as D
+from model.training import export as E
+from model.training import loop as L
 
 TINY = dict(preset="tiny", batch=4, seq_len=64, lr=3e-3, warmup=5, ckpt_every=10,
             eval_every=0, log_every=10, eval_rows=8)
@@ -21,7 +25,7 @@ TINY = dict(preset="tiny", batch=4, seq_len=64, lr=3e-3, warmup=5, ckpt_every=10
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("data")
-    T.build_data(out, n_train=300, n_val=40, vocab_size=400, seed=0)
+    D.build_data(out, n_train=300, n_val=40, vocab_size=400, seed=0)
     return out
 
 
@@ -74,25 +78,25 @@ def test_render_chat_matches_the_jinja_template() -> None:
 
 
 def test_tokenizer_and_loss_mask(tiny_data: Path) -> None:
-    sp = T.load_sp(tiny_data / "tokenizer.model")
+    sp = D.load_sp(tiny_data / "tokenizer.model")
     assert sp.get_piece_size() == 400
     end = sp.piece_to_id("<|im_end|>")
     assert sp.id_to_piece(end) == "<|im_end|>"
     assert len(sp.encode("<|im_start|>")) == 1  # user-defined symbol: one token in text
     assert sp.decode(sp.encode("naïve ☃")) == "naïve ☃"  # byte fallback
     conv = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi there!"}]
-    ids, mask = T.encode_conversation(sp, conv)
-    assert ids[0] == T.BOS_ID
+    ids, mask = D.encode_conversation(sp, conv)
+    assert ids[0] == D.BOS_ID
     learned = [i for i, m in zip(ids, mask, strict=True) if m]
     assert sp.decode(learned[:-1]) == "Hi there!" and learned[-1] == end
 
 
-def _run(data: Path, run: Path, steps: int, **kw: object) -> T.TrainArgs:
-    return T.TrainArgs(data=str(data), run=str(run), steps=steps, **{**TINY, **kw})
+def _run(data: Path, run: Path, steps: int, **kw: object) -> L.TrainArgs:
+    return L.TrainArgs(data=str(data), run=str(run), steps=steps, **{**TINY, **kw})
 
 
 def test_fifty_steps_lower_the_loss(tiny_data: Path, tmp_path: Path) -> None:
-    meta = T.train(_run(tiny_data, tmp_path / "run", 50))
+    meta = L.train(_run(tiny_data, tmp_path / "run", 50))
     losses = [loss for _, loss in meta["history"]]
     assert len(losses) == 50
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
@@ -104,10 +108,10 @@ def test_fifty_steps_lower_the_loss(tiny_data: Path, tmp_path: Path) -> None:
 
 
 def test_resume_continues_identically(tiny_data: Path, tmp_path: Path) -> None:
-    full = T.train(_run(tiny_data, tmp_path / "a", 20))
-    part = T.train(_run(tiny_data, tmp_path / "b", 20), stop_after=10)
+    full = L.train(_run(tiny_data, tmp_path / "a", 20))
+    part = L.train(_run(tiny_data, tmp_path / "b", 20), stop_after=10)
     assert part["step"] == 10 and "val_loss" not in part
-    resumed = T.train(_run(tiny_data, tmp_path / "b", 999), resume=True)  # steps from ckpt
+    resumed = L.train(_run(tiny_data, tmp_path / "b", 999), resume=True)  # steps from ckpt
     assert resumed["step"] == 20
     assert resumed["history"] == full["history"]
     wa = mx.load(str(tmp_path / "a" / "ckpt" / "model.safetensors"))
@@ -118,17 +122,17 @@ def test_resume_continues_identically(tiny_data: Path, tmp_path: Path) -> None:
 
 
 def test_resume_without_checkpoint_is_one_line_error(tmp_path: Path) -> None:
-    with pytest.raises(T.TrainError, match="no checkpoint"):
-        T.train(_run(tmp_path, tmp_path / "none", 5), resume=True)
+    with pytest.raises(D.TrainError, match="no checkpoint"):
+        L.train(_run(tmp_path, tmp_path / "none", 5), resume=True)
 
 
 def test_export_writes_a_loadable_4bit_folder(tiny_data: Path, tmp_path: Path) -> None:
     from model import load_model
     from model.tokenizer import load_tokenizer
 
-    T.train(_run(tiny_data, tmp_path / "run", 10))
+    L.train(_run(tiny_data, tmp_path / "run", 10))
     out = tmp_path / "export"
-    T.export(tmp_path / "run", tiny_data, out)
+    E.export(tmp_path / "run", tiny_data, out)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine"}
     assert cfg["num_key_value_heads"] < cfg["num_attention_heads"]
@@ -141,5 +145,6 @@ def test_export_writes_a_loadable_4bit_folder(tiny_data: Path, tmp_path: Path) -
     assert tok.eos_ids[0] == cfg["eos_token_id"] == tok.token_to_id("<|im_end|>")
     ids = tok.encode_chat([{"role": "user", "content": "Hi"}])
     assert ids[0] == tok.bos_id == 1
-    out_ids, reason, _, _ = T.generate(model, ids, tok.eos_ids, max_tokens=8)
-    assert reason in ("eos", "length") and len(out_ids) <= 8
+    with EngineClient(out) as client:
+        done = client.run(ids, GenParams(max_tokens=8))
+    assert done.finish_reason in ("eos", "length") and len(done.ids) <= 8

@@ -8,24 +8,37 @@ against the real engine and stories260K are in test_tui_real.py.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from textual import events
-from textual.widgets import DataTable, Input, Markdown, Static
-from textual.widgets._markdown import MarkdownFence
+from textual.widgets import DataTable, Input, Markdown, Sparkline, Static
+from textual.widgets.markdown import MarkdownFence
 
-from app.screens import HelpScreen, HistoryScreen, LayerCacheScreen, ModelPickerScreen
+from app.actions import ACTIONS
+from app.bridge import Bridge, TextReady
+from app.discovery import ModelEntry
+from app.screens import ChatScreen, HelpScreen, HistoryScreen, LayerCacheScreen, ModelPickerScreen
 from app.screens.settings_form import SettingsScreen
 from app.settings import Settings, load_settings
-from app.tui import KVChatApp, TextReady, _Bridge, run_tui, validate_model_path
+from app.tui import KVChatApp, run_tui, validate_model_path
+from app.turn import Phase
 from app.widgets import ChatMessage, ContextGauge
 from app.widgets.format import context_level, fmt_saving, human_bytes
-from model.discovery import ModelEntry
 from model.errors import ModelLoadError
-from model.events import Done, Started, TextDelta
-from tests.scripted_engine import REPLY, ScriptedEngine, async_test, kv_bytes, split_reply, wait_for
+from model.events import Done, Loaded, Started, Stats, TextDelta, TurnStats
+from tests.scripted_engine import (
+    REPLY,
+    WEIGHT_BYTES,
+    ScriptedEngine,
+    async_test,
+    kv_bytes,
+    record_notifications,
+    split_reply,
+    wait_for,
+)
 
 MODEL = "/models/stories260K"
 SIZE = (120, 40)
@@ -47,31 +60,40 @@ def make_app(settings: Settings | None = None, **engine_kw: Any) -> KVChatApp:
 
 
 def engine(app: KVChatApp) -> ScriptedEngine:
-    assert isinstance(app.engine, ScriptedEngine)
-    return app.engine
+    assert isinstance(app.chat.engine, ScriptedEngine)
+    return app.chat.engine
+
+
+def busy(app: KVChatApp) -> bool:
+    return app.chat.phase.generating
 
 
 async def ready(pilot: Any) -> None:
-    await wait_for(pilot, lambda: bool(pilot.app.model_info))
+    await wait_for(pilot, lambda: bool(pilot.app.chat.model_info))
 
 
 async def send(pilot: Any, text: str) -> None:
-    app = pilot.app
-    app.input.load_text(text)
+    pilot.app.chat.input.load_text(text)
     await pilot.press("enter")
 
 
 async def turn(pilot: Any, text: str) -> None:
     await send(pilot, text)
-    await wait_for(pilot, lambda: not pilot.app.generating)
+    await wait_for(pilot, lambda: not busy(pilot.app))
 
 
 def replies(app: KVChatApp) -> list[ChatMessage]:
-    return [w for w in app.transcript.messages if w.role == "assistant"]
+    return [w for w in app.chat.transcript.messages if w.role == "assistant"]
 
 
 def static_text(app: KVChatApp, selector: str) -> str:
-    return str(app.query_one(selector, Static).render())
+    return str(app.chat.query_one(selector, Static).render())
+
+
+def last_done(app: KVChatApp) -> Done:
+    done = [e for e in engine(app).events if isinstance(e, Done)]
+    assert done, "no turn has ended"
+    return done[-1]
 
 
 # ---- chat ----------------------------------------------------------------------------
@@ -89,20 +111,26 @@ async def test_reply_streams_then_renders_markdown(env: Path) -> None:
         reply = replies(app)[0]
         await wait_for(pilot, lambda: reply.content == "".join(pieces[:10]))
         assert reply.streaming and reply.has_class("-streaming")
-        assert app.generating
+        assert app.chat.phase is Phase.DECODING
+        assert app.chat.input.border_subtitle == "generating… (Esc stops)"
         engine(app).resume()
-        await wait_for(pilot, lambda: not app.generating)
+        await wait_for(pilot, lambda: not busy(app))
         assert reply.content == REPLY and not reply.streaming and not reply.stopped
         # the final full re-parse turned the fence into a code block
         assert reply.query(MarkdownFence)
         assert reply.query_one(Markdown).source == REPLY
-        assert app.conversation.messages == [
+        assert app.chat.conversation.messages == [
             {"role": "user", "content": "tell me a story"},
             {"role": "assistant", "content": REPLY},
         ]
         # autosaved after the turn
-        saved = json.loads((env / "data" / "chats" / f"{app.conversation.id}.json").read_text())
+        chats = env / "data" / "chats"
+        saved = json.loads((chats / f"{app.chat.conversation.id}.json").read_text())
         assert saved["messages"][1]["content"] == REPLY
+        # and the K/V cache beside it, so the chat reopens warm
+        kv = chats / f"{app.chat.conversation.id}.kv.safetensors"
+        await wait_for(pilot, kv.is_file)
+        assert app.chat.phase is Phase.IDLE and app.chat.input.border_subtitle is None
 
 
 @async_test
@@ -111,11 +139,11 @@ async def test_enter_sends_ctrl_j_inserts_newline(env: Path) -> None:
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await pilot.press("a", "ctrl+j", "b", "shift+enter", "c")
-        assert app.input.text == "a\nb\nc"
+        assert app.chat.input.text == "a\nb\nc"
         await pilot.press("enter")
-        await wait_for(pilot, lambda: not app.generating and len(app.conversation.messages) == 2)
-        assert app.conversation.messages[0]["content"] == "a\nb\nc"
-        assert app.input.text == ""
+        await wait_for(pilot, lambda: not busy(app) and len(app.chat.conversation.messages) == 2)
+        assert app.chat.conversation.messages[0]["content"] == "a\nb\nc"
+        assert app.chat.input.text == ""
         # Enter on an empty box sends nothing
         await pilot.press("enter")
         assert len(engine(app).submitted) == 1
@@ -130,17 +158,17 @@ async def test_input_history_up_down(env: Path) -> None:
         await turn(pilot, "two\nlines")
         await pilot.press("d", "r", "a", "f", "t")
         await pilot.press("up")
-        assert app.input.text == "two\nlines"
+        assert app.chat.input.text == "two\nlines"
         await pilot.press("up")  # cursor on the last line: moves up within the text
-        assert app.input.text == "two\nlines"
+        assert app.chat.input.text == "two\nlines"
         await pilot.press("up")  # now on the first line: older entry
-        assert app.input.text == "one"
+        assert app.chat.input.text == "one"
         await pilot.press("up")  # oldest: stays
-        assert app.input.text == "one"
+        assert app.chat.input.text == "one"
         await pilot.press("down")
-        assert app.input.text == "two\nlines"
+        assert app.chat.input.text == "two\nlines"
         await pilot.press("down")
-        assert app.input.text == "draft"
+        assert app.chat.input.text == "draft"
 
 
 @async_test
@@ -151,18 +179,19 @@ async def test_escape_stops_and_keeps_partial_reply(env: Path) -> None:
         await send(pilot, "go")
         await wait_for(pilot, lambda: engine(app).paused.is_set())
         await pilot.press("escape")
-        await wait_for(pilot, lambda: not app.generating)
-        partial = "".join(split_reply(REPLY)[:6])
+        await wait_for(pilot, lambda: not busy(app))
+        # six pieces were out when Esc came; the engine emits the one it holds, then stops
+        partial = "".join(split_reply(REPLY)[:7])
         reply = replies(app)[-1]
         assert reply.stopped and reply.content == partial
         assert reply.border_subtitle == "■ stopped"
-        assert app.conversation.messages[-1] == {
+        assert app.chat.conversation.messages[-1] == {
             "role": "assistant",
             "content": partial,
             "stopped": True,
         }
-        saved = json.loads((env / "data" / "chats" / f"{app.conversation.id}.json").read_text())
-        assert saved["messages"][-1]["stopped"] is True
+        chat_file = env / "data" / "chats" / f"{app.chat.conversation.id}.json"
+        assert json.loads(chat_file.read_text())["messages"][-1]["stopped"] is True
 
 
 @async_test
@@ -172,12 +201,15 @@ async def test_regenerate_replaces_last_reply(env: Path) -> None:
         await ready(pilot)
         await turn(pilot, "hello there")
         await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: not app.generating and len(engine(app).submitted) == 2)
+        await wait_for(pilot, lambda: not busy(app) and len(engine(app).submitted) == 2)
         prompt, _ = engine(app).submitted[-1]
         assert prompt == [{"role": "user", "content": "hello there"}]
-        assert len(app.conversation.messages) == 2 and len(app.transcript.messages) == 2
+        assert len(app.chat.conversation.messages) == 2 and len(app.chat.transcript.messages) == 2
         # the cache kept the prompt: only the reply was dropped
-        assert app.panel.stats["cached_tokens"] == len(prompt[0]["content"].split()) + 1
+        started = [e for e in engine(app).events if isinstance(e, Started)]
+        # the cache kept "<user> hello there" (all but the last prompt token)
+        assert started[-1].cached_tokens == started[-1].prompt_tokens - 1 == 3
+        assert "3 tokens this turn" in static_text(app, "#cache")
 
 
 @async_test
@@ -187,19 +219,19 @@ async def test_edit_and_resend_truncates_there(env: Path) -> None:
         await ready(pilot)
         await turn(pilot, "first question")
         await turn(pilot, "second question")
-        first = app.transcript.messages[0]
+        first = app.chat.transcript.messages[0]
         await pilot.click(first)
-        assert app.edit_index == 0 and app.input.text == "first question"
+        assert app.chat.edit_index == 0 and app.chat.input.text == "first question"
         assert first.has_class("-editing")
-        app.input.load_text("first question, edited")
+        app.chat.input.load_text("first question, edited")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: not app.generating and len(engine(app).submitted) == 3)
+        await wait_for(pilot, lambda: not busy(app) and len(engine(app).submitted) == 3)
         assert engine(app).submitted[-1][0] == [
             {"role": "user", "content": "first question, edited"}
         ]
-        assert [m["role"] for m in app.conversation.messages] == ["user", "assistant"]
-        assert [w.index for w in app.transcript.messages] == [0, 1]
-        assert app.edit_index is None
+        assert [m["role"] for m in app.chat.conversation.messages] == ["user", "assistant"]
+        assert [w.index for w in app.chat.transcript.messages] == [0, 1]
+        assert app.chat.edit_index is None
 
 
 @async_test
@@ -208,10 +240,10 @@ async def test_escape_cancels_an_edit(env: Path) -> None:
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await turn(pilot, "hi")
-        await app.action_edit_last()
-        assert app.edit_index == 0
+        app.chat.action_edit_last()
+        assert app.chat.edit_index == 0
         await pilot.press("escape")
-        assert app.edit_index is None and app.input.text == ""
+        assert app.chat.edit_index is None and app.chat.input.text == ""
 
 
 @async_test
@@ -222,14 +254,14 @@ async def test_autoscroll_only_while_at_bottom(env: Path) -> None:
         await send(pilot, "long one")
         await wait_for(pilot, lambda: engine(app).paused.is_set())
         await pilot.pause(0.1)
-        t = app.transcript
-        assert t.following and t.max_scroll_y > 0 and t.scroll_y == t.max_scroll_y
+        t = app.chat.transcript
+        assert t.is_anchored and t.max_scroll_y > 0 and t.is_vertical_scroll_end
         for _ in range(40):  # the user scrolls up with the mouse wheel
             t.post_message(events.MouseScrollUp(t, 2, 2, 0, -1, 0, False, False, False))
         await pilot.pause()
-        assert not t.following
+        assert not t.is_vertical_scroll_end  # the view left the bottom: no longer following
         engine(app).resume()
-        await wait_for(pilot, lambda: not app.generating)
+        await wait_for(pilot, lambda: not busy(app))
         await pilot.pause()
         assert t.scroll_y == 0  # the user scrolled up: the view stayed put
         assert t.max_scroll_y > 0
@@ -244,14 +276,14 @@ async def test_new_chat_copy_and_export(env: Path) -> None:
         await pilot.press("ctrl+y")
         assert app.clipboard == REPLY
         await pilot.press("ctrl+e")
-        path = app.last_export
-        assert path is not None and path.parent == env / "data" / "exports"
-        text = path.read_text()
+        exports = list((env / "data" / "exports").glob("*.md"))
+        assert len(exports) == 1 and app.chat.conversation.id in exports[0].name
+        text = exports[0].read_text()
         assert "a story please" in text and "def remember(token):" in text
-        old_id = app.conversation.id
+        old_id = app.chat.conversation.id
         await pilot.press("ctrl+n")
-        assert app.transcript.messages == [] and app.conversation.messages == []
-        assert app.conversation.id != old_id and engine(app).resets == 1
+        assert app.chat.transcript.messages == [] and app.chat.conversation.messages == []
+        assert app.chat.conversation.id != old_id and engine(app).resets == 1
 
 
 # ---- stats panel ----------------------------------------------------------------------
@@ -263,18 +295,20 @@ async def test_panel_numbers_follow_the_formulas(env: Path) -> None:
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await turn(pilot, "numbers")
-        panel = app.panel
-        s = panel.stats
-        expected = kv_bytes(s["cache_tokens"])  # 2 × 5 × 4 × tokens × 8 × 4
-        assert s["cache_bytes"] == expected == 2 * 5 * 4 * s["cache_tokens"] * 8 * 4
+        s = last_done(app).stats
+        # "<user> numbers <assistant>" + every reply piece + the EOS (the pipelined decode
+        # step feeds each token before it is checked for EOS)
+        assert s.cache_tokens == 3 + len(split_reply(REPLY)) + 1
+        expected = kv_bytes(s.cache_tokens)  # 2 × 5 × 4 × tokens × 8 × 4
+        assert s.cache_bytes == expected == 2 * 5 * 4 * s.cache_tokens * 8 * 4
         cache_text = static_text(app, "#cache")
         assert human_bytes(expected) in cache_text
-        assert human_bytes(kv_bytes(s["cache_tokens"], 8)) in cache_text  # MHA-equivalent
+        assert human_bytes(kv_bytes(s.cache_tokens, 8)) in cache_text  # MHA-equivalent
         assert f"{fmt_saving(2.0)} smaller" in cache_text
-        assert panel.decode_now is not None and panel.decode_now > 0
-        assert len(panel.query_one("#spark").data) > 3
+        assert len(app.chat.panel.query_one("#spark", Sparkline).data) > 3
         speed = static_text(app, "#speed")
-        assert f"{s['decode_tps']:,.1f} tok/s" in speed and "42 ms" in speed
+        # TTFT = one prefill chunk (20 ms) + the first decode step (10 ms), simulated
+        assert f"{s.decode_tps:,.1f} tok/s" in speed and "30 ms" in speed
         model = static_text(app, "#model")
         assert "stories260K" in model and "260.0K" in model and "llama" in model
         runtime = static_text(app, "#runtime")
@@ -284,19 +318,26 @@ async def test_panel_numbers_follow_the_formulas(env: Path) -> None:
 @async_test
 async def test_panel_is_throttled_not_per_token(env: Path) -> None:
     # a Stats event after every token, ~300 tokens: the panel must still render ~10/s
-    app = make_app(reply=REPLY * 5, token_delay=0.002, stats_every=1)
+    app = make_app(reply=REPLY * 5, token_delay=0.002, stats_interval_s=0.0)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        before = app.panel.renders
-        import time
+        speed = app.chat.query_one("#speed", Static)
+        renders: list[float] = []
+        update = speed.update
 
+        def counting(*args: Any, **kw: Any) -> None:
+            renders.append(time.monotonic())
+            update(*args, **kw)
+
+        speed.update = counting  # type: ignore[method-assign]
         t0 = time.monotonic()
         await turn(pilot, "go")
         elapsed = time.monotonic() - t0
         tokens = len(split_reply(REPLY * 5))
-        renders = app.panel.renders - before
-        assert renders <= elapsed * 10 + 5, (renders, elapsed)
-        assert renders < tokens / 3
+        stats_events = sum(isinstance(e, Stats) for e in engine(app).events)
+        assert stats_events >= tokens  # one per token reached the app
+        assert len(renders) <= elapsed * 10 + 5, (len(renders), elapsed)
+        assert len(renders) < tokens / 3
 
 
 @async_test
@@ -310,9 +351,9 @@ async def test_context_gauge_colours(env: Path) -> None:
         await ready(pilot)
         gauge = app.query_one(ContextGauge)
         for tokens, level in ((100, "ok"), (400, "warn"), (470, "danger")):
-            app.panel.update_stats({"cache_tokens": tokens, "cache_capacity": 512})
+            app.chat.panel.update_stats(TurnStats(cache_tokens=tokens, cache_capacity=512))
             await pilot.pause(0.15)
-            assert gauge.has_class(f"-{level}") and gauge.level == level
+            assert gauge.has_class(f"-{level}")
 
 
 # ---- screens ---------------------------------------------------------------------------
@@ -328,9 +369,11 @@ async def test_help_lists_every_binding(env: Path) -> None:
         table = app.screen.query_one(DataTable)
         cells = [table.get_row_at(i) for i in range(table.row_count)]
         keys = " ".join(str(c[0]) for c in cells)
-        for b in app.BINDINGS:
-            assert app.get_key_display(b) in keys
+        for b in [*ChatScreen.BINDINGS, *KVChatApp.BINDINGS]:
+            assert app.get_key_display(b) in keys  # type: ignore[arg-type]
         assert any("Shift+Enter" in str(c[0]) or "shift+enter" in str(c[0]) for c in cells)
+        # one row per action with keys, with the table's help text
+        assert {str(c[1]) for c in cells} == {a.help for a in ACTIONS if a.keys or a.key_label}
         await pilot.press("escape")
         assert not isinstance(app.screen, HelpScreen)
 
@@ -341,11 +384,16 @@ async def test_every_action_is_in_the_command_palette(env: Path) -> None:
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         titles = {c.title for c in app.get_system_commands(app.screen)}
-        bound = {b.action for b in app.BINDINGS} - {"quit"}  # quit: Textual's own "Quit"
-        palette = {action for _t, action, _cb in app._palette_actions()}
-        assert bound <= palette | {"help"}
+        assert {a.palette for a in ACTIONS if a.palette} <= titles
         assert "Quit" in titles  # Textual's own system command
-        assert "New chat" in titles and "Swap model" in titles
+        bindings = [*ChatScreen.BINDINGS, *KVChatApp.BINDINGS]
+        bound = {b.action for b in bindings} - {"quit"}  # type: ignore[union-attr]
+        assert bound <= {a.name for a in ACTIONS if a.palette}
+        # a modal screen shadows the chat's actions, in the palette as for keys
+        await pilot.press("f1")
+        modal_titles = {c.title for c in app.get_system_commands(app.screen)}
+        assert "New chat" not in modal_titles and "Keys (help)" in modal_titles
+        await pilot.press("escape")
         await turn(pilot, "hi")
         # run one through the real palette UI
         await pilot.press("ctrl+p")
@@ -353,7 +401,7 @@ async def test_every_action_is_in_the_command_palette(env: Path) -> None:
         await pilot.pause(0.3)
         await pilot.press("enter")
         await wait_for(pilot, lambda: engine(app).resets == 1)
-        assert app.conversation.messages == []
+        assert app.chat.conversation.messages == []
 
 
 @async_test
@@ -380,13 +428,14 @@ async def test_settings_validate_save_and_apply(env: Path) -> None:
         screen.query_one("#system_prompt").load_text("Be brief.")
         await pilot.press("ctrl+s")
         assert not isinstance(app.screen, SettingsScreen)
-        assert load_settings() == app.settings
-        assert (app.settings.temp, app.settings.max_tokens, app.settings.seed) == (2.5, 5, 7)
+        assert load_settings() == app.chat.settings
+        new = app.chat.settings
+        assert (new.temp, new.max_tokens, new.seed) == (2.5, 5, 7)
         await turn(pilot, "now")
         prompt, params = engine(app).submitted[-1]
         assert params.max_tokens == 5 and params.temp == 2.5 and params.seed == 7
         assert prompt[0] == {"role": "system", "content": "Be brief."}
-        assert app.last_done is not None and app.last_done.finish_reason == "length"
+        assert last_done(app).finish_reason == "length"
 
 
 @async_test
@@ -395,7 +444,7 @@ async def test_history_reopens_a_chat(env: Path) -> None:
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await turn(pilot, "remember me")
-        first_id = app.conversation.id
+        first_id = app.chat.conversation.id
         await pilot.press("ctrl+n")
         await turn(pilot, "another chat")
         await pilot.press("f2")
@@ -404,10 +453,55 @@ async def test_history_reopens_a_chat(env: Path) -> None:
         assert table.row_count == 2
         table.move_cursor(row=1)  # newest first: the first chat is the second row
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.conversation.id == first_id)
-        assert [w.content for w in app.transcript.messages] == ["remember me", REPLY]
+        await wait_for(pilot, lambda: app.chat.conversation.id == first_id)
+        assert [w.content for w in app.chat.transcript.messages] == ["remember me", REPLY]
         await turn(pilot, "and more")
-        assert len(app.conversation.messages) == 4
+        assert len(app.chat.conversation.messages) == 4
+
+
+@async_test
+async def test_reopened_chat_continues_warm(env: Path) -> None:
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        notes = record_notifications(app)
+        await ready(pilot)
+        await turn(pilot, "remember me")
+        first_id = app.chat.conversation.id
+        kv = app.chat.store.cache_path(first_id)
+        await wait_for(pilot, kv.is_file)
+        # "<user> remember me <assistant>" + the reply's pieces (+ its EOS, which the next
+        # prompt does not contain)
+        held = 4 + len(split_reply(REPLY))
+        await pilot.press("ctrl+n")  # the engine's cache now holds another chat
+        await turn(pilot, "another chat")
+        await pilot.press("f2")
+        table = app.screen.query_one(DataTable)
+        row = table.get_row(first_id)
+        assert str(row[4]) == human_bytes(kv.stat().st_size)  # History shows the cache size
+        table.move_cursor(row=table.get_row_index(first_id))
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.chat.conversation.id == first_id)
+        await turn(pilot, "and more")
+        started = [e for e in engine(app).events if isinstance(e, Started)][-1]
+        assert started.cached_tokens == held  # nothing of the reopened chat prefilled again
+        assert started.prompt_tokens == held + 4  # + "<user> and more <assistant>"
+        assert (f"{held:,} tokens from the saved cache; 0 re-prefilled.", "information") in notes
+
+
+@async_test
+async def test_kv_cache_saving_can_be_turned_off(env: Path) -> None:
+    app = make_app(Settings(save_kv_cache=False))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await turn(pilot, "forget me")
+        conv_id = app.chat.conversation.id
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: engine(app).resets == 1)
+        await app.chat.open_conversation(conv_id)
+        await turn(pilot, "and more")
+        started = [e for e in engine(app).events if isinstance(e, Started)][-1]
+        assert started.cached_tokens == 0
+        assert not app.chat.store.cache_path(conv_id).exists()
 
 
 @async_test
@@ -421,26 +515,32 @@ async def test_swap_model_via_picker_and_failed_swap(
     monkeypatch.setattr("app.screens.picker.find_models", lambda *a, **k: entries)
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
+        notes = record_notifications(app)
         await ready(pilot)
         await turn(pilot, "before the swap")
         await pilot.press("ctrl+o")
         assert isinstance(app.screen, ModelPickerScreen)
         await wait_for(pilot, lambda: app.screen.scanned)
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.model_path == "/models/other-model")
-        assert app.last_freed_bytes == 1_040_128
-        assert any("freed" in n.message for n in app._notifications)
-        assert app.panel.freed_bytes == 1_040_128
+        await wait_for(pilot, lambda: app.chat.model_path == "/models/other-model")
+        assert app.chat.sub_title == "other-model"
+        # the old scripted model's weights and its K/V were released (measured by MLX)
+        loaded = [e for e in engine(app).events if isinstance(e, Loaded)]
+        assert loaded[-1].freed_bytes >= WEIGHT_BYTES
+        freed = human_bytes(loaded[-1].freed_bytes)
+        assert any(m.startswith("Loaded other-model · freed") and freed in m for m, _ in notes)
+        assert f"freed {freed}" in static_text(app, "#runtime")
         # the chat continues on the new model
         await turn(pilot, "after the swap")
-        assert len(app.conversation.messages) == 4
-        assert app.conversation.model == "/models/other-model"
+        assert len(app.chat.conversation.messages) == 4
+        assert app.chat.conversation.model == "/models/other-model"
         # a failing swap keeps the current model and says so once
-        app.load_model("/models/broken")
-        await wait_for(pilot, lambda: app.loading_path is None)
-        assert app.model_path == "/models/other-model"
-        errors = [n for n in app._notifications if n.severity == "error"]
-        assert len(errors) == 1 and "no config.json" in errors[0].message
+        app.chat.load_model("/models/broken")
+        await wait_for(pilot, lambda: app.chat.phase is Phase.ERROR)
+        assert app.chat.model_path == "/models/other-model"
+        errors = [m for m, severity in notes if severity == "error"]
+        assert len(errors) == 1 and "no config.json" in errors[0]
+        assert "(still on other-model)" in errors[0]
 
 
 @async_test
@@ -465,25 +565,26 @@ async def test_keys_work_while_generating(env: Path) -> None:
         await send(pilot, "go")
         await wait_for(pilot, lambda: engine(app).paused.is_set())
         await pilot.press("x", "y")
-        assert app.input.text == "xy"
+        assert app.chat.input.text == "xy"
         await pilot.press("enter")  # refused while generating, text kept
-        assert app.input.text == "xy" and len(engine(app).submitted) == 1
+        assert app.chat.input.text == "xy" and len(engine(app).submitted) == 1
         await pilot.press("ctrl+s")
         assert isinstance(app.screen, SettingsScreen)
         await pilot.press("escape")
         await pilot.press("ctrl+r")  # refused politely
         assert len(engine(app).submitted) == 1
         engine(app).resume()
-        await wait_for(pilot, lambda: not app.generating)
+        await wait_for(pilot, lambda: not busy(app))
 
 
 @async_test
 async def test_no_model_is_a_clear_message(env: Path) -> None:
     app = KVChatApp(None, Settings(), engine_factory=lambda cb, p: ScriptedEngine(cb, p))
     async with app.run_test(size=SIZE) as pilot:
+        notes = record_notifications(app)
         await send(pilot, "anyone?")
-        assert app.conversation.messages == []
-        assert any("Ctrl+O" in n.message for n in app._notifications)
+        assert app.chat.conversation.messages == []
+        assert any("Ctrl+O" in m for m, _ in notes)
 
 
 def test_bad_model_folder_fails_before_the_ui(tmp_path: Path, env: Path) -> None:
@@ -508,7 +609,7 @@ class _FakeApp:
 
 def test_bridge_batches_text_and_keeps_turns_apart() -> None:
     fake = _FakeApp()
-    bridge = _Bridge(fake)  # type: ignore[arg-type]
+    bridge = Bridge(fake)  # type: ignore[arg-type]
     bridge(Started(3, 0))
     for t in ("a", "b", "c"):
         bridge(TextDelta(t, 1))

@@ -24,9 +24,12 @@ from app.screens import HistoryScreen, ModelPickerScreen
 from app.screens.settings_form import SettingsScreen
 from app.settings import Settings, load_settings
 from app.tui import KVChatApp
+from app.turn import Phase
 from app.widgets import ChatMessage
 from app.widgets.format import human_bytes
-from tests.scripted_engine import async_test, wait_for
+from model.engine import Engine
+from model.events import CacheRestored, Done, Event, Loaded, Started
+from tests.scripted_engine import async_test, record_notifications, wait_for
 
 STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
 pytestmark = pytest.mark.skipif(
@@ -58,113 +61,140 @@ def geometry() -> tuple[int, int, int]:
     return cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
 
 
+def real_app(s: Settings) -> tuple[KVChatApp, list[Event]]:
+    """The app on the real engine and stories260K; every event it was sent is recorded."""
+    seen: list[Event] = []
+
+    def factory(on_event: Any, path: str | None) -> Engine:
+        def recording(ev: Event) -> None:
+            seen.append(ev)
+            on_event(ev)
+
+        return Engine(recording, path)
+
+    return KVChatApp(str(STORIES), s, engine_factory=factory), seen
+
+
+def last(seen: list[Event], kind: type) -> Any:
+    found = [e for e in seen if isinstance(e, kind)]
+    assert found, f"no {kind.__name__} event yet"
+    return found[-1]
+
+
+def busy(app: KVChatApp) -> bool:
+    return app.chat.phase.generating
+
+
 def replies(app: KVChatApp) -> list[ChatMessage]:
-    return [w for w in app.transcript.messages if w.role == "assistant"]
+    return [w for w in app.chat.transcript.messages if w.role == "assistant"]
 
 
 async def ready(pilot: Any) -> None:
-    await wait_for(pilot, lambda: bool(pilot.app.model_info), timeout=120)
+    await wait_for(pilot, lambda: bool(pilot.app.chat.model_info), timeout=120)
 
 
 async def send(pilot: Any, text: str) -> None:
-    pilot.app.input.load_text(text)
+    pilot.app.chat.input.load_text(text)
     await pilot.press("enter")
 
 
 def press_now(app: KVChatApp, key: str, char: str | None = None) -> None:
     """Queue a key as the terminal driver does. pilot.press would also wait for the
     screen to settle, which while a reply streams means until the reply ends."""
-    app._driver.send_message(events.Key(key, char))  # type: ignore[union-attr]
+    app.post_message(events.Key(key, char))
 
 
 async def turn(pilot: Any, text: str) -> None:
     await send(pilot, text)
-    await wait_for(pilot, lambda: not pilot.app.generating, timeout=120)
+    await wait_for(pilot, lambda: not busy(pilot.app), timeout=120)
 
 
 @async_test
 async def test_real_turn_streams_and_panel_shows_formula_bytes(env: Path) -> None:
-    app = KVChatApp(str(STORIES), settings(max_tokens=400))
+    app, seen = real_app(settings(max_tokens=400))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        app.input.load_text(PROMPT)
+        app.chat.input.load_text(PROMPT)
         # Enter as the terminal sends it; pilot.press would wait for the screen to settle
         press_now(app, "enter", "\r")
-        await wait_for(pilot, lambda: app.generating)
+        await wait_for(pilot, lambda: busy(app))
         lengths: set[int] = set()
-        while app.generating:
+        while busy(app):
             r = replies(app)
             if r:
                 lengths.add(len(r[-1].content))
             await asyncio.sleep(0.005)
-        done = app.last_done
-        assert done is not None and done.finish_reason in ("length", "eos")
+        done = last(seen, Done)
+        assert done.finish_reason in ("length", "eos")
         reply = replies(app)[-1]
         assert reply.content == done.text and done.text.strip()
         assert len(lengths - {0}) >= 2, "the reply should arrive in several pieces"
-        assert app.conversation.messages[-1] == {"role": "assistant", "content": done.text}
+        assert app.chat.conversation.messages[-1] == {"role": "assistant", "content": done.text}
 
-        s = app.panel.stats
-        assert s["decode_tps"] > 0 and app.panel.decode_now and app.panel.decode_now > 0
+        s = done.stats
+        assert s.decode_tps and s.decode_tps > 0
         layers, kv_heads, head_dim = geometry()
-        expected = 2 * layers * kv_heads * s["cache_tokens"] * head_dim * 4  # float32
-        assert s["cache_bytes"] == expected
-        assert s["cache_tokens"] >= s["prompt_tokens"]
-        cache_text = str(app.query_one("#cache", Static).render())
+        expected = 2 * layers * kv_heads * s.cache_tokens * head_dim * 4  # float32
+        assert s.cache_bytes == expected
+        assert s.cache_tokens >= s.prompt_tokens
+        cache_text = str(app.chat.query_one("#cache", Static).render())
         assert human_bytes(expected) in cache_text and "2× smaller" in cache_text
-        speed = str(app.query_one("#speed", Static).render())
-        assert f"{s['decode_tps']:,.1f} tok/s" in speed
-        assert f"{s['generated_tokens']:,} generated" in speed
+        speed = str(app.chat.query_one("#speed", Static).render())
+        assert f"{s.decode_tps:,.1f} tok/s" in speed
+        assert f"{s.generated_tokens:,} generated" in speed
 
 
 @async_test
 async def test_real_stop_regenerate_and_edit_trims_cache(env: Path) -> None:
-    app = KVChatApp(str(STORIES), settings(max_tokens=450))
+    app, seen = real_app(settings(max_tokens=450))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         # Esc keeps the partial reply, marked as stopped
-        app.input.load_text(PROMPT)
+        app.chat.input.load_text(PROMPT)
         press_now(app, "enter", "\r")
-        await wait_for(pilot, lambda: app.generating)
+        await wait_for(pilot, lambda: busy(app))
         await wait_for(pilot, lambda: bool(replies(app)) and len(replies(app)[-1].content) > 30)
         press_now(app, "escape")
-        await wait_for(pilot, lambda: not app.generating)
-        done = app.last_done
-        assert done is not None and done.finish_reason == "cancelled"
+        await wait_for(pilot, lambda: not busy(app))
+        done = last(seen, Done)
+        assert done.finish_reason == "cancelled"
         partial = done.text
         assert partial.strip() and len(done.ids) < 450
         reply = replies(app)[-1]
         assert reply.stopped and reply.content == partial
-        assert app.conversation.messages[-1]["stopped"] is True
+        assert app.chat.conversation.messages[-1]["stopped"] is True
 
         # regenerate: same prompt, the cache keeps it; greedy -> the same text again
-        app.settings.max_tokens = 40
+        app.chat.settings.max_tokens = 40
         await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: not app.generating, timeout=120)
-        regen = app.last_done
-        assert regen is not None and regen.finish_reason in ("length", "eos")
-        assert len(app.conversation.messages) == 2
+        await wait_for(pilot, lambda: not busy(app), timeout=120)
+        regen = last(seen, Done)
+        assert regen.finish_reason in ("length", "eos")
+        assert len(app.chat.conversation.messages) == 2
         assert regen.text.strip()
         assert partial.startswith(regen.text) or regen.text.startswith(partial)
-        s = app.panel.stats
-        assert s["cached_tokens"] == s["prompt_tokens"] - 1  # all but the last prompt token
-        before = s["cache_tokens"]
+        s = regen.stats
+        assert s.cached_tokens == s.prompt_tokens - 1  # all but the last prompt token
+        assert f"{s.cached_tokens:,} tokens this turn" in str(
+            app.chat.query_one("#cache", Static).render()
+        )
+        before = s.cache_tokens
 
         # edit and resend the first message: truncated there, the cache trimmed back
-        await pilot.click(app.transcript.messages[0])
-        assert app.edit_index == 0 and app.input.text == PROMPT
-        app.input.load_text("Once upon a time there was a dog")
+        await pilot.click(app.chat.transcript.messages[0])
+        assert app.chat.edit_index == 0 and app.chat.input.text == PROMPT
+        app.chat.input.load_text("Once upon a time there was a dog")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: not app.generating, timeout=120)
-        assert [m["role"] for m in app.conversation.messages] == ["user", "assistant"]
-        assert app.conversation.messages[0]["content"] == "Once upon a time there was a dog"
-        s = app.panel.stats
-        assert 1 <= s["cached_tokens"] < s["prompt_tokens"]  # the shared "<s>Once upon a time"
+        await wait_for(pilot, lambda: not busy(app), timeout=120)
+        assert [m["role"] for m in app.chat.conversation.messages] == ["user", "assistant"]
+        assert app.chat.conversation.messages[0]["content"] == "Once upon a time there was a dog"
+        s = last(seen, Done).stats
+        assert 1 <= s.cached_tokens < s.prompt_tokens  # the shared "<s>Once upon a time"
         # only this turn's tokens are resident: the old reply was trimmed away
-        assert s["cache_tokens"] <= s["prompt_tokens"] + s["generated_tokens"]
-        assert s["cache_tokens"] < before + s["prompt_tokens"]
+        assert s.cache_tokens <= s.prompt_tokens + s.generated_tokens
+        assert s.cache_tokens < before + s.prompt_tokens
         layers, kv_heads, head_dim = geometry()
-        assert s["cache_bytes"] == 2 * layers * kv_heads * s["cache_tokens"] * head_dim * 4
+        assert s.cache_bytes == 2 * layers * kv_heads * s.cache_tokens * head_dim * 4
 
 
 @async_test
@@ -174,8 +204,9 @@ async def test_real_swap_model_and_failed_swap(env: Path) -> None:
     broken = env / "models" / "broken"
     broken.mkdir()
     shutil.copy(STORIES / "config.json", broken / "config.json")  # no weights
-    app = KVChatApp(str(STORIES), settings(max_tokens=24, model_dirs=[str(env / "models")]))
+    app, seen = real_app(settings(max_tokens=24, model_dirs=[str(env / "models")]))
     async with app.run_test(size=SIZE) as pilot:
+        notes = record_notifications(app)
         await ready(pilot)
         await turn(pilot, PROMPT)
         # the picker lists the configured folder's models with sizes; pick the copy
@@ -188,15 +219,15 @@ async def test_real_swap_model_and_failed_swap(env: Path) -> None:
         table = picker.query_one("#models", DataTable)
         table.move_cursor(row=names.index("stories-copy"))
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.model_path == str(copy.resolve()), timeout=120)
-        assert app.last_freed_bytes is not None and app.last_freed_bytes > 0
-        assert any("freed" in n.message for n in app._notifications)
-        assert app.sub_title == "stories-copy"
+        await wait_for(pilot, lambda: app.chat.model_path == str(copy.resolve()), timeout=120)
+        assert last(seen, Loaded).freed_bytes > 0
+        assert any("freed" in m for m, _ in notes)
+        assert app.chat.sub_title == "stories-copy"
         # the conversation continues on the new model (its cache starts empty)
         await turn(pilot, "The cat")
-        assert len(app.conversation.messages) == 4
-        assert app.last_done is not None and app.last_done.finish_reason in ("length", "eos")
-        assert app.panel.stats["cached_tokens"] == 0
+        assert len(app.chat.conversation.messages) == 4
+        assert last(seen, Done).finish_reason in ("length", "eos")
+        assert last(seen, Started).cached_tokens == 0
 
         # a failing swap (typed path) keeps the current model, with one clear message
         await pilot.press("ctrl+o")
@@ -206,18 +237,18 @@ async def test_real_swap_model_and_failed_swap(env: Path) -> None:
         path_input.value = str(broken)
         path_input.focus()
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.loading_path is None, timeout=120)
-        assert app.model_path == str(copy.resolve())
-        errors = [n for n in app._notifications if n.severity == "error"]
-        assert len(errors) == 1 and "safetensors" in errors[0].message
-        assert "\n" not in errors[0].message
+        await wait_for(pilot, lambda: app.chat.phase is Phase.ERROR, timeout=120)
+        assert app.chat.model_path == str(copy.resolve())
+        errors = [m for m, severity in notes if severity == "error"]
+        assert len(errors) == 1 and "safetensors" in errors[0]
+        assert "\n" not in errors[0]
         await turn(pilot, "The dog")
-        assert len(app.conversation.messages) == 6
+        assert len(app.chat.conversation.messages) == 6
 
 
 @async_test
 async def test_real_settings_apply_from_next_turn(env: Path) -> None:
-    app = KVChatApp(str(STORIES), settings(max_tokens=48))
+    app, seen = real_app(settings(max_tokens=48))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await pilot.press("ctrl+s")
@@ -237,44 +268,51 @@ async def test_real_settings_apply_from_next_turn(env: Path) -> None:
         assert saved["max_tokens"] == 40 and saved["max_kv_size"] == 32
         assert load_settings().max_kv_size == 32
         await turn(pilot, PROMPT)
-        s = app.panel.stats
-        assert app.last_done is not None
-        assert s["generated_tokens"] == 40 or app.last_done.finish_reason == "eos"
+        done = last(seen, Done)
+        s = done.stats
+        assert s.generated_tokens == 40 or done.finish_reason == "eos"
         # the cache bound applied: a 32-token window that has rotated
-        assert s["cache_capacity"] == 32 and s["cache_tokens"] == 32
-        assert s["wrapped"] and s["evicted_tokens"] > 0 and s["keep"] == 4
-        gauge = app.panel.query_one("#gauge")
+        assert s.cache_capacity == 32 and s.cache_tokens == 32
+        assert s.wrapped and s.evicted_tokens > 0 and s.keep == 4
+        gauge = app.chat.panel.query_one("#gauge")
         assert gauge.has_class("-danger")
 
 
 @async_test
 async def test_real_persistence_round_trip_and_export(env: Path) -> None:
-    app = KVChatApp(str(STORIES), settings(max_tokens=24))
+    app, seen = real_app(settings(max_tokens=24))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await turn(pilot, PROMPT)
-        conv_id = app.conversation.id
-        first_reply = app.conversation.messages[1]["content"]
+        conv_id = app.chat.conversation.id
+        first_reply = app.chat.conversation.messages[1]["content"]
         await pilot.press("ctrl+e")
-        exported = app.last_export
-        assert exported is not None and exported.is_file()
-        assert exported.parent == env / "data" / "exports"
+        files = list((env / "data" / "exports").glob(f"*{conv_id}.md"))
+        assert len(files) == 1
+        exported = files[0]
         md = exported.read_text()
         assert PROMPT in md and first_reply.strip()[:20] in md
     assert (env / "data" / "chats" / f"{conv_id}.json").is_file()
 
     # a fresh app (a restart): reopen the chat from history and continue it
-    app2 = KVChatApp(str(STORIES), settings(max_tokens=24))
+    app2, seen2 = real_app(settings(max_tokens=24))
     async with app2.run_test(size=SIZE) as pilot:
+        notes = record_notifications(app2)
         await ready(pilot)
-        assert app2.conversation.messages == []
+        assert app2.chat.conversation.messages == []
         await pilot.press("f2")
         assert isinstance(app2.screen, HistoryScreen)
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app2.conversation.id == conv_id)
-        assert [w.content for w in app2.transcript.messages] == [PROMPT, first_reply]
+        await wait_for(pilot, lambda: app2.chat.conversation.id == conv_id)
+        assert [w.content for w in app2.chat.transcript.messages] == [PROMPT, first_reply]
         await turn(pilot, "Then")
-        assert len(app2.conversation.messages) == 4
+        assert len(app2.chat.conversation.messages) == 4
+        # the saved K/V cache came back: the whole first turn is reused, none re-prefilled
+        restored = last(seen2, CacheRestored)
+        assert restored.error is None and restored.tokens > len(first_reply.split())
+        started = last(seen2, Started)
+        assert started.cached_tokens >= restored.tokens - 1 and started.reprefilled_tokens == 0
+        assert any(m.endswith("; 0 re-prefilled.") for m, _ in notes)
     saved = json.loads((env / "data" / "chats" / f"{conv_id}.json").read_text())
     assert len(saved["messages"]) == 4
 
@@ -282,7 +320,7 @@ async def test_real_persistence_round_trip_and_export(env: Path) -> None:
 async def _key_latency(pilot: Any, key: str, char: str | None, done: Any) -> float:
     """Queue a key event as the terminal driver does; seconds until done() holds."""
     t0 = time.perf_counter()
-    pilot.app._driver.send_message(events.Key(key, char))
+    pilot.app.post_message(events.Key(key, char))
     while not done():
         await asyncio.sleep(0.0005)  # not pilot.pause: that forces a repaint per poll
     return time.perf_counter() - t0
@@ -294,34 +332,35 @@ async def test_real_key_latency_while_decoding(env: Path, capsys: pytest.Capture
     targets live in benchmarks): time from a key event entering the app's queue (as the
     terminal driver delivers it) to its effect on the app's state."""
     # a rotating 256-token window lets the tiny model decode for several seconds
-    app = KVChatApp(str(STORIES), settings(max_tokens=1500, max_kv_size=256))
+    app, seen = real_app(settings(max_tokens=1500, max_kv_size=256))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        app.input.load_text(PROMPT)
+        app.chat.input.load_text(PROMPT)
         press_now(app, "enter", "\r")
         await wait_for(pilot, lambda: bool(replies(app)) and bool(replies(app)[-1].content))
         settings_open = await _key_latency(
             pilot, "ctrl+s", None, lambda: isinstance(app.screen, SettingsScreen)
         )
-        settings_while_decoding = app.generating
+        settings_while_decoding = busy(app)
         await _key_latency(
             pilot, "escape", None, lambda: not isinstance(app.screen, SettingsScreen)
         )
         typing: list[float] = []
-        while app.generating and len(typing) < 30:
-            want = app.input.text + "x"
+        while busy(app) and len(typing) < 30:
+            want = app.chat.input.text + "x"
             typing.append(
-                await _key_latency(pilot, "x", "x", lambda w=want: app.input.text == w)
+                await _key_latency(pilot, "x", "x", lambda w=want: app.chat.input.text == w)
             )
             await asyncio.sleep(0.03)
-        samples_while_decoding = len(typing) - (not app.generating)
-        stop_while_decoding = app.generating
-        stop = await _key_latency(pilot, "escape", None, lambda: not app.generating)
+        samples_while_decoding = len(typing) - (not busy(app))
+        stop_while_decoding = busy(app)
+        stop = await _key_latency(pilot, "escape", None, lambda: not busy(app))
         assert samples_while_decoding >= 5, "too few keys landed while decoding to measure"
         assert settings_while_decoding and stop_while_decoding
-        assert app.last_done is not None and app.last_done.finish_reason == "cancelled"
-        tokens = app.last_done.stats.get("generated_tokens")
-        tps = app.last_done.stats.get("decode_tps") or 0.0
+        done = last(seen, Done)
+        assert done.finish_reason == "cancelled"
+        tokens = done.stats.generated_tokens
+        tps = done.stats.decode_tps or 0.0
     ms = sorted(x * 1000 for x in typing)
     report = {
         "typing_ms_median": round(statistics.median(ms), 1),
@@ -349,21 +388,21 @@ async def test_real_key_latency_while_decoding(env: Path, capsys: pytest.Capture
 @async_test
 async def test_real_readme_screenshot(env: Path) -> None:
     """Main screen mid-generation with the real model (writes $KVCHAT_SCREENSHOT)."""
-    app = KVChatApp(str(STORIES), settings(max_tokens=60))
+    app, seen = real_app(settings(max_tokens=60))
     async with app.run_test(size=(120, 36)) as pilot:
         await ready(pilot)
         await turn(pilot, "Once upon a time, there was a little robot")
-        app.settings.max_tokens = 400
-        app.input.load_text("The robot went to the park")
+        app.chat.settings.max_tokens = 400
+        app.chat.input.load_text("The robot went to the park")
         press_now(app, "enter", "\r")
-        await wait_for(pilot, lambda: app.generating)
-        while app.generating and len(replies(app)[-1].content) < 260:
+        await wait_for(pilot, lambda: busy(app))
+        while busy(app) and len(replies(app)[-1].content) < 260:
             await asyncio.sleep(0.005)
-        assert app.generating, "the reply ended before the screenshot"
+        assert busy(app), "the reply ended before the screenshot"
         await asyncio.sleep(0.15)  # one panel refresh
         svg = app.export_screenshot(title="kvchat")
         await pilot.press("escape")
-        await wait_for(pilot, lambda: not app.generating)
+        await wait_for(pilot, lambda: not busy(app))
     target = Path(os.environ["KVCHAT_SCREENSHOT"])
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(svg)

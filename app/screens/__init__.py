@@ -1,5 +1,7 @@
-"""Modal screens of the chat app: help, model picker, settings, history, layer view."""
+"""Screens of the app: the chat, and the modal ones (help, model picker, settings, history,
+layer view)."""
 
+from .chat import ChatScreen
 from .help import HelpScreen
 from .history import HistoryScreen
 from .layers import LayerCacheScreen
@@ -7,6 +9,7 @@ from .picker import ModelPickerScreen
 from .settings_form import SettingsScreen
 
 __all__ = [
+    "ChatScreen",
     "HelpScreen",
     "HistoryScreen",
     "LayerCacheScreen",

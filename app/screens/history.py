@@ -12,6 +12,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 
 from ..store import ConversationStore, StoreError
+from ..widgets.format import fmt_bytes
 
 
 def _when(ts: float) -> str:
@@ -45,7 +46,7 @@ class HistoryScreen(ModalScreen[str | None]):
     def _fill(self) -> None:
         table = self.query_one("#chats", DataTable)
         table.clear(columns=True)
-        table.add_columns("", "title", "updated", "msgs", "model")
+        table.add_columns("", "title", "updated", "msgs", "K/V", "model")
         convs = self.store.list()
         for c in convs:
             table.add_row(
@@ -53,6 +54,7 @@ class HistoryScreen(ModalScreen[str | None]):
                 c.title or "New chat",
                 _when(c.updated),
                 str(len(c.messages)),
+                fmt_bytes(self.store.cache_bytes(c.id)),  # the saved cache: reopens warm
                 Path(c.model).name if c.model else "–",
                 key=c.id,
             )

@@ -1,4 +1,4 @@
-"""Ctrl+O: swap the local weights. Lists model.discovery.find_models() with sizes, plus a
+"""Ctrl+O: swap the local weights. Lists app.discovery.find_models() with sizes, plus a
 free path. Returns the chosen folder; loading itself happens on the engine thread."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Input, Static
 
-from model.discovery import ModelEntry, find_models
-
+from ..discovery import ModelEntry, find_models
 from ..widgets.format import fmt_bytes
 
 

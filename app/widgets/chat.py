@@ -7,7 +7,7 @@ from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Markdown, Static, TextArea
-from textual.widgets._markdown import MarkdownStream
+from textual.widgets.markdown import MarkdownStream
 
 ROLE_TITLES = {"user": "you", "assistant": "assistant", "system": "system"}
 
@@ -119,11 +119,6 @@ class Transcript(VerticalScroll):
     def messages(self) -> list[ChatMessage]:
         return list(self.query_children(ChatMessage))
 
-    @property
-    def following(self) -> bool:
-        """True while new text scrolls the view (the anchor is held)."""
-        return self._anchored and not self._anchor_released
-
     async def add(self, widget: ChatMessage) -> ChatMessage:
         await self.mount(widget)
         return widget
@@ -156,10 +151,8 @@ class ChatInput(TextArea):
             highlight_cursor_line=False,
             placeholder="Message…  (Enter send · Ctrl+J newline · ↑ history)",
         )
-        # The app binds ctrl+e (export) and ctrl+y (copy reply); TextArea's aliases for
-        # line end and redo would shadow them here (End and ctrl+z undo remain).
-        for key in ("ctrl+e", "ctrl+y"):
-            self._bindings.key_to_bindings.pop(key, None)
+        # ctrl+e (export) and ctrl+y (copy reply) are priority bindings of the chat screen,
+        # so TextArea's aliases for line end and redo never see them (End and ctrl+z remain)
         self.sent_history: list[str] = []
         self._hist_pos: int | None = None  # index into history while browsing
         self._draft = ""

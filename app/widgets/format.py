@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from model.discovery import human_bytes
+from model.kv_math import human_bytes
 
 __all__ = [
     "context_level",

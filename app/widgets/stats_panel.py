@@ -1,6 +1,6 @@
 """The live stats side panel: speed, context gauge, KV cache, model, runtime.
 
-Updates are throttled: `update_stats()` only stores the newest dict; a 10 Hz timer
+Updates are throttled: `update_stats()` only stores the newest TurnStats; a 10 Hz timer
 renders it when something changed. The engine itself sends Stats about 10 times a
 second, never per token, so the panel costs a few re-renders a second while decoding.
 """
@@ -14,6 +14,8 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Sparkline, Static
+
+from model.events import CACHE_FIELDS, TURN_FIELDS, TurnStats
 
 from .format import (
     context_level,
@@ -51,11 +53,11 @@ def _set(widget: Static, text: Text) -> None:
     widget._kv_lines = lines  # type: ignore[attr-defined]
 
 
-def decode_elapsed(stats: dict[str, Any]) -> float | None:
+def decode_elapsed(stats: TurnStats) -> float | None:
     """Seconds between the first and the last generated token, from the stats alone:
     decode_tps = (n - 1) / span  =>  span = (n - 1) / decode_tps (DESIGN.md)."""
-    n = stats.get("generated_tokens") or 0
-    tps = stats.get("decode_tps") or 0.0
+    n = stats.generated_tokens or 0
+    tps = stats.decode_tps or 0.0
     if n < 2 or tps <= 0:
         return None
     return (n - 1) / tps
@@ -65,7 +67,6 @@ class ContextGauge(Static):
     """cache_tokens / cache_capacity as a bar; yellow from 75 %, red from 90 %."""
 
     BAR_W = 18
-    level = "ok"
 
     def set_fill(self, tokens: int, capacity: int) -> None:
         frac = tokens / capacity if capacity > 0 else 0.0
@@ -76,23 +77,21 @@ class ContextGauge(Static):
         bar = Text("█" * full, style="bold")
         bar.append("░" * (self.BAR_W - full), style="dim")
         bar.append(f" {frac * 100:3.0f}%")
-        self.level = level
         _set(self, _lines(bar, Text(f"{tokens:,} / {capacity:,} tokens", style="dim")))
 
 
 class StatsPanel(VerticalScroll):
-    """The side panel. Fed with engine Stats dicts and the model info."""
+    """The side panel. Fed with the engine's TurnStats and the model info."""
 
     can_focus = False
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
-        self.stats: dict[str, Any] = {}
+        self.stats = TurnStats()
         self.info: dict[str, Any] = {}
         self.decode_now: float | None = None
         self.generating = False
         self.freed_bytes: int | None = None  # memory released by the last model swap
-        self.renders = 0  # how often the panel re-rendered (tests check the throttle)
         self._dirty = True
         self._last_point: tuple[int, float] | None = None  # (generated, decode span)
         self._spark: deque[float] = deque(maxlen=SPARK_POINTS)
@@ -117,30 +116,28 @@ class StatsPanel(VerticalScroll):
     # ---- feeding ----------------------------------------------------------------------
     def start_turn(self, prompt_tokens: int, cached_tokens: int) -> None:
         """A turn began: reset the per-turn speed numbers, keep cache and model."""
-        keep = {
-            k: v
-            for k, v in self.stats.items()
-            if k not in ("decode_tps", "generated_tokens", "prefill_tps", "ttft_s")
-        }
-        self.stats = {**keep, "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens}
+        fresh = dict.fromkeys(TURN_FIELDS)
+        self.stats = self.stats.with_(
+            **{**fresh, "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens}
+        )
         self.decode_now = None
         self._last_point = None
         self._spark.clear()
         self.generating = True
         self._dirty = True
 
-    def end_turn(self, stats: dict[str, Any] | None = None) -> None:
+    def end_turn(self, stats: TurnStats | None = None) -> None:
         if stats:
             self.update_stats(stats)
         self.generating = False
         self._dirty = True
         self._render_now()  # final numbers at once, not up to 100 ms later
 
-    def update_stats(self, stats: dict[str, Any]) -> None:
+    def update_stats(self, stats: TurnStats) -> None:
         """Store the newest stats; the timer renders them (never per token)."""
-        self.stats = {**self.stats, **stats}
+        self.stats = self.stats.merged(stats)
         span = decode_elapsed(self.stats)
-        n = self.stats.get("generated_tokens") or 0
+        n = self.stats.generated_tokens or 0
         if span is not None:
             if self._last_point is not None:
                 n0, span0 = self._last_point
@@ -149,7 +146,7 @@ class StatsPanel(VerticalScroll):
                     self._spark.append(self.decode_now)
                     self._last_point = (n, span)
             elif n >= 2:
-                self.decode_now = self.stats["decode_tps"]
+                self.decode_now = self.stats.decode_tps
                 self._spark.append(self.decode_now)
                 self._last_point = (n, span)
         self._dirty = True
@@ -161,18 +158,11 @@ class StatsPanel(VerticalScroll):
 
     def clear_cache_stats(self) -> None:
         """New chat: the cache is empty again."""
-        for k in list(self.stats):
-            if k.startswith("cache_") or k in ("mha_bytes", "evicted_tokens", "wrapped"):
-                self.stats.pop(k)
-        self.stats.pop("cached_tokens", None)
+        self.stats = self.stats.with_(**dict.fromkeys((*CACHE_FIELDS, "cached_tokens")))
         self._dirty = True
         self._render_now()
 
     # ---- rendering --------------------------------------------------------------------
-    @property
-    def cache_bytes(self) -> int | None:
-        return self.stats.get("cache_bytes")
-
     def _tick(self) -> None:
         if self._dirty:
             self._render_now()
@@ -181,37 +171,36 @@ class StatsPanel(VerticalScroll):
         if not self.is_mounted:
             return
         self._dirty = False
-        self.renders += 1
         s, info = self.stats, self.info
         _set(
             self.query_one("#speed", Static),
             _lines(
                 _row("now", fmt_rate(self.decode_now), "bold"),
-                _row("average", fmt_rate(s.get("decode_tps"))),
-                _row("prefill", fmt_rate(s.get("prefill_tps"))),
-                _row("TTFT", fmt_seconds(s.get("ttft_s"))),
-                _row("tokens", f"{fmt_count(s.get('generated_tokens'))} generated"),
+                _row("average", fmt_rate(s.decode_tps)),
+                _row("prefill", fmt_rate(s.prefill_tps)),
+                _row("TTFT", fmt_seconds(s.ttft_s)),
+                _row("tokens", f"{fmt_count(s.generated_tokens)} generated"),
             )
         )
         spark = self.query_one("#spark", Sparkline)
         spark.data = list(self._spark)  # empty: a flat baseline, not a full block
 
-        tokens, cap = s.get("cache_tokens"), s.get("cache_capacity") or info.get("context")
+        tokens, cap = s.cache_tokens, s.cache_capacity or info.get("context")
         gauge = self.query_one("#gauge", ContextGauge)
         gauge.set_fill(tokens or 0, cap or 0)
 
-        wrapped = s.get("wrapped")
+        wrapped = s.wrapped
         _set(
             self.query_one("#cache", Static),
             _lines(
-                _row("KV", fmt_bytes(s.get("cache_bytes")), "bold"),
-                _row("as MHA", fmt_bytes(s.get("mha_bytes"))),
-                _row("GQA", f"{fmt_saving(s.get('gqa_saving'))} smaller"),
-                _row("reused", f"{fmt_count(s.get('cached_tokens'))} tokens this turn"),
-                _row("window", f"{fmt_count(cap)} · keep {fmt_count(s.get('keep'))}"),
+                _row("KV", fmt_bytes(s.cache_bytes), "bold"),
+                _row("as MHA", fmt_bytes(s.mha_bytes)),
+                _row("GQA", f"{fmt_saving(s.gqa_saving)} smaller"),
+                _row("reused", f"{fmt_count(s.cached_tokens)} tokens this turn"),
+                _row("window", f"{fmt_count(cap)} · keep {fmt_count(s.keep)}"),
                 _row(
                     "evicted",
-                    f"{fmt_count(s.get('evicted_tokens'))} · "
+                    f"{fmt_count(s.evicted_tokens)} · "
                     f"{'wrapped' if wrapped else 'not wrapped' if wrapped is not None else '–'}",
                 ),
             )
@@ -235,10 +224,10 @@ class StatsPanel(VerticalScroll):
             )
         )
         runtime = [
-            _row("kernels", str(s.get("kernels_backend") or "–")),
-            _row("device", str(s.get("device") or "–")),
-            _row("active", fmt_bytes(s.get("active_memory"))),
-            _row("peak", fmt_bytes(s.get("peak_memory"))),
+            _row("kernels", str(s.kernels_backend or "–")),
+            _row("device", str(s.device or "–")),
+            _row("active", fmt_bytes(s.active_memory)),
+            _row("peak", fmt_bytes(s.peak_memory)),
         ]
         if self.freed_bytes is not None:
             runtime.append(_row("swap", f"freed {fmt_bytes(self.freed_bytes)}"))

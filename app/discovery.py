@@ -17,10 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import model as _model_pkg
-
-from .config import FAMILIES
-from .kv_math import human_bytes  # one formatter for the whole app; re-exported here
+from model.config import FAMILIES
+from model.kv_math import human_bytes  # one formatter for the whole app; re-exported here
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +43,8 @@ MAX_DEPTH = 4  # folder levels below a root that are looked at
 MAX_DIRS_PER_ROOT = 20_000  # a second guard for very wide trees
 
 # The shipped default model, resolved from the package so it works from any cwd.
-DEFAULT_MODEL = Path(_model_pkg.__file__).resolve().parents[1] / "assets" / "kvchat-mini"
+# (app/ sits beside assets/ in the repository and inside the installed package)
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "kvchat-mini"
 
 
 @dataclass(frozen=True)

@@ -769,22 +769,29 @@ def _multi(rng: random.Random) -> Conversation:
     return msgs
 
 
-def _pick_main(rng: random.Random) -> tuple[str, str]:
+Maker = Callable[[random.Random], tuple[str, str]]
+
+
+def _topic_pair(rng: random.Random) -> tuple[str, str]:
+    return topic_qa(rng)[:2]
+
+
+def _one_of(rng: random.Random, table: tuple[tuple[float, Maker], ...], last: Maker
+            ) -> tuple[str, str]:
+    """One draw: the first maker whose cumulative bound exceeds it, else `last`."""
     r = rng.random()
-    if r < 0.5:
-        return topic_qa(rng)[:2]
-    if r < 0.8:
-        return story_request(rng)
-    return identity(rng)
+    for bound, make in table:
+        if r < bound:
+            return make(rng)
+    return last(rng)
+
+
+def _pick_main(rng: random.Random) -> tuple[str, str]:
+    return _one_of(rng, ((0.5, _topic_pair), (0.8, story_request)), identity)
 
 
 def _single_short(rng: random.Random) -> tuple[str, str]:
-    r = rng.random()
-    if r < 0.6:
-        return topic_qa(rng)[:2]
-    if r < 0.8:
-        return identity(rng)
-    return out_of_domain(rng)
+    return _one_of(rng, ((0.6, _topic_pair), (0.8, identity)), out_of_domain)
 
 
 def conversation(rng: random.Random) -> Conversation:

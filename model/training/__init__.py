@@ -1,0 +1,21 @@
+"""Train, export and try out kvchat's shipped model (assets/kvchat-mini).
+
+    python -m model.training data   --data /tmp/kvchat-train/data      # corpus + tokenizer
+    python -m model.training train  --data ... --run /tmp/kvchat-train/run [--resume]
+    python -m model.training export --data ... --run ... --out assets/kvchat-mini
+    python -m model.training sample --model assets/kvchat-mini [--markdown FILE]
+    python -m model.training eval   --data ... --model assets/kvchat-mini  # val loss, ppl
+    python -m model.training bench  --model assets/kvchat-mini    # TTFT, decode tok/s
+    python -m model.training all    --data ... --run ... --out ...  # data+train+export
+
+Everything is deterministic for a seed: the corpus (model/training/corpus.py), the tokenizer,
+the packing of conversations into rows, the order of batches (a pure function of the
+step, so --resume continues exactly), and the initial weights.
+
+On a CPU, preload OpenBLAS first (MLX CPU matmuls are ~30x faster with it):
+    export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0
+"""
+
+# data.py: corpus -> tokenizer -> packed rows; loop.py: the model and the training loop;
+# export.py: the 4-bit model folder; sample.py: replies, speed and loss of a folder;
+# __main__.py: the command line.
