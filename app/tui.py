@@ -38,6 +38,7 @@ from .screens import (
 )
 from .settings import Settings, load_settings, save_settings
 from .store import Conversation, ConversationStore, StoreError, export_markdown
+from .text import SafeNotify, literal
 from .widgets import ChatInput, ChatMessage, StatsPanel, Transcript
 from .widgets.format import fmt_bytes
 
@@ -135,7 +136,7 @@ class _Bridge:
         return out
 
 
-class KVChatApp(App[int]):
+class KVChatApp(SafeNotify, App[int]):
     """Chat with a local model and watch the engine work."""
 
     CSS_PATH = "kvchat.tcss"
@@ -286,7 +287,7 @@ class KVChatApp(App[int]):
     def _show_loading(self, label: str | None) -> None:
         box = self.query_one("#loading")
         box.set_class(label is not None, "-visible")
-        self.query_one("#loading-label", Static).update(label or "")
+        self.query_one("#loading-label", Static).update(literal(label or ""))
 
     def _on_loaded(self, ev: Loaded) -> None:
         swapped = bool(self.model_info)

@@ -15,6 +15,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Sparkline, Static
 
+from ..text import literal
 from .format import (
     context_level,
     fmt_bytes,
@@ -35,7 +36,7 @@ LABEL_W = 9
 
 def _row(label: str, value: str | Text, style: str = "") -> Text:
     t = Text(f"{label:<{LABEL_W}}", style="dim")
-    t.append(value if isinstance(value, Text) else Text(value, style=style))
+    t.append(value if isinstance(value, Text) else literal(value, style=style))
     return t
 
 
