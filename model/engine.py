@@ -30,7 +30,7 @@ import mlx.core as mx
 import metal_kernels
 
 from .cache import cache_stats, can_trim_to, layer_stats, trim_to
-from .errors import KVChatError
+from .errors import KVChatError, error_line
 from .events import (
     Done,
     Event,
@@ -221,6 +221,8 @@ class Engine:
                         self._turn(*arg)
                     elif kind == "reset":
                         self._drop_cache()
+                except Exception as e:  # no job may end the engine thread: report it
+                    self._job_failed(kind, arg, e)
                 finally:
                     self._busy.clear()
         finally:
@@ -231,6 +233,15 @@ class Engine:
             gc.collect()
             mx.clear_streams()
 
+    def _job_failed(self, kind: str, arg: Any, e: Exception) -> None:
+        if os.environ.get("KVCHAT_DEBUG") == "1":
+            traceback.print_exc()
+        self._drop_cache()
+        if kind == "load":
+            self._emit(LoadFailed(arg, error_line(e)))
+        elif kind == "turn":
+            self._emit(Done("error", "", [], [], {}, error=error_line(e)))
+
     def _drop_cache(self) -> None:
         self._cache, self._cache_key, self._cache_ids = None, None, []
 
@@ -239,11 +250,8 @@ class Engine:
         try:
             model = load_model(path)
             tokenizer = load_tokenizer(path, prefer=self.tokenizer_kind)  # type: ignore[arg-type]
-        except KVChatError as e:
-            self._emit(LoadFailed(path, str(e)))
-            return
         except Exception as e:  # keep the old model whatever went wrong
-            self._emit(LoadFailed(path, f"{type(e).__name__}: {str(e).splitlines()[0]}"))
+            self._emit(LoadFailed(path, error_line(e)))
             return
         before = mx.get_active_memory()
         self.model, self.tokenizer = model, tokenizer
@@ -328,9 +336,7 @@ class Engine:
                 traceback.print_exc()
             # the cache may hold a half-written step: start clean next turn
             self._drop_cache()
-            self._emit(
-                Done("error", "", [], prompt_ids, {}, error=f"{type(e).__name__}: {e}")
-            )
+            self._emit(Done("error", "", [], prompt_ids, {}, error=error_line(e)))
 
     def _generate(
         self, turn: int, prompt_ids: list[int], params: GenParams, t_submit: float

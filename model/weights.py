@@ -7,6 +7,8 @@ that names the file or tensor, and nothing half-loaded is left behind.
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .config import ModelConfig, load_config
-from .errors import ModelLoadError
+from .errors import KVChatError, ModelLoadError, one_line
+from .files import NotRegularFile, open_regular, read_regular_text
 from .transformer import Transformer
 
 PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
@@ -25,31 +28,75 @@ QUANT_GROUPS = (32, 64, 128)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+# the safetensors format's own limit on the JSON header
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
+    "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8,
+}
+
+
 def safetensors_header(f: Path) -> dict[str, Any]:
-    """Parse a safetensors header and check the file holds every tensor's bytes."""
+    """Parse a safetensors header and check, before any tensor is read, that the header
+    fits the file and every tensor's bytes (dtype x shape) are exactly its offsets' span
+    inside the file: a hostile header cannot make a reader allocate what is not there."""
     try:
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
+        with open_regular(f) as fh:
+            size = os.fstat(fh.fileno()).st_size
             head = fh.read(8)
             if len(head) < 8:
                 raise ModelLoadError(f"truncated safetensors file {f.name}: no header")
             n = int.from_bytes(head, "little")
+            if n > MAX_HEADER_BYTES:
+                raise ModelLoadError(
+                    f"bad safetensors file {f.name}: header of {n} bytes is over the"
+                    f" {MAX_HEADER_BYTES}-byte limit"
+                )
             if n > size - 8:
                 raise ModelLoadError(f"truncated safetensors file {f.name}: header cut short")
             header = json.loads(fh.read(n))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"unreadable safetensors file {f.name}: {e}") from None
+    except NotRegularFile as e:
+        raise ModelLoadError(str(e)) from None
+    except (OSError, ValueError) as e:  # ValueError: bad UTF-8 or JSON
+        raise ModelLoadError(f"unreadable safetensors file {f.name}: {one_line(e)}") from None
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"bad safetensors file {f.name}: the header is not a JSON object")
     data_size = size - 8 - n
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        end = info.get("data_offsets", [0, 0])[1]
-        if end > data_size:
-            raise ModelLoadError(
-                f"truncated safetensors file {f.name}: tensor {name!r} needs {end} data bytes,"
-                f" the file holds {data_size}"
-            )
+        if name != "__metadata__":
+            _check_entry(f, name, info, data_size)
     return header
+
+
+def _check_entry(f: Path, name: str, info: Any, data_size: int) -> None:
+    def bad(why: str) -> ModelLoadError:
+        return ModelLoadError(f"bad safetensors file {f.name}: tensor {name!r} {why}")
+
+    if not isinstance(info, dict):
+        raise bad("has no dtype/shape/data_offsets entry")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in DTYPE_BYTES:
+        raise bad(f"has unknown dtype {dtype!r:.40}")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise bad(f"has a malformed shape {shape!r:.60}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise bad(f"has malformed data_offsets {offsets!r:.60}")
+    begin, end = offsets
+    if end > data_size:
+        raise ModelLoadError(
+            f"truncated safetensors file {f.name}: tensor {name!r} needs {end} data bytes,"
+            f" the file holds {data_size}"
+        )
+    need = math.prod(shape) * DTYPE_BYTES[dtype]
+    if need != end - begin:
+        raise bad(f"({dtype} {shape}) needs {need} bytes, its offsets hold {end - begin}")
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -57,9 +104,14 @@ def weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as e:
-            raise ModelLoadError(f"bad {index.name}: {e}") from None
+            shards = sorted(set(json.loads(read_regular_text(index))["weight_map"].values()))
+        except KVChatError as e:
+            raise ModelLoadError(str(e)) from None
+        except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
+            raise ModelLoadError(f"bad {index.name}: {one_line(e)}") from None
+        odd = [s for s in shards if not isinstance(s, str) or Path(s).name != s]
+        if odd:  # a shard is a file next to the index, never a path elsewhere
+            raise ModelLoadError(f"bad {index.name}: shard name {odd[0]!r:.80} is not a file name")
         files = [folder / s for s in shards]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -143,6 +195,31 @@ def _check_tensors(
             )
 
 
+FINITE_CHECK_GROUP_BYTES = 1 << 28  # tensors reduced per evaluation: bounds temporaries
+
+
+def _check_finite(weights: dict[str, mx.array]) -> None:
+    """Refuse NaN/Inf weights (one NaN in a norm gives <unk><unk>... and exit 0).
+    One reduction per tensor (isfinite().all()), evaluated a group at a time."""
+    names = [k for k, v in weights.items() if mx.issubdtype(v.dtype, mx.floating)]
+    flags: dict[str, mx.array] = {}
+    group: list[mx.array] = []
+    size = 0
+    for k in names:
+        flags[k] = mx.isfinite(weights[k]).all()
+        group.append(flags[k])
+        size += weights[k].nbytes
+        if size >= FINITE_CHECK_GROUP_BYTES:
+            mx.eval(group)
+            group, size = [], 0
+    mx.eval(group)
+    for k in names:
+        if not flags[k].item():
+            raise ModelLoadError(
+                f"tensor {k!r} holds NaN or Inf values; the checkpoint is corrupt"
+            )
+
+
 def compute_dtype(checkpoint_dtype: mx.Dtype) -> mx.Dtype:
     """float32 on the CPU (fp16/bf16 are emulated on x86 and far slower), else the checkpoint's."""
     return mx.float32 if mx.default_device() == mx.cpu else checkpoint_dtype
@@ -184,6 +261,7 @@ def load_model(
             raise ModelLoadError("the checkpoint is already quantized; drop the quantize option")
         _apply_checkpoint_quantization(model, quant, weights)
     _check_tensors(model, weights, quant)
+    _check_finite(weights)
 
     float_dtypes = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
     target = dtype or compute_dtype(float_dtypes[0] if float_dtypes else mx.float32)
