@@ -30,6 +30,7 @@ import mlx.core as mx
 import metal_kernels
 
 from .cache import cache_stats, can_trim_to, layer_stats, trim_to
+from .chat_template import TemplateCancelled
 from .errors import KVChatError, error_line
 from .events import (
     Done,
@@ -263,13 +264,15 @@ class Engine:
         self.model_info = model_info(self.model, self.tokenizer)
         self._emit(Loaded(dict(self.model_info), freed))
 
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+    def _prompt_ids(self, prompt: Prompt, should_stop: Callable[[], bool] | None = None
+                    ) -> list[int]:
         assert self.tokenizer is not None
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         if all(isinstance(x, int) for x in prompt):
             return list(prompt)  # type: ignore[arg-type]
-        return self.tokenizer.encode_chat(list(prompt))  # type: ignore[arg-type]
+        # a cancel stops a slow template at once (rendering is bounded in time anyway)
+        return self.tokenizer.encode_chat(list(prompt), should_stop=should_stop)  # type: ignore[arg-type]
 
     def _prepare_cache(self, ids: list[int], params: GenParams) -> tuple[int, str | None]:
         """Reuse the longest common prefix; return (cached tokens, why not reused)."""
@@ -317,7 +320,7 @@ class Engine:
             if self.model is None or self.tokenizer is None:
                 raise KVChatError("no model loaded")
             params.validate()
-            prompt_ids = self._prompt_ids(prompt)
+            prompt_ids = self._prompt_ids(prompt, lambda: turn <= self._cancel_upto)
             if not prompt_ids:
                 raise KVChatError("empty prompt")
             if params.overflow == "refuse":
@@ -329,6 +332,8 @@ class Engine:
                     )
                 params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
             self._generate(turn, prompt_ids, params, t_submit)
+        except TemplateCancelled:
+            self._emit(Done("cancelled", "", [], prompt_ids, {}))
         except KVChatError as e:
             self._emit(Done("error", "", [], prompt_ids, {}, error=str(e)))
         except Exception as e:
