@@ -1,58 +1,104 @@
 """`kvchat` command line: the TUI by default, plus generate, inspect, bench and models.
 
-Exit status: 0 ok, 2 usage, 1 model or runtime error, with one line on stderr
-(a traceback only with KVCHAT_DEBUG=1).
+Exit status: 0 ok, 2 usage (argparse's errors included), 1 model or runtime error, 130
+interrupted, with one line on stderr (a traceback only with KVCHAT_DEBUG=1). With --json,
+stdout holds one JSON object whatever happens. Only the standard library is imported
+before `main()`'s guard, so Ctrl+C during start-up never prints a traceback.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
+import threading
 from collections.abc import Sequence
+from typing import Any
 
-from model.errors import KVChatError
-
-from . import bench_cmd, generate_cmd, inspect_cmd, models_cmd
 from .errors import report, report_exception
 
 COMMANDS = {
-    "generate": (generate_cmd, "generate one reply on the command line"),
-    "inspect": (inspect_cmd, "KV-cache memory math for a model or config"),
-    "bench": (bench_cmd, "measure prefill and decode speed (optionally against mlx-lm)"),
-    "models": (models_cmd, "list local models with their sizes"),
+    "generate": "generate one reply on the command line",
+    "inspect": "KV-cache memory math for a model or config",
+    "bench": "measure prefill and decode speed (optionally against mlx-lm)",
+    "models": "list local models with their sizes",
 }
+QUIT_WAIT_S = 1.5  # at exit, how long a busy engine thread may take before we leave anyway
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+class UsageError(Exception):
+    """A command line argparse cannot parse."""
+
+
+def _command_module(name: str) -> Any:
+    from . import bench_cmd, generate_cmd, inspect_cmd, models_cmd
+
+    return {"generate": generate_cmd, "inspect": inspect_cmd, "bench": bench_cmd,
+            "models": models_cmd}[name]
+
+
+def build_parser() -> Any:
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> Any:  # argparse prints a usage block and exits 2
+            raise UsageError(f"{message} (see {self.prog} --help)")
+
+    p = Parser(
         prog="kvchat",
         description="Chat with a local LLM on MLX and watch its KV cache. "
         "Without a command: open the chat.",
     )
     p.add_argument("--model", dest="tui_model", metavar="DIR",
                    help="model folder for the chat (default: the shipped model)")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_text) in COMMANDS.items():
-        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")  # parser_class: Parser
+    for name, help_text in COMMANDS.items():
+        _command_module(name).add_arguments(
+            sub.add_parser(name, help=help_text, description=help_text)
+        )
     return p
 
 
+def _usage_error(message: str, argv: Sequence[str]) -> int:
+    report(message)
+    if "--json" in argv:  # the one JSON object, even for a command line we cannot parse
+        import json
+
+        command = next((a for a in argv if a in COMMANDS), None)
+        if command == "generate":
+            from .generate_cmd import error_done, result_object
+
+            print(json.dumps(result_object(error_done(message))))
+        else:
+            print(json.dumps({"error": message}))
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a bug: still one line unless KVCHAT_DEBUG=1
+        report_exception(e)
+        return 1
+
+
+def _main(argv: list[str]) -> int:
+    from model.errors import KVChatError
+
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        return _usage_error(str(e), argv)
     try:
         if args.command is None:
             from .tui import run_tui
 
             return run_tui(args.tui_model)
-        return COMMANDS[args.command][0].run(args)
+        return _command_module(args.command).run(args)
     except KVChatError as e:
         report(str(e))
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:  # a bug: still one line unless KVCHAT_DEBUG=1
-        report_exception(e)
         return 1
 
 
@@ -78,10 +124,37 @@ def _with_openblas() -> None:
         pass  # run on the slower BLAS rather than not at all
 
 
+def finish(rc: int) -> None:
+    """Exit with `rc`. An engine thread still busy (a slow load, say) would make the
+    interpreter's shutdown abort the process ("terminate called without an active
+    exception", status 134) or wait for it: give it QUIT_WAIT_S, then leave at once."""
+    import signal
+
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # no traceback from shutdown itself
+    except ValueError:  # not the main thread
+        pass
+    busy = [t for t in threading.enumerate() if t.name == "kvchat-engine" and t.is_alive()]
+    for t in busy:
+        t.join(QUIT_WAIT_S / len(busy))
+    if any(t.is_alive() for t in busy):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(rc)
+    sys.exit(rc)
+
+
 def entry() -> None:
     """Console-script entry point."""
-    _with_openblas()
-    sys.exit(main())
+    try:
+        _with_openblas()
+        rc = main()
+    except KeyboardInterrupt:
+        rc = 130
+    finish(rc)
 
 
 if __name__ == "__main__":

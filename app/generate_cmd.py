@@ -5,17 +5,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import queue
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 from model.discovery import DEFAULT_MODEL
 from model.engine import Engine
-from model.errors import KVChatError
-from model.events import Done, Event, GenParams, Loaded, LoadFailed, TextDelta
+from model.errors import KVChatError, error_line
+from model.events import Done, Event, GenParams, Loaded, LoadFailed, Stats, TextDelta
 
-from .errors import report
+from .errors import debug, report
+from .text import SafeStream
 
 # every statistic of DESIGN.md, present in --json output even when zero
 STAT_KEYS = (
@@ -50,8 +53,9 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, metavar="S")
     p.add_argument("--max-kv-size", type=int, default=None, metavar="N",
                    help="bound the KV cache to N tokens (rotating); default: the context length")
-    p.add_argument("--keep", type=int, default=d.keep, metavar="K",
-                   help="sink tokens kept when the cache rotates (default %(default)s)")
+    p.add_argument("--keep", type=int, default=None, metavar="K",
+                   help=f"sink tokens kept when the cache rotates (needs --max-kv-size;"
+                   f" default {d.keep})")
     p.add_argument("--overflow", choices=["rotate", "refuse"], default=d.overflow,
                    help="past the cache bound: rotate (keep sinks, evict the oldest) or refuse"
                    " (default %(default)s)")
@@ -80,15 +84,18 @@ def params_from_args(args: argparse.Namespace) -> GenParams:
         min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
-        stop=tuple(args.stop),
+        stop=tuple(t for t in map(_text_arg, args.stop) if t is not None),
         max_kv_size=args.max_kv_size,
-        keep=args.keep,
+        keep=GenParams().keep if args.keep is None else args.keep,
         overflow=args.overflow,
     )
 
 
 class BlockingEngine:
-    """The engine driven synchronously: for the CLI and benchmarks."""
+    """The engine driven synchronously: for the CLI and benchmarks.
+
+    Ctrl+C (KeyboardInterrupt in the waiting thread) cancels the turn and waits for its
+    `Done`; a second Ctrl+C while waiting gives up at once with what has arrived."""
 
     def __init__(
         self,
@@ -99,92 +106,172 @@ class BlockingEngine:
         self._events: queue.Queue[Event] = queue.Queue()
         self._on_delta = on_delta
         self.engine = Engine(self._events.put, model_path, tokenizer=tokenizer)
-        while True:
-            ev = self._events.get()
-            if isinstance(ev, LoadFailed):
-                self.engine.close()
-                raise KVChatError(ev.message)
-            if isinstance(ev, Loaded):
-                self.info = ev.info
-                return
-
-    def run(self, prompt: Any, params: GenParams) -> Done:
-        self.engine.submit(prompt, params)
         try:
             while True:
                 ev = self._events.get()
-                if isinstance(ev, TextDelta) and self._on_delta is not None:
-                    self._on_delta(ev.text)
+                if isinstance(ev, LoadFailed):
+                    raise KVChatError(ev.message)
+                if isinstance(ev, Loaded):
+                    self.info = ev.info
+                    return
+        except BaseException:
+            self.engine.close(timeout=QUIT_WAIT_S)
+            raise
+
+    def run(self, prompt: Any, params: GenParams) -> Done:
+        self.engine.submit(prompt, params)
+        text: list[str] = []
+        ids: list[int] = []
+        stats: dict[str, Any] = {}
+        try:
+            while True:
+                ev = self._events.get()
+                if isinstance(ev, TextDelta):
+                    text.append(ev.text)
+                    ids.append(ev.token)
+                    if self._on_delta is not None:
+                        self._on_delta(ev.text)
+                elif isinstance(ev, Stats):
+                    stats = ev.stats
                 elif isinstance(ev, Done):
                     return ev
         except KeyboardInterrupt:
             self.engine.cancel()
-            while not isinstance(ev := self._events.get(), Done):
-                pass
-            return ev
+            try:
+                while not isinstance(ev := self._events.get(), Done):
+                    pass
+                return ev
+            except KeyboardInterrupt:  # twice: quit now with what arrived
+                return Done("cancelled", "".join(text), ids, [], dict(stats))
 
-    def close(self) -> None:
-        self.engine.close()
+    def close(self, timeout: float = 10.0) -> None:
+        self.engine.close(timeout)
+
+
+QUIT_WAIT_S = 1.0  # how long an interrupted run waits for the engine thread to end
 
 
 def _finite(v: Any) -> Any:
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
-def run(args: argparse.Namespace) -> int:
+def result_object(done: Done) -> dict[str, Any]:
+    """The one --json object: text, ids, finish_reason, every statistic (0 when unknown),
+    counts that agree with the ids, and `error` on an error."""
+    stats = {k: _finite(v) for k, v in done.stats.items()}
+    out: dict[str, Any] = {
+        "text": done.text,
+        "prompt_ids": list(done.prompt_ids),
+        "ids": list(done.ids),
+        "finish_reason": done.finish_reason,
+        **{k: stats.get(k, 0) for k in STAT_KEYS},
+        **{k: v for k, v in stats.items() if k not in STAT_KEYS},
+    }
+    # one definition each (DESIGN.md): the rendered prompt's tokens, the generated ids
+    out["prompt_tokens"] = len(done.prompt_ids)
+    out["generated_tokens"] = len(done.ids)
+    if done.finish_reason == "error":
+        out["error"] = done.error or "generation failed"
+    return out
+
+
+def error_done(message: str) -> Done:
+    return Done("error", "", [], [], {}, error=message)
+
+
+class UsageError(KVChatError):
+    """A bad flag or flag combination: exit status 2."""
+
+
+def _text_arg(value: str | None) -> str | None:
+    """Command-line text as UTF-8: bytes that are not UTF-8 become U+FFFD (Python hands
+    them over as lone surrogates, which no tokenizer accepts)."""
+    if value is None:
+        return None
+    return os.fsencode(value).decode("utf-8", errors="replace")
+
+
+def _read_stdin() -> str:
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    if isinstance(data, str):
+        return _text_arg(data) or ""
+    return data.decode("utf-8", errors="replace")
+
+
+def _prompt(args: argparse.Namespace) -> tuple[Any, GenParams]:
+    """The prompt and parameters from the flags; UsageError on any bad value."""
+    if args.keep is not None and args.max_kv_size is None:
+        raise UsageError("--keep applies to a bounded cache; give --max-kv-size too")
     params = params_from_args(args)
     try:
         params.validate()
-    except KVChatError as e:  # a bad flag value is a usage error
-        report(str(e))
-        return 2
-    if args.prompt is not None:
-        text = args.prompt
-    elif not sys.stdin.isatty():
-        text = sys.stdin.read()
-    else:
-        report("give --prompt TEXT or pipe the prompt on stdin")
-        return 2
+    except KVChatError as e:
+        raise UsageError(str(e)) from None
     if args.raw and args.system:
-        report("--system needs the chat template; it cannot be used with --raw")
-        return 2
+        raise UsageError("--system needs the chat template; it cannot be used with --raw")
+    if args.prompt is not None:
+        text = _text_arg(args.prompt) or ""
+    elif not sys.stdin.isatty():
+        text = _read_stdin()
+    else:
+        raise UsageError("give --prompt TEXT or pipe the prompt on stdin")
+    if args.raw:
+        return text, params
+    system = _text_arg(args.system)
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": text}
+    ]
+    return messages, params
+
+
+def run(args: argparse.Namespace) -> int:
+    """One turn. Every outcome (usage, load, turn error, Ctrl+C) ends the same way: with
+    --json exactly one object on stdout; otherwise the text, then one stderr line on error.
+    Exit status: 0 ok, 1 error, 2 usage, 130 cancelled."""
+    safe = SafeStream()
+    streamed = False
 
     def stream(delta: str) -> None:
-        sys.stdout.write(delta)
+        nonlocal streamed
+        streamed = True
+        sys.stdout.write(safe.feed(delta))  # model text may hold terminal escapes
         sys.stdout.flush()
 
+    rc = 0
     try:
+        prompt, params = _prompt(args)
         runner = BlockingEngine(
             str(args.model or DEFAULT_MODEL), None if args.json else stream, args.tokenizer
         )
+        try:
+            done = runner.run(prompt, params)
+        except BaseException:
+            runner.close(QUIT_WAIT_S)
+            raise
+        # a cancelled run may leave the engine busy: don't wait long (the CLI then exits
+        # without waiting for it, see app.cli.finish)
+        runner.close(QUIT_WAIT_S if done.finish_reason == "cancelled" else 10.0)
+    except UsageError as e:
+        done, rc = error_done(str(e)), 2
     except KVChatError as e:
-        report(str(e))
-        return 1
-    try:
-        if args.raw:
-            prompt: Any = text
-        else:
-            prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
-                {"role": "user", "content": text}
-            ]
-        done = runner.run(prompt, params)
-    finally:
-        runner.close()
+        done, rc = error_done(str(e)), 1
+    except KeyboardInterrupt:
+        done = Done("cancelled", "", [], [], {})
+    except Exception as e:  # a bug: still one line (a traceback with KVCHAT_DEBUG=1)
+        if debug():
+            traceback.print_exc()
+        done, rc = error_done(error_line(e)), 1
+    if done.finish_reason == "cancelled":
+        rc = 130
+    elif done.finish_reason == "error" and rc == 0:
+        rc = 1
     if args.json:
-        out = {
-            "text": done.text,
-            "prompt_ids": done.prompt_ids,
-            "ids": done.ids,
-            "finish_reason": done.finish_reason,
-            **{k: _finite(done.stats.get(k, 0)) for k in STAT_KEYS},
-            **{k: _finite(v) for k, v in done.stats.items() if k not in STAT_KEYS},
-        }
-        if done.error:
-            out["error"] = done.error
-        print(json.dumps(out))
-    elif done.finish_reason != "error":
-        print()
+        print(json.dumps(result_object(done)))
+    else:
+        tail = safe.flush()
+        if streamed or tail:
+            sys.stdout.write(tail + "\n")
+        sys.stdout.flush()
     if done.finish_reason == "error":
         report(done.error or "generation failed")
-        return 1
-    return 0
+    return rc

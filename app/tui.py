@@ -242,7 +242,7 @@ class KVChatApp(SafeNotify, App[int]):
     def on_unmount(self) -> None:
         self.bridge.closed = True
         if self.engine is not None:
-            self.engine.close()
+            self.engine.close(timeout=1.0)  # a busy engine is left to app.cli.finish
 
     # ---- engine events (UI thread) --------------------------------------------------------
     async def on_text_ready(self, _message: TextReady) -> None:
