@@ -36,7 +36,7 @@ from .screens import (
     ModelPickerScreen,
     SettingsScreen,
 )
-from .settings import Settings, load_settings, save_settings
+from .settings import Settings, load_settings, remember_model
 from .store import Conversation, ConversationStore, StoreError, export_markdown
 from .text import SafeNotify, literal
 from .widgets import ChatInput, ChatMessage, StatsPanel, Transcript
@@ -316,7 +316,7 @@ class KVChatApp(SafeNotify, App[int]):
         if self.model_path and self.settings.last_model != self.model_path:
             self.settings.last_model = self.model_path
             try:
-                save_settings(self.settings)
+                remember_model(self.settings)
             except KVChatError:
                 pass  # remembering the last model is best-effort
 
@@ -390,6 +390,7 @@ class KVChatApp(SafeNotify, App[int]):
         conv = self.conversation
         index = len(conv.messages)
         conv.add_message("user", text)
+        self._autosave()  # on disk before the reply starts: a crash mid-reply loses nothing
         await self.transcript.add(ChatMessage("user", text, index=index))
         await self._start_reply()
         return True
