@@ -35,8 +35,12 @@ POSITIVE_INTS: dict[str, int] = {
 }
 # numbers that must be finite and > 0
 POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_eps", "rope_theta", "rope_local_base_freq")
-# nested blocks that may carry rope_theta (transformers 5 and the classic spelling)
+# RoPE blocks (transformers 5's and the classic spelling): an object or null, whose
+# numbers are numbers (positive where a zero or a negative means nothing)
 ROPE_BLOCKS = ("rope_parameters", "rope_scaling")
+ROPE_POSITIVE = ("factor", "original_max_position_embeddings")
+ROPE_NUMBERS = ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+                "attention_factor", "mscale", "mscale_all_dim")
 
 
 def _int(cfg: Mapping[str, Any], key: str, limit: int, where: str) -> int | None:
@@ -71,9 +75,17 @@ def check_config(cfg: Mapping[str, Any], where: str = "config.json: ") -> None:
         _positive_float(cfg, key, where)
     for name in ROPE_BLOCKS:
         block = cfg.get(name)
-        if isinstance(block, Mapping):
-            for key in POSITIVE_FLOATS:
-                _positive_float(block, key, f"{where}{name}.")
+        if block is None:
+            continue
+        if not isinstance(block, Mapping):
+            raise ConfigError(f"{where}{name} must be an object or null, got {block!r:.60}")
+        for key in (*POSITIVE_FLOATS, *ROPE_POSITIVE):
+            _positive_float(block, key, f"{where}{name}.")
+        for key in ROPE_NUMBERS:
+            v = block.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not math.isfinite(v)):
+                raise ConfigError(f"{where}{name}.{key} must be a finite number, got {v!r:.60}")
     hidden, heads = ints["hidden_size"], ints["num_attention_heads"]
     if hidden and heads and ints["head_dim"] is None and hidden % heads:
         raise ConfigError(
