@@ -29,6 +29,7 @@ from model.discovery import DEFAULT_MODEL
 from model.errors import KVChatError, ModelLoadError
 from model.events import Done, Event, Loaded, LoadFailed, Loading, Started, Stats, TextDelta
 
+from .interrupt import InterruptKey
 from .screens import (
     HelpScreen,
     HistoryScreen,
@@ -136,7 +137,7 @@ class _Bridge:
         return out
 
 
-class KVChatApp(SafeNotify, App[int]):
+class KVChatApp(SafeNotify, InterruptKey, App[int]):
     """Chat with a local model and watch the engine work."""
 
     CSS_PATH = "kvchat.tcss"
@@ -158,6 +159,7 @@ class KVChatApp(SafeNotify, App[int]):
         Binding("ctrl+l", "layers", "Layers", id="layers", priority=True),
         Binding("f1", "help", "Help", id="help", priority=True),
         Binding("ctrl+q", "quit", "Quit", id="quit", priority=True),
+        Binding("ctrl+c", "interrupt", "Stop / quit", id="interrupt", show=False, priority=True),
     ]
 
     # actions that only make sense on the chat screen (not while a modal is open)
@@ -630,6 +632,7 @@ class KVChatApp(SafeNotify, App[int]):
             ("Layer cache view", "layers", self.action_layers),
             ("Copy last reply", "copy_reply", self.action_copy_reply),
             ("Keys (help)", "help", self.action_help),
+            ("Stop the reply, or quit when pressed twice", "interrupt", self.action_interrupt),
         ]
 
 
@@ -646,6 +649,7 @@ ACTION_HELP = {
     "layers": "per-layer KV cache view",
     "copy_reply": "copy the selected (or last) reply",
     "help": "this help",
+    "interrupt": "stop the reply; twice: quit",
 }
 
 

@@ -206,3 +206,35 @@ def test_a_settings_file_with_markup_values_loads(env: Path) -> None:
     s = load_settings()
     assert s.system_prompt == HOSTILE and s.temp == Settings().temp
     assert any("[/]" in w for w in s.warnings)
+
+
+# ---- Ctrl+C ---------------------------------------------------------------------------
+
+
+@async_test
+async def test_ctrl_c_once_stops_the_reply_twice_quits(env: Path) -> None:
+    app = make_app("/models/m", pause_after=2)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: bool(app.model_info))
+        await app.send("tell me a story")
+        await wait_for(pilot, lambda: app.engine.paused.is_set())
+        app.input.focus()  # the input box has focus, as when typing
+        await pilot.press("ctrl+c")
+        await wait_for(pilot, lambda: not app.generating)
+        assert app.engine.cancels == 1 and app.is_running
+        reply = app.conversation.messages[-1]
+        assert reply["role"] == "assistant" and reply.get("stopped")
+        await pilot.press("ctrl+c")
+        await wait_for(pilot, lambda: not app.is_running)
+
+
+@async_test
+async def test_ctrl_c_without_a_reply_warns_then_quits(env: Path) -> None:
+    app = make_app("/models/m")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: bool(app.model_info))
+        await pilot.press("ctrl+c")
+        await pilot.pause()
+        assert app.is_running
+        await pilot.press("ctrl+c")
+        await wait_for(pilot, lambda: not app.is_running)
