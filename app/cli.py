@@ -8,10 +8,11 @@ before `main()`'s guard, so Ctrl+C during start-up never prints a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .errors import report, report_exception
@@ -79,6 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(argv)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `kvchat models | head`: the reader left; say nothing
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's final flush must not fail again
+        return 141
     except Exception as e:  # a bug: still one line unless KVCHAT_DEBUG=1
         report_exception(e)
         return 1
@@ -96,10 +101,27 @@ def _main(argv: list[str]) -> int:
             from .tui import run_tui
 
             return run_tui(args.tui_model)
-        return _command_module(args.command).run(args)
+        with _visible_output(json_mode=bool(getattr(args, "json", False))):
+            return _command_module(args.command).run(args)
     except KVChatError as e:
         report(str(e))
         return 1
+
+
+@contextlib.contextmanager
+def _visible_output(json_mode: bool) -> Iterator[None]:
+    """Plain output reaches the terminal with control characters made visible; --json
+    output stays exact (JSON escapes control characters itself)."""
+    from .text import VisibleWriter
+
+    saved = sys.stdout, sys.stderr
+    if not json_mode:
+        sys.stdout = VisibleWriter(sys.stdout)  # type: ignore[assignment]
+    sys.stderr = VisibleWriter(sys.stderr)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
 
 
 # MLX's Linux CPU wheel calls the reference BLAS; Debian's OpenBLAS, preloaded, serves the

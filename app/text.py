@@ -64,6 +64,21 @@ class SafeStream:
         return out
 
 
+class VisibleWriter:
+    """A text stream whose write() makes control characters visible: the plain output
+    of the CLI commands (model names from folders, error text) goes through one."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, s: str) -> int:
+        self._stream.write(visible(s))
+        return len(s)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 class SafeNotify:
     """App mixin: every toast and the header title show their text literally, whoever
     calls ``notify()`` (screens and widgets delegate to the app's)."""

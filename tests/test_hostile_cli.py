@@ -277,3 +277,18 @@ finish(0)
     assert r.returncode == 0, r.stderr
     assert b"terminate called" not in r.stderr and b"Traceback" not in r.stderr
     assert time.monotonic() - t0 < 0.5 + 2.0 + 5.0  # start-up (imports) + the 2 s bound
+
+
+def test_models_listing_shows_hostile_folder_names_visibly(tmp_path: Path, capsys: Any) -> None:
+    name = "evil\x1b]0;pwned\x07[bold]"
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (folder / "model.safetensors").write_bytes(b"\0" * 16)
+    assert main(["models", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "evil␛]0;pwned␇[bold]" in out
+    assert not any(c in RAW_CONTROL for c in out)
+    assert main(["models", "--dir", str(tmp_path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["models"]
+    assert name in {e["name"] for e in listed}  # --json keeps the exact name
