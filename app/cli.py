@@ -23,7 +23,7 @@ COMMANDS = {
     "bench": "measure prefill and decode speed (optionally against mlx-lm)",
     "models": "list local models with their sizes",
 }
-QUIT_WAIT_S = 1.5  # at exit, how long a busy engine thread may take before we leave anyway
+QUIT_WAIT_S = 0.8  # at exit, how long a busy engine thread may take before we leave anyway
 
 
 class UsageError(Exception):
