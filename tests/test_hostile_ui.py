@@ -14,7 +14,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import pytest
 from textual.widgets import DataTable, Input
 from textual.widgets._toast import Toast
 
@@ -26,21 +25,16 @@ from app.text import SafeStream, literal, visible
 from app.tui import KVChatApp
 from model.discovery import ModelEntry
 from model.events import Done
+from tests import test_tui_app
 from tests.scripted_engine import ScriptedEngine, async_test, wait_for
 
 MARKUP = "Why does Llama 2 use [INST] and [/INST]? [bold]b[/bold] [@click=app.quit]x[/] [/]"
 # OSC 52 (set clipboard), OSC 0 (window title), CSI colour, BEL, a C1 CSI, DEL
 CONTROLS = "\x1b]52;c;aGVsbG8=\x07\x1b]0;pwned\x07\x1b[31mred\x1b[0m\x9b2J\x7f\x00end"
 HOSTILE = f"{MARKUP} {CONTROLS}"
+env = test_tui_app.env  # the same fixture: private config and data folders
 RAW_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 SIZE = (160, 50)
-
-
-@pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
-    return tmp_path
 
 
 def screen_text(app: KVChatApp) -> str:

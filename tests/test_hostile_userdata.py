@@ -119,12 +119,15 @@ def write_tmp(root: Path, conv: Conversation, mtime: float) -> Path:
     return tmp
 
 
+def saved_chat(root: Path, text: str) -> tuple[Conversation, Path]:
+    conv = Conversation()
+    conv.add_message("user", text)
+    return conv, ConversationStore(root).save(conv)
+
+
 def test_newer_temp_file_is_recovered_at_start_up(tmp_path: Path) -> None:
     root = tmp_path / "chats"
-    store = ConversationStore(root)
-    conv = Conversation()
-    conv.add_message("user", "first")
-    path = store.save(conv)
+    conv, path = saved_chat(root, "first")
     old = time.time() - 100
     os.utime(path, (old, old))
     conv.add_message("assistant", "reply")
@@ -139,10 +142,7 @@ def test_newer_temp_file_is_recovered_at_start_up(tmp_path: Path) -> None:
 
 def test_older_or_torn_temp_files_never_replace_the_chat(tmp_path: Path) -> None:
     root = tmp_path / "chats"
-    store = ConversationStore(root)
-    conv = Conversation()
-    conv.add_message("user", "current")
-    path = store.save(conv)
+    conv, path = saved_chat(root, "current")
     stale = Conversation(id=conv.id)
     stale.add_message("user", "older")
     older = write_tmp(root, stale, path.stat().st_mtime - 100)
@@ -167,10 +167,7 @@ def test_temp_file_without_its_chat_is_recovered(tmp_path: Path) -> None:
 
 def test_fifo_in_the_chats_folder_never_freezes_the_history(tmp_path: Path) -> None:
     root = tmp_path / "chats"
-    store = ConversationStore(root)
-    conv = Conversation()
-    conv.add_message("user", "hello")
-    store.save(conv)
+    conv, _ = saved_chat(root, "hello")
     os.mkfifo(root / "20990101-000000-aaaaaa.json")
     os.mkfifo(root / ".20990101-000000-bbbbbb.json.x.tmp")
     result: list[Any] = []
