@@ -149,7 +149,9 @@ def _with_openblas() -> None:
 def finish(rc: int) -> None:
     """Exit with `rc`. An engine thread still busy (a slow load, say) would make the
     interpreter's shutdown abort the process ("terminate called without an active
-    exception", status 134) or wait for it: give it QUIT_WAIT_S, then leave at once."""
+    exception", status 134) or wait for it: give it QUIT_WAIT_S, then leave at once.
+    After Ctrl+C (130) leave at once too: the interrupt may have landed while a native
+    library (MLX) was still initialising, and its teardown would abort the same way."""
     import signal
 
     try:
@@ -159,7 +161,7 @@ def finish(rc: int) -> None:
     busy = [t for t in threading.enumerate() if t.name == "kvchat-engine" and t.is_alive()]
     for t in busy:
         t.join(QUIT_WAIT_S / len(busy))
-    if any(t.is_alive() for t in busy):
+    if rc == 130 or any(t.is_alive() for t in busy):
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
