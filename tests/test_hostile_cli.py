@@ -306,3 +306,14 @@ def test_models_listing_shows_hostile_folder_names_visibly(tmp_path: Path, capsy
     assert main(["models", "--dir", str(tmp_path), "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)["models"]
     assert name in {e["name"] for e in listed}  # --json keeps the exact name
+
+
+def test_inspect_refuses_negative_sizes_naming_the_key(tmp_path: Path, capsys: Any) -> None:
+    cfg = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": -2, "num_hidden_layers": 2, "intermediate_size": 128,
+           "vocab_size": 100}
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps(cfg))
+    assert main(["inspect", "--config", str(f)]) == 1
+    out, err = capsys.readouterr()
+    assert "num_key_value_heads" in one_line(err.encode()) and "-" not in out
