@@ -39,6 +39,8 @@ ACTIONS: tuple[Action, ...] = (
            "Export chat to Markdown"),
     Action("copy_reply", "ctrl+y", "Copy", "copy the selected (or last) reply",
            "Copy last reply"),
+    Action("interrupt", "ctrl+c", "", "stop the reply; twice: quit",
+           "Stop the reply, or quit when pressed twice"),
     Action("layers", "ctrl+l", "Layers", "per-layer KV cache view", "Layer cache view"),
     Action("help", "f1", "Help", "this help", "Keys (help)", scope="app"),
     # the palette already has Textual's own "Quit"

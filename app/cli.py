@@ -1,33 +1,51 @@
 """`kvchat` command line: the TUI by default, plus generate, inspect, bench and models.
 
-Exit status: 0 ok, 2 usage, 1 model or runtime error, with one line on stderr
-(a traceback only with KVCHAT_DEBUG=1).
+Exit status: 0 ok, 2 usage (argparse's errors included), 1 model or runtime error, 130
+interrupted, with one line on stderr (a traceback only with KVCHAT_DEBUG=1). With --json,
+stdout holds one JSON object whatever happens. Only the standard library is imported
+before `main()`'s guard, so Ctrl+C during start-up never prints a traceback.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-import metal_kernels
-from model.errors import KVChatError
-
-from . import __version__, bench_cmd, generate_cmd, inspect_cmd, models_cmd
+from . import __version__
 from .errors import report, report_exception
-from .settings import load_settings
 
 COMMANDS = {
-    "generate": (generate_cmd, "generate one reply on the command line"),
-    "inspect": (inspect_cmd, "KV-cache memory math for a model or config"),
-    "bench": (bench_cmd, "measure prefill and decode speed (optionally against mlx-lm)"),
-    "models": (models_cmd, "list local models with their sizes"),
+    "generate": "generate one reply on the command line",
+    "inspect": "KV-cache memory math for a model or config",
+    "bench": "measure prefill and decode speed (optionally against mlx-lm)",
+    "models": "list local models with their sizes",
 }
+QUIT_WAIT_S = 0.8  # at exit, how long a busy engine thread may take before we leave anyway
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+class UsageError(Exception):
+    """A command line argparse cannot parse."""
+
+
+def _command_module(name: str) -> Any:
+    from . import bench_cmd, generate_cmd, inspect_cmd, models_cmd
+
+    return {"generate": generate_cmd, "inspect": inspect_cmd, "bench": bench_cmd,
+            "models": models_cmd}[name]
+
+
+def build_parser() -> Any:
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> Any:  # argparse prints a usage block and exits 2
+            raise UsageError(f"{message} (see {self.prog} --help)")
+
+    p = Parser(
         prog="kvchat",
         description="Chat with a local LLM on MLX and watch its KV cache. "
         "Without a command: open the chat.",
@@ -35,33 +53,84 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"kvchat {__version__}")
     p.add_argument("--model", dest="tui_model", metavar="DIR",
                    help="model folder for the chat (default: the shipped model)")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_text) in COMMANDS.items():
-        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")  # parser_class: Parser
+    for name, help_text in COMMANDS.items():
+        _command_module(name).add_arguments(
+            sub.add_parser(name, help=help_text, description=help_text)
+        )
     return p
 
 
+def _usage_error(message: str, argv: Sequence[str]) -> int:
+    report(message)
+    if "--json" in argv:  # the one JSON object, even for a command line we cannot parse
+        import json
+
+        command = next((a for a in argv if a in COMMANDS), None)
+        if command == "generate":
+            from .generate_cmd import error_done, result_object
+
+            print(json.dumps(result_object(error_done(message))))
+        else:
+            print(json.dumps({"error": message}))
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `kvchat models | head`: the reader left; say nothing
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's final flush must not fail again
+        return 141
+    except Exception as e:  # a bug: still one line unless KVCHAT_DEBUG=1
+        report_exception(e)
+        return 1
+
+
+def _main(argv: list[str]) -> int:
+    import metal_kernels
+    from model.errors import KVChatError
+
+    from .settings import load_settings
+
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        return _usage_error(str(e), argv)
     try:  # KVCHAT_KERNELS (an unusable value is a usage error), else the settings entry
         metal_kernels.configure(load_settings().kernels)
     except metal_kernels.KernelError as e:
-        report(str(e))
-        return 2
+        return _usage_error(str(e), argv)
     try:
         if args.command is None:
             from .tui import run_tui
 
             return run_tui(args.tui_model)
-        return COMMANDS[args.command][0].run(args)
+        with _visible_output(json_mode=bool(getattr(args, "json", False))):
+            return _command_module(args.command).run(args)
     except KVChatError as e:
         report(str(e))
         return 1
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:  # a bug: still one line unless KVCHAT_DEBUG=1
-        report_exception(e)
-        return 1
+
+
+@contextlib.contextmanager
+def _visible_output(json_mode: bool) -> Iterator[None]:
+    """Plain output reaches the terminal with control characters made visible; --json
+    output stays exact (JSON escapes control characters itself)."""
+    from .text import VisibleWriter
+
+    saved = sys.stdout, sys.stderr
+    if not json_mode:
+        sys.stdout = VisibleWriter(sys.stdout)  # type: ignore[assignment]
+    sys.stderr = VisibleWriter(sys.stderr)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
 
 
 # MLX's Linux CPU wheel calls the reference BLAS; Debian's OpenBLAS, preloaded, serves the
@@ -86,10 +155,39 @@ def _with_openblas() -> None:
         pass  # run on the slower BLAS rather than not at all
 
 
+def finish(rc: int) -> None:
+    """Exit with `rc`. An engine thread still busy (a slow load, say) would make the
+    interpreter's shutdown abort the process ("terminate called without an active
+    exception", status 134) or wait for it: give it QUIT_WAIT_S, then leave at once.
+    After Ctrl+C (130) leave at once too: the interrupt may have landed while a native
+    library (MLX) was still initialising, and its teardown would abort the same way."""
+    import signal
+
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # no traceback from shutdown itself
+    except ValueError:  # not the main thread
+        pass
+    busy = [t for t in threading.enumerate() if t.name == "kvchat-engine" and t.is_alive()]
+    for t in busy:
+        t.join(QUIT_WAIT_S / len(busy))
+    if rc == 130 or any(t.is_alive() for t in busy):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(rc)
+    sys.exit(rc)
+
+
 def entry() -> None:
     """Console-script entry point."""
-    _with_openblas()
-    sys.exit(main())
+    try:
+        _with_openblas()
+        rc = main()
+    except KeyboardInterrupt:
+        rc = 130
+    finish(rc)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,11 @@ def debug() -> bool:
 
 
 def report(message: str) -> None:
-    print(f"kvchat: error: {message.splitlines()[0] if message else 'unknown error'}",
-          file=sys.stderr)
+    """One line on stderr; text from a model or a template is shown, never obeyed."""
+    from .text import visible
+
+    line = message.strip().splitlines()[0] if message.strip() else "unknown error"
+    print(f"kvchat: error: {visible(line)}", file=sys.stderr)
 
 
 def report_exception(e: BaseException) -> None:

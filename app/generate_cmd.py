@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
 from typing import Any
 
 from model.client import EngineClient
-from model.errors import KVChatError
-from model.events import GenParams, stats_json
+from model.errors import KVChatError, error_line
+from model.events import Done, GenParams, stats_json
 
 from .discovery import DEFAULT_MODEL
-from .errors import report
+from .errors import debug, report
+from .text import SafeStream
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
@@ -30,8 +33,9 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, metavar="S")
     p.add_argument("--max-kv-size", type=int, default=None, metavar="N",
                    help="bound the KV cache to N tokens (rotating); default: the context length")
-    p.add_argument("--keep", type=int, default=d.keep, metavar="K",
-                   help="sink tokens kept when the cache rotates (default %(default)s)")
+    p.add_argument("--keep", type=int, default=None, metavar="K",
+                   help=f"sink tokens kept when the cache rotates (needs --max-kv-size;"
+                   f" default {d.keep})")
     p.add_argument("--overflow", choices=["rotate", "refuse"], default=d.overflow,
                    help="past the cache bound: rotate (keep sinks, evict the oldest) or refuse"
                    " (default %(default)s)")
@@ -52,63 +56,132 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def params_from_args(args: argparse.Namespace) -> GenParams:
-    return GenParams.from_fields(args, stop=tuple(args.stop))
+    return GenParams.from_fields(
+        args,
+        stop=tuple(t for t in map(_text_arg, args.stop) if t is not None),
+        keep=GenParams().keep if args.keep is None else args.keep,
+    )
 
 
-def run(args: argparse.Namespace) -> int:
+QUIT_WAIT_S = 1.0  # how long an interrupted run waits for the engine thread to end
+
+
+def result_object(done: Done) -> dict[str, Any]:
+    """The one --json object: text, ids, finish_reason, every statistic (0 when unknown),
+    counts that agree with the ids, and `error` on an error."""
+    out: dict[str, Any] = {
+        "text": done.text,
+        "prompt_ids": list(done.prompt_ids),
+        "ids": list(done.ids),
+        "finish_reason": done.finish_reason,
+        **stats_json(done.stats),
+    }
+    # one definition each (DESIGN.md): the rendered prompt's tokens, the generated ids
+    out["prompt_tokens"] = len(done.prompt_ids)
+    out["generated_tokens"] = len(done.ids)
+    if done.finish_reason == "error":
+        out["error"] = done.error or "generation failed"
+    return out
+
+
+def error_done(message: str) -> Done:
+    return Done("error", "", [], [], error=message)
+
+
+class UsageError(KVChatError):
+    """A bad flag or flag combination: exit status 2."""
+
+
+def _text_arg(value: str | None) -> str | None:
+    """Command-line text as UTF-8: bytes that are not UTF-8 become U+FFFD (Python hands
+    them over as lone surrogates, which no tokenizer accepts)."""
+    if value is None:
+        return None
+    return os.fsencode(value).decode("utf-8", errors="replace")
+
+
+def _read_stdin() -> str:
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    if isinstance(data, str):
+        return _text_arg(data) or ""
+    return data.decode("utf-8", errors="replace")
+
+
+def _prompt(args: argparse.Namespace) -> tuple[Any, GenParams]:
+    """The prompt and parameters from the flags; UsageError on any bad value."""
+    if args.keep is not None and args.max_kv_size is None:
+        raise UsageError("--keep applies to a bounded cache; give --max-kv-size too")
     params = params_from_args(args)
     try:
         params.validate()
-    except KVChatError as e:  # a bad flag value is a usage error
-        report(str(e))
-        return 2
-    if args.prompt is not None:
-        text = args.prompt
-    elif not sys.stdin.isatty():
-        text = sys.stdin.read()
-    else:
-        report("give --prompt TEXT or pipe the prompt on stdin")
-        return 2
+    except KVChatError as e:
+        raise UsageError(str(e)) from None
     if args.raw and args.system:
-        report("--system needs the chat template; it cannot be used with --raw")
-        return 2
+        raise UsageError("--system needs the chat template; it cannot be used with --raw")
+    if args.prompt is not None:
+        text = _text_arg(args.prompt) or ""
+    elif not sys.stdin.isatty():
+        text = _read_stdin()
+    else:
+        raise UsageError("give --prompt TEXT or pipe the prompt on stdin")
+    if args.raw:
+        return text, params
+    system = _text_arg(args.system)
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": text}
+    ]
+    return messages, params
+
+
+def run(args: argparse.Namespace) -> int:
+    """One turn. Every outcome (usage, load, turn error, Ctrl+C) ends the same way: with
+    --json exactly one object on stdout; otherwise the text, then one stderr line on error.
+    Exit status: 0 ok, 1 error, 2 usage, 130 cancelled."""
+    safe = SafeStream()
+    streamed = False
 
     def stream(delta: str) -> None:
-        sys.stdout.write(delta)
+        nonlocal streamed
+        streamed = True
+        sys.stdout.write(safe.feed(delta))  # model text may hold terminal escapes
         sys.stdout.flush()
 
+    rc = 0
     try:
+        prompt, params = _prompt(args)
         runner = EngineClient(
             args.model or DEFAULT_MODEL, on_delta=None if args.json else stream,
             tokenizer=args.tokenizer,
         )
+        try:
+            done = runner.run(prompt, params)
+        except BaseException:
+            runner.close(QUIT_WAIT_S)
+            raise
+        # a cancelled run may leave the engine busy: don't wait long (the CLI then exits
+        # without waiting for it, see app.cli.finish)
+        runner.close(QUIT_WAIT_S if done.finish_reason == "cancelled" else 10.0)
+    except UsageError as e:
+        done, rc = error_done(str(e)), 2
     except KVChatError as e:
-        report(str(e))
-        return 1
-    try:
-        if args.raw:
-            prompt: Any = text
-        else:
-            prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
-                {"role": "user", "content": text}
-            ]
-        done = runner.run(prompt, params)
-    finally:
-        runner.close()
+        done, rc = error_done(str(e)), 1
+    except KeyboardInterrupt:
+        done = Done("cancelled", "", [], [])
+    except Exception as e:  # a bug: still one line (a traceback with KVCHAT_DEBUG=1)
+        if debug():
+            traceback.print_exc()
+        done, rc = error_done(error_line(e)), 1
+    if done.finish_reason == "cancelled":
+        rc = 130
+    elif done.finish_reason == "error" and rc == 0:
+        rc = 1
     if args.json:
-        out = {
-            "text": done.text,
-            "prompt_ids": done.prompt_ids,
-            "ids": done.ids,
-            "finish_reason": done.finish_reason,
-            **stats_json(done.stats),
-        }
-        if done.error:
-            out["error"] = done.error
-        print(json.dumps(out))
-    elif done.finish_reason != "error":
-        print()
+        print(json.dumps(result_object(done)))
+    else:
+        tail = safe.flush()
+        if streamed or tail:
+            sys.stdout.write(tail + "\n")
+        sys.stdout.flush()
     if done.finish_reason == "error":
         report(done.error or "generation failed")
-        return 1
-    return 0
+    return rc

@@ -1,10 +1,15 @@
 """User settings: one JSON file, read leniently, written atomically.
 
 Location: platformdirs.user_config_dir("kvchat")/settings.json, or $KVCHAT_CONFIG_DIR/settings.json
-when that variable is set (tests). Loading never fails: unknown keys are ignored, a bad value
-falls back to its default (with a line in `Settings.warnings`), and a file that is not JSON at
-all is copied to settings.json.bak before starting from defaults, so nothing the user wrote is
-lost and the app always starts.
+when that variable is set (tests). Loading never fails and never writes: unknown keys are
+ignored, a bad value falls back to its default (with a line in `Settings.warnings`), a file
+that is not JSON at all gives the defaults. Nothing the user wrote is lost:
+
+- the file is rewritten only when the user saves settings (`save_settings`); the app's own
+  note of the last model (`remember_model`) updates that one key, and only in a file that
+  loads cleanly;
+- saving over a file with bad values (or not JSON) first copies it to the next free
+  ``settings.json.N.bak``; keys kvchat does not know are carried over.
 """
 
 from __future__ import annotations
@@ -187,28 +192,69 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
 
 
 def _corrupt(p: Path, why: str) -> Settings:
-    """Keep the user's bytes in settings.json.bak, then start from defaults."""
+    """Defaults for a file we cannot use; the file stays as it is until the user saves."""
     s = Settings()
-    bak = p.with_name(p.name + ".bak")
-    try:
-        shutil.copyfile(p, bak)
-        s.warnings.append(f"{why}; saved a copy as {bak.name} and using default settings")
-    except OSError:
-        s.warnings.append(f"{why}; using default settings")
+    s.warnings.append(f"{why}; using default settings (the file is kept until you save)")
     return s
 
 
-def save_settings(s: Settings, path: str | os.PathLike[str] | None = None) -> Path:
-    """Validate, then write atomically (a crash leaves the old file or the new one)."""
-    s.validate()
-    p = Path(path) if path is not None else settings_path()
-    data = s.to_dict()
+def _on_disk(p: Path) -> tuple[bool, dict[str, Any]]:
+    """(whether `p` exists and would not load cleanly, its JSON object or {})."""
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return False, {}
+    except (OSError, ValueError):
+        return True, {}
+    if not isinstance(data, dict):
+        return True, {}
+    return bool(Settings.from_dict(data).warnings), data
+
+
+def _backup(p: Path) -> Path:
+    """Copy `p` to the first free settings.json.N.bak (never over an older backup)."""
+    n = 1
+    while (bak := p.with_name(f"{p.name}.{n}.bak")).exists():
+        n += 1
+    try:
+        shutil.copyfile(p, bak)
+    except OSError as e:
+        raise SettingsError(
+            f"cannot keep a backup of {p} ({e.strerror or e}); settings not saved"
+        ) from None
+    return bak
+
+
+def _write(p: Path, data: dict[str, Any]) -> None:
     text = json.dumps(data, indent=2, ensure_ascii=False, allow_nan=False)
     try:
         atomic_write_text(p, text + "\n")
     except OSError as e:
         raise SettingsError(f"cannot save settings to {p}: {e.strerror or e}") from None
+
+
+def save_settings(s: Settings, path: str | os.PathLike[str] | None = None) -> Path:
+    """The user saves: validate, keep a file with bad values as a numbered backup, carry
+    unknown keys over, write atomically (a crash leaves the old file or the new one)."""
+    s.validate()
+    p = Path(path) if path is not None else settings_path()
+    bad, old = _on_disk(p)
+    if bad:
+        _backup(p)
+    known = set(_FIELD_NAMES)
+    _write(p, {**{k: v for k, v in old.items() if k not in known}, **s.to_dict()})
     return p
+
+
+def remember_model(s: Settings, path: str | os.PathLike[str] | None = None) -> bool:
+    """Note `s.last_model` in the file (the app's own bookkeeping, not a user save): only
+    that key changes, and a file with bad values is left alone. True when written."""
+    p = Path(path) if path is not None else settings_path()
+    bad, data = _on_disk(p)
+    if bad:
+        return False
+    _write(p, {**data, "last_model": s.last_model})
+    return True
 
 
 __all__ = [
@@ -217,6 +263,7 @@ __all__ = [
     "SettingsError",
     "config_dir",
     "load_settings",
+    "remember_model",
     "save_settings",
     "settings_path",
 ]

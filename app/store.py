@@ -26,6 +26,7 @@ from typing import Any
 import platformdirs
 
 from model.errors import KVChatError
+from model.files import read_regular_text
 
 SCHEMA_VERSION = 1
 TITLE_MAX = 50
@@ -196,6 +197,8 @@ class ConversationStore:
         self.root = Path(root).expanduser() if root is not None else default_root()
         # (file, reason) for each file the last list() could not read
         self.skipped: list[tuple[Path, str]] = []
+        # ids whose newer copy was rescued from a killed save's temp file at start-up
+        self.recovered: list[str] = self._recover_temps()
 
     def path_for(self, conv_id: str) -> Path:
         # ids become file names: refuse anything that could leave the folder
@@ -228,7 +231,9 @@ class ConversationStore:
 
     def _read(self, path: Path) -> Conversation:
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(read_regular_text(path))
+        except KVChatError as e:  # a FIFO (would block forever), a device, a huge file
+            raise StoreError(f"cannot read {path.name}: {e}") from None
         except OSError as e:
             raise StoreError(f"cannot read {path.name}: {e.strerror or e}") from None
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
@@ -279,6 +284,29 @@ class ConversationStore:
         except OSError as e:
             raise StoreError(f"cannot delete conversation {conv_id!r}: {e.strerror or e}") from None
         return True
+
+    def _recover_temps(self) -> list[str]:
+        """A save killed between writing its temp file and the rename leaves the newer
+        conversation in `.<id>.json.*.tmp`: put back every complete one that is newer than
+        its chat (or whose chat is gone); drop complete ones that are older."""
+        recovered: list[str] = []
+        try:
+            temps = sorted(self.root.glob(".*.json.*.tmp"), key=lambda p: p.stat().st_mtime)
+        except OSError:
+            return recovered
+        for tmp in temps:
+            with contextlib.suppress(OSError, StoreError):
+                conv_id = tmp.name[1:].split(".json.", 1)[0]
+                target = self.path_for(conv_id)
+                conv = self._read(tmp)  # a torn (partial) file raises: left alone
+                if conv.id != conv_id:
+                    continue
+                if target.exists() and target.stat().st_mtime >= tmp.stat().st_mtime:
+                    tmp.unlink()  # an older save's leftover
+                    continue
+                os.replace(tmp, target)
+                recovered.append(conv_id)
+        return recovered
 
     def _clean_stale_temps(self) -> None:
         """Remove temp files a killed save left behind (old enough to be no live save's)."""

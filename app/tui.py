@@ -25,6 +25,7 @@ from .discovery import DEFAULT_MODEL
 from .screens import ChatScreen, HelpScreen
 from .settings import Settings, load_settings
 from .store import ConversationStore
+from .text import SafeNotify
 
 
 def validate_model_path(path: str | Path) -> Path:
@@ -49,7 +50,7 @@ def _default_engine(on_event: Callable[[Event], None], model_path: str | None) -
     return Engine(on_event, model_path)
 
 
-class KVChatApp(App[int]):
+class KVChatApp(SafeNotify, App[int]):
     """Chat with a local model and watch the engine work."""
 
     CSS_PATH = "kvchat.tcss"

@@ -13,8 +13,14 @@ the same text transformers' ``apply_chat_template`` gives. On top of that:
   anything runs (there is no loader either: a template cannot read files);
 - reading an underscore attribute (``__globals__``, ``__subclasses__``,
   ``self._TemplateReference__context``) fails at once, where Jinja would quietly render "";
-- ``*`` and ``**`` are checked, so ``'a' * 10**12`` fails instead of eating all memory (the
-  sandbox already caps ``range``; a template looping long enough can still be slow);
+- rendering is bounded (`RENDER_TIME_LIMIT_S`, `RENDER_OUTPUT_LIMIT`): it runs on a worker
+  thread that traces its own lines and stops itself past the deadline or when the caller's
+  ``should_stop()`` says so; the caller waits at most the limit, then abandons the worker
+  and the next render gets a fresh sandbox. Rendering is pure Python (no MLX), so a worker
+  thread is safe here. C-level work cannot be interrupted, so it is capped before it
+  starts: ``*``, ``+`` and ``~`` results, namespace values, ``join``, ``replace``, padding
+  (``center``, ``ljust``, ``indent``...), format widths (``%``, ``format``, ``str.format``),
+  ``tojson`` indents, ``lipsum`` and ``range`` (the sandbox's 100,000);
 - every failure (syntax error, sandbox ``SecurityError``, ``raise_exception``, a Python error
   inside the template) becomes one ``TemplateError`` line.
 
@@ -42,27 +48,38 @@ renders as ``"<s>A story.\\n\\nOnce upon a time\\nthere was a cat.\\nIt\\n"``.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+import string
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import lru_cache, wraps
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.exceptions
 import jinja2.ext
+import jinja2.filters
 import jinja2.nodes
 import jinja2.utils
+from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from .errors import KVChatError, one_line, read_json_object
 
-__all__ = ["PLAIN_FALLBACK", "TemplateError", "load_chat_template", "render",
-           "template_from_config"]
+__all__ = ["PLAIN_FALLBACK", "RENDER_OUTPUT_LIMIT", "RENDER_TIME_LIMIT_S", "TemplateCancelled",
+           "TemplateError", "load_chat_template", "render", "template_from_config"]
 
 
 class TemplateError(KVChatError):
     """A chat template that cannot be read, compiled or rendered, or that was refused."""
+
+
+class TemplateCancelled(TemplateError):
+    """The caller's should_stop() asked the render to stop (the user cancelled the turn)."""
 
 
 PLAIN_FALLBACK = (
@@ -78,9 +95,153 @@ PLAIN_FALLBACK = (
     "{%- endfor -%}"
 )
 
-# Limits for the checked operators: far above anything a real template builds.
+# Bounds on one render: real chat templates take milliseconds and write kilobytes.
+RENDER_TIME_LIMIT_S = 5.0
+RENDER_OUTPUT_LIMIT = 8_000_000  # characters of prompt text (millions of tokens)
+# Limits for the checked operations: far above anything a real template builds.
 _MAX_SEQUENCE = 1_000_000
 _MAX_INT_BITS = 100_000
+_MAX_WIDTH = 10_000  # format widths, padding, indents
+_MAX_LIPSUM = (100, 1_000)  # paragraphs, words per paragraph
+
+
+class _Aborted(Exception):
+    """Raised inside the worker to end a render: the deadline passed or the caller stopped."""
+
+
+class _Bounds(threading.local):
+    """The running render's deadline and stop request (per worker thread)."""
+
+    deadline = float("inf")
+    should_stop: Callable[[], bool] | None = None
+    ticks = 0
+
+
+_BOUNDS = _Bounds()
+
+
+def _tick() -> None:
+    """Called on every traced line: stop the render past its deadline or when asked."""
+    b = _BOUNDS
+    b.ticks += 1
+    if b.ticks & 255:
+        return
+    if time.monotonic() > b.deadline:
+        raise _Aborted("time")
+    if b.should_stop is not None and b.should_stop():
+        raise _Aborted("cancelled")
+
+
+def _trace(frame: Any, event: str, arg: Any) -> Any:
+    _tick()
+    return _trace
+
+
+def _weight(x: Any, budget: int = RENDER_OUTPUT_LIMIT) -> int:
+    """Roughly how many characters `x` turns into (stops counting past `budget`)."""
+    if isinstance(x, str):
+        return len(x)
+    if isinstance(x, (list, tuple, dict)):
+        total = len(x)
+        for item in (x.items() if isinstance(x, dict) else x):
+            total += _weight(item, budget - total)
+            if total > budget:
+                break
+        return total
+    return 1
+
+
+def _check_size(x: Any, what: str) -> Any:
+    if _weight(x) > RENDER_OUTPUT_LIMIT:
+        raise SecurityError(f"{what} would be larger than {RENDER_OUTPUT_LIMIT:,} characters")
+    return x
+
+
+def _check_width(n: Any, what: str) -> None:
+    if isinstance(n, int) and abs(n) > _MAX_WIDTH:
+        raise SecurityError(f"{what} of {n:,} is over the limit of {_MAX_WIDTH:,}")
+
+
+# a printf-style conversion: flags, width, precision
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]")
+
+
+def _check_percent_format(fmt: str) -> None:
+    for width, precision in _PERCENT_SPEC.findall(fmt):
+        for n in (width, precision):
+            if n == "*":
+                raise SecurityError("'*' widths in % formatting are not allowed")
+            if n:
+                _check_width(int(n), "a format width")
+
+
+def _check_str_format(fmt: str) -> None:
+    for _, _, spec, _ in string.Formatter().parse(fmt):
+        if spec:
+            if "{" in spec:
+                raise SecurityError("nested fields in a format spec are not allowed")
+            for n in re.findall(r"\d+", spec):
+                _check_width(int(n), "a format width")
+
+
+def _capped_lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:
+    if n > _MAX_LIPSUM[0] or max > _MAX_LIPSUM[1] or min > _MAX_LIPSUM[1]:
+        raise SecurityError(
+            f"lipsum is limited to {_MAX_LIPSUM[0]} paragraphs of {_MAX_LIPSUM[1]} words"
+        )
+    return jinja2.utils.generate_lorem_ipsum(n, html, min, max)
+
+
+def _capped_filter(name: str, check: Callable[..., None]) -> Callable[..., Any]:
+    original = jinja2.filters.FILTERS[name]
+
+    @wraps(original)  # keeps Jinja's pass_context/pass_environment marks
+    def capped(*args: Any, **kwargs: Any) -> Any:
+        check(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    return capped
+
+
+def _check_center(value: Any, width: int = 80) -> None:
+    _check_width(width, "a padding width")
+
+
+def _check_indent(value: Any, width: Any = 4, *args: Any, **kwargs: Any) -> None:
+    if isinstance(width, str):
+        _check_size(width, "the indent")
+    else:
+        _check_width(width, "an indent")
+
+
+def _check_wordwrap(env: Any, value: Any, width: int = 79, *args: Any, **kwargs: Any) -> None:
+    _check_width(width, "a wrap width")
+
+
+def _check_format_filter(value: Any, *args: Any, **kwargs: Any) -> None:
+    if isinstance(value, str):
+        _check_percent_format(value)
+
+
+def _check_join(ctx: Any, value: Any, d: str = "", attribute: Any = None) -> None:
+    items = list(value) if not isinstance(value, (str, list, tuple)) else value
+    if _weight(items) + len(d) * len(items) > RENDER_OUTPUT_LIMIT:
+        raise SecurityError(f"the join would be larger than {RENDER_OUTPUT_LIMIT:,} characters")
+
+
+def _check_replace(ctx: Any, s: Any, old: Any, new: Any, count: Any = None) -> None:
+    _check_replace_sizes(str(s), str(old), str(new))
+
+
+def _check_replace_sizes(s: str, old: str, new: str) -> None:
+    hits = s.count(old) if old else len(s) + 1
+    if len(s) + hits * max(0, len(new) - len(old)) > RENDER_OUTPUT_LIMIT:
+        raise SecurityError(
+            f"the replace would be larger than {RENDER_OUTPUT_LIMIT:,} characters"
+        )
+
+
+_PADDING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -119,6 +280,7 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 
     def __setitem__(self, name: str, value: Any) -> None:
         _TemplateNamespace._check_name(name)
+        _check_size(value, f"namespace value {name!r}")  # the only state a loop can grow
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
     @staticmethod
@@ -139,6 +301,7 @@ def _tojson(
     sort_keys: bool = False,
 ) -> str:
     # transformers' filter: Jinja's own escapes HTML characters, which chat prompts must not.
+    _check_width(indent, "a tojson indent")
     return json.dumps(
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
@@ -148,10 +311,47 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-class _Environment(ImmutableSandboxedEnvironment):
-    """The sandbox plus size checks on ``*`` and ``**`` (memory and CPU blow-ups)."""
+class _CodeGenerator(CodeGenerator):
+    """Compiles ``a ~ b`` to a size-checked join (Jinja's own is a bare "".join)."""
 
-    intercepted_binops = frozenset({"*", "**"})
+    def visit_Concat(self, node: jinja2.nodes.Concat, frame: Any) -> None:
+        self.write("environment.checked_concat((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class _Environment(ImmutableSandboxedEnvironment):
+    """The sandbox plus size checks on the operations that can blow up memory or CPU."""
+
+    code_generator_class = _CodeGenerator
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    @staticmethod
+    def checked_concat(parts: Sequence[Any]) -> str:
+        out = "".join(map(str, parts))
+        return _check_size(out, "a ~ concatenation")
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, str):
+            name = getattr(__obj, "__name__", "")
+            if name in _PADDING_METHODS:
+                for n in (*args, *kwargs.values()):
+                    _check_width(n, f"a {name} width")
+            elif name == "replace" and len(args) >= 2:
+                _check_replace_sizes(owner, str(args[0]), str(args[1]))
+            elif name == "join" and args:
+                _check_join(None, args[0], owner)
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        wrapped = super().wrap_str_format(value)
+        if wrapped is None:
+            return None
+        _check_str_format(value.__self__)  # `'{:>9999999999}'.format` fails at lookup
+        return wrapped
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
         # Jinja returns a silent Undefined here, so `{{ self._TemplateReference__context }}`
@@ -175,6 +375,14 @@ class _Environment(ImmutableSandboxedEnvironment):
         elif operator == "**" and ints and right > 0 and abs(left) > 1:
             if left.bit_length() * right > _MAX_INT_BITS:
                 raise SecurityError("number too large")
+        elif operator == "+" and isinstance(left, (str, list, tuple)):
+            if _weight(left) + _weight(right) > RENDER_OUTPUT_LIMIT:
+                raise SecurityError(
+                    f"a + result would be larger than {RENDER_OUTPUT_LIMIT:,} characters"
+                )
+        elif operator == "%" and isinstance(left, str):
+            _check_percent_format(left)
+            _check_size(right, "the % arguments")
         # (float overflow raises OverflowError at once, which render() reports.)
         return super().call_binop(context, operator, left, right)
 
@@ -190,6 +398,13 @@ def _make_environment() -> _Environment:
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
+    env.globals["lipsum"] = _capped_lipsum
+    env.filters["center"] = _capped_filter("center", _check_center)
+    env.filters["indent"] = _capped_filter("indent", _check_indent)
+    env.filters["wordwrap"] = _capped_filter("wordwrap", _check_wordwrap)
+    env.filters["format"] = _capped_filter("format", _check_format_filter)
+    env.filters["join"] = _capped_filter("join", _check_join)
+    env.filters["replace"] = _capped_filter("replace", _check_replace)
     return env
 
 
@@ -265,9 +480,11 @@ def render(
     bos_token: str | None = None,
     eos_token: str | None = None,
     add_generation_prompt: bool = True,
+    should_stop: Callable[[], bool] | None = None,
     **extra: Any,
 ) -> str:
-    """Render ``messages`` with ``template`` in the sandbox; any failure is one ``TemplateError``.
+    """Render ``messages`` with ``template`` in the sandbox; any failure is one ``TemplateError``
+    (``TemplateCancelled`` when ``should_stop()`` turned true while rendering).
 
     ``bos_token``/``eos_token`` (and special tokens passed in ``extra``, such as ``unk_token``)
     that are None are left undefined, as transformers leaves unset special tokens out. ``tools``
@@ -283,20 +500,84 @@ def render(
         del context[name]
     context["messages"] = _messages(messages)
     context["add_generation_prompt"] = bool(add_generation_prompt)
-    try:
-        return compiled.render(**context)
-    except SecurityError as e:
-        raise TemplateError(
+    return _render_bounded(compiled, context, should_stop)
+
+
+def _render_bounded(compiled: jinja2.Template, context: dict[str, Any],
+                    should_stop: Callable[[], bool] | None) -> str:
+    """Render on a worker thread that stops itself past the deadline; wait at most the
+    time limit (plus a moment), then abandon it and start the next render afresh."""
+    limit = RENDER_TIME_LIMIT_S
+    deadline = time.monotonic() + limit
+    result: dict[str, Any] = {}
+
+    def work() -> None:
+        _BOUNDS.deadline, _BOUNDS.should_stop = deadline, should_stop
+        sys.settrace(_trace)
+        try:
+            result["text"] = _render_checked(compiled, context)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            result["error"] = e
+        finally:
+            sys.settrace(None)
+
+    worker = threading.Thread(target=work, name="kvchat-template", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.05)
+        if should_stop is not None and should_stop():
+            _abandon(worker)
+            raise TemplateCancelled("chat template rendering cancelled")
+        if time.monotonic() > deadline + 0.5:
+            _abandon(worker)
+            raise TemplateError(f"chat template took longer than {limit:g} s; refused")
+    if "error" in result:
+        raise _template_error(result["error"], limit)
+    return result["text"]
+
+
+def _abandon(worker: threading.Thread) -> None:
+    """A worker stuck past its deadline: leave it (it stops at its next traced line) and
+    give the next render a fresh sandbox and compile cache."""
+    global _ENV
+    if worker.is_alive():
+        _ENV = _make_environment()
+        _compile.cache_clear()
+
+
+def _render_checked(compiled: jinja2.Template, context: dict[str, Any]) -> str:
+    parts: list[str] = []
+    size = 0
+    for chunk in compiled.generate(**context):
+        size += len(chunk)
+        if size > RENDER_OUTPUT_LIMIT:
+            raise SecurityError(
+                f"output over the {RENDER_OUTPUT_LIMIT:,} character limit"
+            )
+        parts.append(chunk)
+    return "".join(parts)
+
+
+def _template_error(e: BaseException, limit: float) -> TemplateError:
+    """One TemplateError line for whatever ended a render."""
+    if isinstance(e, _Aborted):
+        if e.args[0] == "cancelled":
+            return TemplateCancelled("chat template rendering cancelled")
+        return TemplateError(f"chat template took longer than {limit:g} s; refused")
+    if isinstance(e, SecurityError):
+        return TemplateError(
             f"chat template refused: {one_line(e).rstrip('.')} (templates run sandboxed: "
-            "no file, private attribute or import access)"
-        ) from None
-    except jinja2.exceptions.TemplateError as e:
+            "no file, private attribute or import access, bounded sizes)"
+        )
+    if isinstance(e, jinja2.exceptions.TemplateError):
         # raise_exception(...) from the template lands here, as do undefined-value errors.
-        raise TemplateError(f"chat template error: {one_line(e.message or e)}") from None
-    except RecursionError:
-        raise TemplateError("chat template error: recursion too deep") from None
-    except Exception as e:  # noqa: BLE001 - a template must never crash the app
-        raise TemplateError(f"chat template error: {type(e).__name__}: {one_line(e)}") from None
+        return TemplateError(f"chat template error: {one_line(e.message or e)}")
+    if isinstance(e, RecursionError):
+        return TemplateError("chat template error: recursion too deep")
+    if isinstance(e, MemoryError):
+        return TemplateError("chat template error: out of memory")
+    # a template must never crash the app
+    return TemplateError(f"chat template error: {type(e).__name__}: {one_line(e)}")
 
 
 def template_from_config(value: Any, source: str = "tokenizer_config.json") -> str | None:

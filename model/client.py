@@ -40,7 +40,11 @@ class EngineClient:
         self.timeout = timeout
         self.events: list[Event] = []
         self.engine = engine(self._queue.put, str(model_path), **engine_kw)
-        ev = self.wait(Loaded, LoadFailed)
+        try:
+            ev = self.wait(Loaded, LoadFailed)
+        except BaseException:  # Ctrl+C while loading: don't leave the thread running
+            self.engine.close(timeout=1.0)
+            raise
         if isinstance(ev, LoadFailed):
             self.engine.close()
             raise KVChatError(ev.message)
@@ -66,17 +70,22 @@ class EngineClient:
                     return ev
                 if self.on_delta is not None:
                     self.on_delta(ev.text)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # once: cancel and wait for the turn's Done
             self.engine.cancel()
-            done = self.wait(Done)
+            try:
+                done = self.wait(Done)
+            except KeyboardInterrupt:  # twice: give up now with what arrived
+                text = "".join(e.text for e in self.events if isinstance(e, TextDelta))
+                ids = [e.token for e in self.events if isinstance(e, TextDelta)]
+                return Done("cancelled", text, ids, [])
             assert isinstance(done, Done)
             return done
 
     def reset(self) -> None:
         self.engine.reset()
 
-    def close(self) -> None:
-        self.engine.close()
+    def close(self, timeout: float = 10.0) -> None:
+        self.engine.close(timeout)
 
     def __enter__(self) -> EngineClient:
         return self

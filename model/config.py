@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .config_checks import check_config
 from .errors import ConfigError
 
 
@@ -162,4 +163,5 @@ def load_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"cannot read {p}: {e}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{p} is not a JSON object")
+    check_config(cfg)
     return ModelConfig.from_dict(cfg)

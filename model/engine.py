@@ -32,7 +32,8 @@ import metal_kernels
 
 from .cache import cache_stats, can_trim_to, layer_stats, trim_to
 from .cache_file import load_cache, savable, save_cache
-from .errors import KVChatError
+from .chat_template import TemplateCancelled
+from .errors import KVChatError, error_line
 from .events import (
     CacheRestored,
     CacheSaved,
@@ -245,6 +246,8 @@ class Engine:
                         self._save_cache(*arg)
                     elif kind == "restore":
                         self._restore_cache(arg)
+                except Exception as e:  # no job may end the engine thread: report it
+                    self._job_failed(kind, arg, e)
                 finally:
                     self._busy.clear()
         finally:
@@ -254,6 +257,15 @@ class Engine:
             self._drop_cache()
             gc.collect()
             mx.clear_streams()
+
+    def _job_failed(self, kind: str, arg: Any, e: Exception) -> None:
+        if os.environ.get("KVCHAT_DEBUG") == "1":
+            traceback.print_exc()
+        self._drop_cache()
+        if kind == "load":
+            self._emit(LoadFailed(arg, error_line(e)))
+        elif kind == "turn":
+            self._emit(Done("error", "", [], [], error=error_line(e)))
 
     def _drop_cache(self) -> None:
         self._cache, self._cache_key, self._cache_ids = None, None, []
@@ -272,7 +284,7 @@ class Engine:
             self._emit(LoadFailed(path, str(e)))
             return
         except Exception as e:  # keep the old model whatever went wrong
-            self._emit(LoadFailed(path, f"{type(e).__name__}: {str(e).splitlines()[0]}"))
+            self._emit(LoadFailed(path, error_line(e)))
             return
         before = mx.get_active_memory()
         self.model, self.tokenizer = model, tokenizer
@@ -325,13 +337,15 @@ class Engine:
         self._cache, self._cache_key, self._cache_ids = caches, (bound[0], bound[1]), ids
         self._emit(CacheRestored(str(path), len(ids)))
 
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+    def _prompt_ids(self, prompt: Prompt, should_stop: Callable[[], bool] | None = None
+                    ) -> list[int]:
         assert self.tokenizer is not None
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         if all(isinstance(x, int) for x in prompt):
             return list(prompt)  # type: ignore[arg-type]
-        return self.tokenizer.encode_chat(list(prompt))  # type: ignore[arg-type]
+        # a cancel stops a slow template at once (rendering is bounded in time anyway)
+        return self.tokenizer.encode_chat(list(prompt), should_stop=should_stop)  # type: ignore[arg-type]
 
     def _prepare_cache(self, ids: list[int], params: GenParams) -> tuple[int, int, str | None]:
         """Reuse the longest common prefix; return (cached tokens, tokens the cache held
@@ -389,7 +403,7 @@ class Engine:
             if self.model is None or self.tokenizer is None:
                 raise KVChatError("no model loaded")
             params.validate()
-            prompt_ids = self._prompt_ids(prompt)
+            prompt_ids = self._prompt_ids(prompt, lambda: turn <= self._cancel_upto)
             if not prompt_ids:
                 raise KVChatError("empty prompt")
             if params.overflow == "refuse":
@@ -401,6 +415,8 @@ class Engine:
                     )
                 params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
             self._generate(turn, prompt_ids, params, t_submit)
+        except TemplateCancelled:
+            self._emit(Done("cancelled", "", [], prompt_ids))
         except KVChatError as e:
             self._emit(Done("error", "", [], prompt_ids, error=str(e)))
         except Exception as e:
@@ -408,9 +424,7 @@ class Engine:
                 traceback.print_exc()
             # the cache may hold a half-written step: start clean next turn
             self._drop_cache()
-            self._emit(
-                Done("error", "", [], prompt_ids, error=f"{type(e).__name__}: {e}")
-            )
+            self._emit(Done("error", "", [], prompt_ids, error=error_line(e)))
 
     def _generate(
         self, turn: int, prompt_ids: list[int], params: GenParams, t_submit: float

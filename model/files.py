@@ -1,43 +1,145 @@
-"""Pure file helpers for model folders: which safetensors files hold the weights and what
-their headers say. No MLX: `kvchat inspect`, `kvchat models` and discovery stay light.
+"""Pure file helpers for model folders, no MLX (`kvchat inspect`, `kvchat models` and
+discovery stay light): opening files from folders we do not control (regular files only,
+sizes bounded), which safetensors files hold the weights and what their headers say.
+
+A FIFO named ``model.safetensors`` or ``chat.json`` blocks a plain ``open()`` forever, a
+device never ends, a directory fails with an obscure error. `open_regular` opens without
+blocking (O_NONBLOCK), checks the opened descriptor is a regular file (no race between a
+check and the open), then hands back an ordinary blocking file object.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from .errors import ModelLoadError
+from .errors import KVChatError, ModelLoadError, one_line
 
 PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
+# text files a model folder or the app reads whole (configs, templates, chats): far above
+# any real one (the biggest tokenizer.json files are tens of MB)
+MAX_TEXT_BYTES = 256 * 1024 * 1024
+
+
+class NotRegularFile(KVChatError):
+    """A path that exists but is a FIFO, device, socket or directory."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """Open `path` for binary reading; NotRegularFile (one line) unless it is a regular
+    file. OSError (FileNotFoundError, PermissionError) passes through for the caller."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(
+                f"{Path(path).name} is not a regular file ({_kind(st.st_mode)});"
+                " refusing to read it"
+            )
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular_text(path: str | os.PathLike[str], limit: int = MAX_TEXT_BYTES) -> str:
+    """The UTF-8 text of a regular file of at most `limit` bytes (NotRegularFile or
+    KVChatError otherwise; OSError and UnicodeDecodeError pass through)."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise KVChatError(
+                f"{Path(path).name} is {size:,} bytes, over the {limit:,}-byte limit"
+            )
+        return f.read(limit + 1).decode("utf-8")
+
+
+# the safetensors format's own limit on the JSON header
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
+    "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8,
+}
+
 
 def safetensors_header(f: Path) -> dict[str, Any]:
-    """Parse a safetensors header and check the file holds every tensor's bytes."""
+    """Parse a safetensors header and check, before any tensor is read, that the header
+    fits the file and every tensor's bytes (dtype x shape) are exactly its offsets' span
+    inside the file: a hostile header cannot make a reader allocate what is not there."""
     try:
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
+        with open_regular(f) as fh:
+            size = os.fstat(fh.fileno()).st_size
             head = fh.read(8)
             if len(head) < 8:
                 raise ModelLoadError(f"truncated safetensors file {f.name}: no header")
             n = int.from_bytes(head, "little")
+            if n > MAX_HEADER_BYTES:
+                raise ModelLoadError(
+                    f"bad safetensors file {f.name}: header of {n} bytes is over the"
+                    f" {MAX_HEADER_BYTES}-byte limit"
+                )
             if n > size - 8:
                 raise ModelLoadError(f"truncated safetensors file {f.name}: header cut short")
             header = json.loads(fh.read(n))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"unreadable safetensors file {f.name}: {e}") from None
+    except NotRegularFile as e:
+        raise ModelLoadError(str(e)) from None
+    except (OSError, ValueError) as e:  # ValueError: bad UTF-8 or JSON
+        raise ModelLoadError(f"unreadable safetensors file {f.name}: {one_line(e)}") from None
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"bad safetensors file {f.name}: the header is not a JSON object")
     data_size = size - 8 - n
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        end = info.get("data_offsets", [0, 0])[1]
-        if end > data_size:
-            raise ModelLoadError(
-                f"truncated safetensors file {f.name}: tensor {name!r} needs {end} data bytes,"
-                f" the file holds {data_size}"
-            )
+        if name != "__metadata__":
+            _check_entry(f, name, info, data_size)
     return header
+
+
+def _check_entry(f: Path, name: str, info: Any, data_size: int) -> None:
+    def bad(why: str) -> ModelLoadError:
+        return ModelLoadError(f"bad safetensors file {f.name}: tensor {name!r} {why}")
+
+    if not isinstance(info, dict):
+        raise bad("has no dtype/shape/data_offsets entry")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in DTYPE_BYTES:
+        raise bad(f"has unknown dtype {dtype!r:.40}")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise bad(f"has a malformed shape {shape!r:.60}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise bad(f"has malformed data_offsets {offsets!r:.60}")
+    begin, end = offsets
+    if end > data_size:
+        raise ModelLoadError(
+            f"truncated safetensors file {f.name}: tensor {name!r} needs {end} data bytes,"
+            f" the file holds {data_size}"
+        )
+    need = math.prod(shape) * DTYPE_BYTES[dtype]
+    if need != end - begin:
+        raise bad(f"({dtype} {shape}) needs {need} bytes, its offsets hold {end - begin}")
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -45,9 +147,14 @@ def weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as e:
-            raise ModelLoadError(f"bad {index.name}: {e}") from None
+            shards = sorted(set(json.loads(read_regular_text(index))["weight_map"].values()))
+        except KVChatError as e:
+            raise ModelLoadError(str(e)) from None
+        except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
+            raise ModelLoadError(f"bad {index.name}: {one_line(e)}") from None
+        odd = [s for s in shards if not isinstance(s, str) or Path(s).name != s]
+        if odd:  # a shard is a file next to the index, never a path elsewhere
+            raise ModelLoadError(f"bad {index.name}: shard name {odd[0]!r:.80} is not a file name")
         files = [folder / s for s in shards]
         missing = [f.name for f in files if not f.is_file()]
         if missing:

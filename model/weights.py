@@ -90,6 +90,31 @@ def _check_tensors(
             )
 
 
+FINITE_CHECK_GROUP_BYTES = 1 << 28  # tensors reduced per evaluation: bounds temporaries
+
+
+def _check_finite(weights: dict[str, mx.array]) -> None:
+    """Refuse NaN/Inf weights (one NaN in a norm gives <unk><unk>... and exit 0).
+    One reduction per tensor (isfinite().all()), evaluated a group at a time."""
+    names = [k for k, v in weights.items() if mx.issubdtype(v.dtype, mx.floating)]
+    flags: dict[str, mx.array] = {}
+    group: list[mx.array] = []
+    size = 0
+    for k in names:
+        flags[k] = mx.isfinite(weights[k]).all()
+        group.append(flags[k])
+        size += weights[k].nbytes
+        if size >= FINITE_CHECK_GROUP_BYTES:
+            mx.eval(group)
+            group, size = [], 0
+    mx.eval(group)
+    for k in names:
+        if not flags[k].item():
+            raise ModelLoadError(
+                f"tensor {k!r} holds NaN or Inf values; the checkpoint is corrupt"
+            )
+
+
 def compute_dtype(checkpoint_dtype: mx.Dtype) -> mx.Dtype:
     """float32 on the CPU (fp16/bf16 are emulated on x86 and far slower), else the checkpoint's."""
     return mx.float32 if mx.default_device() == mx.cpu else checkpoint_dtype
@@ -131,6 +156,7 @@ def load_model(
             raise ModelLoadError("the checkpoint is already quantized; drop the quantize option")
         _apply_checkpoint_quantization(model, quant, weights)
     _check_tensors(model, weights, quant)
+    _check_finite(weights)
 
     float_dtypes = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
     target = dtype or compute_dtype(float_dtypes[0] if float_dtypes else mx.float32)

@@ -139,17 +139,17 @@ def test_cross_field_max_kv_size_vs_keep(config_dir: Path) -> None:
     "content",
     [b"{not json", b"", b"[1, 2, 3]", b'"just a string"', b"\xff\xfe\xfa binary", b'{"temp": 0.'],
 )
-def test_corrupt_file_backed_up_and_defaults(config_dir: Path, content: bytes) -> None:
+def test_corrupt_file_kept_then_backed_up_on_save(config_dir: Path, content: bytes) -> None:
     config_dir.mkdir()
     (config_dir / "settings.json").write_bytes(content)
     s = load_settings()
     assert s == Settings()
-    assert len(s.warnings) == 1 and "settings.json.bak" in s.warnings[0]
-    assert (config_dir / "settings.json.bak").read_bytes() == content
-    # the next save replaces the corrupt file, the backup stays
+    assert len(s.warnings) == 1 and "kept until you save" in s.warnings[0]
+    assert (config_dir / "settings.json").read_bytes() == content  # loading never writes
+    # the user's save replaces the corrupt file and keeps it as a numbered backup
     save_settings(s)
     assert load_settings().warnings == []
-    assert (config_dir / "settings.json.bak").read_bytes() == content
+    assert (config_dir / "settings.json.1.bak").read_bytes() == content
 
 
 def test_validate_messages_are_one_line() -> None:

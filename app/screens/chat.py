@@ -37,8 +37,10 @@ from model.events import (
 
 from ..actions import bindings
 from ..bridge import Bridge, EngineEvent, TextReady
-from ..settings import Settings, save_settings
+from ..interrupt import InterruptKey
+from ..settings import Settings, remember_model
 from ..store import Conversation, ConversationStore, StoreError, export_markdown
+from ..text import literal
 from ..turn import FINISH_PHASE, Phase, step
 from ..widgets import ChatInput, ChatMessage, StatsPanel, Transcript
 from ..widgets.format import fmt_bytes
@@ -60,7 +62,7 @@ PHASE_LABELS = {
 }
 
 
-class ChatScreen(Screen[None]):
+class ChatScreen(InterruptKey, Screen[None]):
     """One chat with the loaded model. The app gives it the engine factory, the settings
     and the store; everything about the chat flow lives here."""
 
@@ -142,9 +144,13 @@ class ChatScreen(Screen[None]):
     def close_engine(self) -> None:
         self.bridge.closed = True
         if self.engine is not None:
-            self.engine.close()
+            self.engine.close(timeout=1.0)  # a busy engine is left to app.cli.finish
 
     # ---- the turn state machine -----------------------------------------------------------
+    @property
+    def generating(self) -> bool:
+        return self.phase.generating
+
     def go(self, new: Phase) -> None:
         self.phase = step(self.phase, new)
 
@@ -221,7 +227,7 @@ class ChatScreen(Screen[None]):
                 self.go(FINISH_PHASE.get(ev.finish_reason, Phase.ERROR))
 
     def on_loading(self, ev: Loading) -> None:
-        self.query_one("#loading-label", Static).update(f"Loading {ev.path} …")
+        self.query_one("#loading-label", Static).update(literal(f"Loading {ev.path} …"))
         if self.phase is not Phase.LOADING:
             self.go(Phase.LOADING)
 
@@ -246,7 +252,7 @@ class ChatScreen(Screen[None]):
         if self.model_path and self.settings.last_model != self.model_path:
             self.settings.last_model = self.model_path
             try:
-                save_settings(self.settings)
+                remember_model(self.settings)
             except KVChatError:
                 pass  # remembering the last model is best-effort
 
@@ -280,11 +286,16 @@ class ChatScreen(Screen[None]):
         conv.add_message("assistant", ev.text, stopped=stopped)
         self._autosave()
 
-    def _autosave(self) -> None:
+    def _save_chat(self) -> bool:
         try:
             self.store.save(self.conversation)
         except StoreError as e:
             self.notify(str(e), severity="error", title="Chat not saved")
+            return False
+        return True
+
+    def _autosave(self) -> None:
+        if not self._save_chat():
             return
         if self.engine is not None:
             path = self.store.cache_path(self.conversation.id)
@@ -326,6 +337,7 @@ class ChatScreen(Screen[None]):
         conv = self.conversation
         index = len(conv.messages)
         conv.add_message("user", text)
+        self._save_chat()  # on disk before the reply starts: a crash mid-reply loses nothing
         await self.transcript.add(ChatMessage("user", text, index=index))
         await self._start_reply()
         return True

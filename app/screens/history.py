@@ -12,6 +12,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 
 from ..store import ConversationStore, StoreError
+from ..text import literal
 from ..widgets.format import fmt_bytes
 
 
@@ -51,18 +52,18 @@ class HistoryScreen(ModalScreen[str | None]):
         for c in convs:
             table.add_row(
                 "●" if c.id == self.current_id else "",
-                c.title or "New chat",
+                literal(c.title or "New chat"),
                 _when(c.updated),
                 str(len(c.messages)),
                 fmt_bytes(self.store.cache_bytes(c.id)),  # the saved cache: reopens warm
-                Path(c.model).name if c.model else "–",
+                literal(Path(c.model).name) if c.model else "–",
                 key=c.id,
             )
         note = f"{len(convs)} chats · Enter opens · Delete removes · Esc closes"
         if self.store.skipped:
             note += f" · {len(self.store.skipped)} unreadable file(s) skipped"
         self.query_one("#history-status", Static).update(
-            note if convs else "No saved chats yet. Esc closes."
+            literal(note if convs else "No saved chats yet. Esc closes.")
         )
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:

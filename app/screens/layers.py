@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 
+from ..text import literal
 from ..widgets.format import fmt_bytes
 
 # (key in layer_stats, column title); bytes columns are shown in human units
@@ -30,7 +32,7 @@ COLUMNS = (
 )
 
 
-def _cell(key: str, value: Any) -> str:
+def _cell(key: str, value: Any) -> str | Text:
     if value is None:
         return "–"
     if key.endswith("bytes"):
@@ -39,7 +41,7 @@ def _cell(key: str, value: Any) -> str:
         return "yes" if value else "no"
     if isinstance(value, int):
         return f"{value:,}"
-    return str(value)
+    return literal(value)  # text (a layer kind): never markup
 
 
 class LayerCacheScreen(ModalScreen[None]):

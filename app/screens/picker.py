@@ -14,6 +14,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Input, Static
 
 from ..discovery import ModelEntry, find_models
+from ..text import literal
 from ..widgets.format import fmt_bytes
 
 
@@ -68,11 +69,11 @@ class ModelPickerScreen(ModalScreen[str | None]):
                 mark = "✗"
             table.add_row(
                 mark,
-                e.name,
-                e.architecture,
+                literal(e.name),
+                literal(e.architecture),
                 str(e.bits) if e.bits else "–",
                 fmt_bytes(e.size_bytes),
-                e.source,
+                literal(e.source),
                 key=str(e.path),
             )
         status = self.query_one("#picker-status", Static)

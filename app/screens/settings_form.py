@@ -19,6 +19,7 @@ from textual.widgets import Button, Input, Label, Static, TextArea
 from model.errors import KVChatError
 
 from ..settings import Settings, save_settings
+from ..text import literal, visible
 
 # (field, label, kind): kind float | int | opt_int (blank = None)
 FIELDS: tuple[tuple[str, str, str], ...] = (
@@ -71,7 +72,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
             yield Static("Settings", classes="dialog-title")
             with VerticalScroll(id="form"):
                 yield Label("system prompt", classes="field-label")
-                yield TextArea(s.system_prompt, id="system_prompt", soft_wrap=True)
+                yield TextArea(visible(s.system_prompt), id="system_prompt", soft_wrap=True)
                 for name, label, _kind in FIELDS:
                     with Horizontal(classes="field"):
                         yield Label(label, classes="field-label")
@@ -104,7 +105,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
             save_settings(new)
         except KVChatError as e:
             # one line; the form keeps what was typed
-            error.update(str(e))
+            error.update(literal(e))
             self.notify(str(e), severity="error", title="Settings not saved")
             return
         error.update("")

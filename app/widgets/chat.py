@@ -9,6 +9,8 @@ from textual.message import Message
 from textual.widgets import Markdown, Static, TextArea
 from textual.widgets.markdown import MarkdownStream
 
+from ..text import SafeStream, visible
+
 ROLE_TITLES = {"user": "you", "assistant": "assistant", "system": "system"}
 
 
@@ -48,14 +50,15 @@ class ChatMessage(Vertical):
         self.stopped = stopped
         self.streaming = streaming
         self._stream: MarkdownStream | None = None
-        self.border_title = ROLE_TITLES.get(role, role)
+        self._safe = SafeStream()
+        self.border_title = visible(ROLE_TITLES.get(role, role))
         self._set_subtitle()
 
     def compose(self):
         if self.role == "assistant":
-            yield Markdown(self.content, classes="body")
+            yield Markdown(visible(self.content), classes="body")
         else:
-            yield Static(self.content, markup=False, classes="body")
+            yield Static(visible(self.content), markup=False, classes="body")
 
     @property
     def body(self) -> Markdown | Static:
@@ -80,7 +83,7 @@ class ChatMessage(Vertical):
         assert isinstance(md, Markdown)
         if self._stream is None:
             self._stream = Markdown.get_stream(md)
-        await self._stream.write(text)
+        await self._stream.write(self._safe.feed(text))
 
     async def finish(self, text: str, *, stopped: bool = False, note: str = "") -> None:
         """The reply ended: stop the stream and render the full text once."""
@@ -90,11 +93,12 @@ class ChatMessage(Vertical):
         self.content = text
         self.streaming = False
         self.stopped = stopped
+        self._safe = SafeStream()
         body = self.body
         if isinstance(body, Markdown):
-            await body.update(text)
+            await body.update(visible(text))
         else:
-            body.update(text)
+            body.update(visible(text))
         self._set_subtitle(note)
 
     def action_select(self) -> None:
@@ -177,6 +181,10 @@ class ChatInput(TextArea):
             self.sent_history.append(text)
         self._hist_pos = None
         self._draft = ""
+
+    def load_text(self, text: str) -> None:
+        # a message from a saved chat may hold control characters: shown, never sent raw
+        super().load_text(visible(text))
 
     def _show(self, text: str) -> None:
         self.load_text(text)

@@ -17,6 +17,7 @@ from textual.widgets import Sparkline, Static
 
 from model.events import CACHE_FIELDS, TURN_FIELDS, TurnStats
 
+from ..text import literal
 from .format import (
     context_level,
     fmt_bytes,
@@ -37,7 +38,7 @@ LABEL_W = 9
 
 def _row(label: str, value: str | Text, style: str = "") -> Text:
     t = Text(f"{label:<{LABEL_W}}", style="dim")
-    t.append(value if isinstance(value, Text) else Text(value, style=style))
+    t.append(value if isinstance(value, Text) else literal(value, style=style))
     return t
 
 
