@@ -32,7 +32,8 @@ from model.transformer import Transformer
 STORIES = Path(__file__).resolve().parents[1].parent / "shared/models/stories260K"
 STAT_KEYS = {
     "cache_offset", "cache_tokens", "cache_capacity", "cache_bytes", "mha_bytes",
-    "gqa_saving", "evicted_tokens", "keep", "wrapped",
+    "gqa_saving", "evicted_tokens", "keep", "wrapped", "sliding_layers", "sliding_bytes",
+    "window_saving",
 }
 
 
@@ -337,7 +338,8 @@ def test_stats_and_nbytes_match_the_formula() -> None:
     assert s == {
         "cache_offset": 9, "cache_tokens": 9, "cache_capacity": 20,
         "cache_bytes": 2 * per_tok * 9, "mha_bytes": 2 * 2 * per_tok * 9, "gqa_saving": 2.0,
-        "evicted_tokens": 0, "keep": 4, "wrapped": False,
+        "evicted_tokens": 0, "keep": 4, "wrapped": False, "sliding_layers": 0,
+        "sliding_bytes": 0, "window_saving": 1.0,
     }
     model(mx.array([list(range(30))]), cache=caches)
     s = cache_stats(caches, cfg)
