@@ -477,6 +477,18 @@ def can_trim_to(caches: list[Any], n_tokens_to_keep: int) -> bool:
     return True
 
 
+def why_not_trimmable(caches: list[Any], cfg: ModelConfig, n_tokens_to_keep: int) -> str:
+    """Why `can_trim_to` said no, for the `Started` reason: a sliding-window layer that
+    moved past the shared prefix, or rotation of a bounded cache."""
+    for c, spec in zip(caches, cfg.layers, strict=False):
+        if spec.window is not None and not can_trim_to([c], n_tokens_to_keep):
+            return (
+                f"the sliding-window layers (window {spec.window}) no longer hold the"
+                " keys the shared prefix needs"
+            )
+    return "the shared prefix was evicted by rotation"
+
+
 def trim_to(caches: list[Any], n_tokens_to_keep: int) -> int:
     """Trim every layer back to `n_tokens_to_keep` tokens; returns tokens dropped.
     Check `can_trim_to` first when exactness matters."""

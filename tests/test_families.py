@@ -401,3 +401,49 @@ def test_gemma3_default_pattern_without_layer_types() -> None:
     cfg = ModelConfig.from_dict({**GEMMA3, "num_hidden_layers": 12})
     kinds = cfg.layer_kinds
     assert [i for i, k in enumerate(kinds) if k != SLIDING] == [5, 11]
+
+
+# ---- the engine with mixed caches --------------------------------------------------------------
+def _turns(folder: Path, prompts: list[list[int]], **kw: Any) -> list[tuple[Any, Any]]:
+    """(Started, Done) of each prompt, in one engine (greedy, 3 tokens each)."""
+    import queue
+
+    from model.engine import Engine
+    from model.events import Done, GenParams, Loaded, LoadFailed, Started
+
+    events: queue.Queue[Any] = queue.Queue()
+    engine = Engine(events.put, folder, **kw)
+    try:
+        ev = events.get(timeout=60)
+        while not isinstance(ev, Loaded | LoadFailed):
+            ev = events.get(timeout=60)
+        assert isinstance(ev, Loaded), ev
+        out = []
+        for p in prompts:
+            engine.submit(p, GenParams(max_tokens=3, ignore_eos=True))
+            started = None
+            while not isinstance(ev := events.get(timeout=60), Done):
+                if isinstance(ev, Started):
+                    started = ev
+            assert ev.finish_reason == "length", ev.error
+            out.append((started, ev))
+        return out
+    finally:
+        engine.close()
+
+
+def test_prompt_reuse_stays_exact_with_sliding_layers(family: Callable[[str], Path]) -> None:
+    """Extending the conversation reuses every layer's cache; going back past what the
+    sliding layers still hold prefills again and says why; the tokens always equal a
+    run that never reuses anything."""
+    folder = family("gemma3_text")
+    a = [int(x) for x in IDS[0, :30]]
+    first = _turns(folder, [a])[0][1]
+    b = a + first.ids[:2] + [5, 6, 7]  # the cache holds a + the 2 fed reply tokens
+    c = b[:-6] + [9, 9]  # differs 6 tokens back: the 16-token windows moved past that
+    runs = _turns(folder, [a, b, c])
+    fresh = _turns(folder, [a, b, c], reuse_prefix=False)
+    (_, d1), (s2, d2), (s3, d3) = runs
+    assert s2.cached_tokens == len(a) + 2 and s2.reprefill_reason is None
+    assert s3.cached_tokens == 0 and "sliding-window layers (window 16)" in s3.reprefill_reason
+    assert [d.ids for d in (d1, d2, d3)] == [d.ids for _, d in fresh]
