@@ -112,6 +112,12 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
         "num_hidden_layers": 4, "no_rope_layer_interval": 2,
         "use_sliding_window": True, "sliding_window": WINDOW,
     }, mlx_lm="off", note="mlx-lm ignores SmolLM3's sliding layers", seed=17),
+    "smollm3_dense": FamilySpec("SmolLM3ForCausalLM", {
+        "num_hidden_layers": 4, "no_rope_layer_interval": 2,
+    }, mlx_lm="off", note="mlx-lm ignores rope_parameters (theta 2e6)", seed=17),
+    "smollm3_classic": FamilySpec("SmolLM3ForCausalLM", {
+        "num_hidden_layers": 4, "no_rope_layer_interval": 2,
+    }, rope_form="classic", seed=17),
     "olmo2": FamilySpec("Olmo2ForCausalLM", seed=18),
     "granite": FamilySpec("GraniteForCausalLM", {
         "embedding_multiplier": 12.0, "attention_multiplier": 0.05,
@@ -265,8 +271,8 @@ def test_family_4bit_matches_transformers_on_dequantized(
     assert model.quantization["bits"] == 4
     ref = hf_logits(deq)
     whole = rel_err(np.array(model(mx.array(IDS))), ref)
-    step = rel_err(ours_stepwise(q4), ref) if not FAMILY_SPECS[name].incremental_reference \
-        else 0.0
+    incremental = FAMILY_SPECS[name].incremental_reference
+    step = rel_err(ours_stepwise(q4), hf_logits(deq, incremental) if incremental else ref)
     print(f"\n{name} 4-bit: ours vs transformers (dequantized), whole {whole:.1e},"
           f" token by token {step:.1e}")
     assert whole <= 1e-4 and step <= 1e-4
@@ -447,3 +453,18 @@ def test_prompt_reuse_stays_exact_with_sliding_layers(family: Callable[[str], Pa
     assert s2.cached_tokens == len(a) + 2 and s2.reprefill_reason is None
     assert s3.cached_tokens == 0 and "sliding-window layers (window 16)" in s3.reprefill_reason
     assert [d.ids for d in (d1, d2, d3)] == [d.ids for _, d in fresh]
+
+
+def test_layer_view_summary_shows_window_and_gqa_savings(family: Callable[[str], Path]) -> None:
+    from app.screens.layers import summary
+    from model.cache import layer_stats
+
+    model = load_model(family("gemma3_text"))
+    cache = model.make_cache()
+    model(mx.array(IDS), cache=cache)
+    text = summary(layer_stats(cache, model.config))
+    per = 2 * 2 * 16 * 4  # K+V × kv heads × head_dim × float32
+    assert text.startswith("4 layers · ")
+    assert f"3 sliding layers hold {3 * WINDOW * per // 1024} KiB" in text
+    assert f"windows save {4 * SEQ / (3 * WINDOW + SEQ):.2f}x" in text
+    assert "GQA saves 2.00x" in text
