@@ -210,7 +210,9 @@ class RopeConfig:
         short = params.get("short_factor")
         long = params.get("long_factor")
         if rope_type == "longrope" and (short is None or long is None):
-            raise ConfigError(f"config.json: {key} of type longrope needs short_factor and long_factor")
+            raise ConfigError(
+                f"config.json: {key} of type longrope needs short_factor and long_factor"
+            )
         theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
         return cls(
             theta=float(theta),
@@ -389,7 +391,7 @@ def _global_rope(cfg: dict[str, Any], fam: Family) -> RopeConfig:
     return RopeConfig.from_config(cfg, fam.rope_aliases)
 
 
-def _local_rope(cfg: dict[str, Any], fam: Family, global_rope: RopeConfig) -> RopeConfig:
+def _local_rope(cfg: dict[str, Any], fam: Family) -> RopeConfig:
     """Gemma 3's sliding layers: plain RoPE with `rope_local_base_freq`."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and SLIDING in params:
@@ -411,7 +413,9 @@ def _layer_specs(
         window = None
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ConfigError(f"config.json: sliding_window must be a positive integer, got {window!r}")
+            raise ConfigError(
+                f"config.json: sliding_window must be a positive integer, got {window!r}"
+            )
     kinds = cfg.get("layer_types")
     if kinds is not None:
         if not isinstance(kinds, list) or len(kinds) != n:
@@ -430,7 +434,7 @@ def _layer_specs(
         kinds = [FULL] * n
     if window is None:
         kinds = [FULL] * n  # no window: a "sliding" layer sees everything (as transformers)
-    local = _local_rope(cfg, fam, rope) if fam.local_rope else rope
+    local = _local_rope(cfg, fam) if fam.local_rope else rope
     rope_on = _no_rope_layers(cfg, n) if fam.nope else [1] * n
     specs = tuple(
         LayerSpec(

@@ -10,6 +10,7 @@ is known to be off (the README's parity table prints both; run with -s to see th
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from collections.abc import Callable
@@ -179,7 +180,9 @@ def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(a - ref).max()) / max(1.0, float(np.abs(ref).max()))
 
 
+@functools.cache
 def hf_logits(folder: Path, incremental: bool = False) -> np.ndarray:
+    """transformers' logits (eager attention), whole or token by token; computed once."""
     import torch
     from transformers import AutoModelForCausalLM
 
