@@ -306,6 +306,37 @@ def test_mlx_lm_on_the_same_folder(name: str, family: Callable[[str], Path]) -> 
         assert theirs <= 1e-4
 
 
+@pytest.mark.parametrize("recipe", ["bf16", "q8", "mixed_3_6"])
+@pytest.mark.parametrize("name", ["gemma3_text", "phi3_longrope", "qwen3"])
+def test_family_8bit_and_per_layer_quantization(
+    name: str, recipe: str, family: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """mlx-community's other formats: bfloat16, 8-bit, and mlx-lm's mixed 3/6-bit recipe
+    whose config lists per-layer bits; checked against transformers on the same weights
+    (dequantized where quantized; bf16 read by transformers in float32)."""
+    from mlx_lm import convert
+
+    q = tmp_path / "q"
+    if recipe == "bf16":
+        convert(str(family(name)), str(q), dtype="bfloat16")
+        err = rel_err(np.array(load_model(q)(mx.array(IDS))), hf_logits(q))
+        print(f"\n{name} {recipe}: ours vs transformers {err:.1e}")
+        assert err <= 1e-4
+        return
+    if recipe == "q8":
+        convert(str(family(name)), str(q), quantize=True, q_bits=8, q_group_size=64)
+    else:
+        convert(str(family(name)), str(q), quantize=True, q_bits=4, q_group_size=64,
+                quant_predicate=recipe)
+        per_layer = json.loads((q / "config.json").read_text())["quantization"]
+        assert any(isinstance(v, dict) for v in per_layer.values())  # overrides present
+    convert(str(q), str(tmp_path / "deq"), dequantize=True)
+    ref = hf_logits(tmp_path / "deq")
+    err = rel_err(np.array(load_model(q)(mx.array(IDS))), ref)
+    print(f"\n{name} {recipe}: ours vs transformers (dequantized) {err:.1e}")
+    assert err <= 1e-4
+
+
 # ---- the table resolves what each family needs ---------------------------------------------
 def test_every_family_has_a_checkpoint_here() -> None:
     import transformers as tf
