@@ -319,13 +319,20 @@ class FusedMLP(MLP):
 
 
 # ---- blocks -----------------------------------------------------------------------------
-class PreNormBlock(nn.Module):
-    """x + r·attn(norm(x)), then h + r·mlp(norm(h)); r = residual multiplier (Granite)."""
+class Block(nn.Module):
+    """A layer's two branches, self_attn and mlp, in the projection layout the config asks."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
         self.self_attn = (FusedAttention if cfg.fused_proj else Attention)(cfg, spec)
         self.mlp = (FusedMLP if cfg.fused_proj else MLP)(cfg)
+
+
+class PreNormBlock(Block):
+    """x + r·attn(norm(x)), then h + r·mlp(norm(h)); r = residual multiplier (Granite)."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__(cfg, spec)
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
         self._r = None if cfg.residual_scale == 1.0 else cfg.residual_scale
@@ -353,13 +360,11 @@ class SandwichBlock(PreNormBlock):
         return h + self.post_feedforward_layernorm(self.mlp(normed))
 
 
-class PostNormBlock(nn.Module):
+class PostNormBlock(Block):
     """OLMo 2: no norm on the way in; each branch's output is normed before the add."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
-        super().__init__()
-        self.self_attn = (FusedAttention if cfg.fused_proj else Attention)(cfg, spec)
-        self.mlp = (FusedMLP if cfg.fused_proj else MLP)(cfg)
+        super().__init__(cfg, spec)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
 
@@ -368,12 +373,12 @@ class PostNormBlock(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(h))
 
 
-BLOCKS: dict[str, type[nn.Module]] = {
+BLOCKS: dict[str, type[Block]] = {
     "pre": PreNormBlock,
     "sandwich": SandwichBlock,
     "post": PostNormBlock,
 }
 
 
-def make_block(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
+def make_block(cfg: ModelConfig, spec: LayerSpec) -> Block:
     return BLOCKS[cfg.block](cfg, spec)

@@ -252,14 +252,17 @@ def quantized(
     return get
 
 
+def errors(ours: Path, reference: Path, name: str) -> tuple[float, float]:
+    """(whole, token by token) error of our model from folder `ours` against transformers
+    on folder `reference` (its own token-by-token run where the RoPE needs it)."""
+    ref = hf_logits(reference)
+    step_ref = hf_logits(reference, True) if FAMILY_SPECS[name].incremental_reference else ref
+    return rel_err(ours_whole(ours), ref), rel_err(ours_stepwise(ours), step_ref)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_family_matches_transformers(name: str, family: Callable[[str], Path]) -> None:
-    spec = FAMILY_SPECS[name]
-    folder = family(name)
-    ref = hf_logits(folder)
-    whole = rel_err(ours_whole(folder), ref)
-    step_ref = hf_logits(folder, incremental=True) if spec.incremental_reference else ref
-    step = rel_err(ours_stepwise(folder), step_ref)
+    whole, step = errors(family(name), family(name), name)
     print(f"\n{name}: ours vs transformers, whole {whole:.1e}, token by token {step:.1e}")
     assert whole <= 1e-4 and step <= 1e-4
 
@@ -270,12 +273,8 @@ def test_family_4bit_matches_transformers_on_dequantized(
 ) -> None:
     q4, deq = quantized(name)
     assert json.loads((q4 / "config.json").read_text())["quantization"]["bits"] == 4
-    model = load_model(q4)
-    assert model.quantization["bits"] == 4
-    ref = hf_logits(deq)
-    whole = rel_err(np.array(model(mx.array(IDS))), ref)
-    incremental = FAMILY_SPECS[name].incremental_reference
-    step = rel_err(ours_stepwise(q4), hf_logits(deq, incremental) if incremental else ref)
+    assert load_model(q4).quantization["bits"] == 4
+    whole, step = errors(q4, deq, name)
     print(f"\n{name} 4-bit: ours vs transformers (dequantized), whole {whole:.1e},"
           f" token by token {step:.1e}")
     assert whole <= 1e-4 and step <= 1e-4
