@@ -349,9 +349,15 @@ class ModelConfig:
                 f"num_attention_heads ({heads}) is not a multiple of"
                 f" num_key_value_heads ({kv_heads})"
             )
+        if cfg.get("use_bidirectional_attention"):
+            raise ConfigError(
+                "config.json: use_bidirectional_attention is set; kvchat runs causal decoders only"
+            )
         attn_bias = bool(cfg.get("attention_bias", False))
         rope = _global_rope(cfg, fam)
         layers, window = _layer_specs(cfg, fam, n_layers, rope)
+        for r in [rope] + [spec.rope for spec in layers if spec.rope is not None]:
+            _check_rotary(r, head_dim)
         try:
             quirks = _quirks(cfg, fam, hidden)
         except (TypeError, ValueError) as e:
@@ -389,6 +395,22 @@ def _global_rope(cfg: dict[str, Any], fam: Family) -> RopeConfig:
             params[FULL] or {}, cfg, fam.rope_aliases, f"rope_parameters.{FULL}"
         )
     return RopeConfig.from_config(cfg, fam.rope_aliases)
+
+
+def _check_rotary(rope: RopeConfig, head_dim: int) -> None:
+    """The RoPE settings that only make sense against the head size."""
+    if not 0 < rope.partial_rotary_factor <= 1:
+        raise ConfigError(
+            "config.json: partial_rotary_factor must be in (0, 1],"
+            f" got {rope.partial_rotary_factor}"
+        )
+    pairs = rope.rotary_dims(head_dim) // 2
+    for key, factors in (("short_factor", rope.short_factor), ("long_factor", rope.long_factor)):
+        if factors is not None and len(factors) != pairs:
+            raise ConfigError(
+                f"config.json: rope {key} has {len(factors)} entries; {pairs} rotated pairs"
+                " need one each"
+            )
 
 
 def _local_rope(cfg: dict[str, Any], fam: Family) -> RopeConfig:

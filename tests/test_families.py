@@ -407,6 +407,12 @@ GEMMA3 = {
                               "sliding_attention": {}}}, "rope_parameters.full_attention"),
         ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "rope_type"),
         ({"hidden_activation": "relu2"}, "hidden_activation"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6,
+                                                 "partial_rotary_factor": 1.5},
+                              "sliding_attention": {}}}, "partial_rotary_factor"),
+        ({"model_type": "phi3", "rope_scaling": {**LONGROPE, "long_factor": [1.0]}},
+         "long_factor"),
     ],
 )
 def test_inconsistent_config_names_the_key(change: dict[str, Any], key: str) -> None:
