@@ -207,6 +207,8 @@ class StatsPanel(VerticalScroll):
                 _row("KV", fmt_bytes(s.get("cache_bytes")), "bold"),
                 _row("as MHA", fmt_bytes(s.get("mha_bytes"))),
                 _row("GQA", f"{fmt_saving(s.get('gqa_saving'))} smaller"),
+                *([_row("windows", f"{fmt_saving(s.get('window_saving'))} smaller")]
+                  if s.get("sliding_layers") else []),
                 _row("reused", f"{fmt_count(s.get('cached_tokens'))} tokens this turn"),
                 _row("window", f"{fmt_count(cap)} · keep {fmt_count(s.get('keep'))}"),
                 _row(
