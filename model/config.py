@@ -103,7 +103,7 @@ _GEMMA_DEFAULTS: dict[str, Any] = {"head_dim": 256, "rms_norm_eps": 1e-6}
 FAMILIES: dict[str, Family] = {
     # Llama 2, 3, 3.1, 3.2, SmolLM 1/2, TinyLlama, stories260K
     "llama": Family(),
-    "mistral": Family(qkv_bias=False, o_bias=False),
+    "mistral": Family(qkv_bias=False, o_bias=False, defaults={"sliding_window": 4096}),
     "qwen2": Family(
         qkv_bias=True, o_bias=False, sliding_window_flag="use_sliding_window",
         layer_rule=_from_max_window_layers,
