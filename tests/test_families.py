@@ -507,3 +507,22 @@ def test_layer_view_summary_shows_window_and_gqa_savings(family: Callable[[str],
     assert f"3 sliding layers hold {3 * WINDOW * per // 1024} KiB" in text
     assert f"windows save {4 * SEQ / (3 * WINDOW + SEQ):.2f}x" in text
     assert "GQA saves 2.00x" in text
+
+
+def test_inspect_live_with_sliding_layers(
+    family: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvchat inspect --live`: bytes measured from the arrays of mixed caches equal the
+    per-kind formula: 32 tokens in the global layer, 16 in each of 3 sliding ones."""
+    import argparse
+
+    from app import inspect_cmd
+
+    p = argparse.ArgumentParser()
+    inspect_cmd.add_arguments(p)
+    assert inspect_cmd.run(p.parse_args(["--model", str(family("gemma3_text")), "--live",
+                                         "--json"])) == 0
+    live = json.loads(capsys.readouterr().out)["live"]
+    per = 2 * 2 * 16 * 4  # K+V × kv heads × head_dim × float32, one layer, one token
+    assert live["equal"] and live["tokens"] == 32
+    assert live["measured_bytes"] == live["formula_bytes"] == per * (32 + 3 * WINDOW)
