@@ -19,11 +19,13 @@ from model.errors import ConfigError, KVChatError, ModelLoadError
 from model.kv_math import (
     BudgetError,
     attention_table,
+    context_that_fits,
     dtype_bytes_of,
     human_bytes,
+    kv_bytes_at,
+    kv_bytes_by_kind,
     kv_bytes_per_token,
     parse_size,
-    tokens_that_fit,
     weights_bytes,
     weights_dtype_bytes,
 )
@@ -118,6 +120,8 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
     L, h, kv, hd = (cfg.num_hidden_layers, cfg.num_attention_heads,
                     cfg.num_key_value_heads, cfg.head_dim)
     per_token = kv_bytes_per_token(L, kv, hd, dtype_bytes)
+    at_context = kv_bytes_at(cfg, context, dtype_bytes)
+    kinds = kv_bytes_by_kind(cfg, context, dtype_bytes)
     weights = weights_bytes(source) if args.model else None
     out: dict[str, Any] = {
         "source": str(source),
@@ -132,7 +136,14 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
         "max_position_embeddings": cfg.max_position_embeddings,
         "sliding_window": cfg.sliding_window,
         "bytes_per_token": per_token,
-        "bytes_at_context": per_token * context,
+        "bytes_at_context": at_context,
+        # with sliding layers the cost of a token depends on how long the context is
+        "bytes_per_token_at_context": at_context / context,
+        "layer_kinds": [
+            {"kind": r.kind, "layers": r.layers, "window": r.window, "tokens": r.tokens,
+             "bytes": r.bytes} for r in kinds
+        ],
+        "window_saving": per_token * context / at_context,
         "gqa_saving": h / kv,
         "table": [
             {"name": r.name, "kv_heads": r.kv_heads, "bytes_per_token": r.bytes_per_token,
@@ -141,8 +152,8 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
         ],
         "weights_bytes": weights,
         "budget_bytes": budget,
-        "budget_tokens": None if budget is None else tokens_that_fit(budget, per_token,
-                                                                     weights or 0),
+        "budget_tokens": None if budget is None else context_that_fits(
+            cfg, budget, dtype_bytes, weights or 0),
         "live": _live(source, cfg) if args.live else None,
     }
     return out
@@ -170,12 +181,10 @@ def _live(folder: Path, cfg: ModelConfig) -> dict[str, Any]:
     for c in caches:  # what the arrays hold: the resident slots' slices
         n = c.size()
         measured += c.keys[..., :n, :].nbytes + c.values[..., :n, :].nbytes
-    tokens = caches[0].size()
-    live_dtype = caches[0].keys.dtype
-    formula = kv_bytes_per_token(
-        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, live_dtype.size
-    ) * tokens
     stats = cache_stats(caches, model.config)
+    tokens = stats["cache_tokens"]
+    live_dtype = caches[0].keys.dtype
+    formula = kv_bytes_at(cfg, tokens, live_dtype.size)
     return {
         "tokens": tokens,
         "dtype": str(live_dtype).removeprefix("mlx.core."),
@@ -197,12 +206,25 @@ def _b(n: int | None) -> str:
 
 
 def _render(o: dict[str, Any]) -> str:
+    sliding = any(k["window"] is not None for k in o["layer_kinds"])
     lines = [
         f"{o['source']}  ({o['model_type']}: {o['layers']} layers, {o['heads']} query heads,"
         f" {o['kv_heads']} KV heads, head_dim {o['head_dim']}, {o['dtype_bytes']} B/element"
         f" from {o['dtype_from']})",
-        f"KV cache per token (all layers): {_b(o['bytes_per_token'])}",
+        f"KV cache per token (all layers{sliding and ', until the windows fill' or ''}):"
+        f" {_b(o['bytes_per_token'])}",
         f"KV cache at {o['context']:,} tokens: {_b(o['bytes_at_context'])}",
+    ]
+    if sliding:
+        for k in o["layer_kinds"]:
+            what = "global" if k["window"] is None else f"sliding (window {k['window']:,})"
+            lines.append(f"  {k['layers']} {what} layers: {k['tokens']:,} tokens each,"
+                         f" {_b(k['bytes'])}")
+        lines.append(
+            f"  per token at {o['context']:,} tokens: {o['bytes_per_token_at_context']:,.1f} B;"
+            f" the sliding layers save {o['window_saving']:.3g}x over full attention"
+        )
+    lines += [
         "",
         f"{'attention':<18} {'KV heads':>8}  {'per token':<26} "
         f"{'at ' + format(o['context'], ',') + ' tokens':<34} MHA / this",
@@ -217,9 +239,9 @@ def _render(o: dict[str, Any]) -> str:
         lines.append(f"weights: {_b(o['weights_bytes'])}")
     if o["budget_bytes"] is not None:
         after = " after the weights" if o["weights_bytes"] else ""
-        lines.append(
-            f"budget {_b(o['budget_bytes'])}: {o['budget_tokens']:,} tokens of KV cache fit{after}"
-        )
+        fits = ("any context length fits (every layer slides)" if o["budget_tokens"] is None
+                else f"{o['budget_tokens']:,} tokens of KV cache fit")
+        lines.append(f"budget {_b(o['budget_bytes'])}: {fits}{after}")
     live = o.get("live")
     if live:
         mark = "equal" if live["equal"] else "DIFFERENT"

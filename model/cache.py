@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .config import ModelConfig
+from .config import LayerSpec, ModelConfig
 from .errors import KVChatError
 from .events import TurnStats
 from .kv_math import kv_bytes
@@ -381,33 +381,43 @@ def _layer_bytes(keys: mx.array | None, tokens: int, heads_factor: float = 1) ->
 
 
 def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, keep: int = 4) -> list[Any]:
-    """One cache per layer.
+    """One cache per layer, of the kind the layer needs (`cfg.layers`).
 
-    - default: the model's full context (max_position_embeddings) grown in steps, then
-      rotation keeping `keep` sinks;
-    - max_kv_size=N: RotatingKVCache(N, keep);
-    - a sliding-window model: a ring of exactly the window with keep 0 (key j visible iff
+    - a global layer: the model's full context (max_position_embeddings) grown in steps,
+      then rotation keeping `keep` sinks; with max_kv_size=N, RotatingKVCache(N, keep);
+    - a sliding layer: a ring of exactly its window with keep 0 (key j visible iff
       t − j < window, the model's own mask), unless max_kv_size asks for less, in which
       case the mask is the intersection of both.
     """
-    window = cfg.sliding_window
     if max_kv_size is not None and max_kv_size < 1:
         raise CacheError(f"--max-kv-size must be >= 1, got {max_kv_size}")
-    if window is not None and (max_kv_size is None or max_kv_size >= window):
-        size, k = window, 0
-    elif max_kv_size is not None:
-        size, k = max_kv_size, keep
-    else:
-        size, k = cfg.max_position_embeddings, keep
-    if keep < 0 or k >= size:
-        raise CacheError(f"--keep must be in [0, {size}) for a KV cache of {size}, got {keep}")
-    return [RotatingKVCache(size, k) for _ in range(cfg.num_hidden_layers)]
+    caches: list[Any] = []
+    for spec in cfg.layers:
+        window = spec.window
+        if window is not None and (max_kv_size is None or max_kv_size >= window):
+            size, k = window, 0
+        elif max_kv_size is not None:
+            size, k = max_kv_size, keep
+        else:
+            size, k = cfg.max_position_embeddings, keep
+        if keep < 0 or k >= size:
+            raise CacheError(
+                f"--keep must be in [0, {size}) for a KV cache of {size}, got {keep}"
+            )
+        caches.append(RotatingKVCache(size, k))
+    return caches
 
 
 # ---- statistics (metadata only) ---------------------------------------------------------
+def _attention_name(spec: LayerSpec) -> str:
+    return ("sliding" if spec.window is not None else "global") + (
+        "" if spec.rope is not None else " NoPE"
+    )
+
+
 def layer_stats(caches: list[Any], cfg: ModelConfig) -> list[dict[str, Any]]:
-    """Per-layer view for the UI: the cache's own stats() plus the layer index and the
-    MHA-equivalent bytes."""
+    """Per-layer view for the UI: the cache's own stats() plus the layer index, its
+    attention kind (sliding / global, NoPE) and window, and the MHA-equivalent bytes."""
     out = []
     for i, c in enumerate(caches):
         s = dict(c.stats())
@@ -419,27 +429,54 @@ def layer_stats(caches: list[Any], cfg: ModelConfig) -> list[dict[str, Any]]:
     return out
 
 
+def _reference_layer(cfg: ModelConfig, n: int) -> int:
+    """The layer whose cache speaks for the model's position and capacity: the first
+    global one (a sliding layer's ring says nothing about the conversation's length)."""
+    for i, spec in enumerate(cfg.layers[:n]):
+        if spec.window is None:
+            return i
+    return 0
+
+
 def cache_stats(caches: list[Any], cfg: ModelConfig) -> TurnStats:
     """The cache fields of TurnStats, summed over layers by DESIGN.md's definitions;
-    never reads array values."""
+    never reads array values.
+
+    Besides the GQA saving, `window_saving` says how much smaller the cache is than if
+    the sliding layers held every token the global ones do (1.0 without sliding layers).
+    """
     saving = cfg.num_attention_heads / cfg.num_key_value_heads
     if not caches:
         return TurnStats(
             cache_offset=0, cache_tokens=0, cache_capacity=0, cache_bytes=0, mha_bytes=0,
-            gqa_saving=saving, evicted_tokens=0, keep=0, wrapped=False,
+            gqa_saving=saving, evicted_tokens=0, keep=0, wrapped=False, sliding_layers=0,
+            sliding_bytes=0, window_saving=1.0,
         )
-    rows = layer_stats(caches, cfg)
-    first = rows[0]
+    ref = caches[_reference_layer(cfg, len(caches))].stats()
+    cache_bytes = mha_bytes = sliding_bytes = no_window_bytes = sliding_layers = 0
+    for i, c in enumerate(caches):
+        s = c.stats()
+        keys = getattr(c, "keys", None)
+        cache_bytes += _layer_bytes(keys, s["cache_tokens"])
+        mha_bytes += _layer_bytes(keys, s["cache_tokens"], cfg.gqa_groups)
+        no_window_bytes += _layer_bytes(keys, max(s["cache_tokens"], ref["cache_tokens"]))
+        if i < len(cfg.layers) and cfg.layers[i].window is not None:
+            sliding_layers += 1
+            sliding_bytes += _layer_bytes(keys, s["cache_tokens"])
+    capacity = ref["cache_capacity"]
     return TurnStats(
-        cache_offset=first["cache_offset"],
-        cache_tokens=first["cache_tokens"],
-        cache_capacity=first["cache_capacity"],
-        cache_bytes=sum(r["cache_bytes"] for r in rows),
-        mha_bytes=sum(r["mha_bytes"] for r in rows),
+        cache_offset=ref["cache_offset"],
+        cache_tokens=ref["cache_tokens"],
+        cache_capacity=cfg.max_position_embeddings if capacity is None else capacity,
+        cache_bytes=cache_bytes,
+        mha_bytes=mha_bytes,
         gqa_saving=saving,
-        evicted_tokens=first["evicted_tokens"],
-        keep=first["keep"],
-        wrapped=first["wrapped"],
+        evicted_tokens=ref["evicted_tokens"],
+        keep=ref["keep"],
+        wrapped=ref["wrapped"],
+        sliding_layers=sliding_layers,
+        sliding_bytes=sliding_bytes,
+        window_saving=no_window_bytes / cache_bytes if cache_bytes else 1.0,
     )
 
 
@@ -453,6 +490,18 @@ def can_trim_to(caches: list[Any], n_tokens_to_keep: int) -> bool:
         elif not (c.is_trimmable() and 0 <= n_tokens_to_keep <= c.offset):
             return False
     return True
+
+
+def why_not_trimmable(caches: list[Any], cfg: ModelConfig, n_tokens_to_keep: int) -> str:
+    """Why `can_trim_to` said no, for the `Started` reason: a sliding-window layer that
+    moved past the shared prefix, or rotation of a bounded cache."""
+    for c, spec in zip(caches, cfg.layers, strict=False):
+        if spec.window is not None and not can_trim_to([c], n_tokens_to_keep):
+            return (
+                f"the sliding-window layers (window {spec.window}) no longer hold the"
+                " keys the shared prefix needs"
+            )
+    return "the shared prefix was evicted by rotation"
 
 
 def trim_to(caches: list[Any], n_tokens_to_keep: int) -> int:

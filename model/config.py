@@ -1,12 +1,17 @@
 """Model configuration parsed from a Hugging Face / mlx-community `config.json`.
 
-Every difference between the supported families lives in `FAMILIES`; the rest of the
-code reads the resolved `ModelConfig` and never branches on `model_type`.
+Every difference between the supported families lives in `FAMILIES`: one `Family` row
+per `model_type` naming its building blocks (norm, MLP, block layout, attention extras)
+and the defaults transformers assumes when a key is absent. `ModelConfig.from_dict`
+resolves a row plus a config.json into plain numbers and per-layer `LayerSpec`s; the
+rest of the code reads those and never branches on `model_type`.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,61 +19,265 @@ from typing import Any
 from .config_checks import check_config
 from .errors import ConfigError
 
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYER_KINDS = (FULL, SLIDING)
+
+# activation names in config.json -> the function mlx computes (layers.ACTIVATIONS)
+ACTIVATION_NAMES = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu")
+
+
+# ---- which layers slide: one rule per family, used when config.json has no layer_types
+LayerRule = Callable[[dict[str, Any], int], list[str]]
+
+
+def _all_layers(cfg: dict[str, Any], n: int) -> list[str]:
+    """Every layer uses the window when one is set (Mistral, Phi-3)."""
+    return [SLIDING] * n
+
+
+def _from_max_window_layers(cfg: dict[str, Any], n: int) -> list[str]:
+    """Qwen2/3: layers from `max_window_layers` on slide (transformers' rule)."""
+    first = int(cfg.get("max_window_layers", 28))
+    return [SLIDING if i >= first else FULL for i in range(n)]
+
+
+def _every_nth_global(period_key: str | None, default: int) -> LayerRule:
+    """Gemma 2 / 3: every n-th layer is global (n from `period_key`), the others slide."""
+
+    def rule(cfg: dict[str, Any], n: int) -> list[str]:
+        period = int((cfg.get(period_key) if period_key else None) or default)
+        return [FULL if (i + 1) % period == 0 else SLIDING for i in range(n)]
+
+    return rule
+
+
+def _nope_layers_slide(cfg: dict[str, Any], n: int) -> list[str]:
+    """SmolLM3: with use_sliding_window, the NoPE layers slide."""
+    rope_on = _no_rope_layers(cfg, n)
+    return [FULL if r else SLIDING for r in rope_on]
+
+
+def _no_rope_layers(cfg: dict[str, Any], n: int) -> list[int]:
+    """SmolLM3's `no_rope_layers` (1 = RoPE, 0 = NoPE), else every interval-th is NoPE."""
+    given = cfg.get("no_rope_layers")
+    if given is None:
+        every = int(cfg.get("no_rope_layer_interval") or 4)
+        return [int((i + 1) % every != 0) for i in range(n)]
+    if not isinstance(given, list) or len(given) < n:
+        raise ConfigError(
+            f"config.json: no_rope_layers must list at least {n} entries (one per layer)"
+        )
+    return [int(bool(x)) for x in given[:n]]
+
 
 @dataclass(frozen=True)
 class Family:
-    """Per-family quirks: what the family's HF config implies when a key is absent."""
+    """One model type's quirks: which building blocks it uses and what transformers
+    assumes when a config key is absent (`defaults`, merged under config.json)."""
 
     qkv_bias: bool | None = None  # None: read `attention_bias` from the config
     o_bias: bool | None = None  # None: read `attention_bias` from the config
     tie_word_embeddings: bool = False  # default when config.json does not say
     # sliding_window applies only when this config flag is true (None: whenever set)
     sliding_window_flag: str | None = None
+    # which layers slide when config.json has no `layer_types`; None: the family has
+    # no sliding attention (a sliding_window key is ignored, as transformers does)
+    layer_rule: LayerRule | None = _all_layers
+    norm: str = "rms"  # "rms": x̂·w | "offset": x̂·(1 + w) (Gemma)
+    activation_key: str = "hidden_act"  # config key naming the MLP's gate activation
+    activation_aliases: dict[str, str] = field(default_factory=dict)
+    block: str = "pre"  # "pre" | "sandwich" (4 norms) | "post" (norms after each branch)
+    qk_norm: str | None = None  # None | "head" (per head) | "proj" (over the projection)
+    fused_proj: bool = False  # one qkv_proj and one gate_up_proj (Phi-3)
+    embed_scale_sqrt_hidden: bool = False  # Gemma: embeddings × √hidden_size
+    multipliers: bool = False  # Granite: embedding/attention/residual multipliers, logits_scaling
+    query_pre_attn_scalar: bool = False  # Gemma 2/3: attention scale = scalar^-0.5
+    softcaps: bool = False  # Gemma 2/3: attn/final logit soft-capping keys are honoured
+    local_rope: bool = False  # Gemma 3: sliding layers have their own RoPE base
+    nope: bool = False  # SmolLM3: `no_rope_layers` turns RoPE off per layer
+    rope_aliases: dict[str, str] = field(default_factory=dict)  # Phi-3: "su" -> "longrope"
+    defaults: dict[str, Any] = field(default_factory=dict)
 
+
+_GEMMA_DEFAULTS: dict[str, Any] = {"head_dim": 256, "rms_norm_eps": 1e-6}
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family(),  # Llama 2, 3, 3.1, 3.2, SmolLM, TinyLlama, stories260K
-    "mistral": Family(qkv_bias=False, o_bias=False),
-    "qwen2": Family(qkv_bias=True, o_bias=False, sliding_window_flag="use_sliding_window"),
+    # Llama 2, 3, 3.1, 3.2, SmolLM 1/2, TinyLlama, stories260K
+    "llama": Family(),
+    "mistral": Family(qkv_bias=False, o_bias=False, defaults={"sliding_window": 4096}),
+    "qwen2": Family(
+        qkv_bias=True, o_bias=False, sliding_window_flag="use_sliding_window",
+        layer_rule=_from_max_window_layers,
+    ),
+    "qwen3": Family(
+        sliding_window_flag="use_sliding_window", layer_rule=_from_max_window_layers,
+        qk_norm="head",
+    ),
+    "gemma": Family(
+        tie_word_embeddings=True, layer_rule=None, norm="offset",
+        activation_aliases={"gelu": "gelu_pytorch_tanh"},  # transformers: legacy name
+        embed_scale_sqrt_hidden=True,
+        defaults={**_GEMMA_DEFAULTS, "hidden_act": "gelu_pytorch_tanh"},
+    ),
+    "gemma2": Family(
+        tie_word_embeddings=True, layer_rule=_every_nth_global(None, 2), norm="offset",
+        activation_key="hidden_activation", block="sandwich", embed_scale_sqrt_hidden=True,
+        query_pre_attn_scalar=True, softcaps=True,
+        defaults={
+            **_GEMMA_DEFAULTS, "hidden_activation": "gelu_pytorch_tanh",
+            "sliding_window": 4096, "query_pre_attn_scalar": 256,
+            "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+        },
+    ),
+    "gemma3_text": Family(
+        tie_word_embeddings=True, layer_rule=_every_nth_global("sliding_window_pattern", 6),
+        norm="offset", activation_key="hidden_activation", block="sandwich", qk_norm="head",
+        embed_scale_sqrt_hidden=True, query_pre_attn_scalar=True, softcaps=True,
+        local_rope=True,
+        defaults={
+            **_GEMMA_DEFAULTS, "hidden_activation": "gelu_pytorch_tanh",
+            "sliding_window": 4096, "query_pre_attn_scalar": 256, "rope_theta": 1e6,
+            "rope_local_base_freq": 1e4, "max_position_embeddings": 131072,
+        },
+    ),
+    "phi3": Family(
+        qkv_bias=False, o_bias=False, fused_proj=True,
+        rope_aliases={"su": "longrope", "yarn": "longrope"},  # transformers' phi3 does this
+        defaults={"original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+    ),
+    "smollm3": Family(
+        tie_word_embeddings=True, sliding_window_flag="use_sliding_window",
+        layer_rule=_nope_layers_slide, nope=True, defaults={"rope_theta": 2e6},
+    ),
+    "olmo2": Family(layer_rule=None, block="post", qk_norm="proj", defaults={"rms_norm_eps": 1e-5}),
+    "granite": Family(layer_rule=None, multipliers=True),
 }
 
-ROPE_TYPES = ("default", "llama3", "linear")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 
 @dataclass(frozen=True)
 class RopeConfig:
+    """One RoPE schedule, as transformers' `rope_parameters` describes it."""
+
     theta: float = 10000.0
     type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 2048  # dynamic NTK and longrope read the model's context
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    # longrope (per rotated pair)
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> RopeConfig:
-        """Both spellings: transformers 5's `rope_parameters` and the classic
-        `rope_theta` + `rope_scaling` (mlx-lm 0.32.2 reads only the latter)."""
-        params = dict(cfg.get("rope_scaling") or {})
-        params.update(cfg.get("rope_parameters") or {})
-        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        rope_type = params.get("rope_type", params.get("type", "default"))
+    def from_params(
+        cls,
+        params: dict[str, Any],
+        cfg: dict[str, Any],
+        aliases: dict[str, str] | None = None,
+        key: str = "rope_parameters",
+    ) -> RopeConfig:
+        """`params`: one rope dict (rope_type, rope_theta, factor, ...); `cfg`: the whole
+        config for the keys transformers reads beside it."""
+        rope_type = params.get("rope_type", params.get("type")) or "default"
+        rope_type = (aliases or {}).get(rope_type, rope_type)
         if rope_type not in ROPE_TYPES:
             raise ConfigError(
-                f"unsupported RoPE type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+                f"config.json: {key}.rope_type: unsupported RoPE type {rope_type!r};"
+                f" supported: {', '.join(ROPE_TYPES)}"
             )
-        factor = float(params.get("factor", 1.0))
-        if rope_type != "default" and factor <= 0:
-            raise ConfigError(f"RoPE scaling factor must be > 0, got {factor}")
+        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        # transformers: a top-level original_max_position_embeddings wins (Phi-3)
+        orig = cfg.get("original_max_position_embeddings") or params.get(
+            "original_max_position_embeddings"
+        ) or max_pos
+        factor = params.get("factor")
+        if factor is None and rope_type in ("yarn", "longrope"):
+            factor = max_pos / orig
+        factor = float(1.0 if factor is None else factor)
+        if rope_type not in ("default", "longrope") and factor <= 0:
+            raise ConfigError(f"config.json: {key}.factor must be > 0, got {factor}")
+        partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0
+        short = params.get("short_factor")
+        long = params.get("long_factor")
+        if rope_type == "longrope" and (short is None or long is None):
+            raise ConfigError(
+                f"config.json: {key} of type longrope needs short_factor and long_factor"
+            )
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
         return cls(
             theta=float(theta),
             type=rope_type,
             factor=factor,
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                params.get("original_max_position_embeddings", 8192)
-            ),
+            original_max_position_embeddings=int(orig),
+            partial_rotary_factor=float(partial),
+            max_position_embeddings=max_pos,
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
+            attention_factor=params.get("attention_factor"),
+            truncate=bool(params.get("truncate", True)),
+            short_factor=None if short is None else tuple(float(x) for x in short),
+            long_factor=None if long is None else tuple(float(x) for x in long),
         )
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], aliases: dict[str, str] | None = None) -> RopeConfig:
+        """Both spellings: transformers 5's `rope_parameters` and the classic
+        `rope_theta` + `rope_scaling` (mlx-lm 0.32.2 reads only the latter)."""
+        params = dict(cfg.get("rope_scaling") or {})
+        params.update(cfg.get("rope_parameters") or {})
+        return cls.from_params(params, cfg, aliases)
+
+    def rotary_dims(self, head_dim: int) -> int:
+        return int(head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_scaling(self) -> float:
+        """The factor transformers multiplies cos and sin by (yarn's mscale, longrope's
+        attention factor); 1 for the other types."""
+        if self.type == "yarn":
+            if self.attention_factor is not None:
+                return float(self.attention_factor)
+
+            def get_mscale(scale: float, m: float = 1.0) -> float:
+                return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+            if self.mscale and self.mscale_all_dim:
+                return get_mscale(self.factor, self.mscale) / get_mscale(
+                    self.factor, self.mscale_all_dim
+                )
+            return get_mscale(self.factor)
+        if self.type == "longrope":
+            if self.attention_factor is not None:
+                return float(self.attention_factor)
+            f = self.max_position_embeddings / self.original_max_position_embeddings
+            if f <= 1.0:
+                return 1.0
+            return math.sqrt(1 + math.log(f) / math.log(self.original_max_position_embeddings))
+        return 1.0
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What differs between the layers of one model."""
+
+    kind: str  # FULL or SLIDING
+    window: int | None  # keys a query sees (None: all of them)
+    rope: RopeConfig | None  # None: a NoPE layer (no rotary embedding)
 
 
 @dataclass(frozen=True)
@@ -88,15 +297,32 @@ class ModelConfig:
     o_bias: bool
     mlp_bias: bool
     max_position_embeddings: int
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the window of the sliding layers, if any
     # mlx-community block: {"group_size": 64, "bits": 4, "<layer path>": {...} | False}
     quantization: dict[str, Any] | None = None
     torch_dtype: str | None = None
+    # resolved family quirks (see Family)
+    norm: str = "rms"
+    activation: str = "silu"
+    block: str = "pre"
+    qk_norm: str | None = None
+    fused_proj: bool = False
+    embed_scale: float = 1.0
+    residual_scale: float = 1.0
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    logits_divisor: float = 1.0
+    layers: tuple[LayerSpec, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def gqa_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        return [spec.kind for spec in self.layers]
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -106,12 +332,13 @@ class ModelConfig:
                 f"unknown architecture {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
             )
         fam = FAMILIES[model_type]
+        cfg = {**fam.defaults, **cfg}
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
             kv_heads = int(cfg.get("num_key_value_heads") or heads)
             head_dim = int(cfg.get("head_dim") or hidden // heads)
-            layers = int(cfg["num_hidden_layers"])
+            n_layers = int(cfg["num_hidden_layers"])
             inter = int(cfg["intermediate_size"])
             vocab = int(cfg["vocab_size"])
         except KeyError as e:
@@ -123,31 +350,158 @@ class ModelConfig:
                 f"num_attention_heads ({heads}) is not a multiple of"
                 f" num_key_value_heads ({kv_heads})"
             )
+        if cfg.get("use_bidirectional_attention"):
+            raise ConfigError(
+                "config.json: use_bidirectional_attention is set; kvchat runs causal decoders only"
+            )
         attn_bias = bool(cfg.get("attention_bias", False))
-        window = cfg.get("sliding_window")
-        if fam.sliding_window_flag is not None and not cfg.get(fam.sliding_window_flag, False):
-            window = None
+        rope = _global_rope(cfg, fam)
+        layers, window = _layer_specs(cfg, fam, n_layers, rope)
+        for r in [rope] + [spec.rope for spec in layers if spec.rope is not None]:
+            _check_rotary(r, head_dim)
+        try:
+            quirks = _quirks(cfg, fam, hidden)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"config.json has a malformed value: {e}") from None
         return cls(
             model_type=model_type,
             hidden_size=hidden,
-            num_hidden_layers=layers,
+            num_hidden_layers=n_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             intermediate_size=inter,
             vocab_size=vocab,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=RopeConfig.from_config(cfg),
+            rope=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", fam.tie_word_embeddings)),
             qkv_bias=attn_bias if fam.qkv_bias is None else fam.qkv_bias,
             o_bias=attn_bias if fam.o_bias is None else fam.o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            sliding_window=int(window) if window else None,
+            sliding_window=window,
             quantization=cfg.get("quantization") or cfg.get("quantization_config"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            layers=layers,
             raw=cfg,
+            **quirks,
         )
+
+
+def _global_rope(cfg: dict[str, Any], fam: Family) -> RopeConfig:
+    """The RoPE of full-attention layers (of every layer for most families)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and FULL in params:  # transformers 5, per layer kind (Gemma 3)
+        return RopeConfig.from_params(
+            params[FULL] or {}, cfg, fam.rope_aliases, f"rope_parameters.{FULL}"
+        )
+    return RopeConfig.from_config(cfg, fam.rope_aliases)
+
+
+def _check_rotary(rope: RopeConfig, head_dim: int) -> None:
+    """The RoPE settings that only make sense against the head size."""
+    if not 0 < rope.partial_rotary_factor <= 1:
+        raise ConfigError(
+            "config.json: partial_rotary_factor must be in (0, 1],"
+            f" got {rope.partial_rotary_factor}"
+        )
+    pairs = rope.rotary_dims(head_dim) // 2
+    for key, factors in (("short_factor", rope.short_factor), ("long_factor", rope.long_factor)):
+        if factors is not None and len(factors) != pairs:
+            raise ConfigError(
+                f"config.json: rope {key} has {len(factors)} entries; {pairs} rotated pairs"
+                " need one each"
+            )
+
+
+def _local_rope(cfg: dict[str, Any], fam: Family) -> RopeConfig:
+    """Gemma 3's sliding layers: plain RoPE with `rope_local_base_freq`."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and SLIDING in params:
+        return RopeConfig.from_params(
+            params[SLIDING] or {}, cfg, fam.rope_aliases, f"rope_parameters.{SLIDING}"
+        )
+    return RopeConfig.from_params(
+        {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 1e4)}, cfg
+    )
+
+
+def _layer_specs(
+    cfg: dict[str, Any], fam: Family, n: int, rope: RopeConfig
+) -> tuple[tuple[LayerSpec, ...], int | None]:
+    window = cfg.get("sliding_window")
+    if fam.layer_rule is None or (
+        fam.sliding_window_flag is not None and not cfg.get(fam.sliding_window_flag, False)
+    ):
+        window = None
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ConfigError(
+                f"config.json: sliding_window must be a positive integer, got {window!r}"
+            )
+    kinds = cfg.get("layer_types")
+    if kinds is not None:
+        if not isinstance(kinds, list) or len(kinds) != n:
+            got = len(kinds) if isinstance(kinds, list) else type(kinds).__name__
+            raise ConfigError(
+                f"config.json: layer_types has {got} entries for num_hidden_layers {n}"
+            )
+        bad = [k for k in kinds if k not in LAYER_KINDS]
+        if bad:
+            raise ConfigError(
+                f"config.json: layer_types holds {bad[0]!r}; allowed: {', '.join(LAYER_KINDS)}"
+            )
+    elif fam.layer_rule is not None:
+        kinds = fam.layer_rule(cfg, n)
+    else:
+        kinds = [FULL] * n
+    if window is None:
+        kinds = [FULL] * n  # no window: a "sliding" layer sees everything (as transformers)
+    local = _local_rope(cfg, fam) if fam.local_rope else rope
+    rope_on = _no_rope_layers(cfg, n) if fam.nope else [1] * n
+    specs = tuple(
+        LayerSpec(
+            kind=k,
+            window=window if k == SLIDING else None,
+            rope=(local if k == SLIDING else rope) if rope_on[i] else None,
+        )
+        for i, k in enumerate(kinds)
+    )
+    return specs, window if SLIDING in kinds else None
+
+
+def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
+    """The family's numeric quirks, resolved from config.json."""
+    act = cfg.get(fam.activation_key) or "silu"
+    act = fam.activation_aliases.get(act, act)
+    if act not in ACTIVATION_NAMES:
+        raise ConfigError(
+            f"config.json: {fam.activation_key} {act!r} is not supported;"
+            f" supported: {', '.join(ACTIVATION_NAMES)}"
+        )
+    out: dict[str, Any] = {
+        "norm": fam.norm, "activation": act, "block": fam.block, "qk_norm": fam.qk_norm,
+        "fused_proj": fam.fused_proj,
+    }
+    if fam.embed_scale_sqrt_hidden:
+        out["embed_scale"] = hidden**0.5
+    if fam.query_pre_attn_scalar:
+        out["attn_scale"] = float(cfg["query_pre_attn_scalar"]) ** -0.5
+    if fam.multipliers:
+        out["embed_scale"] = float(cfg.get("embedding_multiplier", 1.0))
+        out["attn_scale"] = float(cfg.get("attention_multiplier", 1.0))
+        out["residual_scale"] = float(cfg.get("residual_multiplier", 1.0))
+        out["logits_divisor"] = float(cfg.get("logits_scaling", 1.0))
+        if out["logits_divisor"] == 0:
+            raise ConfigError("config.json: logits_scaling must not be 0")
+    if fam.softcaps:
+        for key, name in (("attn_logit_softcapping", "attn_softcap"),
+                          ("final_logit_softcapping", "final_softcap")):
+            cap = cfg.get(key)
+            if cap is not None and float(cap) <= 0:
+                raise ConfigError(f"config.json: {key} must be > 0 (or null), got {cap}")
+            out[name] = None if cap is None else float(cap)
+    return out
 
 
 def load_config(path: str | Path) -> ModelConfig:

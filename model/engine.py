@@ -30,7 +30,7 @@ import mlx.core as mx
 
 import metal_kernels
 
-from .cache import cache_stats, can_trim_to, layer_stats, trim_to
+from .cache import cache_stats, can_trim_to, layer_stats, trim_to, why_not_trimmable
 from .cache_file import load_cache, savable, save_cache
 from .chat_template import TemplateCancelled
 from .errors import KVChatError, error_line
@@ -369,7 +369,8 @@ class Engine:
                 trim_to(self._cache, keep_n)
                 del self._cache_ids[keep_n:]
             else:
-                reason = "the shared prefix was evicted by rotation; prefilling again"
+                why = why_not_trimmable(self._cache, self.model.config, keep_n)
+                reason = f"{why}; prefilling again"
                 self._cache = self.model.make_cache(
                     max_kv_size=params.max_kv_size, keep=params.keep
                 )

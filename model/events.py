@@ -102,6 +102,11 @@ class TurnStats:
     evicted_tokens: int | None = None
     keep: int | None = None
     wrapped: bool | None = None
+    # sliding-window layers (Gemma 2/3, Mistral): how many, their bytes, and how much
+    # smaller the cache is than if they held every token the global layers hold
+    sliding_layers: int | None = None
+    sliding_bytes: int | None = None
+    window_saving: float | None = None
     # the runtime
     peak_memory: int | None = None
     active_memory: int | None = None
@@ -120,7 +125,8 @@ class TurnStats:
 TURN_FIELDS = ("prompt_tokens", "cached_tokens", "prefill_tps", "ttft_s", "generated_tokens",
                "decode_tps")
 CACHE_FIELDS = ("cache_offset", "cache_tokens", "cache_capacity", "cache_bytes", "mha_bytes",
-                "gqa_saving", "evicted_tokens", "keep", "wrapped")
+                "gqa_saving", "evicted_tokens", "keep", "wrapped", "sliding_layers",
+                "sliding_bytes", "window_saving")
 
 
 def stats_json(stats: TurnStats) -> dict[str, Any]:

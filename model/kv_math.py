@@ -44,6 +44,42 @@ def kv_bytes(n_tokens: int, n_layers: int, n_kv_heads: int, head_dim: int, dtype
     return n_tokens * kv_bytes_per_token(n_layers, n_kv_heads, head_dim, dtype_bytes)
 
 
+@dataclass(frozen=True)
+class LayerKindBytes:
+    """K/V of the layers of one kind at a context length."""
+
+    kind: str  # "global" or "sliding"
+    layers: int
+    window: int | None
+    tokens: int  # resident per layer: the context, or the window when it is shorter
+    bytes: int
+
+
+def kv_bytes_by_kind(
+    cfg: ModelConfig, context: int, dtype_bytes: int, kv_heads: int | None = None
+) -> list[LayerKindBytes]:
+    """Bytes at `context` tokens per layer kind: a global layer holds every token, a
+    sliding layer at most its window (so bytes per token fall as the context grows)."""
+    kv = cfg.num_key_value_heads if kv_heads is None else kv_heads
+    per_layer = kv_bytes_per_token(1, kv, cfg.head_dim, dtype_bytes)
+    groups: dict[int | None, int] = {}
+    for spec in cfg.layers:
+        groups[spec.window] = groups.get(spec.window, 0) + 1
+    rows = []
+    for window, n in sorted(groups.items(), key=lambda item: item[0] is not None):
+        tokens = context if window is None else min(context, window)
+        rows.append(LayerKindBytes("global" if window is None else "sliding", n, window,
+                                   tokens, n * tokens * per_layer))
+    return rows
+
+
+def kv_bytes_at(
+    cfg: ModelConfig, context: int, dtype_bytes: int, kv_heads: int | None = None
+) -> int:
+    """K and V of every layer at `context` tokens, sliding windows included."""
+    return sum(r.bytes for r in kv_bytes_by_kind(cfg, context, dtype_bytes, kv_heads))
+
+
 def tokens_that_fit(budget_bytes: int, bytes_per_token: int, reserved_bytes: int = 0) -> int:
     """Whole tokens of KV cache that fit in `budget_bytes` after `reserved_bytes`
     (e.g. the weights); 0 when nothing fits."""
@@ -52,14 +88,34 @@ def tokens_that_fit(budget_bytes: int, bytes_per_token: int, reserved_bytes: int
     return max(0, budget_bytes - reserved_bytes) // bytes_per_token
 
 
+def context_that_fits(
+    cfg: ModelConfig, budget_bytes: int, dtype_bytes: int, reserved_bytes: int = 0
+) -> int | None:
+    """The longest context whose K/V (sliding windows included) fits in the budget after
+    `reserved_bytes`; None when any length fits (every layer slides and the windows fit)."""
+    room = max(0, budget_bytes - reserved_bytes)
+    rows = kv_bytes_by_kind(cfg, 1, dtype_bytes)
+    if all(r.window is not None for r in rows):
+        longest = max(r.window or 0 for r in rows)
+        if kv_bytes_at(cfg, longest, dtype_bytes) <= room:
+            return None
+    lo, hi = 0, 1
+    while kv_bytes_at(cfg, hi, dtype_bytes) <= room:  # bytes grow with the context
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if kv_bytes_at(cfg, mid, dtype_bytes) <= room else (lo, mid)
+    return lo
+
+
 @dataclass(frozen=True)
 class AttentionRow:
     """One line of the MHA / GQA / MQA table."""
 
     name: str
     kv_heads: int
-    bytes_per_token: int
-    bytes_at_context: int
+    bytes_per_token: int  # while every layer still grows (before any window fills)
+    bytes_at_context: int  # sliding layers counted at most their window
     saving_vs_mha: float  # n_heads / kv_heads
 
 
@@ -70,7 +126,7 @@ def attention_table(cfg: ModelConfig, dtype_bytes: int, context: int) -> list[At
     rows = []
     for name, k in (("MHA", h), (own, kv), ("MQA", 1)):
         per = kv_bytes_per_token(cfg.num_hidden_layers, k, cfg.head_dim, dtype_bytes)
-        rows.append(AttentionRow(name, k, per, per * context, h / k))
+        rows.append(AttentionRow(name, k, per, kv_bytes_at(cfg, context, dtype_bytes, k), h / k))
     return rows
 
 

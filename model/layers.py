@@ -1,11 +1,20 @@
-"""The decoder's building blocks: RMSNorm, RoPE, grouped-query attention, SwiGLU, block.
+"""The decoder's building blocks, each small and named for the variation it carries:
 
-Parameter names mirror Hugging Face so checkpoints load without renaming.
+- norms: `RMSNorm` (x̂·w) and `OffsetRMSNorm` (x̂·(1 + w), Gemma);
+- `RoPE` (default, linear, llama3, yarn, dynamic NTK, longrope; partial rotary);
+- `Attention` (grouped-query; q/k norm per head or over the projection, soft-capping,
+  any scale, NoPE) and `FusedAttention` (one `qkv_proj`, Phi-3);
+- `MLP` (gated: SwiGLU or GeGLU) and `FusedMLP` (one `gate_up_proj`, Phi-3);
+- blocks: `PreNormBlock`, `SandwichBlock` (4 norms, Gemma 2/3), `PostNormBlock` (OLMo 2).
+
+`config.FAMILIES` picks them; `make_block` is the only place that maps a resolved
+config to classes. Parameter names mirror Hugging Face so checkpoints load as they are.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -13,9 +22,18 @@ import mlx.nn as nn
 
 import metal_kernels
 
-from .config import ModelConfig, RopeConfig
+from .cache import causal_mask
+from .config import FULL, LayerSpec, ModelConfig, RopeConfig
+
+ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
+    "silu": nn.silu,
+    "gelu_pytorch_tanh": nn.gelu_approx,  # 0.5x(1 + tanh(√(2/π)(x + 0.044715x³)))
+    "gelu_new": nn.gelu_approx,
+    "gelu": nn.gelu,  # exact (erf)
+}
 
 
+# ---- norms ------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
     """x / RMS(x) * weight: no mean subtraction, no bias (unlike LayerNorm)."""
 
@@ -24,61 +42,156 @@ class RMSNorm(nn.Module):
         self.weight = mx.ones((dims,))
         self.eps = eps
 
+    def gain(self) -> mx.array:
+        """The per-feature factor the kernel multiplies by."""
+        return self.weight
+
     def __call__(self, x: mx.array) -> mx.array:
-        return metal_kernels.rms_norm(x, self.weight, self.eps)
+        return metal_kernels.rms_norm(x, self.gain(), self.eps)
 
     def add_and_norm(self, x: mx.array, residual: mx.array) -> tuple[mx.array, mx.array]:
         """(x + residual, norm(x + residual)) in one fused pass where the backend has it."""
-        return metal_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        return metal_kernels.add_rms_norm(x, residual, self.gain(), self.eps)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores w - 1, so the gain is (1 + weight)."""
+
+    def __init__(self, dims: int, eps: float = 1e-6):
+        super().__init__(dims, eps)
+        self.weight = mx.zeros((dims,))
+
+    def gain(self) -> mx.array:
+        return 1.0 + self.weight
+
+
+NORMS: dict[str, type[RMSNorm]] = {"rms": RMSNorm, "offset": OffsetRMSNorm}
+
+
+def make_norm(cfg: ModelConfig, dims: int) -> RMSNorm:
+    return NORMS[cfg.norm](dims, cfg.rms_norm_eps)
+
+
+# ---- RoPE -------------------------------------------------------------------------------
+def _base_periods(dims: int, theta: float | mx.array) -> mx.array:
+    return theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
 
 
 def rope_periods(dims: int, rope: RopeConfig) -> mx.array | None:
-    """Per-pair periods for scaled RoPE (`None` for the plain base-theta schedule).
+    """Per-pair periods (1 / inverse frequency) of a scaled RoPE that does not depend on
+    the sequence length; `None` where a plain base-theta schedule does (default, linear,
+    dynamic within the trained context). Formulas as transformers' `modeling_rope_utils`."""
+    if rope.type == "llama3":
+        # stretch long wavelengths by `factor`, keep short ones, blend in between
+        periods = _base_periods(dims, rope.theta)
+        wavelens = 2 * math.pi * periods
+        old_ctx = rope.original_max_position_embeddings
+        low_wavelen = old_ctx / rope.low_freq_factor
+        high_wavelen = old_ctx / rope.high_freq_factor
+        scaled = mx.where(wavelens > low_wavelen, periods * rope.factor, periods)
+        smooth = (old_ctx / wavelens - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = scaled / ((1 - smooth) / rope.factor + smooth)
+        medium = (wavelens > high_wavelen) & (wavelens < low_wavelen)
+        return mx.where(medium, smoothed, scaled)
+    if rope.type == "yarn":
+        # interpolate (÷ factor) the low frequencies, extrapolate the high ones, ramp between
+        def correction_dim(rotations: float) -> float:
+            return (dims * math.log(rope.original_max_position_embeddings /
+                                    (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
 
-    llama3 scaling stretches long wavelengths by `factor`, keeps short ones, and blends
-    in between, as in the Llama 3.1 reference (and transformers' `_compute_llama3_parameters`).
-    """
-    if rope.type != "llama3":
-        return None
-    periods = rope.theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
-    wavelens = 2 * math.pi * periods
-    old_ctx = rope.original_max_position_embeddings
-    low_wavelen = old_ctx / rope.low_freq_factor
-    high_wavelen = old_ctx / rope.high_freq_factor
-    scaled = mx.where(wavelens > low_wavelen, periods * rope.factor, periods)
-    smooth = (old_ctx / wavelens - rope.low_freq_factor) / (
-        rope.high_freq_factor - rope.low_freq_factor
-    )
-    smoothed = scaled / ((1 - smooth) / rope.factor + smooth)
-    medium = (wavelens > high_wavelen) & (wavelens < low_wavelen)
-    return mx.where(medium, smoothed, scaled)
+        low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+        if rope.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dims - 1)
+        if low == high:
+            high += 0.001  # as the reference: avoid a zero-width ramp
+        ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+        inv = 1.0 / _base_periods(dims, rope.theta)
+        extrapolate = 1 - ramp
+        inv = (inv / rope.factor) * (1 - extrapolate) + inv * extrapolate
+        return 1.0 / inv
+    return None
 
 
 class RoPE(nn.Module):
-    """Rotary position embedding in the HF "rotate_half" layout; positions start at `offset`."""
+    """Rotary position embedding in the HF "rotate_half" layout over the first `dims`
+    features; positions start at `offset`.
+
+    Two schedules depend on how far the sequence reaches (`offset + T`), as in
+    transformers: longrope uses its short factors up to `original_max_position_embeddings`
+    and its long factors past it; dynamic NTK raises the base past the trained context.
+    """
 
     def __init__(self, dims: int, rope: RopeConfig):
         super().__init__()
         self.dims = dims
-        self.base = None if rope.type == "llama3" else rope.theta
-        # linear scaling divides positions by `factor`
-        self.scale = 1.0 / rope.factor if rope.type == "linear" else 1.0
+        self._cfg = rope
+        self.base = None if rope.type in ("llama3", "yarn", "longrope") else rope.theta
+        self.scale = 1.0 / rope.factor if rope.type == "linear" else 1.0  # positions ÷ factor
         self._periods = rope_periods(dims, rope)  # underscore: not a parameter
+        if rope.type == "longrope":
+            base = _base_periods(dims, rope.theta)
+            self._short = mx.array(rope.short_factor, dtype=mx.float32) * base
+            self._long = mx.array(rope.long_factor, dtype=mx.float32) * base
+
+    def _schedule(self, end: int | mx.array) -> tuple[float | None, mx.array | None]:
+        """(base, periods) for a call whose last position is `end - 1`."""
+        rope = self._cfg
+        if rope.type == "longrope":
+            orig = rope.original_max_position_embeddings
+            if isinstance(end, int):
+                return None, self._long if end > orig else self._short
+            return None, mx.where(end > orig, self._long, self._short)
+        if rope.type == "dynamic":
+            ctx = rope.max_position_embeddings
+            if isinstance(end, int) and end <= ctx:
+                return self.base, None
+            seq = mx.maximum(mx.array(end, dtype=mx.float32), ctx)
+            base = rope.theta * ((rope.factor * seq / ctx) - (rope.factor - 1)) ** (
+                self.dims / (self.dims - 2)
+            )
+            return None, _base_periods(self.dims, base)
+        return self.base, self._periods
 
     def __call__(
         self, q: mx.array, k: mx.array, offset: int | mx.array = 0
     ) -> tuple[mx.array, mx.array]:
         """Q and K rotated together (one kernel launch where the backend fuses them)."""
+        base, periods = self._schedule(offset + q.shape[-2])
         return metal_kernels.rope_qk(
-            q,
-            k,
-            self.dims,
-            traditional=False,
-            base=self.base,
-            scale=self.scale,
-            offset=offset,
-            freqs=self._periods,
+            q, k, self.dims, traditional=False, base=base, scale=self.scale, offset=offset,
+            freqs=periods,
         )
+
+    def rotate(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        """One tensor rotated (tests, tools)."""
+        base, periods = self._schedule(offset + x.shape[-2])
+        return metal_kernels.rope(
+            x, self.dims, traditional=False, base=base, scale=self.scale, offset=offset,
+            freqs=periods,
+        )
+
+
+# ---- attention --------------------------------------------------------------------------
+def softcapped_attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, cap: float, mask: Any
+) -> mx.array:
+    """Attention with Gemma 2's logit soft-capping, cap·tanh(s / cap) before the mask;
+    the fused SDPA kernel has no such step. K/V stay at n_kv_heads (grouped, not repeated)."""
+    B, H, T, D = q.shape
+    kv = k.shape[1]
+    S = k.shape[2]
+    qg = q.reshape(B, kv, H // kv, T, D)
+    scores = (qg @ k[:, :, None].swapaxes(-1, -2)) * scale
+    scores = mx.tanh(scores / cap) * cap
+    if isinstance(mask, str):
+        mask = causal_mask(T, S - T)
+    if mask is not None:
+        scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+    p = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)
+    return (p @ v[:, :, None]).reshape(B, H, T, -1)
 
 
 class Attention(nn.Module):
@@ -86,10 +199,13 @@ class Attention(nn.Module):
 
     MHA (kv = heads), GQA and MQA (kv = 1) are this one code path; K/V stay at
     `n_kv_heads` (never repeated) and the fused SDPA kernel does the grouping.
+    Extras from the config: q/k RMSNorm per head (Qwen3, Gemma 3) or over the whole
+    projection (OLMo 2), a scale other than head_dim^-0.5, soft-capping, no RoPE.
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec | None = None):
         super().__init__()
+        spec = spec or LayerSpec(FULL, None, cfg.rope)
         d, h, kv, hd = (
             cfg.hidden_size,
             cfg.num_attention_heads,
@@ -97,52 +213,172 @@ class Attention(nn.Module):
             cfg.head_dim,
         )
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd
-        self.scale = hd**-0.5
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else hd**-0.5
+        self.softcap = cfg.attn_softcap
+        self._projections(cfg)
+        self.o_proj = nn.Linear(h * hd, d, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm is not None:
+            per_head = cfg.qk_norm == "head"
+            self.q_norm = make_norm(cfg, hd if per_head else h * hd)
+            self.k_norm = make_norm(cfg, hd if per_head else kv * hd)
+        self.rope = None
+        self._q_gain = None  # yarn/longrope attention factor on the rotated features
+        if spec.rope is not None:
+            dims = spec.rope.rotary_dims(hd)
+            self.rope = RoPE(dims, spec.rope)
+            m = spec.rope.attention_scaling
+            if m != 1.0:
+                # transformers scales cos and sin by m, i.e. q and k's rotated features:
+                # q·k gains m² there. Fold it into the scale, or into q where partial.
+                if dims == hd:
+                    self.scale *= m * m
+                else:
+                    self._q_gain = mx.concatenate([mx.full((dims,), m * m), mx.ones((hd - dims,))])
+
+    def _projections(self, cfg: ModelConfig) -> None:
+        d, h, kv, hd = cfg.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim
         self.q_proj = nn.Linear(d, h * hd, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(d, kv * hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(d, kv * hd, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(h * hd, d, bias=cfg.o_bias)
-        self.rope = RoPE(hd, cfg.rope)
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         B, T, _ = x.shape
-        q = self.q_proj(x).reshape(B, T, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = self.project(x)
+        if self.qk_norm == "proj":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(B, T, self.n_heads, -1)
+        k = k.reshape(B, T, self.n_kv_heads, -1)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        v = v.reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, k, offset)
+        if self.rope is not None:
+            q, k = self.rope(q, k, offset)
+        if self._q_gain is not None:
+            q = q * self._q_gain.astype(q.dtype)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        if self.softcap is not None:
+            out = softcapped_attention(q, k, v, self.scale, self.softcap, mask)
+        else:
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 
+class FusedAttention(Attention):
+    """Phi-3: Q, K and V come from one `qkv_proj` matmul (as the checkpoint stores it)."""
+
+    def _projections(self, cfg: ModelConfig) -> None:
+        h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (h + 2 * kv) * hd, bias=cfg.qkv_bias)
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        q_end = self.n_heads * self.head_dim
+        q, k, v = mx.split(self.qkv_proj(x), [q_end, q_end + self.n_kv_heads * self.head_dim], -1)
+        return q, k, v
+
+
+# ---- MLP --------------------------------------------------------------------------------
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); SiLU on the gate path only."""
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU with SiLU, GeGLU with GELU."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.act = ACTIVATIONS[cfg.activation]
+        self._projections(cfg)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def _projections(self, cfg: ModelConfig) -> None:
         d, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
         self.gate_proj = nn.Linear(d, f, bias=b)
         self.up_proj = nn.Linear(d, f, bias=b)
-        self.down_proj = nn.Linear(f, d, bias=b)
+
+    def gate_and_up(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        return self.gate_proj(x), self.up_proj(x)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_and_up(x)
+        return self.down_proj(self.act(gate) * up)
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))."""
+class FusedMLP(MLP):
+    """Phi-3: gate and up from one `gate_up_proj` matmul (gate first, as the checkpoint)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def _projections(self, cfg: ModelConfig) -> None:
+        f = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * f, bias=cfg.mlp_bias)
+
+    def gate_and_up(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        return gate, up
+
+
+# ---- blocks -----------------------------------------------------------------------------
+class Block(nn.Module):
+    """A layer's two branches, self_attn and mlp, in the projection layout the config asks."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = (FusedAttention if cfg.fused_proj else Attention)(cfg, spec)
+        self.mlp = (FusedMLP if cfg.fused_proj else MLP)(cfg)
+
+
+class PreNormBlock(Block):
+    """x + r·attn(norm(x)), then h + r·mlp(norm(h)); r = residual multiplier (Granite)."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__(cfg, spec)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
+        self._r = None if cfg.residual_scale == 1.0 else cfg.residual_scale
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        h, normed = self.post_attention_layernorm.add_and_norm(
-            self.self_attn(self.input_layernorm(x), mask, cache), x
-        )
-        return h + self.mlp(normed)
+        a = self.self_attn(self.input_layernorm(x), mask, cache)
+        if self._r is not None:
+            a = a * self._r
+        h, normed = self.post_attention_layernorm.add_and_norm(a, x)
+        m = self.mlp(normed)
+        return h + (m if self._r is None else m * self._r)
+
+
+class SandwichBlock(PreNormBlock):
+    """Gemma 2/3: each branch normed on the way in and on the way out (four norms)."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__(cfg, spec)
+        self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
+        self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        a = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
+        h, normed = self.pre_feedforward_layernorm.add_and_norm(a, x)
+        return h + self.post_feedforward_layernorm(self.mlp(normed))
+
+
+class PostNormBlock(Block):
+    """OLMo 2: no norm on the way in; each branch's output is normed before the add."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__(cfg, spec)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
+        self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        h = x + self.post_attention_layernorm(self.self_attn(x, mask, cache))
+        return h + self.post_feedforward_layernorm(self.mlp(h))
+
+
+BLOCKS: dict[str, type[Block]] = {
+    "pre": PreNormBlock,
+    "sandwich": SandwichBlock,
+    "post": PostNormBlock,
+}
+
+
+def make_block(cfg: ModelConfig, spec: LayerSpec) -> Block:
+    return BLOCKS[cfg.block](cfg, spec)

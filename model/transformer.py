@@ -1,4 +1,5 @@
-"""The decoder: embedding, N pre-norm blocks, final norm, tied or separate LM head."""
+"""The decoder: embedding (optionally scaled), N blocks of the family's layout, final
+norm, tied or separate LM head (optionally soft-capped or scaled)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import mlx.nn as nn
 
 from .cache import causal_mask, make_cache
 from .config import ModelConfig
-from .layers import RMSNorm, TransformerBlock
+from .layers import make_block, make_norm
 
 
 class DecoderModel(nn.Module):
@@ -18,8 +19,28 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = [TransformerBlock(cfg) for _ in range(cfg.num_hidden_layers)]
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = [make_block(cfg, spec) for spec in cfg.layers]
+        self.norm = make_norm(cfg, cfg.hidden_size)
+
+
+def layer_masks(
+    cfg: ModelConfig, T: int, cache: list[Any] | None
+) -> dict[int | None, Any]:
+    """One mask per distinct window among the layers (a model with sliding and global
+    layers needs two), each built from the first cache of that kind."""
+    masks: dict[int | None, Any] = {}
+    for i, spec in enumerate(cfg.layers):
+        w = spec.window
+        if w in masks:
+            continue
+        if cache is not None and hasattr(cache[i], "make_mask"):
+            # return_array named: mlx-lm's caches require it (their helper always passes it)
+            masks[w] = cache[i].make_mask(T, window_size=w, return_array=False)
+        elif w is not None and T > w:
+            masks[w] = causal_mask(T, window=w)
+        else:
+            masks[w] = "causal" if T > 1 else None
+    return masks
 
 
 class Transformer(nn.Module):
@@ -34,7 +55,7 @@ class Transformer(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property
-    def layers(self) -> list[TransformerBlock]:
+    def layers(self) -> list[nn.Module]:
         return self.model.layers
 
     def make_cache(self, max_kv_size: int | None = None, keep: int = 4) -> list[Any]:
@@ -45,22 +66,22 @@ class Transformer(nn.Module):
     ) -> mx.array:
         """Logits for every position, or only the last `logits_to_keep` (as HF names it):
         prefill then skips the vocab-sized head matmul for all but the position it samples."""
+        cfg = self.config
         h = self.model.embed_tokens(tokens)
-        T = h.shape[1]
-        if cache is not None and hasattr(cache[0], "make_mask"):
-            # return_array named: mlx-lm's caches require it (their helper always passes it)
-            mask = cache[0].make_mask(
-                T, window_size=self.config.sliding_window, return_array=False
-            )
-        elif self.config.sliding_window is not None and T > self.config.sliding_window:
-            mask = causal_mask(T, window=self.config.sliding_window)
-        else:
-            mask = "causal" if T > 1 else None
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, mask, cache[i] if cache is not None else None)
+        if cfg.embed_scale != 1.0:  # in the compute dtype, as the reference rounds it
+            h = h * mx.array(cfg.embed_scale, dtype=h.dtype)
+        masks = layer_masks(cfg, h.shape[1], cache)
+        for i, (layer, spec) in enumerate(zip(self.model.layers, cfg.layers, strict=True)):
+            h = layer(h, masks[spec.window], cache[i] if cache is not None else None)
         if logits_to_keep:
             h = h[:, -logits_to_keep:, :]
         h = self.model.norm(h)
-        if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        if cfg.tie_word_embeddings:
+            logits = self.model.embed_tokens.as_linear(h)
+        else:
+            logits = self.lm_head(h)
+        if cfg.logits_divisor != 1.0:
+            logits = logits / cfg.logits_divisor
+        if cfg.final_softcap is not None:
+            logits = mx.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits

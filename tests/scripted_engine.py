@@ -119,7 +119,9 @@ class WordTokenizer:
     def encode(self, text: str) -> list[int]:
         return [self.id(p) for p in split_reply(text)]
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, str]], should_stop: Any = None
+    ) -> list[int]:
         out: list[int] = []
         for m in messages:
             out.append(self._tag(m["role"]))

@@ -334,7 +334,8 @@ def test_stats_and_nbytes_match_the_formula() -> None:
     assert s == TurnStats(
         cache_offset=9, cache_tokens=9, cache_capacity=20,
         cache_bytes=2 * per_tok * 9, mha_bytes=2 * 2 * per_tok * 9, gqa_saving=2.0,
-        evicted_tokens=0, keep=4, wrapped=False,
+        evicted_tokens=0, keep=4, wrapped=False, sliding_layers=0, sliding_bytes=0,
+        window_saving=1.0,
     )
     model(mx.array([list(range(30))]), cache=caches)
     s = cache_stats(caches, cfg)

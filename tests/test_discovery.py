@@ -342,13 +342,13 @@ def _run(argv: list[str]) -> int:
 
 def test_models_cmd_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     make_model(tmp_path / "m" / "small-model", weights={"model.safetensors": 1536})
-    make_model(tmp_path / "m" / "q", model_type="phi3", quant={"bits": 4})
+    make_model(tmp_path / "m" / "q", model_type="mamba", quant={"bits": 4})
     assert _run(["--dir", str(tmp_path / "m")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["NAME", "ARCH", "BITS", "SIZE", "SOURCE", "PATH"]
     assert lines[1].split() == [
         "q",
-        "phi3?",
+        "mamba?",
         "4",
         "100",
         "B",

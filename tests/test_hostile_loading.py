@@ -26,7 +26,8 @@ from model.config import load_config
 from model.engine import Engine
 from model.errors import ConfigError, KVChatError, read_json_object
 from model.events import Done, GenParams, Loaded, LoadFailed
-from model.weights import load_model, safetensors_header
+from model.files import safetensors_header
+from model.weights import load_model
 
 from .conftest import REPO_ROOT
 

@@ -113,3 +113,53 @@ def test_usage_errors(llama70b: Path, capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(SystemExit) as e:  # argparse: one of --model/--config required
         run([], capsys)
     assert e.value.code == 2
+
+
+# Gemma 3 1B's shape: 26 layers, every 6th global (layers 5, 11, 17, 23), the other 22
+# slide over 512 tokens; 1 KV head of 256, bfloat16.
+GEMMA3_1B = {
+    "model_type": "gemma3_text", "hidden_size": 1152, "num_hidden_layers": 26,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+    "intermediate_size": 6912, "vocab_size": 262144, "max_position_embeddings": 32768,
+    "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
+}
+
+
+@pytest.mark.parametrize("context", [1024, 32768])
+def test_gemma3_bytes_by_layer_kind(context: int, tmp_path: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps(GEMMA3_1B))
+    rc, out, _ = run(["--config", str(f), "--json", "--context", str(context)], capsys)
+    o = json.loads(out)
+    per_layer_token = 2 * 1 * 256 * 2  # K+V × kv heads × head_dim × bf16 = 1024 B
+    global_bytes = 4 * context * per_layer_token
+    sliding_bytes = 22 * 512 * per_layer_token
+    expected = {1024: 4 * 1024**2 + 11 * 1024**2, 32768: 128 * 1024**2 + 11 * 1024**2}
+    assert rc == 0 and global_bytes + sliding_bytes == expected[context]
+    assert o["bytes_at_context"] == expected[context]
+    assert o["layer_kinds"] == [
+        {"kind": "global", "layers": 4, "window": None, "tokens": context,
+         "bytes": global_bytes},
+        {"kind": "sliding", "layers": 22, "window": 512, "tokens": 512,
+         "bytes": sliding_bytes},
+    ]
+    assert o["bytes_per_token"] == 26 * per_layer_token  # while every layer grows
+    assert o["bytes_per_token_at_context"] == expected[context] / context
+    assert o["window_saving"] == 26 * per_layer_token * context / expected[context]
+    rows = {r["name"]: r for r in o["table"]}
+    assert rows["MHA"]["bytes_at_context"] == 4 * expected[context]  # 4 query heads
+    rc, text, _ = run(["--config", str(f), "--context", str(context)], capsys)
+    assert "22 sliding (window 512) layers: 512 tokens each" in text
+    assert f"4 global layers: {context:,} tokens each" in text
+
+
+def test_budget_with_sliding_layers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """64 MiB: the 22 sliding layers take their 11 MiB once, the rest grows 4 KiB/token."""
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps(GEMMA3_1B))
+    rc, out, _ = run(["--config", str(f), "--json", "--budget", "64MiB"], capsys)
+    assert rc == 0 and json.loads(out)["budget_tokens"] == (64 - 11) * 1024**2 // 4096
+    f.write_text(json.dumps({**GEMMA3_1B, "model_type": "mistral"}))  # every layer slides
+    rc, out, _ = run(["--config", str(f), "--budget", "64MiB"], capsys)
+    assert rc == 0 and "any context length fits" in out

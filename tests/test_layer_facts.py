@@ -83,8 +83,8 @@ HEAD_DIM = 16
 
 def rope_score(rope: RoPE, q: mx.array, k: mx.array, q_pos: int, k_pos: int) -> float:
     """q · k after rotating q to position q_pos and k to k_pos."""
-    qr = rope(q.reshape(1, 1, 1, -1), offset=q_pos)
-    kr = rope(k.reshape(1, 1, 1, -1), offset=k_pos)
+    qr = rope.rotate(q.reshape(1, 1, 1, -1), offset=q_pos)
+    kr = rope.rotate(k.reshape(1, 1, 1, -1), offset=k_pos)
     return float((qr * kr).sum().item())
 
 
@@ -112,8 +112,8 @@ def test_rope_score_depends_only_on_distance(rope_cfg: RopeConfig) -> None:
 def test_rope_rotation_keeps_norm_and_position_zero_is_identity() -> None:
     x = mx.array(np.random.default_rng(1).standard_normal((1, 1, 1, HEAD_DIM)).astype(np.float32))
     rope = RoPE(HEAD_DIM, RopeConfig())
-    np.testing.assert_allclose(np_(rope(x, offset=0)), np_(x), atol=1e-6)
-    rotated = np_(rope(x, offset=37))
+    np.testing.assert_allclose(np_(rope.rotate(x, offset=0)), np_(x), atol=1e-6)
+    rotated = np_(rope.rotate(x, offset=37))
     assert np.linalg.norm(rotated) == pytest.approx(np.linalg.norm(np_(x)), rel=1e-5)
 
 

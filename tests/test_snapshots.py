@@ -146,7 +146,7 @@ def test_model_picker(snap_compare: Any, monkeypatch: pytest.MonkeyPatch) -> Non
                    4, "hf-cache"),
         ModelEntry("SmolLM2-135M-Instruct", Path("/lms/smol"), "llama", 269_060_096, None,
                    "lm-studio"),
-        ModelEntry("gemma-2-2b", Path("/lms/gemma"), "gemma2", 5_228_683_776, None,
+        ModelEntry("mamba-2.8b", Path("/lms/mamba"), "mamba", 5_228_683_776, None,
                    "lm-studio"),
     ]
     monkeypatch.setattr("app.screens.picker.find_models", lambda *a, **k: entries)

@@ -18,7 +18,9 @@ from ..widgets.format import fmt_bytes
 # (key in layer_stats, column title); bytes columns are shown in human units
 COLUMNS = (
     ("layer", "layer"),
-    ("kind", "kind"),
+    ("attention", "attention"),
+    ("window", "window"),
+    ("kind", "cache"),
     ("cache_offset", "offset"),
     ("cache_tokens", "tokens"),
     ("cache_capacity", "capacity"),
@@ -73,9 +75,31 @@ class LayerCacheScreen(ModalScreen[None]):
         table.add_columns(*(titles.get(k, k) for k in keys + extra))
         for r in rows:
             table.add_row(*(_cell(k, r.get(k)) for k in keys + extra))
-        total = sum(int(r.get("cache_bytes") or 0) for r in rows)
         self.query_one("#summary", Static).update(
-            f"{len(rows)} layers · {fmt_bytes(total)} of K/V resident · r refresh · Esc close"
+            f"{summary(rows)} · r refresh · Esc close"
             if rows
             else "The cache is empty (no turn yet, or no model loaded). Esc closes."
         )
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """Layers by kind, bytes resident, and what sliding windows and GQA each save:
+    windows against every layer holding as many tokens as the fullest one, GQA against
+    the same tokens with one K/V head per query head."""
+    total = sum(int(r.get("cache_bytes") or 0) for r in rows)
+    text = f"{len(rows)} layers · {fmt_bytes(total)} of K/V resident"
+    sliding = [r for r in rows if str(r.get("attention", "")).startswith("sliding")]
+    if sliding and total:
+        most = max(int(r.get("cache_tokens") or 0) for r in rows)
+        unwindowed = sum(
+            r["cache_bytes"] / r["cache_tokens"] * most for r in rows if r.get("cache_tokens")
+        )
+        held = sum(int(r.get("cache_bytes") or 0) for r in sliding)
+        text += (
+            f" · {len(sliding)} sliding layers hold {fmt_bytes(held)},"
+            f" windows save {unwindowed / total:.2f}x"
+        )
+    mha = sum(int(r.get("mha_bytes") or 0) for r in rows)
+    if total and mha:
+        text += f" · GQA saves {mha / total:.2f}x"
+    return text

@@ -197,6 +197,8 @@ class StatsPanel(VerticalScroll):
                 _row("KV", fmt_bytes(s.cache_bytes), "bold"),
                 _row("as MHA", fmt_bytes(s.mha_bytes)),
                 _row("GQA", f"{fmt_saving(s.gqa_saving)} smaller"),
+                *([_row("windows", f"{fmt_saving(s.window_saving)} smaller")]
+                  if s.sliding_layers else []),
                 _row("reused", f"{fmt_count(s.cached_tokens)} tokens this turn"),
                 _row("window", f"{fmt_count(cap)} · keep {fmt_count(s.keep)}"),
                 _row(

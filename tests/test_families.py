@@ -1,0 +1,528 @@
+"""Every family in config.FAMILIES against transformers (the reference) on a fresh random
+tiny checkpoint: logits of a 40-token sequence, whole and token by token through our
+per-layer caches, with a sliding window (16) shorter than the sequence where the family
+has one; the same after mlx-lm's 4-bit conversion against transformers on the
+dequantized weights. Tolerance: max |ours − ref| ≤ 1e-4 · max(1, max |ref|).
+
+Beside ours, mlx-lm 0.32.2's error on the same folder is measured and asserted where it
+is known to be off (the README's parity table prints both; run with -s to see them).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from model import load_model
+from model.config import FAMILIES, SLIDING, ModelConfig
+from model.errors import ConfigError
+
+from .conftest import _randomize, _to_classic_rope, _write_tokenizer
+
+SEQ = 40
+WINDOW = 16
+IDS = np.random.default_rng(4321).integers(3, 256, size=(1, SEQ))
+
+_BASE: dict[str, Any] = {
+    "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+}
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    hf_class: str  # transformers' ...ForCausalLM class name
+    overrides: dict[str, Any] = field(default_factory=dict)
+    rope_form: str = "parameters"  # or "classic" (rope_theta + rope_scaling)
+    # RoPE that depends on how far a call reaches (longrope, dynamic): transformers'
+    # own token-by-token run is the reference for ours
+    incremental_reference: bool = False
+    # mlx-lm 0.32.2 on the same fp32 folder: "agrees" (≤ tolerance), "off" (beyond
+    # it, documented), "fails" (cannot load or run it)
+    mlx_lm: str = "agrees"
+    note: str = ""
+    convert_classic: bool = False  # mlx_lm.convert needs the classic RoPE spelling
+    seed: int = 0
+
+
+LONGROPE = {
+    "rope_type": "longrope", "rope_theta": 10000.0,
+    "short_factor": [1.0, 1.1, 1.3, 1.7], "long_factor": [1.0, 2.0, 4.0, 9.0],
+    "original_max_position_embeddings": 32, "partial_rotary_factor": 0.5,
+}
+
+FAMILY_SPECS: dict[str, FamilySpec] = {
+    # head_dim 32 while hidden / heads = 16; layer 1 slides (max_window_layers 1)
+    "qwen3": FamilySpec("Qwen3ForCausalLM", {
+        "head_dim": 32, "use_sliding_window": True, "sliding_window": WINDOW,
+        "max_window_layers": 1, "tie_word_embeddings": False,
+    }, mlx_lm="off", note="mlx-lm ignores Qwen3's sliding layers", seed=10),
+    "qwen3_dense": FamilySpec("Qwen3ForCausalLM", {"head_dim": 32}, seed=11),
+    "gemma": FamilySpec("GemmaForCausalLM", {"head_dim": 16}, mlx_lm="off",
+                        note="mlx-lm uses the exact GELU, the config asks for tanh", seed=12),
+    # sliding, global, sliding; scale from query_pre_attn_scalar; caps small enough to bite
+    "gemma2": FamilySpec("Gemma2ForCausalLM", {
+        "num_hidden_layers": 3, "head_dim": 16, "sliding_window": WINDOW,
+        "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 8.0,
+    }, mlx_lm="off", note="mlx-lm ignores Gemma 2's sliding window", seed=13),
+    # sliding ×2, global, sliding; local base 1e4, global linear ×8 on base 1e6
+    "gemma3_text": FamilySpec("Gemma3ForCausalLM", {
+        "num_hidden_layers": 4, "head_dim": 16, "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                        "sliding_attention"],
+        "query_pre_attn_scalar": 16,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    }, mlx_lm="fails", note="mlx-lm reads sliding_window_pattern, not layer_types",
+        seed=14),
+    # the same as older configs spell it (rope_theta, rope_local_base_freq, rope_scaling,
+    # sliding_window_pattern): sliding, global, sliding, global
+    "gemma3_text_classic": FamilySpec("Gemma3ForCausalLM", {
+        "num_hidden_layers": 4, "head_dim": 16, "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "query_pre_attn_scalar": 16,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    }, rope_form="gemma3_classic", seed=14),
+    "phi3": FamilySpec("Phi3ForCausalLM", {"sliding_window": WINDOW}, mlx_lm="off",
+                       note="mlx-lm ignores Phi-3's sliding_window", seed=15),
+    # partial rotary (half of head_dim) and longrope, short factors up to 32 tokens
+    "phi3_longrope": FamilySpec("Phi3ForCausalLM", {
+        "max_position_embeddings": 128, "original_max_position_embeddings": 32,
+        "rope_parameters": LONGROPE,
+    }, incremental_reference=True, mlx_lm="off",
+        note="mlx-lm always uses the long factors", seed=16),
+    # layers 1 and 3 NoPE (interval 2), and those slide
+    "smollm3": FamilySpec("SmolLM3ForCausalLM", {
+        "num_hidden_layers": 4, "no_rope_layer_interval": 2,
+        "use_sliding_window": True, "sliding_window": WINDOW,
+    }, mlx_lm="off", note="mlx-lm ignores SmolLM3's sliding layers", seed=17),
+    "smollm3_dense": FamilySpec("SmolLM3ForCausalLM", {
+        "num_hidden_layers": 4, "no_rope_layer_interval": 2,
+    }, mlx_lm="off", note="mlx-lm ignores rope_parameters (theta 2e6)", seed=17),
+    "smollm3_classic": FamilySpec("SmolLM3ForCausalLM", {
+        "num_hidden_layers": 4, "no_rope_layer_interval": 2,
+    }, rope_form="classic", seed=17),
+    "olmo2": FamilySpec("Olmo2ForCausalLM", seed=18),
+    "granite": FamilySpec("GraniteForCausalLM", {
+        "embedding_multiplier": 12.0, "attention_multiplier": 0.05,
+        "residual_multiplier": 0.22, "logits_scaling": 8.0,
+    }, mlx_lm="fails", note="mlx-lm cannot read a transformers 5 granite config",
+        convert_classic=True, seed=19),
+    "granite_classic": FamilySpec("GraniteForCausalLM", {
+        "embedding_multiplier": 12.0, "attention_multiplier": 0.05,
+        "residual_multiplier": 0.22, "logits_scaling": 8.0,
+    }, rope_form="classic", seed=19),
+    # RoPE types on a llama body: yarn (with its attention factor), dynamic NTK past 32
+    "llama_yarn": FamilySpec("LlamaForCausalLM", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }}, mlx_lm="off", note="mlx-lm ignores rope_parameters", seed=20),
+    "llama_yarn_classic": FamilySpec("LlamaForCausalLM", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }}, rope_form="classic", seed=20),
+    "llama_dynamic": FamilySpec("LlamaForCausalLM", {
+        "max_position_embeddings": 32,
+        "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    }, rope_form="classic", incremental_reference=True, seed=21),
+}
+NAMES = list(FAMILY_SPECS)
+
+
+def build(spec: FamilySpec, folder: Path) -> Path:
+    import torch
+    import transformers as tf
+
+    model_cls = getattr(tf, spec.hf_class)
+    cfg = model_cls.config_class(**{**_BASE, **json.loads(json.dumps(spec.overrides))})
+    torch.manual_seed(spec.seed)
+    model = model_cls(cfg).to(torch.float32).eval()
+    _randomize(model, spec.seed)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    _write_tokenizer(folder, cfg.vocab_size)
+    if spec.rope_form == "classic":
+        _to_classic_rope(folder)
+    elif spec.rope_form == "gemma3_classic":
+        path = folder / "config.json"
+        c = json.loads(path.read_text())
+        rope = c.pop("rope_parameters")
+        c["rope_theta"] = rope["full_attention"]["rope_theta"]
+        c["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+        c["rope_scaling"] = {"rope_type": "linear", "factor": rope["full_attention"]["factor"]}
+        c["sliding_window_pattern"] = 2
+        path.write_text(json.dumps(c, indent=2))
+    return folder
+
+
+def tolerance(ref: np.ndarray) -> float:
+    return 1e-4 * max(1.0, float(np.abs(ref).max()))
+
+
+def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
+    assert a.shape == ref.shape, (a.shape, ref.shape)
+    return float(np.abs(a - ref).max()) / max(1.0, float(np.abs(ref).max()))
+
+
+@functools.cache
+def hf_logits(folder: Path, incremental: bool = False) -> np.ndarray:
+    """transformers' logits (eager attention), whole or token by token; computed once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    ids = torch.tensor(IDS)
+    with torch.no_grad():
+        if not incremental:
+            return model(ids).logits.float().numpy()
+        out, past = [], None
+        for t in range(SEQ):
+            r = model(ids[:, t : t + 1], past_key_values=past, use_cache=True)
+            past = r.past_key_values
+            out.append(r.logits)
+        return torch.cat(out, dim=1).float().numpy()
+
+
+def ours_whole(folder: Path) -> np.ndarray:
+    return np.array(load_model(folder)(mx.array(IDS)))
+
+
+def ours_stepwise(folder: Path) -> np.ndarray:
+    model = load_model(folder)
+    # the dynamic-NTK fixture's context (32) is shorter than the sequence: no rotation
+    cache = model.make_cache(max_kv_size=max(SEQ, model.config.max_position_embeddings))
+    steps = [model(mx.array(IDS[:, t : t + 1]), cache=cache) for t in range(SEQ)]
+    return np.array(mx.concatenate(steps, axis=1))
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build(FAMILY_SPECS[name], tmp_path_factory.mktemp(f"fam_{name}"))
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def quantized(
+    family: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], tuple[Path, Path]]:
+    """(4-bit folder by mlx_lm.convert, its dequantized float copy) for a family.
+    mlx-lm converts a classic-RoPE copy where it cannot read transformers 5's form
+    (the weights do not depend on it); our loader reads the converted config as is."""
+    built: dict[str, tuple[Path, Path]] = {}
+
+    def get(name: str) -> tuple[Path, Path]:
+        if name not in built:
+            from mlx_lm import convert
+
+            src = family(name)
+            root = tmp_path_factory.mktemp(f"q4_{name}")
+            if FAMILY_SPECS[name].convert_classic:
+                shutil.copytree(src, root / "classic")
+                _to_classic_rope(root / "classic")
+                src = root / "classic"
+            convert(str(src), str(root / "q4"), quantize=True, q_bits=4, q_group_size=64)
+            convert(str(root / "q4"), str(root / "deq"), dequantize=True)
+            built[name] = (root / "q4", root / "deq")
+        return built[name]
+
+    return get
+
+
+def errors(ours: Path, reference: Path, name: str) -> tuple[float, float]:
+    """(whole, token by token) error of our model from folder `ours` against transformers
+    on folder `reference` (its own token-by-token run where the RoPE needs it)."""
+    ref = hf_logits(reference)
+    step_ref = hf_logits(reference, True) if FAMILY_SPECS[name].incremental_reference else ref
+    return rel_err(ours_whole(ours), ref), rel_err(ours_stepwise(ours), step_ref)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_family_matches_transformers(name: str, family: Callable[[str], Path]) -> None:
+    whole, step = errors(family(name), family(name), name)
+    print(f"\n{name}: ours vs transformers, whole {whole:.1e}, token by token {step:.1e}")
+    assert whole <= 1e-4 and step <= 1e-4
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if FAMILY_SPECS[n].rope_form == "parameters"])
+def test_family_4bit_matches_transformers_on_dequantized(
+    name: str, quantized: Callable[[str], tuple[Path, Path]]
+) -> None:
+    q4, deq = quantized(name)
+    assert json.loads((q4 / "config.json").read_text())["quantization"]["bits"] == 4
+    assert load_model(q4).quantization["bits"] == 4
+    whole, step = errors(q4, deq, name)
+    print(f"\n{name} 4-bit: ours vs transformers (dequantized), whole {whole:.1e},"
+          f" token by token {step:.1e}")
+    assert whole <= 1e-4 and step <= 1e-4
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mlx_lm_on_the_same_folder(name: str, family: Callable[[str], Path]) -> None:
+    """Records mlx-lm 0.32.2's error next to ours (README parity table)."""
+    from mlx_lm.utils import load_model as mlx_lm_load
+
+    spec = FAMILY_SPECS[name]
+    folder = family(name)
+    ref = hf_logits(folder)
+    ours = rel_err(ours_whole(folder), ref)
+    if spec.mlx_lm == "fails":
+        with pytest.raises(Exception):  # noqa: B017 - any failure to build or run it
+            mlx_lm_load(folder)[0](mx.array(IDS))
+        print(f"\n{name}: ours {ours:.1e}, mlx-lm cannot load it ({spec.note})")
+        assert ours <= 1e-4
+        return
+    theirs_model, _ = mlx_lm_load(folder)
+    theirs = rel_err(np.array(theirs_model(mx.array(IDS)).astype(mx.float32)), ref)
+    print(f"\n{name}: ours {ours:.1e}, mlx-lm {theirs:.1e} {spec.note}")
+    assert ours <= 1e-4
+    if spec.mlx_lm == "off":
+        assert theirs > 1e-4
+    else:
+        assert theirs <= 1e-4
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "q8", "mixed_3_6"])
+@pytest.mark.parametrize("name", ["gemma3_text", "phi3_longrope", "qwen3"])
+def test_family_8bit_and_per_layer_quantization(
+    name: str, recipe: str, family: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """mlx-community's other formats: bfloat16, 8-bit, and mlx-lm's mixed 3/6-bit recipe
+    whose config lists per-layer bits; checked against transformers on the same weights
+    (dequantized where quantized; bf16 read by transformers in float32)."""
+    from mlx_lm import convert
+
+    q = tmp_path / "q"
+    if recipe == "bf16":
+        convert(str(family(name)), str(q), dtype="bfloat16")
+        err = rel_err(np.array(load_model(q)(mx.array(IDS))), hf_logits(q))
+        print(f"\n{name} {recipe}: ours vs transformers {err:.1e}")
+        assert err <= 1e-4
+        return
+    if recipe == "q8":
+        convert(str(family(name)), str(q), quantize=True, q_bits=8, q_group_size=64)
+    else:
+        convert(str(family(name)), str(q), quantize=True, q_bits=4, q_group_size=64,
+                quant_predicate=recipe)
+        per_layer = json.loads((q / "config.json").read_text())["quantization"]
+        assert any(isinstance(v, dict) for v in per_layer.values())  # overrides present
+    convert(str(q), str(tmp_path / "deq"), dequantize=True)
+    ref = hf_logits(tmp_path / "deq")
+    err = rel_err(np.array(load_model(q)(mx.array(IDS))), ref)
+    print(f"\n{name} {recipe}: ours vs transformers (dequantized) {err:.1e}")
+    assert err <= 1e-4
+
+
+# ---- the table resolves what each family needs ---------------------------------------------
+def test_every_family_has_a_checkpoint_here() -> None:
+    import transformers as tf
+
+    tested = {getattr(tf, s.hf_class).config_class.model_type for s in FAMILY_SPECS.values()}
+    assert set(FAMILIES) - tested <= {"llama", "mistral", "qwen2"}  # test_parity covers these
+
+
+def test_gemma3_layer_kinds_and_local_rope(family: Callable[[str], Path]) -> None:
+    cfg = load_model(family("gemma3_text")).config
+    assert cfg.layer_kinds == ["sliding_attention"] * 2 + ["full_attention", "sliding_attention"]
+    assert [s.window for s in cfg.layers] == [WINDOW, WINDOW, None, WINDOW]
+    assert cfg.layers[0].rope.theta == 1e4 and cfg.layers[0].rope.type == "default"
+    assert cfg.layers[2].rope.theta == 1e6 and cfg.layers[2].rope.type == "linear"
+
+
+def test_sliding_window_changes_logits(family: Callable[[str], Path], tmp_path: Path) -> None:
+    """The fixtures' window really bites at 40 tokens: without it, logits differ."""
+    src = family("gemma2")
+    plain = tmp_path / "plain"
+    shutil.copytree(src, plain)
+    cfg = json.loads((plain / "config.json").read_text())
+    cfg["sliding_window"] = 4096
+    (plain / "config.json").write_text(json.dumps(cfg))
+    assert rel_err(ours_whole(plain), hf_logits(src)) > 1e-2
+
+
+def test_mixed_caches_keep_window_and_full(family: Callable[[str], Path]) -> None:
+    model = load_model(family("gemma3_text"))
+    cache = model.make_cache()
+    assert [c.max_size for c in cache] == [WINDOW, WINDOW, 256, WINDOW]
+    assert [c.keep for c in cache] == [0, 0, 4, 0]
+    model(mx.array(IDS), cache=cache)
+    from model.cache import cache_stats, layer_stats
+
+    s = cache_stats(cache, model.config)
+    per = 2 * 2 * 16 * 4  # K+V × kv heads × head_dim × float32
+    assert s["cache_tokens"] == SEQ and s["cache_offset"] == SEQ
+    assert s["cache_bytes"] == per * (3 * WINDOW + SEQ)
+    assert s["sliding_layers"] == 3 and s["sliding_bytes"] == per * 3 * WINDOW
+    assert s["window_saving"] == pytest.approx(4 * SEQ / (3 * WINDOW + SEQ))
+    rows = layer_stats(cache, model.config)
+    assert [r["attention"] for r in rows] == ["sliding", "sliding", "global", "sliding"]
+    assert [r["cache_tokens"] for r in rows] == [WINDOW, WINDOW, SEQ, WINDOW]
+
+
+def test_user_bound_smaller_than_window(family: Callable[[str], Path]) -> None:
+    """--max-kv-size below the window bounds every layer; keep applies to the global ones."""
+    model = load_model(family("gemma3_text"))
+    cache = model.make_cache(max_kv_size=8, keep=2)
+    assert [(c.max_size, c.keep) for c in cache] == [(8, 2)] * 4
+
+
+# ---- bad input -------------------------------------------------------------------------------
+GEMMA3 = {
+    "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+    "vocab_size": 256, "sliding_window": 16,
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"layer_types": ["full_attention"] * 3}, "layer_types"),
+        ({"layer_types": ["full_attention"] * 3 + ["local"]}, "layer_types"),
+        ({"sliding_window": 0}, "sliding_window"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "ntk-by-parts"},
+                              "sliding_attention": {}}}, "rope_parameters.full_attention"),
+        ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "rope_type"),
+        ({"hidden_activation": "relu2"}, "hidden_activation"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6,
+                                                 "partial_rotary_factor": 1.5},
+                              "sliding_attention": {}}}, "partial_rotary_factor"),
+        ({"model_type": "phi3", "rope_scaling": {**LONGROPE, "long_factor": [1.0]}},
+         "long_factor"),
+    ],
+)
+def test_inconsistent_config_names_the_key(change: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_dict({**GEMMA3, **change})
+    msg = str(e.value)
+    assert key in msg and "\n" not in msg
+
+
+def test_unsupported_family_lists_the_supported_ones() -> None:
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_dict({**GEMMA3, "model_type": "mamba"})
+    msg = str(e.value)
+    assert "'mamba'" in msg and "\n" not in msg
+    for name in FAMILIES:
+        assert name in msg
+
+
+def test_bad_family_folder_loads_nothing(family: Callable[[str], Path], tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(family("smollm3"), bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["no_rope_layers"] = [1]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="no_rope_layers"):
+        load_model(bad)
+
+
+def test_gemma3_default_pattern_without_layer_types() -> None:
+    """No layer_types: every 6th layer is global (transformers' default pattern)."""
+    cfg = ModelConfig.from_dict({**GEMMA3, "num_hidden_layers": 12})
+    kinds = cfg.layer_kinds
+    assert [i for i, k in enumerate(kinds) if k != SLIDING] == [5, 11]
+
+
+# ---- the engine with mixed caches --------------------------------------------------------------
+def _turns(folder: Path, prompts: list[list[int]], **kw: Any) -> list[tuple[Any, Any]]:
+    """(Started, Done) of each prompt, in one engine (greedy, 3 tokens each)."""
+    import queue
+
+    from model.engine import Engine
+    from model.events import Done, GenParams, Loaded, LoadFailed, Started
+
+    events: queue.Queue[Any] = queue.Queue()
+    engine = Engine(events.put, folder, **kw)
+    try:
+        ev = events.get(timeout=60)
+        while not isinstance(ev, Loaded | LoadFailed):
+            ev = events.get(timeout=60)
+        assert isinstance(ev, Loaded), ev
+        out = []
+        for p in prompts:
+            engine.submit(p, GenParams(max_tokens=3, ignore_eos=True))
+            started = None
+            while not isinstance(ev := events.get(timeout=60), Done):
+                if isinstance(ev, Started):
+                    started = ev
+            assert ev.finish_reason == "length", ev.error
+            out.append((started, ev))
+        return out
+    finally:
+        engine.close()
+
+
+def test_prompt_reuse_stays_exact_with_sliding_layers(family: Callable[[str], Path]) -> None:
+    """Extending the conversation reuses every layer's cache; going back past what the
+    sliding layers still hold prefills again and says why; the tokens always equal a
+    run that never reuses anything."""
+    folder = family("gemma3_text")
+    a = [int(x) for x in IDS[0, :30]]
+    first = _turns(folder, [a])[0][1]
+    b = a + first.ids[:2] + [5, 6, 7]  # the cache holds a + the 2 fed reply tokens
+    c = b[:-6] + [9, 9]  # differs 6 tokens back: the 16-token windows moved past that
+    runs = _turns(folder, [a, b, c])
+    fresh = _turns(folder, [a, b, c], reuse_prefix=False)
+    (_, d1), (s2, d2), (s3, d3) = runs
+    assert s2.cached_tokens == len(a) + 2 and s2.reprefill_reason is None
+    assert s3.cached_tokens == 0 and "sliding-window layers (window 16)" in s3.reprefill_reason
+    assert [d.ids for d in (d1, d2, d3)] == [d.ids for _, d in fresh]
+
+
+def test_layer_view_summary_shows_window_and_gqa_savings(family: Callable[[str], Path]) -> None:
+    from app.screens.layers import summary
+    from model.cache import layer_stats
+
+    model = load_model(family("gemma3_text"))
+    cache = model.make_cache()
+    model(mx.array(IDS), cache=cache)
+    text = summary(layer_stats(cache, model.config))
+    per = 2 * 2 * 16 * 4  # K+V × kv heads × head_dim × float32
+    assert text.startswith("4 layers · ")
+    assert f"3 sliding layers hold {3 * WINDOW * per // 1024} KiB" in text
+    assert f"windows save {4 * SEQ / (3 * WINDOW + SEQ):.2f}x" in text
+    assert "GQA saves 2.00x" in text
+
+
+def test_inspect_live_with_sliding_layers(
+    family: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvchat inspect --live`: bytes measured from the arrays of mixed caches equal the
+    per-kind formula: 32 tokens in the global layer, 16 in each of 3 sliding ones."""
+    import argparse
+
+    from app import inspect_cmd
+
+    p = argparse.ArgumentParser()
+    inspect_cmd.add_arguments(p)
+    assert inspect_cmd.run(p.parse_args(["--model", str(family("gemma3_text")), "--live",
+                                         "--json"])) == 0
+    live = json.loads(capsys.readouterr().out)["live"]
+    per = 2 * 2 * 16 * 4  # K+V × kv heads × head_dim × float32, one layer, one token
+    assert live["equal"] and live["tokens"] == 32
+    assert live["measured_bytes"] == live["formula_bytes"] == per * (32 + 3 * WINDOW)
