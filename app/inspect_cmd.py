@@ -182,7 +182,7 @@ def _live(folder: Path, cfg: ModelConfig) -> dict[str, Any]:
         n = c.size()
         measured += c.keys[..., :n, :].nbytes + c.values[..., :n, :].nbytes
     stats = cache_stats(caches, model.config)
-    tokens = stats["cache_tokens"]
+    tokens = stats.cache_tokens or 0
     live_dtype = caches[0].keys.dtype
     formula = kv_bytes_at(cfg, tokens, live_dtype.size)
     return {

@@ -424,6 +424,9 @@ def layer_stats(caches: list[Any], cfg: ModelConfig) -> list[dict[str, Any]]:
         if s["cache_capacity"] is None:
             s["cache_capacity"] = cfg.max_position_embeddings
         s["layer"] = i
+        if i < len(cfg.layers):
+            s["attention"] = _attention_name(cfg.layers[i])
+            s["window"] = cfg.layers[i].window
         s["mha_bytes"] = _layer_bytes(getattr(c, "keys", None), s["cache_tokens"], cfg.gqa_groups)
         out.append(s)
     return out

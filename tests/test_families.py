@@ -373,10 +373,10 @@ def test_mixed_caches_keep_window_and_full(family: Callable[[str], Path]) -> Non
 
     s = cache_stats(cache, model.config)
     per = 2 * 2 * 16 * 4  # K+V × kv heads × head_dim × float32
-    assert s["cache_tokens"] == SEQ and s["cache_offset"] == SEQ
-    assert s["cache_bytes"] == per * (3 * WINDOW + SEQ)
-    assert s["sliding_layers"] == 3 and s["sliding_bytes"] == per * 3 * WINDOW
-    assert s["window_saving"] == pytest.approx(4 * SEQ / (3 * WINDOW + SEQ))
+    assert s.cache_tokens == SEQ and s.cache_offset == SEQ
+    assert s.cache_bytes == per * (3 * WINDOW + SEQ)
+    assert s.sliding_layers == 3 and s.sliding_bytes == per * 3 * WINDOW
+    assert s.window_saving == pytest.approx(4 * SEQ / (3 * WINDOW + SEQ))
     rows = layer_stats(cache, model.config)
     assert [r["attention"] for r in rows] == ["sliding", "sliding", "global", "sliding"]
     assert [r["cache_tokens"] for r in rows] == [WINDOW, WINDOW, SEQ, WINDOW]
