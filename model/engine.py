@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 import metal_kernels
 
+from . import pipeline
 from .cache import cache_stats, can_trim_to, layer_stats, trim_to
 from .errors import KVChatError
 from .events import (
@@ -45,7 +47,7 @@ from .events import (
 from .sampling import Sampler
 from .tokenizer import Tokenizer, load_tokenizer
 from .transformer import Transformer
-from .weights import load_model, parameter_count, weight_bytes
+from .weights import parameter_count, weight_bytes
 
 Prompt = Sequence[dict[str, str]] | Sequence[int] | str
 
@@ -62,6 +64,13 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def _float_dtype(model: Transformer) -> mx.Dtype:
+    """The compute dtype: that of the first floating parameter (norms stay float when
+    the rest is quantized; a pipeline rank may lack the final norm)."""
+    return next(a.dtype for _, a in tree_flatten(model.parameters())
+                if mx.issubdtype(a.dtype, mx.floating))
+
+
 def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
     cfg = model.config
     quant = getattr(model, "quantization", None)
@@ -72,7 +81,7 @@ def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
         "architecture": cfg.model_type,
         "parameters": parameter_count(model),
         "bits": quant["bits"] if quant else None,
-        "dtype": str(model.model.norm.weight.dtype).removeprefix("mlx.core."),
+        "dtype": str(_float_dtype(model)).removeprefix("mlx.core."),
         "weight_bytes": weight_bytes(model),
         "n_layers": cfg.num_hidden_layers,
         "n_heads": cfg.num_attention_heads,
@@ -82,6 +91,8 @@ def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size,
         "tokenizer": tokenizer.kind,
         "chat_template": tokenizer.chat_template is not None,
+        # a model split across hosts: whole-model totals and each rank's share
+        **(model.pipeline_info() if hasattr(model, "pipeline_info") else {}),
     }
 
 
@@ -237,7 +248,7 @@ class Engine:
     def _load(self, path: str) -> None:
         self._emit(Loading(path))
         try:
-            model = load_model(path)
+            model = pipeline.load(path)  # load_model, or this rank's slice of a pipeline
             tokenizer = load_tokenizer(path, prefer=self.tokenizer_kind)  # type: ignore[arg-type]
         except KVChatError as e:
             self._emit(LoadFailed(path, str(e)))
@@ -301,6 +312,8 @@ class Engine:
         s["active_memory"] = mx.get_active_memory()
         s["kernels_backend"] = metal_kernels.backend()
         s["device"] = str(mx.default_device())
+        if hasattr(self.model, "pipeline_stats"):  # per-rank bytes and time split
+            s.update(self.model.pipeline_stats(self._cache))
         return s
 
     def _turn(self, turn: int, prompt: Prompt, params: GenParams, t_submit: float) -> None:

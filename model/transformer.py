@@ -12,6 +12,15 @@ from .config import ModelConfig
 from .layers import RMSNorm, TransformerBlock
 
 
+def attention_mask(cfg: ModelConfig, cache: list[Any] | None, T: int) -> Any:
+    """The mask every layer uses for the next T queries (None, "causal" or an array)."""
+    if cache is not None and hasattr(cache[0], "make_mask"):
+        return cache[0].make_mask(T, window_size=cfg.sliding_window)
+    if cfg.sliding_window is not None and T > cfg.sliding_window:
+        return causal_mask(T, window=cfg.sliding_window)
+    return "causal" if T > 1 else None
+
+
 class DecoderModel(nn.Module):
     """HF's `model.*` sub-tree: embed_tokens, layers, norm."""
 
@@ -46,13 +55,7 @@ class Transformer(nn.Module):
         """Logits for every position, or only the last `logits_to_keep` (as HF names it):
         prefill then skips the vocab-sized head matmul for all but the position it samples."""
         h = self.model.embed_tokens(tokens)
-        T = h.shape[1]
-        if cache is not None and hasattr(cache[0], "make_mask"):
-            mask = cache[0].make_mask(T, window_size=self.config.sliding_window)
-        elif self.config.sliding_window is not None and T > self.config.sliding_window:
-            mask = causal_mask(T, window=self.config.sliding_window)
-        else:
-            mask = "causal" if T > 1 else None
+        mask = attention_mask(self.config, cache, h.shape[1])
         for i, layer in enumerate(self.model.layers):
             h = layer(h, mask, cache[i] if cache is not None else None)
         if logits_to_keep:
