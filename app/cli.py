@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from model.errors import KVChatError
 
-from . import bench_cmd, generate_cmd, inspect_cmd, models_cmd
+from . import bench_cmd, generate_cmd, hosts, inspect_cmd, models_cmd
 from .errors import report, report_exception
 
 COMMANDS = {
@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", dest="tui_model", metavar="DIR",
                    help="model folder for the chat (default: the shipped model)")
+    p.add_argument("--hosts", metavar="HOSTFILE",
+                   help="split the chat's model across the hosts of an mlx.launch hostfile")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
@@ -41,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.hosts is not None:
+            if args.command is not None:
+                report(f"--hosts opens the chat; for {args.command} run it under"
+                       " mlx.launch --hostfile (see README)")
+                return 2
+            return hosts.run_chat(args.hosts, args.tui_model)
+        if (code := hosts.join_if_launched(args)) is not None:
+            return code  # a pipeline rank other than 0: it served its layers
         if args.command is None:
             from .tui import run_tui
 

@@ -404,7 +404,8 @@ class PipelineModel(nn.Module):
         link.send_async(mx.array(ctrl, dtype=mx.int32), h)
         back = link.recv((CTRL_FIXED + link.size,), mx.int32)
         out = link.recv((B, keep, cfg.vocab_size), h.dtype) if keep else back
-        mx.async_eval(back, out)
+        mx.async_eval(back)  # queued in order on the receive stream
+        mx.async_eval(out)
         if sync:
             mx.eval(back, out)
             wall = time.perf_counter() - t0

@@ -23,6 +23,7 @@ import select
 import socket
 import stat
 import struct
+import sys
 import threading
 import time
 from pathlib import Path
@@ -103,17 +104,17 @@ class Link:
         return self._streams
 
     def send_async(self, ctrl: mx.array, payload: mx.array | None) -> None:
+        """Queue both messages on the send stream, in order (one eval each: MLX may
+        run independent outputs of one eval in either order)."""
         s = self._io_streams()[0]
-        outs = [mx.distributed.send(ctrl, self.right, group=self.group, stream=s)]
-        if payload is not None:
-            outs.append(mx.distributed.send(payload, self.right, group=self.group, stream=s))
-        mx.async_eval(outs)
+        for a in (ctrl, payload):
+            if a is not None:
+                mx.async_eval(mx.distributed.send(a, self.right, group=self.group, stream=s))
 
     def send_wait(self, ctrl: mx.array, payload: mx.array | None) -> None:
-        outs = [mx.distributed.send(ctrl, self.right, group=self.group)]
-        if payload is not None:
-            outs.append(mx.distributed.send(payload, self.right, group=self.group))
-        mx.eval(outs)
+        for a in (ctrl, payload):
+            if a is not None:
+                mx.eval(mx.distributed.send(a, self.right, group=self.group))
 
     def recv(self, shape: tuple[int, ...], dtype: Any) -> mx.array:
         kw = {"stream": self._io_streams()[1]} if self.rank == 0 else {}
@@ -272,9 +273,10 @@ def _never_connected() -> None:
     hosts = ", ".join(ring_hosts()) or "the hosts given"
     rank = os.environ.get("MLX_RANK", "?")
     if rank == "0":
-        os.write(2, (f"kvchat: error: the other ranks did not connect within"
-                     f" {CONNECT_TIMEOUT_S:g} s ({hosts}); is kvchat running on every"
-                     " host with the same command?\n").encode())
+        sys.stderr.write(f"kvchat: error: the other ranks did not connect within"
+                         f" {CONNECT_TIMEOUT_S:g} s ({hosts}); is kvchat running on every"
+                         " host with the same command?\n")
+        sys.stderr.flush()
     os._exit(1)
 
 
