@@ -16,6 +16,8 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
+import faulthandler
 import hashlib
 import json
 import os
@@ -26,6 +28,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -237,11 +240,10 @@ def join() -> Link:
     """Join the group (bounded: a missing rank ends this process with one line) and open
     the control channel. Call from the main thread before any other MLX work."""
     before = _socket_fds()
-    timer = threading.Timer(CONNECT_TIMEOUT_S, _never_connected)
-    timer.daemon = True
-    timer.start()
-    group = mx.distributed.init(strict=True, backend=os.environ.get("KVCHAT_BACKEND", "any"))
-    timer.cancel()
+    with _deadline(CONNECT_TIMEOUT_S):
+        group = mx.distributed.init(
+            strict=True, backend=os.environ.get("KVCHAT_BACKEND", "any")
+        )
     link = Link(group, _socket_fds() - before)
     global _current
     _current = link
@@ -269,15 +271,35 @@ def _coordinator_host() -> str:
     return coord.rsplit(":", 1)[0]
 
 
-def _never_connected() -> None:
-    hosts = ", ".join(ring_hosts()) or "the hosts given"
-    rank = os.environ.get("MLX_RANK", "?")
-    if rank == "0":
-        sys.stderr.write(f"kvchat: error: the other ranks did not connect within"
-                         f" {CONNECT_TIMEOUT_S:g} s ({hosts}); is kvchat running on every"
-                         " host with the same command?\n")
-        sys.stderr.flush()
-    os._exit(1)
+@contextlib.contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """End the process (status 1) with one line on rank 0 if the block outlasts `seconds`.
+
+    mx.distributed.init blocks in accept() holding the GIL, so no Python thread can act
+    meanwhile: a forked child prints the line, faulthandler's C thread exits the process.
+    """
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: wait for the parent to finish (it closes w) or time out
+        os.close(w)
+        ready, _, _ = select.select([r], [], [], seconds)
+        if not ready and os.environ.get("MLX_RANK", "0") == "0":
+            hosts = ", ".join(ring_hosts()) or "the hosts given"
+            sys.stderr.write(f"kvchat: error: the other ranks did not connect within"
+                             f" {seconds:g} s ({hosts}); is kvchat running on every host"
+                             " with the same command?\n")
+            sys.stderr.flush()
+        os._exit(0)
+    os.close(r)
+    sink = open(os.devnull, "w")  # noqa: SIM115 (faulthandler needs it open meanwhile)
+    faulthandler.dump_traceback_later(seconds + 0.5, exit=True, file=sink)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        sink.close()
+        os.close(w)
+        os.waitpid(pid, 0)
 
 
 # ---- small collectives --------------------------------------------------------------------

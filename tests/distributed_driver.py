@@ -70,6 +70,11 @@ def main() -> int:
         say({"finish_reason": ev.finish_reason, "ids": ev.ids, "error": ev.error,
              "stats": ev.stats, "seconds": time.monotonic() - t0,
              "layers": engine.layer_stats()})
+    if args.pause:  # after a fault the other ranks must leave by themselves
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.1)
+        say({"rank_exit": [p.poll() for p in procs]})
     engine.close()
     hosts.stop_ranks(procs)
     return 0
