@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", dest="tui_model", metavar="DIR",
                    help="model folder for the chat (default: the shipped model)")
-    p.add_argument("--hosts", metavar="HOSTFILE",
+    p.add_argument("--hosts", dest="hostfile", metavar="HOSTFILE",
                    help="split the chat's model across the hosts of an mlx.launch hostfile")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
@@ -43,12 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.hosts is not None:
+        if args.hostfile is not None:
             if args.command is not None:
                 report(f"--hosts opens the chat; for {args.command} run it under"
                        " mlx.launch --hostfile (see README)")
                 return 2
-            return hosts.run_chat(args.hosts, args.tui_model)
+            return hosts.run_chat(args.hostfile, args.tui_model)
         if (code := hosts.join_if_launched(args)) is not None:
             return code  # a pipeline rank other than 0: it served its layers
         if args.command is None:

@@ -197,3 +197,21 @@ def run_chat(hostfile: str, model: str | None) -> int:
     finally:
         stop_ranks(procs)
 
+
+
+# ---- what the side panel shows for a split model -------------------------------------
+def rank_rows(stats: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, value) rows for the KV panel: each rank's K/V and weight bytes, then the
+    mean decode step split into each rank's compute and the rest (transfer, waiting)."""
+    from .widgets.format import fmt_bytes
+
+    pipe = stats.get("pipeline") or {}
+    rows = [
+        (f"rank {r['rank']}", f"{fmt_bytes(r['kv_bytes'])} KV · {fmt_bytes(r['weight_bytes'])} W")
+        for r in pipe.get("ranks", [])
+    ]
+    if pipe.get("steps_timed"):
+        split = " · ".join(f"r{r['rank']} {r['compute_ms']:.1f}" for r in pipe["ranks"])
+        rows.append(("compute", f"{split} ms/token"))
+        rows.append(("transfer", f"{pipe['transfer_ms']:.1f} of {pipe['step_ms']:.1f} ms/token"))
+    return rows

@@ -478,3 +478,25 @@ def serve(link: Link, path: str | Path) -> None:
         mx.eval(out)
         ctrl[CTRL_FIXED + me] = int((time.perf_counter() - t0) * 1e6)
         link.send_wait(mx.array(ctrl, dtype=mx.int32), None if last and not keep else out)
+
+
+def split_table(
+    cfg: ModelConfig, sizes: dict[str, int], n_ranks: int, kv_dtype_bytes: int, context: int
+) -> list[dict[str, Any]]:
+    """`kvchat inspect --hosts N`: what each rank would hold, before running anything."""
+    from .kv_math import kv_bytes_per_token
+
+    rows = []
+    for s in plan(cfg, sizes, n_ranks):
+        per_token = kv_bytes_per_token(s.stop - s.start, cfg.num_key_value_heads,
+                                       cfg.head_dim, kv_dtype_bytes)
+        rows.append({
+            "rank": s.rank,
+            "layers": [s.start, s.stop],
+            "embedding": s.embed,
+            "head": s.head,
+            "weight_bytes": s.weight_bytes,
+            "kv_bytes_per_token": per_token,
+            "kv_bytes_at_context": per_token * context,
+        })
+    return rows

@@ -131,6 +131,29 @@ def test_plan_is_the_byte_optimal_contiguous_split(stories260k: Path) -> None:
         assert max(s.weight_bytes for s in slices) == best
 
 
+def test_inspect_hosts_shows_each_ranks_bytes_beside_the_totals(stories260k: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "app", "inspect", "--model", str(stories260k), "--hosts", "3",
+         "--json"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+        env=_env(0),
+    )
+    d = json.loads(r.stdout)
+    ranks = d["ranks"]
+    assert [x["rank"] for x in ranks] == [0, 1, 2]
+    # K/V: the ranks' layers add up to the whole model's bytes at the context
+    assert sum(x["kv_bytes_at_context"] for x in ranks) == d["bytes_at_context"]
+    assert sum(x["kv_bytes_per_token"] for x in ranks) == d["bytes_per_token"]
+    # weights: every tensor once, plus the tied head's second copy of the embedding
+    embed = 512 * 64 * 4  # vocab × hidden × fp32
+    assert sum(x["weight_bytes"] for x in ranks) == d["weights_bytes"] + embed
+    text = subprocess.run(
+        [sys.executable, "-m", "app", "inspect", "--model", str(stories260k), "--hosts", "2"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, env=_env(0),
+    ).stdout
+    assert "rank 0: layers 0-2 + embedding" in text
+    assert "rank 1: layers 3-4 + norm/head (tied: embedding)" in text
+
+
 # ---- greedy ids equal the single process ----------------------------------------------
 CASES = [  # (model, ranks, prompt, max tokens, max kv size)
     ("stories260k", 2, STORY, 40, None),

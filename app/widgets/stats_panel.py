@@ -15,6 +15,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Sparkline, Static
 
+from ..hosts import rank_rows
 from .format import (
     context_level,
     fmt_bytes,
@@ -214,6 +215,7 @@ class StatsPanel(VerticalScroll):
                     f"{fmt_count(s.get('evicted_tokens'))} · "
                     f"{'wrapped' if wrapped else 'not wrapped' if wrapped is not None else '–'}",
                 ),
+                *(_row(label, value) for label, value in rank_rows(s)),  # split across hosts
             )
         )
         bits = info.get("bits")
