@@ -152,10 +152,11 @@ def start_ranks(
         script = RemoteProcess.make_launch_script(
             rank, None, None, {"MLX_HOSTFILE": ring}, spec["envs"], command, local
         )
+        # as mlx.launch does: a forced tty, so ending ssh hangs up the remote rank too
         cmd = ["bash", "-c", script] if local else \
-            ["ssh", "-o", "LogLevel=QUIET", h["ssh"], script]
+            ["ssh", "-tt", "-o", "LogLevel=QUIET", h["ssh"], script]
         log = open(log_dir / f"rank{rank}.log", "wb")  # noqa: SIM115 (lives with the rank)
-        procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True))
     ring_file = log_dir / "ring.json"
     ring_file.write_text(ring)
