@@ -28,6 +28,8 @@ def main() -> int:
     ap.add_argument("--max-kv-size", type=int, default=None)
     ap.add_argument("--turns", type=int, default=1)
     ap.add_argument("--pause", action="store_true")
+    ap.add_argument("--exit-wait", type=float, default=10.0,
+                    help="with --pause: how long to wait for the other ranks to exit")
     args = ap.parse_args()
 
     from app import hosts
@@ -71,7 +73,7 @@ def main() -> int:
              "stats": ev.stats, "seconds": time.monotonic() - t0,
              "layers": engine.layer_stats()})
     if args.pause:  # after a fault the other ranks must leave by themselves
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + args.exit_wait
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.1)
         say({"rank_exit": [p.poll() for p in procs]})

@@ -67,9 +67,10 @@ def _hostfile(tmp: Path, n: int, models: dict[int, Path] | None = None) -> Path:
 
 
 def _driver(hostfile: Path, model: Path, *args: str, **popen: Any) -> subprocess.Popen[str]:
+    popen.setdefault("env", _env(_free_port(4)))
     return subprocess.Popen(
         [sys.executable, "-m", "tests.distributed_driver", str(hostfile), str(model), *args],
-        cwd=REPO_ROOT, env=_env(_free_port(4)), stdout=subprocess.PIPE, text=True, **popen,
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, **popen,
     )
 
 
@@ -78,13 +79,16 @@ def _lines(proc: subprocess.Popen[str], timeout: float = 60) -> list[dict[str, A
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-def _single_ids(model: Path, prompt: str, max_tokens: int, max_kv: int | None) -> list[int]:
+def _single(model: Path, prompt: str, max_tokens: int, max_kv: int | None
+            ) -> tuple[list[int], dict[str, Any]]:
+    """The single-process Engine's greedy ids and model info: the reference."""
     from app.generate_cmd import BlockingEngine
     from model.events import GenParams
 
     runner = BlockingEngine(str(model))
     try:
-        return runner.run(prompt, GenParams(max_tokens=max_tokens, max_kv_size=max_kv)).ids
+        done = runner.run(prompt, GenParams(max_tokens=max_tokens, max_kv_size=max_kv))
+        return done.ids, runner.info
     finally:
         runner.close()
 
@@ -171,13 +175,15 @@ def test_greedy_ids_equal_single_process(
 ) -> None:
     model = (request.getfixturevalue(name) if name in ("stories260k", "wide_llama")
              else tiny_checkpoint(name))
-    want = _single_ids(model, prompt, max_tokens, max_kv)
+    want, info = _single(model, prompt, max_tokens, max_kv)
     args = ["--prompt", prompt, "--max-tokens", str(max_tokens), "--turns", "2"]
     if max_kv:
         args += ["--max-kv-size", str(max_kv)]
     lines = _lines(_driver(_hostfile(tmp_path, ranks), model, *args))
     loaded, turns = lines[0]["loaded"], lines[1:]
     assert [r["layers"] for r in loaded["ranks"]][0][0] == 0 and len(loaded["ranks"]) == ranks
+    # the model panel shows the whole model (each rank's share beside it)
+    assert loaded["parameters"] == info["parameters"] and loaded["dtype"] == info["dtype"]
     assert len(turns) == 2
     for t in turns:  # the second turn reuses the cache prefix: ranks trim in step
         assert t["finish_reason"] in ("length", "eos"), t["error"]
@@ -227,32 +233,58 @@ def test_killed_rank_ends_the_turn_with_one_line(
     tmp_path: Path,
 ) -> None:
     model = tiny_checkpoint("llama") if ranks == 2 else wide_llama  # 2 layers / 6 layers
-    proc = _driver(_hostfile(tmp_path, ranks), model, "--pause",
-                   "--turns", "2", "--max-tokens", "200", "--prompt", WORDS,
-                   stdin=subprocess.PIPE)
+    first, second, exits = _fault_mid_turn(tmp_path, ranks, victim, model, signal.SIGKILL)
+    assert first["error"].startswith(f"rank {victim} (127.0.0.1) exited")
+    # the other ranks exit by themselves (the killed one by the signal)
+    assert all(code is not None for code in exits), exits
+
+
+def test_hung_rank_is_named_within_the_heartbeat_timeout(
+    tiny_checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A stopped process keeps its sockets open: MLX alone would wait forever."""
+    first, _, _ = _fault_mid_turn(tmp_path, 2, 1, tiny_checkpoint("llama"), signal.SIGSTOP,
+                                  KVCHAT_HEARTBEAT_TIMEOUT="3")
+    assert first["error"].startswith("rank 1 (127.0.0.1) stopped responding")
+    assert first["at"] < 10
+
+
+def _fault_mid_turn(
+    tmp_path: Path, ranks: int, victim: int, model: Path, sig: int, **env: str
+) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+    """Signal rank `victim` while rank 0 is mid-generation; return both turns' results
+    (the second one asked after the fault) and the other ranks' exit codes."""
+    wait = "10" if sig == signal.SIGKILL else "0"
+    proc = _driver(_hostfile(tmp_path, ranks), model, "--pause", "--turns", "2",
+                   "--max-tokens", "200", "--prompt", WORDS, "--exit-wait", wait,
+                   stdin=subprocess.PIPE, env=_env(_free_port(4), **env))
     assert proc.stdout is not None and proc.stdin is not None
-    lines, t_kill, pids, exits = [], 0.0, [], []
-    for raw in proc.stdout:
-        d = json.loads(raw)
-        if "paused" in d:  # the engine is mid-generation, blocked in our callback
-            pids = d["paused"]
-            os.killpg(pids[victim - 1], signal.SIGKILL)
-            t_kill = time.monotonic()
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        elif "finish_reason" in d:
-            d["at"] = time.monotonic() - t_kill
-            lines.append(d)
-        elif "rank_exit" in d:
-            exits = d["rank_exit"]
-    assert proc.wait(30) == 0
+    lines, t_fault, pids, exits = [], 0.0, [], []
+    try:
+        for raw in proc.stdout:
+            d = json.loads(raw)
+            if "paused" in d:  # the engine is mid-generation, blocked in our callback
+                pids = d["paused"]
+                os.killpg(pids[victim - 1], sig)
+                t_fault = time.monotonic()
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            elif "finish_reason" in d:
+                d["at"] = time.monotonic() - t_fault
+                lines.append(d)
+                if sig != signal.SIGKILL and len(lines) == 2:
+                    os.killpg(pids[victim - 1], signal.SIGKILL)  # do not leave it stopped
+            elif "rank_exit" in d:
+                exits = d["rank_exit"]
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
     first, second = lines
     assert first["finish_reason"] == "error" and first["at"] < 30
-    assert "\n" not in first["error"] and first["error"].startswith(f"rank {victim} (127.0.0.1)")
+    assert "\n" not in first["error"]
     # the chat survives: the next turn is answered at once with the same line
     assert second["finish_reason"] == "error" and second["error"] == first["error"]
-    # and the other ranks exit by themselves (the killed one by the signal)
-    assert all(code is not None for code in exits), exits
+    return first, second, exits
 
 
 def test_mismatched_model_folders_are_refused_naming_the_rank(
@@ -297,7 +329,7 @@ def test_rank_that_never_connects_fails_in_bounded_time(
 # ---- the documented command: mlx.launch -- kvchat generate ---------------------------
 @pytest.mark.skipif(not MLX_LAUNCH.exists(), reason="mlx.launch not installed")
 def test_mlx_launch_generate_json_rank0_alone_prints(stories260k: Path) -> None:
-    want = _single_ids(stories260k, STORY, 30, None)
+    want, _ = _single(stories260k, STORY, 30, None)
     port = _free_port(2)
     r = subprocess.run(
         [str(MLX_LAUNCH), "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1",
