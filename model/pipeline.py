@@ -441,6 +441,8 @@ class PipelineModel(nn.Module):
         ]
         return {"pipeline": {
             "ranks": rows,
+            "weight_bytes": sum(r["weight_bytes"] for r in rows),  # the totals beside them
+            "kv_bytes": sum(kv),
             "step_ms": wall * 1e3,
             "transfer_ms": max(0.0, wall - sum(compute)) * 1e3,
             "steps_timed": n,

@@ -194,6 +194,8 @@ def test_greedy_ids_equal_single_process(
     assert [r["rank"] for r in pipe["ranks"]] == list(range(ranks))
     # K/V bytes per rank add up to the total, and each is its layers' share
     assert sum(r["kv_bytes"] for r in pipe["ranks"]) == turns[0]["stats"]["cache_bytes"]
+    assert pipe["kv_bytes"] == turns[0]["stats"]["cache_bytes"]
+    assert pipe["weight_bytes"] == loaded["weight_bytes"]
     L = sum(b - a for a, b in (r["layers"] for r in pipe["ranks"]))
     for r in pipe["ranks"]:
         a, b = r["layers"]
