@@ -16,9 +16,10 @@ The control message also keeps the other ranks' caches in step with rank 0's: a 
 cache id means "make fresh caches", an offset below theirs means "trim back to it". So
 the Engine's prefix reuse, edits and regenerate work unchanged.
 
-Prefill chunks are split into micro-chunks and sent without waiting, so rank 0 embeds
-and runs chunk k+1 while later ranks still work on chunk k. Decode is one token per
-step, synchronous, and timed: per-rank compute against the step's wall time.
+Prefill chunks are split into micro-chunks, all sent before any reply is awaited, so
+rank 0 runs piece k+1 while later ranks still work on piece k; each call then collects
+the replies in order. Decode is one token per step, and timed: per-rank compute against the step's
+wall time.
 """
 
 from __future__ import annotations
@@ -361,20 +362,33 @@ class PipelineModel(nn.Module):
     def __call__(
         self, tokens: mx.array, cache: list[Any] | None = None, logits_to_keep: int = 0
     ) -> mx.array:
-        self._link.check_alive()
         if cache is None:
             cache = self.make_cache()
         B, T = tokens.shape
-        parts = self._micro_chunks(T, logits_to_keep)
-        logits = None
+        local = cache[: self._local]
+        t0 = time.perf_counter()
         try:
-            for s, e in parts:
+            # send every piece first: rank 0 runs piece k+1 while the others work on k
+            sent = []
+            for s, e in self._micro_chunks(T, logits_to_keep):
                 keep = (logits_to_keep or T) if e == T else 0
-                logits = self._step(tokens[:, s:e], cache[: self._local], keep, sync=T == 1)
+                sent.append((keep, self._send_piece(tokens[:, s:e], local, keep)))
+            # then the replies, in order, each receive queued only once the previous one
+            # arrived: MLX's ring drops a socket's queue after a failure, so a receive
+            # queued behind a failed one would wait forever
+            for keep, dtype in sent:
+                self._link.check_alive()
+                back = self._link.recv((CTRL_FIXED + self._link.size,), mx.int32)
+                mx.eval(back)  # one eval each: MLX may run one eval's outputs in any order
+                out = self._link.recv((B, keep, self.config.vocab_size), dtype) if keep \
+                    else back
+                mx.eval(out)
         except RuntimeError as e:  # MLX raises when a ring peer is gone
             raise self._link.failure_error(e) from None
-        assert logits is not None
-        return logits
+        if T == 1:  # a decode step: per-rank compute against the step's wall time
+            wall = time.perf_counter() - t0
+            self._steps.append((wall, [x / 1e6 for x in back.tolist()[CTRL_FIXED:]]))
+        return out
 
     def _micro_chunks(self, T: int, logits_to_keep: int) -> list[tuple[int, int]]:
         """Split a prefill chunk so ranks overlap; only when the logits wanted all lie
@@ -388,29 +402,21 @@ class PipelineModel(nn.Module):
             return [(0, T)]
         return list(zip(bounds[:-1], bounds[1:], strict=True))
 
-    def _step(self, tokens: mx.array, local: list[Any], keep: int, sync: bool) -> mx.array:
-        link, cfg = self._link, self.config
+    def _send_piece(self, tokens: mx.array, local: list[Any], keep: int) -> mx.Dtype:
+        """Run rank 0's layers on `tokens` and queue the hop to rank 1 (not waited)."""
+        self._link.check_alive()
         B, T = tokens.shape
         offset = local[0].offset
         mx.eval(tokens)  # the sampled token of the previous step: not our compute time
         t0 = time.perf_counter()
         h = self.part.run_layers(self.part.model.embed_tokens(tokens), local)
         mx.eval(h)
-        t1 = time.perf_counter()
-        self._dtype = h.dtype
         ctrl = [OP_FORWARD, self._cache_id, offset, B, T, keep, DTYPES.index(h.dtype),
-                *self._bound] + [0] * link.size
-        ctrl[CTRL_FIXED] = int((t1 - t0) * 1e6)
-        link.send_async(mx.array(ctrl, dtype=mx.int32), h)
-        back = link.recv((CTRL_FIXED + link.size,), mx.int32)
-        out = link.recv((B, keep, cfg.vocab_size), h.dtype) if keep else back
-        mx.async_eval(back)  # queued in order on the receive stream
-        mx.async_eval(out)
-        if sync:
-            mx.eval(back, out)
-            wall = time.perf_counter() - t0
-            self._steps.append((wall, [x / 1e6 for x in back.tolist()[CTRL_FIXED:]]))
-        return out
+                *self._bound] + [0] * self._link.size
+        ctrl[CTRL_FIXED] = int((time.perf_counter() - t0) * 1e6)
+        self._link.send_async(mx.array(ctrl, dtype=mx.int32), h)
+        self._dtype = h.dtype
+        return h.dtype
 
     # -- statistics --
     def pipeline_info(self) -> dict[str, Any]:

@@ -3,9 +3,10 @@ with app.hosts, join, drive the real Engine, print one JSON line per event of in
 
     python -m tests.distributed_driver HOSTFILE MODEL [--turns N] [--pause] ...
 
---pause: on the first streamed token, print {"paused": [rank pids]} and block the engine
-thread until a line arrives on stdin (the test kills a rank meanwhile), so the kill
-always lands mid-generation whatever the machine's speed.
+--pause: on the first streamed token (--pause-at prefill: before the prefill), print
+{"paused": [rank pids]} and block the engine thread until a line arrives on stdin (the
+test kills a rank meanwhile), so the fault always lands mid-turn whatever the machine's
+speed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def main() -> int:
     ap.add_argument("--max-kv-size", type=int, default=None)
     ap.add_argument("--turns", type=int, default=1)
     ap.add_argument("--pause", action="store_true")
+    ap.add_argument("--pause-at", choices=["token", "prefill"], default="token",
+                    help="pause on the first streamed token, or before the prefill")
     ap.add_argument("--exit-wait", type=float, default=10.0,
                     help="with --pause: how long to wait for the other ranks to exit")
     args = ap.parse_args()
@@ -38,7 +41,7 @@ def main() -> int:
     hosts.join_if_launched(argparse.Namespace(model=args.model))
 
     from model.engine import Engine
-    from model.events import Done, GenParams, Loaded, LoadFailed, TextDelta
+    from model.events import Done, GenParams, Loaded, LoadFailed, Started, TextDelta
 
     def say(obj: dict) -> None:
         print(json.dumps(obj), flush=True)
@@ -48,7 +51,8 @@ def main() -> int:
 
     def on_event(ev: object) -> None:
         nonlocal paused
-        if args.pause and not paused and isinstance(ev, TextDelta):
+        at = TextDelta if args.pause_at == "token" else Started
+        if args.pause and not paused and isinstance(ev, at):
             paused = True
             say({"paused": [p.pid for p in procs]})
             sys.stdin.readline()

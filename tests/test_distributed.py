@@ -229,13 +229,15 @@ def test_rank_weight_bytes_are_its_slice(ranks: int, wide_llama: Path, tmp_path:
 
 
 # ---- faults ------------------------------------------------------------------------------
-@pytest.mark.parametrize("ranks,victim", [(2, 1), (3, 1)])
+@pytest.mark.parametrize("ranks,victim,at", [(2, 1, "token"), (3, 1, "token"),
+                                             (3, 2, "prefill")])
 def test_killed_rank_ends_the_turn_with_one_line(
-    ranks: int, victim: int, tiny_checkpoint: Callable[[str], Path], wide_llama: Path,
-    tmp_path: Path,
+    ranks: int, victim: int, at: str, tiny_checkpoint: Callable[[str], Path],
+    wide_llama: Path, tmp_path: Path,
 ) -> None:
     model = tiny_checkpoint("llama") if ranks == 2 else wide_llama  # 2 layers / 6 layers
-    first, second, exits = _fault_mid_turn(tmp_path, ranks, victim, model, signal.SIGKILL)
+    first, second, exits = _fault_mid_turn(tmp_path, ranks, victim, model, signal.SIGKILL,
+                                           "--pause-at", at)
     assert first["error"].startswith(f"rank {victim} (127.0.0.1) exited")
     # the other ranks exit by themselves (the killed one by the signal)
     assert all(code is not None for code in exits), exits
@@ -246,26 +248,27 @@ def test_hung_rank_is_named_within_the_heartbeat_timeout(
 ) -> None:
     """A stopped process keeps its sockets open: MLX alone would wait forever."""
     first, _, _ = _fault_mid_turn(tmp_path, 2, 1, tiny_checkpoint("llama"), signal.SIGSTOP,
-                                  KVCHAT_HEARTBEAT_TIMEOUT="3")
+                                  env={"KVCHAT_HEARTBEAT_TIMEOUT": "3"})
     assert first["error"].startswith("rank 1 (127.0.0.1) stopped responding")
     assert first["at"] < 10
 
 
 def _fault_mid_turn(
-    tmp_path: Path, ranks: int, victim: int, model: Path, sig: int, **env: str
+    tmp_path: Path, ranks: int, victim: int, model: Path, sig: int, *args: str,
+    env: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
     """Signal rank `victim` while rank 0 is mid-generation; return both turns' results
     (the second one asked after the fault) and the other ranks' exit codes."""
     wait = "10" if sig == signal.SIGKILL else "0"
     proc = _driver(_hostfile(tmp_path, ranks), model, "--pause", "--turns", "2",
-                   "--max-tokens", "200", "--prompt", WORDS, "--exit-wait", wait,
-                   stdin=subprocess.PIPE, env=_env(_free_port(4), **env))
+                   "--max-tokens", "200", "--prompt", WORDS, "--exit-wait", wait, *args,
+                   stdin=subprocess.PIPE, env=_env(_free_port(4), **(env or {})))
     assert proc.stdout is not None and proc.stdin is not None
     lines, t_fault, pids, exits = [], 0.0, [], []
     try:
         for raw in proc.stdout:
             d = json.loads(raw)
-            if "paused" in d:  # the engine is mid-generation, blocked in our callback
+            if "paused" in d:  # the engine is mid-turn, blocked in our callback
                 pids = d["paused"]
                 os.killpg(pids[victim - 1], sig)
                 t_fault = time.monotonic()
