@@ -53,6 +53,8 @@ def build_parser() -> Any:
     p.add_argument("--version", action="version", version=f"kvchat {__version__}")
     p.add_argument("--model", dest="tui_model", metavar="DIR",
                    help="model folder for the chat (default: the shipped model)")
+    p.add_argument("--hosts", dest="hostfile", metavar="HOSTFILE",
+                   help="split the chat's model across the hosts of an mlx.launch hostfile")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")  # parser_class: Parser
     for name, help_text in COMMANDS.items():
         _command_module(name).add_arguments(
@@ -95,6 +97,7 @@ def _main(argv: list[str]) -> int:
     import metal_kernels
     from model.errors import KVChatError
 
+    from . import hosts
     from .settings import load_settings
 
     try:
@@ -106,6 +109,14 @@ def _main(argv: list[str]) -> int:
     except metal_kernels.KernelError as e:
         return _usage_error(str(e), argv)
     try:
+        if args.hostfile is not None:
+            if args.command is not None:
+                report(f"--hosts opens the chat; for {args.command} run it under"
+                       " mlx.launch --hostfile (see README)")
+                return 2
+            return hosts.run_chat(args.hostfile, args.tui_model)
+        if (code := hosts.join_if_launched(args)) is not None:
+            return code  # a pipeline rank other than 0: it served its layers
         if args.command is None:
             from .tui import run_tui
 

@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--live", action="store_true",
                    help="load the model, generate a few tokens, and compare the cache's"
                    " measured bytes with the formula")
+    p.add_argument("--hosts", type=int, default=None, metavar="N",
+                   help="split the layers across N pipeline ranks: bytes per rank")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -83,6 +85,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--context must be >= 1, got {args.context}")
     if args.dtype_bytes is not None and args.dtype_bytes < 1:
         raise UsageError(f"--dtype-bytes must be >= 1, got {args.dtype_bytes}")
+    if args.hosts is not None and args.hosts < 1:
+        raise UsageError(f"--hosts must be >= 1, got {args.hosts}")
     if args.live and not model:
         raise UsageError("--live needs --model DIR (it runs the model)")
 
@@ -155,8 +159,21 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
         "budget_tokens": None if budget is None else context_that_fits(
             cfg, budget, dtype_bytes, weights or 0),
         "live": _live(source, cfg) if args.live else None,
+        "ranks": _ranks(args, source, cfg, dtype_bytes, context),
     }
     return out
+
+
+def _ranks(args: argparse.Namespace, source: Path, cfg: ModelConfig, dtype_bytes: int,
+           context: int) -> list[dict[str, Any]] | None:
+    """--hosts N: the pipeline split (model/pipeline.py), from the checkpoint's tensor
+    sizes, or estimated from the config's shapes when there are no weights."""
+    if args.hosts is None:
+        return None
+    from model.pipeline import config_tensor_bytes, split_table, tensor_bytes
+
+    sizes = tensor_bytes(source) if args.model else config_tensor_bytes(cfg, dtype_bytes)
+    return split_table(cfg, sizes, args.hosts, dtype_bytes, context)
 
 
 def _live(folder: Path, cfg: ModelConfig) -> dict[str, Any]:
@@ -242,6 +259,16 @@ def _render(o: dict[str, Any]) -> str:
         fits = ("any context length fits (every layer slides)" if o["budget_tokens"] is None
                 else f"{o['budget_tokens']:,} tokens of KV cache fit")
         lines.append(f"budget {_b(o['budget_bytes'])}: {fits}{after}")
+    for r in o.get("ranks") or []:
+        a, b = r["layers"]
+        tied = r["embedding"] and r["rank"] > 0  # the tied head: the embedding again
+        extra = " + embedding" * (r["embedding"] and not tied) + " + norm/head" * r["head"] \
+            + " (tied: embedding)" * tied
+        lines.append(
+            f"rank {r['rank']}: layers {a}-{b - 1}{extra}: weights {_b(r['weight_bytes'])},"
+            f" KV {_b(r['kv_bytes_per_token'])}/token, {_b(r['kv_bytes_at_context'])}"
+            f" at {o['context']:,} tokens"
+        )
     live = o.get("live")
     if live:
         mark = "equal" if live["equal"] else "DIFFERENT"

@@ -27,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 import metal_kernels
 
+from . import pipeline
 from .cache import cache_stats, can_trim_to, layer_stats, trim_to, why_not_trimmable
 from .cache_file import load_cache, savable, save_cache
 from .chat_template import TemplateCancelled
@@ -52,7 +54,7 @@ from .events import (
 from .sampling import Sampler
 from .tokenizer import Tokenizer, load_tokenizer
 from .transformer import Transformer
-from .weights import load_model, parameter_count, weight_bytes
+from .weights import parameter_count, weight_bytes
 
 PREFILL_CHUNK = 512
 STATS_INTERVAL_S = 0.1  # ~10 stats events a second, never one per token
@@ -67,6 +69,13 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def _float_dtype(model: Transformer) -> mx.Dtype:
+    """The compute dtype: that of the first floating parameter (norms stay float when
+    the rest is quantized; a pipeline rank may lack the final norm)."""
+    return next(a.dtype for _, a in tree_flatten(model.parameters())
+                if mx.issubdtype(a.dtype, mx.floating))
+
+
 def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
     cfg = model.config
     quant = getattr(model, "quantization", None)
@@ -77,7 +86,7 @@ def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
         "architecture": cfg.model_type,
         "parameters": parameter_count(model),
         "bits": quant["bits"] if quant else None,
-        "dtype": str(model.model.norm.weight.dtype).removeprefix("mlx.core."),
+        "dtype": str(_float_dtype(model)).removeprefix("mlx.core."),
         "weight_bytes": weight_bytes(model),
         "n_layers": cfg.num_hidden_layers,
         "n_heads": cfg.num_attention_heads,
@@ -87,6 +96,8 @@ def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size,
         "tokenizer": tokenizer.kind,
         "chat_template": tokenizer.chat_template is not None,
+        # a model split across hosts: whole-model totals and each rank's share
+        **(model.pipeline_info() if hasattr(model, "pipeline_info") else {}),
     }
 
 
@@ -272,7 +283,7 @@ class Engine:
 
     def _open(self, path: str) -> tuple[Any, Tokenizer, dict[str, Any]]:
         """Model, tokenizer and model info of a folder (engine thread)."""
-        model = load_model(path)
+        model = pipeline.load(path)  # load_model, or this rank's slice of a pipeline
         tokenizer = load_tokenizer(path, prefer=self.tokenizer_kind)  # type: ignore[arg-type]
         return model, tokenizer, model_info(model, tokenizer)
 
@@ -396,6 +407,8 @@ class Engine:
         s = turn or TurnStats()
         if self._cache:
             s = s.merged(cache_stats(self._cache, self.model.config))
+        if hasattr(self.model, "pipeline_stats"):  # per-rank bytes and time split
+            s = s.with_(pipeline=self.model.pipeline_stats(self._cache))
         return s.merged(self._runtime_stats())
 
     def _turn(self, turn: int, prompt: Prompt, params: GenParams, t_submit: float) -> None:

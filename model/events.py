@@ -107,6 +107,8 @@ class TurnStats:
     sliding_layers: int | None = None
     sliding_bytes: int | None = None
     window_saving: float | None = None
+    # a model split across machines (model/pipeline.py): per-rank bytes and time split
+    pipeline: dict[str, Any] | None = None
     # the runtime
     peak_memory: int | None = None
     active_memory: int | None = None
@@ -135,7 +137,7 @@ def stats_json(stats: TurnStats) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in dataclasses.fields(stats):
         v = getattr(stats, f.name)
-        if v is None and f.name not in ("kernels_backend", "device", "wrapped"):
+        if v is None and f.name not in ("kernels_backend", "device", "wrapped", "pipeline"):
             v = 0
         out[f.name] = None if isinstance(v, float) and not math.isfinite(v) else v
     return out

@@ -3,13 +3,14 @@ norm, tied or separate LM head (optionally soft-capped or scaled)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import causal_mask, make_cache
-from .config import ModelConfig
+from .config import LayerSpec, ModelConfig
 from .layers import make_block, make_norm
 
 
@@ -24,18 +25,19 @@ class DecoderModel(nn.Module):
 
 
 def layer_masks(
-    cfg: ModelConfig, T: int, cache: list[Any] | None
+    specs: Sequence[LayerSpec], T: int, cache: list[Any] | None
 ) -> dict[int | None, Any]:
-    """One mask per distinct window among the layers (a model with sliding and global
-    layers needs two), each built from the first cache of that kind."""
+    """One mask per distinct window among these layers (a model with sliding and global
+    layers needs two), each built from the first cache of that kind (`cache[j]` belongs
+    to `specs[j]`)."""
     masks: dict[int | None, Any] = {}
-    for i, spec in enumerate(cfg.layers):
+    for j, spec in enumerate(specs):
         w = spec.window
         if w in masks:
             continue
-        if cache is not None and hasattr(cache[i], "make_mask"):
+        if cache is not None and hasattr(cache[j], "make_mask"):
             # return_array named: mlx-lm's caches require it (their helper always passes it)
-            masks[w] = cache[i].make_mask(T, window_size=w, return_array=False)
+            masks[w] = cache[j].make_mask(T, window_size=w, return_array=False)
         elif w is not None and T > w:
             masks[w] = causal_mask(T, window=w)
         else:
@@ -61,20 +63,28 @@ class Transformer(nn.Module):
     def make_cache(self, max_kv_size: int | None = None, keep: int = 4) -> list[Any]:
         return make_cache(self.config, max_kv_size=max_kv_size, keep=keep)
 
-    def __call__(
-        self, tokens: mx.array, cache: list[Any] | None = None, logits_to_keep: int = 0
-    ) -> mx.array:
-        """Logits for every position, or only the last `logits_to_keep` (as HF names it):
-        prefill then skips the vocab-sized head matmul for all but the position it samples."""
-        cfg = self.config
+    def embed(self, tokens: mx.array) -> mx.array:
         h = self.model.embed_tokens(tokens)
-        if cfg.embed_scale != 1.0:  # in the compute dtype, as the reference rounds it
-            h = h * mx.array(cfg.embed_scale, dtype=h.dtype)
-        masks = layer_masks(cfg, h.shape[1], cache)
-        for i, (layer, spec) in enumerate(zip(self.model.layers, cfg.layers, strict=True)):
-            h = layer(h, masks[spec.window], cache[i] if cache is not None else None)
-        if logits_to_keep:
-            h = h[:, -logits_to_keep:, :]
+        if self.config.embed_scale != 1.0:  # in the compute dtype, as the reference rounds it
+            h = h * mx.array(self.config.embed_scale, dtype=h.dtype)
+        return h
+
+    def run_layers(
+        self, h: mx.array, cache: list[Any] | None, layers: range | None = None
+    ) -> mx.array:
+        """Blocks `layers` (all by default; a pipeline rank runs its slice), `cache` holding
+        one cache per block run."""
+        cfg = self.config
+        layers = range(len(cfg.layers)) if layers is None else layers
+        masks = layer_masks(cfg.layers[layers.start : layers.stop], h.shape[1], cache)
+        for j, i in enumerate(layers):
+            c = cache[j] if cache is not None else None
+            h = self.model.layers[i](h, masks[cfg.layers[i].window], c)
+        return h
+
+    def head(self, h: mx.array) -> mx.array:
+        """Final norm and LM head (tied or not), then the family's logit scaling/capping."""
+        cfg = self.config
         h = self.model.norm(h)
         if cfg.tie_word_embeddings:
             logits = self.model.embed_tokens.as_linear(h)
@@ -85,3 +95,13 @@ class Transformer(nn.Module):
         if cfg.final_softcap is not None:
             logits = mx.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits
+
+    def __call__(
+        self, tokens: mx.array, cache: list[Any] | None = None, logits_to_keep: int = 0
+    ) -> mx.array:
+        """Logits for every position, or only the last `logits_to_keep` (as HF names it):
+        prefill then skips the vocab-sized head matmul for all but the position it samples."""
+        h = self.run_layers(self.embed(tokens), cache)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:, :]
+        return self.head(h)

@@ -6,6 +6,7 @@ that names the file or tensor, and nothing half-loaded is left behind.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,10 +126,13 @@ def load_model(
     *,
     quantize: tuple[int, int] | None = None,
     dtype: mx.Dtype | None = None,
+    build: Callable[[ModelConfig], nn.Module] = Transformer,
 ) -> Transformer:
     """Load a model folder ready for inference.
 
-    `quantize=(bits, group_size)` quantizes a float checkpoint on load.
+    `quantize=(bits, group_size)` quantizes a float checkpoint on load. `build` makes the
+    module to fill (a pipeline rank's slice); tensors under its `excluded_prefixes` are
+    never read (mx.load is lazy), so a rank holds only its own weights.
     """
     folder = Path(path).expanduser()
     if not folder.exists():
@@ -149,7 +153,10 @@ def load_model(
         for k in [k for k in weights if k.startswith("lm_head.")]:
             del weights[k]
 
-    model = Transformer(cfg)
+    model = build(cfg)
+    excluded = getattr(model, "excluded_prefixes", ())
+    if excluded:
+        weights = {k: v for k, v in weights.items() if not k.startswith(excluded)}
     quant = _validate_quantization(cfg.quantization) if cfg.quantization else None
     if quant is not None:
         if quantize is not None:

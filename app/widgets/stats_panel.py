@@ -17,6 +17,7 @@ from textual.widgets import Sparkline, Static
 
 from model.events import CACHE_FIELDS, TURN_FIELDS, TurnStats
 
+from ..hosts import rank_rows
 from ..text import literal
 from .format import (
     context_level,
@@ -206,6 +207,7 @@ class StatsPanel(VerticalScroll):
                     f"{fmt_count(s.evicted_tokens)} · "
                     f"{'wrapped' if wrapped else 'not wrapped' if wrapped is not None else '–'}",
                 ),
+                *(_row(label, value) for label, value in rank_rows(s)),  # split across hosts
             )
         )
         bits = info.get("bits")
