@@ -45,7 +45,7 @@ class HostsError(KVChatError):
 
 
 def _model_arg(args: argparse.Namespace) -> str:
-    from model.discovery import DEFAULT_MODEL
+    from .discovery import DEFAULT_MODEL
 
     return str(getattr(args, "model", None) or getattr(args, "tui_model", None)
                or DEFAULT_MODEL)

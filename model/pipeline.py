@@ -38,10 +38,11 @@ import mlx.nn as nn
 from .cache import can_trim_to, make_cache, trim_to
 from .config import ModelConfig, load_config
 from .errors import KVChatError, ModelLoadError
+from .files import safetensors_header, weight_files
 from .layers import make_block, make_norm
 from .pipeline_link import Link, PipelineError, check_same_model, current_link, gather_ints
 from .transformer import Transformer
-from .weights import load_model, parameter_count, safetensors_header, weight_bytes, weight_files
+from .weights import load_model, parameter_count, weight_bytes
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 OP_FORWARD = 1

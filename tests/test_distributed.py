@@ -82,15 +82,12 @@ def _lines(proc: subprocess.Popen[str], timeout: float = 60) -> list[dict[str, A
 def _single(model: Path, prompt: str, max_tokens: int, max_kv: int | None
             ) -> tuple[list[int], dict[str, Any]]:
     """The single-process Engine's greedy ids and model info: the reference."""
-    from app.generate_cmd import BlockingEngine
+    from model.client import EngineClient
     from model.events import GenParams
 
-    runner = BlockingEngine(str(model))
-    try:
+    with EngineClient(model) as runner:
         done = runner.run(prompt, GenParams(max_tokens=max_tokens, max_kv_size=max_kv))
         return done.ids, runner.info
-    finally:
-        runner.close()
 
 
 @pytest.fixture(scope="module")
