@@ -320,12 +320,21 @@ class FusedMLP(MLP):
 
 # ---- blocks -----------------------------------------------------------------------------
 class Block(nn.Module):
-    """A layer's two branches, self_attn and mlp, in the projection layout the config asks."""
+    """A layer's two branches, self_attn and mlp, in the projection layout the config asks.
+
+    `deferred(x, pending, ...)` is the same layer with the residual stream split in two,
+    x + pending: a block may leave its last residual add to whoever norms next (the next
+    block's input norm, or the final norm), which does add and norm in one fused pass."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
         self.self_attn = (FusedAttention if cfg.fused_proj else Attention)(cfg, spec)
         self.mlp = (FusedMLP if cfg.fused_proj else MLP)(cfg)
+
+    def deferred(
+        self, x: mx.array, pending: mx.array | None, mask: Any = None, cache: Any = None
+    ) -> tuple[mx.array, mx.array | None]:
+        return self(x if pending is None else x + pending, mask, cache), None
 
 
 class PreNormBlock(Block):
@@ -338,12 +347,24 @@ class PreNormBlock(Block):
         self._r = None if cfg.residual_scale == 1.0 else cfg.residual_scale
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        a = self.self_attn(self.input_layernorm(x), mask, cache)
+        h, m = self.deferred(x, None, mask, cache)
+        return h + m
+
+    def deferred(
+        self, x: mx.array, pending: mx.array | None, mask: Any = None, cache: Any = None
+    ) -> tuple[mx.array, mx.array]:
+        """The previous block's last add fused with this block's input norm, the mid-block
+        add with the second norm; the MLP branch is left pending for the next norm."""
+        if pending is None:
+            normed = self.input_layernorm(x)
+        else:
+            x, normed = self.input_layernorm.add_and_norm(pending, x)
+        a = self.self_attn(normed, mask, cache)
         if self._r is not None:
             a = a * self._r
         h, normed = self.post_attention_layernorm.add_and_norm(a, x)
         m = self.mlp(normed)
-        return h + (m if self._r is None else m * self._r)
+        return h, (m if self._r is None else m * self._r)
 
 
 class SandwichBlock(PreNormBlock):
@@ -354,10 +375,16 @@ class SandwichBlock(PreNormBlock):
         self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        a = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
+    def deferred(
+        self, x: mx.array, pending: mx.array | None, mask: Any = None, cache: Any = None
+    ) -> tuple[mx.array, mx.array]:
+        if pending is None:
+            normed = self.input_layernorm(x)
+        else:
+            x, normed = self.input_layernorm.add_and_norm(pending, x)
+        a = self.post_attention_layernorm(self.self_attn(normed, mask, cache))
         h, normed = self.pre_feedforward_layernorm.add_and_norm(a, x)
-        return h + self.post_feedforward_layernorm(self.mlp(normed))
+        return h, self.post_feedforward_layernorm(self.mlp(normed))
 
 
 class PostNormBlock(Block):

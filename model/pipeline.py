@@ -191,8 +191,10 @@ class SliceModel(Transformer):
         return tuple(out)
 
     def run_slice(self, h: mx.array, caches: Sequence[Any]) -> mx.array:
-        """This rank's layers; `caches` holds one cache per local layer."""
-        return self.run_layers(h, list(caches), self.part.layers)
+        """This rank's layers; `caches` holds one cache per local layer. The hidden state
+        leaves the rank whole (the pending residual added)."""
+        h, pending = self.run_layers(h, list(caches), self.part.layers)
+        return h if pending is None else h + pending
 
     def make_local_cache(self, max_kv_size: int | None, keep: int) -> list[Any]:
         caches = make_cache(self.config, max_kv_size=max_kv_size, keep=keep)

@@ -71,21 +71,24 @@ class Transformer(nn.Module):
 
     def run_layers(
         self, h: mx.array, cache: list[Any] | None, layers: range | None = None
-    ) -> mx.array:
+    ) -> tuple[mx.array, mx.array | None]:
         """Blocks `layers` (all by default; a pipeline rank runs its slice), `cache` holding
-        one cache per block run."""
+        one cache per block run. Returns the residual stream as (h, pending): its value is
+        h + pending, the last add left to the next norm (which fuses it, see Block)."""
         cfg = self.config
         layers = range(len(cfg.layers)) if layers is None else layers
         masks = layer_masks(cfg.layers[layers.start : layers.stop], h.shape[1], cache)
+        pending = None
         for j, i in enumerate(layers):
             c = cache[j] if cache is not None else None
-            h = self.model.layers[i](h, masks[cfg.layers[i].window], c)
-        return h
+            h, pending = self.model.layers[i].deferred(h, pending, masks[cfg.layers[i].window], c)
+        return h, pending
 
-    def head(self, h: mx.array) -> mx.array:
-        """Final norm and LM head (tied or not), then the family's logit scaling/capping."""
+    def head(self, h: mx.array, pending: mx.array | None = None) -> mx.array:
+        """Final norm (fused with the last block's pending add) and LM head (tied or not),
+        then the family's logit scaling/capping."""
         cfg = self.config
-        h = self.model.norm(h)
+        h = self.model.norm(h) if pending is None else self.model.norm.add_and_norm(pending, h)[1]
         if cfg.tie_word_embeddings:
             logits = self.model.embed_tokens.as_linear(h)
         else:
@@ -101,7 +104,8 @@ class Transformer(nn.Module):
     ) -> mx.array:
         """Logits for every position, or only the last `logits_to_keep` (as HF names it):
         prefill then skips the vocab-sized head matmul for all but the position it samples."""
-        h = self.run_layers(self.embed(tokens), cache)
+        h, pending = self.run_layers(self.embed(tokens), cache)
         if logits_to_keep:
             h = h[:, -logits_to_keep:, :]
-        return self.head(h)
+            pending = None if pending is None else pending[:, -logits_to_keep:, :]
+        return self.head(h, pending)

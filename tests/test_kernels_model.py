@@ -112,3 +112,26 @@ def test_prefill_on_the_emulated_metal_kernels(stories260k: Path, emulated) -> N
     with metal_kernels.using("fast"):
         fast = np.array(model(mx.array(ids)))
     assert float(np.abs(emu - fast).max()) <= tolerance(fast)
+
+
+def test_each_block_fuses_its_residual_adds_into_the_next_norm(
+    stories260k: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per forward pass of an L-layer pre-norm model: one plain rms_norm (the first
+    block's input norm), and 2L fused add_rms_norm calls (each block's mid-block add +
+    second norm; each block's last add fused into the next block's input norm, the last
+    one into the final norm). Counted at the entry points the model calls."""
+    model = load_model(stories260k)
+    L = len(model.layers)
+    calls = {"rms_norm": 0, "add_rms_norm": 0}
+    for name in calls:
+        real = getattr(metal_kernels, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(metal_kernels, name, counted)
+    logits = model(mx.array(IDS))
+    mx.eval(logits)
+    assert calls == {"rms_norm": 1, "add_rms_norm": 2 * L}
