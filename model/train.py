@@ -39,6 +39,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from . import chatdata
 from .config import ModelConfig
 from .errors import KVChatError
+from .generate import generate_step
 from .transformer import Transformer
 
 BOS_ID, EOS_TEXT = 1, chatdata.IM_END
@@ -532,7 +533,7 @@ def load_for_sampling(folder: Path) -> tuple[Transformer, Any]:
 
 def generate(model: Transformer, prompt: list[int], eos: list[int], max_tokens: int,
              temp: float = 0.0, seed: int = 0) -> tuple[list[int], str, float, float]:
-    """A minimal greedy/temperature loop (the app uses model/engine.py).
+    """Greedy or temperature sampling through the app's decode loop (model/generate.py).
 
     Returns (ids, finish_reason, ttft_s, decode_tps)."""
     key = mx.random.key(seed)
@@ -546,21 +547,17 @@ def generate(model: Transformer, prompt: list[int], eos: list[int], max_tokens: 
         return mx.random.categorical(logits * (1.0 / temp), key=sub)
 
     t0 = time.perf_counter()
-    tok = pick(model(mx.array([prompt]), cache)[:, -1])
-    mx.eval(tok)
-    t_first = time.perf_counter()
+    t_first = t0
     out: list[int] = []
     reason = "length"
-    while True:
-        tid = tok.item()
+    steps = generate_step(model, prompt, cache, sample=pick, max_tokens=max_tokens)
+    for i, tid in enumerate(steps):
+        if i == 0:
+            t_first = time.perf_counter()
         if tid in eos:
             reason = "eos"
             break
         out.append(tid)
-        if len(out) >= max_tokens:
-            break
-        tok = pick(model(tok[None], cache)[:, -1])
-        mx.eval(tok)
     t_end = time.perf_counter()
     n = len(out) + (reason == "eos")
     decode_tps = (n - 1) / (t_end - t_first) if n > 1 and t_end > t_first else 0.0
