@@ -7,13 +7,12 @@ Exit status: 0 ok, 2 usage, 1 model or runtime error, with one line on stderr
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
 from model.errors import KVChatError
 
-from . import bench_cmd, generate_cmd, inspect_cmd, models_cmd
+from . import bench_cmd, blas, generate_cmd, inspect_cmd, models_cmd
 from .errors import report, report_exception
 
 COMMANDS = {
@@ -32,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", dest="tui_model", metavar="DIR",
                    help="model folder for the chat (default: the shipped model)")
+    p.add_argument("--version", action=blas.VersionAction,
+                   help="print kvchat, MLX, device and BLAS, then exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
@@ -56,31 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-# MLX's Linux CPU wheel calls the reference BLAS; Debian's OpenBLAS, preloaded, serves the
-# same cblas symbols ~30x faster (measured: 5.7 -> 185 GFLOP/s fp32 matmul).
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
-
-
-def _with_openblas() -> None:
-    """Re-exec once with OpenBLAS preloaded where it is installed (KVCHAT_NO_OPENBLAS=1: never)."""
-    preload = os.environ.get("LD_PRELOAD", "")
-    if (
-        sys.platform != "linux"
-        or "openblas" in preload
-        or os.environ.get("KVCHAT_NO_OPENBLAS") == "1"
-        or not os.path.exists(OPENBLAS)
-    ):
-        return
-    env = {**os.environ, "LD_PRELOAD": f"{OPENBLAS} {preload}".strip()}
-    try:
-        os.execve(sys.executable, [sys.executable, "-m", "app", *sys.argv[1:]], env)
-    except OSError:
-        pass  # run on the slower BLAS rather than not at all
-
-
 def entry() -> None:
     """Console-script entry point."""
-    _with_openblas()
+    blas.reexec_with_fast_blas()
     sys.exit(main())
 
 

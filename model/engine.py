@@ -72,6 +72,8 @@ def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
         "architecture": cfg.model_type,
         "parameters": parameter_count(model),
         "bits": quant["bits"] if quant else None,
+        # quantized checkpoints are dequantized on load on the CPU (model/weights.py)
+        "dequantized": bool(getattr(model, "dequantized", False)),
         "dtype": str(model.model.norm.weight.dtype).removeprefix("mlx.core."),
         "weight_bytes": weight_bytes(model),
         "n_layers": cfg.num_hidden_layers,

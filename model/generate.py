@@ -180,7 +180,10 @@ class CompiledStep:
         adapters = [_adapter(c) for c in self.caches]
         self.supported = all(a is not None for a in adapters)
         self.adapters: list[Any] = adapters
-        self._fns: dict[tuple[Any, ...], Any] = {}
+        # traces live with the model (its weights are constants in them), so a new
+        # cache list, e.g. every new chat, reuses them instead of tracing again
+        self._fns: dict[tuple[Any, ...], Any] = model.__dict__.setdefault(
+            "_kvchat_decode_traces", {})
 
     def _build(self, layout: tuple[tuple[Any, ...], ...], groups: tuple[int, ...]) -> Any:
         model = self.model
