@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 import sysconfig
@@ -132,6 +133,7 @@ def _name_of(path: str) -> str:
     return Path(path).name
 
 
+@functools.cache
 def active_blas() -> dict[str, Any]:
     """{"name", "path", "fast"}: the BLAS that serves `cblas_sgemm` in this process."""
     if sys.platform == "darwin":
@@ -162,6 +164,12 @@ def describe() -> str:
     b = active_blas()
     where = f" ({b['path']})" if b["path"] else ""
     return f"{b['name']}{where}" + ("" if b["fast"] else f"; {HINT}")
+
+
+def short_label() -> str:
+    """For the side panel: the BLAS name, or the slow one with what to install."""
+    b = active_blas()
+    return b["name"] if b["fast"] else "reference (slow): pip install cmeel-openblas"
 
 
 def version_text() -> str:

@@ -15,6 +15,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Sparkline, Static
 
+from .. import blas
 from .format import (
     context_level,
     fmt_bytes,
@@ -218,6 +219,8 @@ class StatsPanel(VerticalScroll):
         )
         bits = info.get("bits")
         precision = f"{bits}-bit" if bits else str(info.get("dtype") or "–")
+        if bits and info.get("dequantized"):
+            precision = f"{bits}-bit → {info.get('dtype')}"  # dequantized on load (CPU)
         _set(
             self.query_one("#model", Static),
             _lines(
@@ -237,6 +240,7 @@ class StatsPanel(VerticalScroll):
         runtime = [
             _row("kernels", str(s.get("kernels_backend") or "–")),
             _row("device", str(s.get("device") or "–")),
+            _row("BLAS", blas.short_label(), "" if blas.active_blas()["fast"] else "yellow"),
             _row("active", fmt_bytes(s.get("active_memory"))),
             _row("peak", fmt_bytes(s.get("peak_memory"))),
         ]
