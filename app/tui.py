@@ -74,9 +74,9 @@ def validate_model_path(path: str | Path) -> Path:
 
 
 def _default_engine(on_event: Callable[[Event], None], model_path: str | None) -> Any:
-    from model.engine import Engine  # imports MLX; kept out of module import time
+    from model.engine_process import EngineProcess  # the engine gets its own interpreter
 
-    return Engine(on_event, model_path)
+    return EngineProcess(on_event, model_path)
 
 
 class EngineEvent(Message):
