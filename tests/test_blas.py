@@ -51,3 +51,14 @@ def test_pip_openblas_route_without_system_libraries(monkeypatch, tmp_path) -> N
     assert shim is not None and (shim / "libgfortran.so.5").exists()
     got = _probe(_env(LD_PRELOAD=str(lib), LD_LIBRARY_PATH=str(shim)))
     assert got == {"name": "OpenBLAS", "path": str(lib), "fast": True}
+
+
+def test_version_names_mlx_device_and_blas(capsys) -> None:
+    from app.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("kvchat ") and "mlx " in out
+    assert f"BLAS: {blas.active_blas()['name']}" in out
