@@ -84,7 +84,9 @@ async def turn(pilot: Any, text: str) -> None:
 
 @async_test
 async def test_real_turn_streams_and_panel_shows_formula_bytes(env: Path) -> None:
-    app = KVChatApp(str(STORIES), settings(max_tokens=400))
+    # long enough to stream for a while: the engine (its own process) is not slowed by
+    # this test's polling; a cache past the 512-token context keeps every token
+    app = KVChatApp(str(STORIES), settings(max_tokens=2000, max_kv_size=4096))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         app.input.load_text(PROMPT)
