@@ -222,6 +222,10 @@ class CompiledStep:
         if fn is None:
             fn = self._fns[fkey] = self._build(layout, tuple(groups))
         out = fn(y, mx.array(rows, dtype=mx.int32), *buffers)
+        # hand the new buffers to the caches before anything evaluates: the old ones
+        # are then referenced by the graph alone, so MLX donates them and slice_update
+        # writes in place (holding them would copy every buffer every token)
+        del buffers
         for i, a in enumerate(self.adapters):
             a.commit(out[1 + 2 * i], out[2 + 2 * i])
         return out[0]

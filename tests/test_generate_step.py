@@ -79,3 +79,22 @@ def test_caches_consistent_after_early_close(stories260k: Path) -> None:
     gen.close()
     assert prog.fed == 7 and len(got) == 7
     assert caches[0].offset == 3 + prog.fed
+
+
+def test_compiled_step_writes_kv_in_place(stories260k: Path) -> None:
+    """The step's slice_update must reuse the cache buffers (MLX donates them when the
+    cache no longer holds the old ones); a copy would add a whole buffer per layer to
+    the peak memory of every step."""
+    model = load_model(stories260k)
+    caches = model.make_cache(max_kv_size=8192)
+    steps = generate_step(model, list(range(3, 503)) * 8, caches, max_tokens=40)
+    next(steps)  # prefill 4,000 tokens: each layer's K and V buffers hold 4,096 slots
+    buffer = caches[0].keys.nbytes
+    assert buffer == 4096 * 4 * 8 * 4
+    mx.eval([c.state for c in caches])
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    for _ in range(20):
+        next(steps)
+    steps.close()
+    assert mx.get_peak_memory() - base < buffer
