@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from . import __version__
+from . import blas
 from .errors import report, report_exception
 
 COMMANDS = {
@@ -50,7 +50,8 @@ def build_parser() -> Any:
         description="Chat with a local LLM on MLX and watch its KV cache. "
         "Without a command: open the chat.",
     )
-    p.add_argument("--version", action="version", version=f"kvchat {__version__}")
+    p.add_argument("--version", action=blas.VersionAction,
+                   help="print kvchat, MLX, device and BLAS, then exit")
     p.add_argument("--model", dest="tui_model", metavar="DIR",
                    help="model folder for the chat (default: the shipped model)")
     p.add_argument("--hosts", dest="hostfile", metavar="HOSTFILE",
@@ -144,28 +145,6 @@ def _visible_output(json_mode: bool) -> Iterator[None]:
         sys.stdout, sys.stderr = saved
 
 
-# MLX's Linux CPU wheel calls the reference BLAS; Debian's OpenBLAS, preloaded, serves the
-# same cblas symbols ~30x faster (measured: 5.7 -> 185 GFLOP/s fp32 matmul).
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
-
-
-def _with_openblas() -> None:
-    """Re-exec once with OpenBLAS preloaded where it is installed (KVCHAT_NO_OPENBLAS=1: never)."""
-    preload = os.environ.get("LD_PRELOAD", "")
-    if (
-        sys.platform != "linux"
-        or "openblas" in preload
-        or os.environ.get("KVCHAT_NO_OPENBLAS") == "1"
-        or not os.path.exists(OPENBLAS)
-    ):
-        return
-    env = {**os.environ, "LD_PRELOAD": f"{OPENBLAS} {preload}".strip()}
-    try:
-        os.execve(sys.executable, [sys.executable, "-m", "app", *sys.argv[1:]], env)
-    except OSError:
-        pass  # run on the slower BLAS rather than not at all
-
-
 def finish(rc: int) -> None:
     """Exit with `rc`. An engine thread still busy (a slow load, say) would make the
     interpreter's shutdown abort the process ("terminate called without an active
@@ -194,7 +173,7 @@ def finish(rc: int) -> None:
 def entry() -> None:
     """Console-script entry point."""
     try:
-        _with_openblas()
+        blas.reexec_with_fast_blas()
         rc = main()
     except KeyboardInterrupt:
         rc = 130

@@ -184,7 +184,7 @@ def run_chat(hostfile: str, model: str | None) -> int:
     """`kvchat --hosts hosts.json [--model M]`: the chat on this terminal, the model split
     across the hosts. Errors before the UI starts are one line (exit 1)."""
     from .settings import load_settings
-    from .tui import default_model_path, run_tui, validate_model_path
+    from .tui import default_model_path, in_process_engine, run_tui, validate_model_path
 
     read_hostfile(hostfile)  # a bad hostfile: one line, nothing started
     settings = load_settings()
@@ -195,7 +195,7 @@ def run_chat(hostfile: str, model: str | None) -> int:
     procs = start_ranks(hostfile, path, log_dir)
     try:
         join_if_launched(argparse.Namespace(model=path))
-        return run_tui(path, settings)
+        return run_tui(path, settings, engine_factory=in_process_engine)
     finally:
         stop_ranks(procs)
 

@@ -179,10 +179,10 @@ def _ranks(args: argparse.Namespace, source: Path, cfg: ModelConfig, dtype_bytes
 def _live(folder: Path, cfg: ModelConfig) -> dict[str, Any]:
     """Greedy-generate LIVE_TOKENS tokens from BOS through make_cache and measure the
     cache from its arrays (resident slices' nbytes) next to the formula."""
-    import mlx.core as mx
 
     from model.cache import cache_stats, make_cache
     from model.events import CACHE_FIELDS, stats_json
+    from model.generate import generate_step
     from model.weights import load_model
 
     model = load_model(folder)
@@ -190,10 +190,10 @@ def _live(folder: Path, cfg: ModelConfig) -> dict[str, Any]:
     bos = cfg.raw.get("bos_token_id", 1)
     if isinstance(bos, list):
         bos = bos[0] if bos else 1
-    y = mx.array([[int(bos) if bos is not None else 1]])
-    for _ in range(LIVE_TOKENS):
-        y = mx.argmax(model(y, cache=caches)[:, -1, :], axis=-1)[None]
-        mx.eval(y)
+    # LIVE_TOKENS tokens end up cached: BOS and all generated ids but the last
+    for _ in generate_step(model, [int(bos) if bos is not None else 1], caches,
+                           max_tokens=LIVE_TOKENS):
+        pass
     measured = 0
     for c in caches:  # what the arrays hold: the resident slots' slices
         n = c.size()

@@ -45,6 +45,14 @@ def validate_model_path(path: str | Path) -> Path:
 
 
 def _default_engine(on_event: Callable[[Event], None], model_path: str | None) -> EngineLike:
+    """The engine in a child process: the UI and the model never share an interpreter."""
+    from model.engine_process import EngineProcess
+
+    return EngineProcess(on_event, model_path)
+
+
+def in_process_engine(on_event: Callable[[Event], None], model_path: str | None) -> EngineLike:
+    """The engine on a thread of this process (a pipeline's rank 0 must be this process)."""
     from model.engine import Engine  # imports MLX; kept out of module import time
 
     return Engine(on_event, model_path)
@@ -103,7 +111,11 @@ def default_model_path(settings: Settings) -> str | None:
     return None
 
 
-def run_tui(model_path: str | None, settings: Settings | None = None) -> int:
+def run_tui(
+    model_path: str | None,
+    settings: Settings | None = None,
+    engine_factory: EngineFactory | None = None,
+) -> int:
     """Entry point for `kvchat [--model DIR]`. A bad --model folder raises a one-line
     KVChatError before the UI starts (app.cli prints it and exits 1)."""
     settings = settings if settings is not None else load_settings()
@@ -111,6 +123,6 @@ def run_tui(model_path: str | None, settings: Settings | None = None) -> int:
         path: str | None = str(validate_model_path(model_path))
     else:
         path = default_model_path(settings)
-    app = KVChatApp(path, settings)
+    app = KVChatApp(path, settings, engine_factory=engine_factory)
     app.run()
     return app.return_code or 0

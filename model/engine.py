@@ -51,12 +51,12 @@ from .events import (
     TextDelta,
     TurnStats,
 )
+from .generate import PREFILL_CHUNK, Progress, generate_step
 from .sampling import Sampler
 from .tokenizer import Tokenizer, load_tokenizer
 from .transformer import Transformer
 from .weights import parameter_count, weight_bytes
 
-PREFILL_CHUNK = 512
 STATS_INTERVAL_S = 0.1  # ~10 stats events a second, never one per token
 
 
@@ -86,6 +86,8 @@ def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
         "architecture": cfg.model_type,
         "parameters": parameter_count(model),
         "bits": quant["bits"] if quant else None,
+        # quantized checkpoints are dequantized on load on the CPU (model/weights.py)
+        "dequantized": bool(getattr(model, "dequantized", False)),
         "dtype": str(_float_dtype(model)).removeprefix("mlx.core."),
         "weight_bytes": weight_bytes(model),
         "n_layers": cfg.num_hidden_layers,
@@ -157,6 +159,7 @@ class Engine:
         prefill_chunk: int = PREFILL_CHUNK,
         reuse_prefix: bool = True,
         tokenizer: str = "auto",
+        compiled: bool = True,
     ):
         self._on_event = on_event
         self._jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
@@ -167,6 +170,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.reuse_prefix = reuse_prefix  # off: every turn prefills its whole prompt
         self.tokenizer_kind = tokenizer  # "auto" | "sentencepiece" | "hf"
+        self.compiled = compiled  # off: the plain step (same ids; for comparison)
         # engine-thread state
         self.model: Transformer | None = None
         self.tokenizer: Tokenizer | None = None
@@ -452,87 +456,75 @@ class Engine:
         self._emit(Started(len(prompt_ids), cached, reason, again))
         stats = TurnStats(prompt_tokens=len(prompt_ids), cached_tokens=cached)
 
-        # prefill the new suffix in chunks; the last chunk's final logits start decoding
-        t_prefill = self.clock()
-        todo = prompt_ids[cached:]
-        logits = None
-        for i in range(0, len(todo), self.prefill_chunk):
-            if cancelled():
-                self._cache_ids.extend(todo[:i])
-                self._emit(Done("cancelled", "", [], prompt_ids, self._stats_now(stats)))
-                return
-            chunk = todo[i : i + self.prefill_chunk]
-            logits = model(mx.array([chunk]), cache=cache, logits_to_keep=1)[:, -1, :]
-            mx.eval(logits if i + self.prefill_chunk >= len(todo) else [c.state for c in cache])
-        self._cache_ids.extend(todo)
-        prefill_s = self.clock() - t_prefill
-        stats.prefill_tps = len(todo) / prefill_s if prefill_s > 0 else 0.0
-
         sampler = Sampler(params.sampling())
         # embedding tables are often padded past the tokenizer's vocabulary; an id the
         # tokenizer cannot decode must never be sampled
         n_ids = min(model.config.vocab_size, tok.vocab_size)
-        history = mx.array(prompt_ids[-params.repetition_context_size :], dtype=mx.int32)
+        window = params.repetition_context_size
+        history = mx.array(prompt_ids[-window:], dtype=mx.int32)
         use_history = params.repetition_penalty != 1.0
 
-        def sample(lg: mx.array, hist: mx.array) -> mx.array:
-            return sampler(lg[..., :n_ids], hist if use_history else [])
+        def sample(logits: mx.array) -> mx.array:
+            nonlocal history
+            y = sampler(logits[..., :n_ids], history if use_history else [])
+            if use_history:
+                history = mx.concatenate([history, y.astype(mx.int32)])[-window:]
+            return y
 
-        y = sample(logits, history)
-        mx.async_eval(y)
+        todo = prompt_ids[cached:]
+        progress = Progress()
+        steps = generate_step(
+            model, todo, cache, sample=sample, max_tokens=params.max_tokens,
+            prefill_chunk=self.prefill_chunk, compiled=self.compiled,
+            cancelled=cancelled, progress=progress, clock=self.clock,
+        )
         generated: list[int] = []
-        fed = 0  # generated tokens already run through the model (their K/V are cached)
         detok = tok.detokenizer()
         stops = _StopMatcher(params.stop)
         eos = set(tok.eos_ids)
         reason_done = "length"
         t_first = t_last = None
         last_stats = self.clock()
-
-        while True:
-            if len(generated) + 1 < params.max_tokens:
-                if use_history:
-                    history = mx.concatenate([history, y])[-params.repetition_context_size :]
-                next_y = sample(model(y[None], cache=cache)[:, -1, :], history)
-                mx.async_eval(next_y)
-                fed += 1
-            else:
-                next_y = None
-            token = int(y.item())
-            now = self.clock()
-            t_last = now
-            if t_first is None:
-                t_first = now
-                stats.ttft_s = now - t_submit
-            generated.append(token)
-            if token in eos and not params.ignore_eos:
-                reason_done = "eos"
-                break
-            text, hit = stops.feed(detok.add_token(token))
-            if text:
-                self._emit(TextDelta(text, token))
-            if hit:
-                reason_done = "stop"
-                break
-            if next_y is None:
-                break
-            if cancelled():
-                reason_done = "cancelled"
-                break
-            if now - last_stats >= self.stats_interval_s:
-                last_stats = now
-                self._decode_stats(stats, generated, t_first, t_last)
-                self._emit(Stats(self._stats_now(stats)))
-            y = next_y
+        try:
+            for token in steps:
+                now = self.clock()
+                t_last = now
+                if t_first is None:
+                    t_first = now
+                    stats.ttft_s = now - t_submit
+                    p_s = progress.prefill_s
+                    stats.prefill_tps = len(todo) / p_s if p_s > 0 else 0.0
+                    stats.compiled_step = progress.compiled
+                generated.append(token)
+                if token in eos and not params.ignore_eos:
+                    reason_done = "eos"
+                    break
+                text, hit = stops.feed(detok.add_token(token))
+                if text:
+                    self._emit(TextDelta(text, token))
+                if hit:
+                    reason_done = "stop"
+                    break
+                if cancelled():
+                    reason_done = "cancelled"
+                    break
+                if now - last_stats >= self.stats_interval_s:
+                    last_stats = now
+                    self._decode_stats(stats, generated, t_first, t_last)
+                    self._emit(Stats(self._stats_now(stats)))
+        finally:
+            steps.close()  # waits for the in-flight step before the cache is touched
+        self._cache_ids.extend(todo[: progress.prefilled])
+        if progress.prefilled < len(todo):  # cancelled during prefill
+            self._emit(Done("cancelled", "", [], prompt_ids, self._stats_now(stats)))
+            return
 
         if reason_done != "stop":  # flush text held for UTF-8 completion or stop matching
             tail, _ = stops.feed(detok.finalize())
             tail += stops.flush()
             if tail:
                 self._emit(TextDelta(tail, generated[-1]))
-        if next_y is not None:
-            mx.eval(next_y)  # let the in-flight step finish before the cache is touched
-        self._cache_ids.extend(generated[:fed])
+        self._cache_ids.extend(generated[: progress.fed])
         self._decode_stats(stats, generated, t_first, t_last)
         final = self._stats_now(stats)
         self._emit(Stats(final))

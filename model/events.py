@@ -110,6 +110,7 @@ class TurnStats:
     # a model split across machines (model/pipeline.py): per-rank bytes and time split
     pipeline: dict[str, Any] | None = None
     # the runtime
+    compiled_step: bool | None = None  # the compiled single-token step served the decode
     peak_memory: int | None = None
     active_memory: int | None = None
     kernels_backend: str | None = None
@@ -137,7 +138,9 @@ def stats_json(stats: TurnStats) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in dataclasses.fields(stats):
         v = getattr(stats, f.name)
-        if v is None and f.name not in ("kernels_backend", "device", "wrapped", "pipeline"):
+        if v is None and f.name not in (
+            "kernels_backend", "device", "wrapped", "pipeline", "compiled_step"
+        ):
             v = 0
         out[f.name] = None if isinstance(v, float) and not math.isfinite(v) else v
     return out

@@ -6,13 +6,14 @@ that names the file or tensor, and nothing half-loaded is left behind.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from .config import ModelConfig, load_config
 from .errors import ModelLoadError
@@ -127,12 +128,15 @@ def load_model(
     quantize: tuple[int, int] | None = None,
     dtype: mx.Dtype | None = None,
     build: Callable[[ModelConfig], nn.Module] = Transformer,
+    dequantize: bool | None = None,
 ) -> Transformer:
     """Load a model folder ready for inference.
 
     `quantize=(bits, group_size)` quantizes a float checkpoint on load. `build` makes the
     module to fill (a pipeline rank's slice); tensors under its `excluded_prefixes` are
-    never read (mx.load is lazy), so a rank holds only its own weights.
+    never read (mx.load is lazy), so a rank holds only its own weights. A quantized
+    checkpoint is dequantized to the compute dtype when `dequantize` is True, or by
+    default on the CPU when it fits (see `dequantize_on_load`).
     """
     folder = Path(path).expanduser()
     if not folder.exists():
@@ -187,10 +191,65 @@ def load_model(
             and m.weight.shape[-1] % group == 0,
         )
         quant = {"bits": bits, "group_size": group}
+    model.dequantized = False  # type: ignore[attr-defined]
+    if quant is not None and quantize is None:
+        if dequantize is None:
+            dequantize = dequantize_on_load(parameter_count(model), target)
+        if dequantize:
+            dequantize_model(model)
+            model.dequantized = True  # type: ignore[attr-defined]
     mx.eval(model.parameters())
     model.path = folder  # type: ignore[attr-defined]
     model.quantization = quant  # type: ignore[attr-defined]
     return model
+
+
+# MLX's CPU quantized matmul is slower than a float32 matmul through BLAS (measured on
+# a 4-bit 135M model: see README, "Measured here"), so on the CPU quantized checkpoints
+# are dequantized on load unless that would take more than this share of free memory.
+DEQUANTIZE_MEMORY_SHARE = 0.5
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def dequantize_on_load(n_params: int, dtype: mx.Dtype) -> bool:
+    """The default for quantized checkpoints: dequantize on the CPU backend when the
+    float weights fit in DEQUANTIZE_MEMORY_SHARE of free memory; KVCHAT_KEEP_QUANTIZED=1
+    keeps them quantized."""
+    if os.environ.get("KVCHAT_KEEP_QUANTIZED") == "1" or mx.default_device() != mx.cpu:
+        return False
+    free = _available_memory()
+    return free is not None and n_params * dtype.size <= DEQUANTIZE_MEMORY_SHARE * free
+
+
+def dequantize_model(model: nn.Module) -> None:
+    """Replace every quantized Linear / Embedding by its float equivalent, in place."""
+    swaps = []
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits,
+                              mode=getattr(m, "mode", "affine")).astype(m.scales.dtype)
+            if isinstance(m, nn.QuantizedLinear):
+                new: nn.Module = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+                new.weight = w
+                if "bias" in m:
+                    new.bias = m.bias
+            else:
+                new = nn.Embedding(w.shape[0], w.shape[1])
+                new.weight = w
+            swaps.append((name, new))
+    model.update_modules(tree_unflatten(swaps))
 
 
 def parameter_count(model: nn.Module) -> int:

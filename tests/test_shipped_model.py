@@ -23,7 +23,8 @@ FILES = ("config.json", "model.safetensors", "tokenizer.model", "tokenizer_confi
 
 @pytest.fixture(scope="module")
 def model() -> nn.Module:
-    return load_model(str(MODEL))
+    # the checkpoint as stored (the CPU default dequantizes it on load)
+    return load_model(str(MODEL), dequantize=False)
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,9 @@ APP_CSS = Path(__file__).resolve().parents[1] / "app" / "kvchat.tcss"
 def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
     monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
+    # the panel's BLAS row describes the test machine; pin it
+    monkeypatch.setattr("app.blas.active_blas",
+                        lambda: {"name": "OpenBLAS", "path": None, "fast": True})
     return tmp_path
 
 

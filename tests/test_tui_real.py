@@ -27,7 +27,7 @@ from app.tui import KVChatApp
 from app.turn import Phase
 from app.widgets import ChatMessage
 from app.widgets.format import human_bytes
-from model.engine import Engine
+from model.engine_process import EngineProcess
 from model.events import CacheRestored, Done, Event, Loaded, Started
 from tests.scripted_engine import async_test, record_notifications, wait_for
 
@@ -65,12 +65,12 @@ def real_app(s: Settings) -> tuple[KVChatApp, list[Event]]:
     """The app on the real engine and stories260K; every event it was sent is recorded."""
     seen: list[Event] = []
 
-    def factory(on_event: Any, path: str | None) -> Engine:
+    def factory(on_event: Any, path: str | None) -> EngineProcess:
         def recording(ev: Event) -> None:
             seen.append(ev)
             on_event(ev)
 
-        return Engine(recording, path)
+        return EngineProcess(recording, path)  # as the app runs it: in its own process
 
     return KVChatApp(str(STORIES), s, engine_factory=factory), seen
 
@@ -111,7 +111,9 @@ async def turn(pilot: Any, text: str) -> None:
 
 @async_test
 async def test_real_turn_streams_and_panel_shows_formula_bytes(env: Path) -> None:
-    app, seen = real_app(settings(max_tokens=400))
+    # long enough to stream for a while: the engine (its own process) is not slowed by
+    # this test's polling; a cache past the 512-token context keeps every token
+    app, seen = real_app(settings(max_tokens=2000, max_kv_size=4096))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         app.chat.input.load_text(PROMPT)
@@ -146,7 +148,10 @@ async def test_real_turn_streams_and_panel_shows_formula_bytes(env: Path) -> Non
 
 @async_test
 async def test_real_stop_regenerate_and_edit_trims_cache(env: Path) -> None:
-    app, seen = real_app(settings(max_tokens=450))
+    # the engine decodes in its own process, faster than this test can press Esc on a
+    # short reply: a long one (a cache past the model's 512-token context, so nothing
+    # rotates and the trims below stay exact) leaves seconds to stop it
+    app, seen = real_app(settings(max_tokens=3000, max_kv_size=4096))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         # Esc keeps the partial reply, marked as stopped
@@ -159,7 +164,7 @@ async def test_real_stop_regenerate_and_edit_trims_cache(env: Path) -> None:
         done = last(seen, Done)
         assert done.finish_reason == "cancelled"
         partial = done.text
-        assert partial.strip() and len(done.ids) < 450
+        assert partial.strip() and len(done.ids) < 3000
         reply = replies(app)[-1]
         assert reply.stopped and reply.content == partial
         assert app.chat.conversation.messages[-1]["stopped"] is True
@@ -331,8 +336,9 @@ async def test_real_key_latency_while_decoding(env: Path, capsys: pytest.Capture
     """Keys are handled while tokens stream. Reported, not held to a target (speed
     targets live in benchmarks): time from a key event entering the app's queue (as the
     terminal driver delivers it) to its effect on the app's state."""
-    # a rotating 256-token window lets the tiny model decode for several seconds
-    app, seen = real_app(settings(max_tokens=1500, max_kv_size=256))
+    # a rotating 256-token window lets the tiny model decode for several seconds (it
+    # is stopped with Esc once the keys are measured)
+    app, seen = real_app(settings(max_tokens=20000, max_kv_size=256))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         app.chat.input.load_text(PROMPT)

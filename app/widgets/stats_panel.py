@@ -17,6 +17,7 @@ from textual.widgets import Sparkline, Static
 
 from model.events import CACHE_FIELDS, TURN_FIELDS, TurnStats
 
+from .. import blas
 from ..hosts import rank_rows
 from ..text import literal
 from .format import (
@@ -212,6 +213,8 @@ class StatsPanel(VerticalScroll):
         )
         bits = info.get("bits")
         precision = f"{bits}-bit" if bits else str(info.get("dtype") or "–")
+        if bits and info.get("dequantized"):
+            precision = f"{bits}-bit → {info.get('dtype')}"  # dequantized on load (CPU)
         _set(
             self.query_one("#model", Static),
             _lines(
@@ -231,6 +234,7 @@ class StatsPanel(VerticalScroll):
         runtime = [
             _row("kernels", str(s.kernels_backend or "–")),
             _row("device", str(s.device or "–")),
+            _row("BLAS", blas.short_label(), "" if blas.active_blas()["fast"] else "yellow"),
             _row("active", fmt_bytes(s.active_memory)),
             _row("peak", fmt_bytes(s.peak_memory)),
         ]

@@ -1,0 +1,196 @@
+"""The engine in its own process, behind the same client API as `Engine`.
+
+Why: a Textual UI and the engine in one interpreter share one GIL. While the UI lays out
+and renders a streaming reply it holds the GIL for milliseconds at a time, and the
+engine thread waits for it several times per token, so decoding slowed to a fraction of
+`kvchat generate`'s rate (measured: README, "Measured here"). In a child process the
+engine has an interpreter of its own; the UI process only unpickles events.
+
+Protocol: two pipes of pickled objects. Parent -> child: (an EngineLike method name,
+args) or None to stop. Child -> parent: the engine's events in order, plus `_Snapshot`s
+of the cache statistics after every event that changes them (so `layer_stats()` and
+`cache_stats()` answer from the last snapshot without a round trip), and None when the
+child is done.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from .events import (
+    CacheRestored,
+    Done,
+    Event,
+    GenParams,
+    Loaded,
+    LoadFailed,
+    Stats,
+    TurnStats,
+)
+
+_SNAPSHOT_AFTER = (Stats, Done, Loaded, CacheRestored)
+
+
+@dataclass
+class _Snapshot:
+    layers: list[dict[str, Any]]
+    cache: TurnStats
+
+
+class EngineProcess:
+    """`model.events.EngineLike` with the engine running in a child Python process.
+    `on_event` is called on a reader thread of this process, as `Engine` calls it on its
+    own thread."""
+
+    def __init__(self, on_event: Callable[[Event], None], model_path: str | Path | None = None,
+                 **engine_kw: Any):
+        self._on_event = on_event
+        self._lock = threading.Lock()
+        self._turn = 0
+        self._pending = 0  # turns submitted and not yet Done
+        self._snapshot = _Snapshot([], TurnStats())
+        cmd_r, cmd_w = os.pipe()
+        evt_r, evt_w = os.pipe()
+        root = str(Path(__file__).resolve().parents[1])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(cmd_r), str(evt_w)],
+            pass_fds=(cmd_r, evt_w), env=env, stdin=subprocess.DEVNULL,
+        )
+        os.close(cmd_r)
+        os.close(evt_w)
+        self._cmd = Connection(cmd_w, readable=False)
+        self._evt = Connection(evt_r, writable=False)
+        self._send(engine_kw)
+        self._reader = threading.Thread(target=self._read, name="kvchat-engine-events",
+                                        daemon=True)
+        self._reader.start()
+        if model_path is not None:
+            self.load(model_path)
+
+    # ---- client API -----------------------------------------------------------------
+    def load(self, path: str | Path) -> None:
+        self._send(("load", (str(path),)))
+
+    def submit(self, prompt: Any, params: GenParams | None = None) -> int:
+        with self._lock:
+            self._turn += 1  # the child's Engine numbers turns the same way
+            self._pending += 1
+            turn = self._turn
+        self._send(("submit", (prompt, params or GenParams())))
+        return turn
+
+    def cancel(self) -> None:
+        self._send(("cancel", ()))
+
+    def reset(self) -> None:
+        self._snapshot = _Snapshot([], TurnStats())
+        self._send(("reset", ()))
+
+    def save_cache(self, path: str | Path, max_bytes: int | None = None) -> None:
+        self._send(("save_cache", (str(path), max_bytes)))
+
+    def restore_cache(self, path: str | Path) -> None:
+        self._send(("restore_cache", (str(path),)))
+
+    def cache_stats(self) -> TurnStats:
+        return self._snapshot.cache
+
+    @property
+    def busy(self) -> bool:
+        return self._pending > 0
+
+    def layer_stats(self) -> list[dict[str, Any]]:
+        return self._snapshot.layers
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._proc.poll() is None:
+            self._send(("cancel", ()))
+            self._send(None)
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._reader.join(timeout)
+
+    # ---- plumbing ---------------------------------------------------------------------
+    def _send(self, msg: Any) -> None:
+        with self._lock:
+            try:
+                self._cmd.send(msg)
+            except (BrokenPipeError, OSError):
+                pass  # the child is gone; _read reports it
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._evt.recv()
+            except (EOFError, OSError):
+                msg = None
+            if msg is None:
+                break
+            if isinstance(msg, _Snapshot):
+                self._snapshot = msg
+                continue
+            if isinstance(msg, Done):
+                self._pending = max(0, self._pending - 1)
+            self._on_event(msg)
+        code = self._proc.wait()
+        if code != 0:  # died: whoever waits for a turn must hear about it
+            why = f"the engine process exited with status {code}"
+            if self._pending:
+                self._pending = 0
+                self._on_event(Done("error", "", [], [], error=why))
+            else:
+                self._on_event(LoadFailed("", why))
+
+
+def _child(cmd_fd: int, evt_fd: int) -> None:
+    from .engine import Engine
+
+    cmd = Connection(cmd_fd, writable=False)
+    evt = Connection(evt_fd, readable=False)
+    lock = threading.Lock()
+    engine: Engine | None = None
+
+    def on_event(ev: Event) -> None:  # on the engine thread
+        with lock:  # the snapshot first: a handler of `ev` may read it at once
+            if isinstance(ev, _SNAPSHOT_AFTER) and engine is not None:
+                evt.send(_Snapshot(engine.layer_stats(), engine.cache_stats()))
+            evt.send(ev)
+
+    engine = Engine(on_event, None, **cmd.recv())
+    try:
+        while True:
+            try:
+                msg = cmd.recv()
+            except EOFError:
+                break
+            if msg is None:
+                break
+            name, args = msg
+            getattr(engine, name)(*args)
+    finally:
+        engine.close()
+        with lock:
+            evt.send(None)
+
+
+if __name__ == "__main__":
+    # through the package module, so pickled classes resolve in the parent (a class of
+    # `__main__` would not); the parent passes this module's name, see EngineProcess
+    import importlib
+
+    child = importlib.import_module(__spec__.name)._child
+
+    child(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,313 @@
+"""The one decode loop: chunked prefill, then a compiled single-token step, pipelined.
+
+`generate_step` serves the engine, `kvchat bench`, `inspect --live` and the training
+script's sampler. It yields token ids as ints; the caller decides when to stop.
+
+Why a compiled step: at small model sizes a decode step is ~100 tiny MLX operations and
+their per-operation dispatch (Python and MLX) costs more than the arithmetic. `mx.compile`
+traces the step once per buffer shape and replays it. A trace bakes in every Python
+value it saw, so nothing that changes per token may be a Python int inside it: the
+position, the slot to write and the mask's bounds enter as one int32 array, K/V are
+written with `mx.slice_update` into buffers of fixed capacity (grown outside the trace,
+a whole step at a time), and attention reads the whole buffer under a mask.
+
+The caches stay the source of truth. Before each step an adapter per cache kind
+(`_FullSlots`, `_RingSlots`) grows the buffers if needed and computes the int32 row;
+inside the trace, proxies with the caches' own duck-typed interface (`offset`,
+`update_and_fetch`, `make_mask`) stand in for them, so the model code is unchanged; after
+it, the new buffers and offsets are written back to the real caches. A cache kind
+without an adapter runs the plain (uncompiled) step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+import metal_kernels
+
+PREFILL_CHUNK = 512
+
+Sample = Callable[[mx.array], mx.array]  # logits (1, V) -> ids (1,)
+
+
+def greedy(logits: mx.array) -> mx.array:
+    return mx.argmax(logits, axis=-1)
+
+
+@dataclass
+class Progress:
+    """What `generate_step` has done so far (read by the caller between yields)."""
+
+    prefilled: int = 0  # prompt tokens run through the model this call
+    prefill_s: float = 0.0
+    fed: int = 0  # generated tokens run through the model (their K/V are in the cache)
+    compiled: bool = False  # whether the compiled step served this call
+
+
+# ---- cache adapters (host side: growth, the int32 row, write-back) ----------------------
+def _grow_to(buf: mx.array, size: int) -> mx.array:
+    B, H, have, D = buf.shape
+    if have >= size:
+        return buf
+    return mx.concatenate([buf, mx.zeros((B, H, size - have, D), buf.dtype)], axis=2)
+
+
+class _FullSlots:
+    """An unbounded cache (`KVCache`): position p lives in slot p."""
+
+    kind = "full"
+
+    def __init__(self, cache: Any):
+        self.cache = cache
+        self.step = getattr(cache, "step", 256)
+
+    def static(self) -> tuple[Any, ...]:
+        return (self.kind,)
+
+    def row(self) -> list[int]:
+        c = self.cache
+        o = c.offset
+        if c.keys.shape[2] < o + 1:
+            size = ((o + 1 + self.step - 1) // self.step) * self.step
+            c.keys, c.values = _grow_to(c.keys, size), _grow_to(c.values, size)
+        return [o, o, o + 1, 0]  # offset, slot, resident length, lowest valid position
+
+    def commit(self, keys: mx.array, values: mx.array) -> None:
+        c = self.cache
+        c.keys, c.values = keys, values
+        c.offset += 1
+
+
+class _RingSlots:
+    """A bounded cache (`RotatingKVCache`): `keep` sinks, then a ring of max_size − keep."""
+
+    kind = "ring"
+
+    def __init__(self, cache: Any):
+        self.cache = cache
+        self.M, self.K = cache.max_size, cache.keep
+        self.R = self.M - self.K
+        self.step = getattr(cache, "step", 256)
+
+    def static(self) -> tuple[Any, ...]:
+        return (self.kind, self.M, self.K)
+
+    def row(self) -> list[int]:
+        c, M, K, R = self.cache, self.M, self.K, self.R
+        o = c.offset
+        length = min(o + 1, M)
+        if c.keys.shape[2] < length:
+            size = min(M, ((length + self.step - 1) // self.step) * self.step)
+            c.keys, c.values = _grow_to(c.keys, size), _grow_to(c.values, size)
+        slot = o if o < M else K + (o - K) % R
+        lo = c._ring_lo(o + 1)  # lowest ring position still resident after this write
+        return [o, slot, length, lo]
+
+    def commit(self, keys: mx.array, values: mx.array) -> None:
+        c = self.cache
+        c.keys, c.values = keys, values
+        c._advance(c.offset + 1)
+
+
+def _adapter(cache: Any) -> _FullSlots | _RingSlots | None:
+    if getattr(cache, "keys", None) is None or isinstance(cache.offset, mx.array):
+        return None
+    name = type(cache).__name__
+    if name == "KVCache":
+        return _FullSlots(cache)
+    if name == "RotatingKVCache" and hasattr(cache, "_ring_lo") and hasattr(cache, "_advance"):
+        return _RingSlots(cache)
+    return None
+
+
+# ---- trace side -------------------------------------------------------------------------
+def _slot_mask(static: tuple[Any, ...], row: mx.array, capacity: int,
+               window: int | None) -> mx.array:
+    """Boolean (1, capacity) mask over buffer slots for the one query at position row[0]."""
+    o, length, lo = row[0], row[2], row[3]
+    s = mx.arange(capacity)
+    if static[0] == "full":
+        pos = s
+        valid = s < length
+    else:
+        _, M, K = static
+        R = M - K
+        ring_pos = o - mx.remainder(o - s, R)
+        pos = mx.where(s < K, s, ring_pos)
+        valid = (s < length) & mx.where(s < K, s < K, ring_pos >= lo)
+    if window is not None:
+        valid = valid & (o - pos < window)
+    return valid[None]
+
+
+class _TracedCache:
+    """Stands in for one cache inside the trace: same interface, array offsets."""
+
+    def __init__(self, static: tuple[Any, ...], row: mx.array, keys: mx.array,
+                 values: mx.array, masks: dict[Any, mx.array]):
+        self.static, self.row = static, row
+        self.keys, self.values = keys, values
+        self.offset = row[0]
+        self._masks = masks  # shared by layers with the same layout and row
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        slot = self.row[1:2]
+        self.keys = mx.slice_update(self.keys, keys, slot, axes=(2,))
+        self.values = mx.slice_update(self.values, values, slot, axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, n: int, return_array: bool = False,
+                  window_size: int | None = None) -> mx.array:
+        assert n == 1, "the compiled step decodes one token"
+        key = (self.static, id(self.row), self.keys.shape[2], window_size)
+        if key not in self._masks:
+            self._masks[key] = _slot_mask(self.static, self.row, self.keys.shape[2], window_size)
+        return self._masks[key]
+
+
+class CompiledStep:
+    """`step(y (1,) ids) -> logits (1, V)` for one token, through `mx.compile`.
+
+    One instance per cache list; `supported` is False when some cache has no adapter
+    (call the model directly then)."""
+
+    def __init__(self, model: Any, caches: Sequence[Any]):
+        self.model = model
+        self.caches = list(caches)
+        adapters = [_adapter(c) for c in self.caches]
+        self.supported = all(a is not None for a in adapters)
+        self.adapters: list[Any] = adapters
+        # traces live with the model (its weights are constants in them), so a new
+        # cache list, e.g. every new chat, reuses them instead of tracing again
+        self._fns: dict[tuple[Any, ...], Any] = model.__dict__.setdefault(
+            "_kvchat_decode_traces", {})
+
+    def _build(self, layout: tuple[tuple[Any, ...], ...], groups: tuple[int, ...]) -> Any:
+        model = self.model
+
+        def step(y: mx.array, rows: mx.array, *buffers: mx.array) -> list[mx.array]:
+            masks: dict[Any, mx.array] = {}
+            group_rows = [rows[g] for g in range(rows.shape[0])]
+            proxies = [
+                _TracedCache(layout[i], group_rows[groups[i]], buffers[2 * i],
+                             buffers[2 * i + 1], masks)
+                for i in range(len(layout))
+            ]
+            logits = model(y[None], cache=proxies)[:, -1, :]
+            out = [logits]
+            for p in proxies:
+                out += [p.keys, p.values]
+            return out
+
+        return mx.compile(step)
+
+    def __call__(self, y: mx.array) -> mx.array:
+        rows: list[list[int]] = []
+        index: dict[tuple[Any, ...], int] = {}
+        groups, buffers = [], []
+        for a in self.adapters:
+            r = a.row()
+            key = (*a.static(), *r)
+            g = index.setdefault(key, len(rows))
+            if g == len(rows):
+                rows.append(r)
+            groups.append(g)
+            buffers += [a.cache.keys, a.cache.values]
+        layout = tuple(a.static() for a in self.adapters)
+        # the kernel backend can be switched at run time: a trace keeps the one it saw
+        fkey = (layout, tuple(groups), metal_kernels.backend())
+        fn = self._fns.get(fkey)
+        if fn is None:
+            fn = self._fns[fkey] = self._build(layout, tuple(groups))
+        out = fn(y, mx.array(rows, dtype=mx.int32), *buffers)
+        # hand the new buffers to the caches before anything evaluates: the old ones
+        # are then referenced by the graph alone, so MLX donates them and slice_update
+        # writes in place (holding them would copy every buffer every token)
+        del buffers
+        for i, a in enumerate(self.adapters):
+            a.commit(out[1 + 2 * i], out[2 + 2 * i])
+        return out[0]
+
+
+def plain_step(model: Any, caches: Sequence[Any]) -> Callable[[mx.array], mx.array]:
+    def step(y: mx.array) -> mx.array:
+        return model(y[None], cache=caches)[:, -1, :]
+
+    return step
+
+
+def decode_step(model: Any, caches: Sequence[Any], compiled: bool = True
+                ) -> Callable[[mx.array], mx.array]:
+    """The single-token step for these caches: compiled where every cache supports it."""
+    if compiled and caches:
+        step = CompiledStep(model, caches)
+        if step.supported:
+            return step
+    return plain_step(model, caches)
+
+
+def generate_step(
+    model: Any,
+    prompt: Sequence[int],
+    caches: Sequence[Any],
+    *,
+    sample: Sample = greedy,
+    max_tokens: int = 256,
+    prefill_chunk: int = PREFILL_CHUNK,
+    compiled: bool = True,
+    cancelled: Callable[[], bool] | None = None,
+    progress: Progress | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Iterator[int]:
+    """Prefill `prompt` (the ids not yet in `caches`) in chunks, then yield up to
+    `max_tokens` sampled ids.
+
+    The next step is queued (`mx.async_eval`) before the current id is read, so the host
+    only waits for the id it needs. `cancelled()` is checked between prefill chunks (a
+    cancelled prefill yields nothing; `progress.prefilled` says how far it got). Closing
+    the generator waits for the in-flight step, so the caches are consistent afterwards:
+    they hold the prompt and the first `progress.fed` yielded ids.
+    """
+    prog = progress if progress is not None else Progress()
+    if not prompt:
+        raise ValueError("generate_step needs at least one prompt token")
+    t0 = clock()
+    logits = None
+    for i in range(0, len(prompt), prefill_chunk):
+        if cancelled is not None and cancelled():
+            return
+        chunk = prompt[i : i + prefill_chunk]
+        logits = model(mx.array([chunk]), cache=caches, logits_to_keep=1)[:, -1, :]
+        last = i + prefill_chunk >= len(prompt)
+        mx.eval(logits if last else [c.state for c in caches])
+        prog.prefilled = i + len(chunk)
+    prog.prefill_s = clock() - t0
+    if max_tokens < 1:
+        return
+    step = decode_step(model, caches, compiled)
+    prog.compiled = isinstance(step, CompiledStep)
+    y = sample(logits)
+    mx.async_eval(y)
+    next_y = None
+    n = 0
+    try:
+        while True:
+            next_y = None
+            if n + 1 < max_tokens:
+                next_y = sample(step(y))
+                mx.async_eval(next_y)
+                prog.fed += 1
+            token = int(y.item())
+            n += 1
+            yield token
+            if next_y is None:
+                return
+            y = next_y
+    finally:
+        if next_y is not None:
+            mx.eval(next_y)  # the in-flight step finishes before anyone touches the cache

@@ -1,0 +1,98 @@
+"""`kvchat bench --json` reports every field, and a dtype mismatch with mlx-lm is
+reported (ratio refused) rather than hidden."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from app.cli import main
+
+pytest.importorskip("mlx_lm")
+
+SUMMARY = {"min", "median", "max", "runs"}
+
+
+def _bench(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    assert main(["bench", "--runs", "1", "--json", "--prompt-tokens", "12",
+                 "--gen-tokens", "6", *argv]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def _check_side(side: dict[str, Any], runs: int) -> None:
+    for k in ("prefill_tps", "decode_tps", "ttft_s"):
+        assert set(side[k]) == SUMMARY
+        assert len(side[k]["runs"]) == runs
+        assert 0 < side[k]["min"] <= side[k]["median"] <= side[k]["max"]
+    assert side["peak_memory"] > 0 and side["weight_bytes"] > 0
+    assert side["dtype"] == "float32"
+
+
+def test_bench_json_reports_every_field(stories260k: Path, capsys) -> None:
+    r = _bench(capsys, "--model", str(stories260k), "--against", "mlx-lm")
+    assert r["runs"] == 1 and r["prompt_tokens"] == 12 and r["gen_tokens"] == 6
+    assert "interleaved" in r["order"]
+    m = r["machine"]
+    assert m["cores"] >= 1 and m["mlx"] == mx.__version__ and m["device"]
+    assert set(m["blas"]) == {"name", "path", "fast"}
+    _check_side(r["kvchat"], 1)
+    _check_side(r["mlx_lm"], 1)
+    assert r["kvchat"]["compiled_step"] is True
+    # stories260K: 1,040,128 bytes of float32 weights, same on both sides
+    assert r["kvchat"]["weight_bytes"] == r["mlx_lm"]["weight_bytes"] == 1_040_128
+    assert r["dtype_mismatch"] is False
+    for k in ("prefill_tps", "decode_tps"):
+        ratio = r["ratio"][k]
+        a, b = r["kvchat"][k]["runs"][0], r["mlx_lm"][k]["runs"][0]
+        assert ratio["runs"] == [pytest.approx(a / b)]
+    rf = r["roofline"]
+    # 5 layers × 4 KV heads × head_dim 8 × 2 (K and V) × 4 bytes
+    assert rf["kv_bytes_per_token"] == 5 * 4 * 8 * 2 * 4
+    assert rf["context_tokens"] == 12 + 3
+    assert rf["bytes_per_token"] == 1_040_128 + rf["kv_bytes_per_token"] * 15
+    assert rf["bandwidth_bytes_per_s"] > 1e8
+    assert rf["roofline_tps"] == pytest.approx(rf["bandwidth_bytes_per_s"] / rf["bytes_per_token"])
+    assert rf["fraction"] == pytest.approx(
+        r["kvchat"]["decode_tps"]["median"] / rf["roofline_tps"])
+    assert 0 < rf["mlx_lm_fraction"]
+
+
+@pytest.fixture
+def fp16_checkpoint(tiny_checkpoint: Any, tmp_path: Path) -> Path:
+    src = tiny_checkpoint("llama")
+    dst = tmp_path / "fp16"
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        w = mx.load(str(f))
+        mx.save_safetensors(str(f), {k: v.astype(mx.float16) for k, v in w.items()},
+                            metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["torch_dtype"] = cfg["dtype"] = "float16"
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_dtype_mismatch_is_reported_not_hidden(fp16_checkpoint: Path, capsys) -> None:
+    base = ("--model", str(fp16_checkpoint), "--against", "mlx-lm", "--mlx-lm-dtype", "native")
+    r = _bench(capsys, *base)
+    assert r["kvchat"]["dtype"] == "float32" and r["mlx_lm"]["dtype"] == "float16"
+    assert r["dtype_mismatch"] is True and r["ratio"] is None
+    assert "float32" in r["ratio_refused"] and "float16" in r["ratio_refused"]
+    r = _bench(capsys, *base, "--allow-dtype-mismatch")
+    assert r["dtype_mismatch"] is True and r["ratio"]["decode_tps"]["median"] > 0
+    # the default casts mlx-lm to our dtype: same dtype, ratio given
+    r = _bench(capsys, "--model", str(fp16_checkpoint), "--against", "mlx-lm")
+    assert r["mlx_lm"]["dtype"] == "float32" and r["dtype_mismatch"] is False
+    assert r["ratio"]["decode_tps"]["median"] > 0
+
+
+def test_text_output_names_dtypes_and_roofline(stories260k: Path, capsys) -> None:
+    assert main(["bench", "--runs", "1", "--prompt-tokens", "8", "--gen-tokens", "4",
+                 "--model", str(stories260k)]) == 0
+    out = capsys.readouterr().out
+    assert "computes in float32" in out and "decode roofline" in out and "BLAS" in out

@@ -1,0 +1,74 @@
+"""The engine in a child process answers like the in-process engine: same events, same
+greedy ids, layer stats, cancel, and a clear error if the child dies."""
+
+from __future__ import annotations
+
+import queue
+from pathlib import Path
+
+from model.engine import Engine
+from model.engine_process import EngineProcess
+from model.events import Done, Event, GenParams, Loaded, Started, TextDelta
+
+
+def _turn(engine: Engine | EngineProcess, events: queue.Queue[Event], prompt: str,
+          params: GenParams) -> tuple[Done, list[Event]]:
+    engine.submit(prompt, params)
+    seen: list[Event] = []
+    while not isinstance(ev := events.get(timeout=120), Done):
+        seen.append(ev)
+    return ev, seen
+
+
+def _loaded(events: queue.Queue[Event]) -> None:
+    while not isinstance(events.get(timeout=120), Loaded):
+        pass
+
+
+def test_child_process_engine_matches_in_process(stories260k: Path) -> None:
+    params = GenParams(max_tokens=40, ignore_eos=True)
+    a_events: queue.Queue[Event] = queue.Queue()
+    a = Engine(a_events.put, stories260k)
+    _loaded(a_events)
+    want, _ = _turn(a, a_events, "Once upon a time", params)
+    a.close()
+
+    events: queue.Queue[Event] = queue.Queue()
+    child = EngineProcess(events.put, stories260k)
+    try:
+        _loaded(events)
+        assert child.layer_stats() == []
+        got, seen = _turn(child, events, "Once upon a time", params)
+        assert got.ids == want.ids and got.text == want.text
+        assert isinstance(seen[0], Started)
+        assert "".join(e.text for e in seen if isinstance(e, TextDelta)) == got.text
+        layers = child.layer_stats()
+        assert len(layers) == 5 and layers[0]["cache_tokens"] == len(got.prompt_ids) + 39
+        # cancel reaches the child's engine: a long turn stops early
+        child.submit("Once upon a time", GenParams(max_tokens=5000, ignore_eos=True,
+                                                   max_kv_size=128))
+        while not isinstance(events.get(timeout=120), TextDelta):
+            pass
+        child.cancel()
+        while not isinstance(ev := events.get(timeout=120), Done):
+            pass
+        assert ev.finish_reason == "cancelled" and len(ev.ids) < 5000
+        assert not child.busy
+    finally:
+        child.close()
+    assert child._proc.poll() == 0
+
+
+def test_child_death_is_reported(stories260k: Path) -> None:
+    events: queue.Queue[Event] = queue.Queue()
+    child = EngineProcess(events.put, stories260k)
+    _loaded(events)
+    child.submit("Once upon a time", GenParams(max_tokens=100000, ignore_eos=True,
+                                               max_kv_size=128))
+    while not isinstance(events.get(timeout=120), TextDelta):
+        pass
+    child._proc.kill()
+    while not isinstance(ev := events.get(timeout=120), Done) or ev.finish_reason != "error":
+        pass
+    assert "engine process exited" in (ev.error or "")
+    child.close()
