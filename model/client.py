@@ -59,6 +59,10 @@ class EngineClient:
             if isinstance(ev, kinds):
                 return ev
 
+    def queued(self) -> int:
+        """Events the engine has sent that no wait() has taken yet."""
+        return self._queue.qsize()
+
     def run(self, prompt: Prompt, params: GenParams | None = None) -> Done:
         """One turn, to its Done; text deltas go to `on_delta` as they come."""
         self.events = []

@@ -110,7 +110,7 @@ def test_cancel_from_another_thread_keeps_partial_text(client):
                 t.join()
                 # the engine runs ahead of this reader: count what it had emitted
                 # (queued events included) when cancel() returned
-                n_at_cancel = len(got) + client.events.qsize()
+                n_at_cancel = len(got) + client.queued()
         if isinstance(ev, Done):
             break
     assert ev.finish_reason == "cancelled"
