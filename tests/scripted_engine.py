@@ -212,7 +212,9 @@ class ScriptedEngine(Engine):
             self.events.append(ev)
             on_event(ev)
 
-        super().__init__(record, model_path)
+        # the plain step: a compiled trace would replay the script's Python side effects
+        # (its clock, its pauses) only once
+        super().__init__(record, model_path, compiled=False)
 
     # ---- model execution (the only overrides of Engine) -------------------------------
     def _open(self, path: str) -> tuple[Any, Any, dict[str, Any]]:

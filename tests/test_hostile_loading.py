@@ -235,19 +235,19 @@ def test_engine_survives_any_job_exception_and_message_is_never_empty(
     llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import model.engine as engine_mod
+    from model import pipeline
 
-    real_load = engine_mod.load_model
+    real_load = pipeline.load
     events: queue.Queue[Any] = queue.Queue()
     eng = Engine(events.put)
     try:
-        monkeypatch.setattr(engine_mod, "load_model", lambda p: (_ for _ in ()).throw(
-            MemoryError()))
+        monkeypatch.setattr(pipeline, "load", lambda p: (_ for _ in ()).throw(MemoryError()))
         eng.load(llama)
         failed = collect(events, LoadFailed)
         assert failed.message == "MemoryError"
 
-        # a failure outside load_model (model facts) still reports and keeps the thread
-        monkeypatch.setattr(engine_mod, "load_model", real_load)
+        # a failure outside loading (model facts) still reports and keeps the thread
+        monkeypatch.setattr(pipeline, "load", real_load)
         monkeypatch.setattr(engine_mod, "model_info", lambda *a: {}[""])
         eng.load(llama)
         failed = collect(events, (LoadFailed, Loaded))

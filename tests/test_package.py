@@ -66,5 +66,8 @@ def test_version() -> None:
     out = subprocess.run([sys.executable, "-m", f"{PREFIX}app", "--version"], cwd=REPO,
                          capture_output=True, text=True, env={"PYTHONPATH": str(REPO),
                                                               "KVCHAT_NO_OPENBLAS": "1"})
-    assert out.returncode == 0 and out.stdout.strip() == f"kvchat {__version__}"
+    # first line the version; then MLX, its device and the BLAS in use (diagnostics)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and lines[0] == f"kvchat {__version__}", out
+    assert lines[1].startswith("mlx ") and lines[2].startswith("BLAS: ")
     assert __version__.count(".") == 2
