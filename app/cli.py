@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from model.errors import KVChatError
 
-from . import bench_cmd, generate_cmd, inspect_cmd, models_cmd
+from . import bench_cmd, generate_cmd, inspect_cmd, models_cmd, pull_cmd
 from .errors import report, report_exception
 
 COMMANDS = {
@@ -21,6 +21,7 @@ COMMANDS = {
     "inspect": (inspect_cmd, "KV-cache memory math for a model or config"),
     "bench": (bench_cmd, "measure prefill and decode speed (optionally against mlx-lm)"),
     "models": (models_cmd, "list local models with their sizes"),
+    "pull": (pull_cmd, "download a model from the Hugging Face Hub (resumable)"),
 }
 
 

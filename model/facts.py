@@ -87,6 +87,32 @@ def model_facts(folder: str | Path) -> ModelFacts:
     )
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def has_tokenizer(folder: str | Path) -> bool:
+    return any((Path(folder) / n).is_file() for n in TOKENIZER_FILES)
+
+
+def check_model_folder(folder: str | Path) -> ModelFacts:
+    """Everything the loader checks short of reading the weights: the folder, config.json,
+    the safetensors headers (pickles refused) and the tokenizer. Raises KVChatError
+    (one line) naming what is wrong; returns the folder's facts."""
+    from .errors import ModelLoadError
+    from .tokenizer import load_tokenizer
+
+    p = Path(folder).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"model folder not found: {p}")
+    if not p.is_dir():
+        raise ModelLoadError(f"not a model folder: {p}")
+    facts = model_facts(p)
+    if not has_tokenizer(p):
+        raise ModelLoadError(f"{p}: no tokenizer.json or tokenizer.model (kvchat needs one)")
+    load_tokenizer(p)
+    return facts
+
+
 def folder_weight_bytes(folder: str | Path) -> int | None:
     """Runtime weight bytes, or None when the folder's weights cannot be read."""
     from .errors import KVChatError
@@ -97,4 +123,7 @@ def folder_weight_bytes(folder: str | Path) -> int | None:
         return None
 
 
-__all__ = ["ModelFacts", "dtype_name", "folder_weight_bytes", "model_facts", "runtime_dtype"]
+__all__ = [
+    "ModelFacts", "check_model_folder", "dtype_name", "folder_weight_bytes", "has_tokenizer",
+    "model_facts", "runtime_dtype",
+]
