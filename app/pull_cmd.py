@@ -34,7 +34,9 @@ def fmt_eta(seconds: float | None) -> str:
     if seconds is None:
         return "--:--"
     s = int(seconds + 0.5)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+    if s >= 3600:
+        return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+    return f"{s // 60}:{s % 60:02d}"
 
 
 def short_bytes(n: float) -> str:

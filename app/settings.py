@@ -46,6 +46,8 @@ class Settings:
     keep: int = 4
     model_dirs: list[str] = field(default_factory=list)
     last_model: str | None = None
+    theme: str | None = None  # a Textual theme name; None = the default
+    restore_session: bool = True  # input history and the open chat come back at start
     # what load_settings() had to fix (one line each); never saved
     warnings: list[str] = field(default_factory=list, init=False, compare=False, repr=False)
 
@@ -139,6 +141,12 @@ def _field_error(name: str, v: Any) -> str | None:
     elif name == "last_model":
         if v is not None and not isinstance(v, str):
             return f"last_model must be a path (got {v!r})"
+    elif name == "theme":
+        if v is not None and not isinstance(v, str):
+            return f"theme must be a theme name (got {v!r})"
+    elif name == "restore_session":
+        if not isinstance(v, bool):
+            return f"restore_session must be true or false (got {v!r})"
     elif name == "model_dirs":
         if not isinstance(v, list) or not all(isinstance(d, str) for d in v):
             return f"model_dirs must be a list of folder paths (got {v!r})"

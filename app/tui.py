@@ -26,8 +26,19 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, LoadingIndicator, Static
 
 from model.discovery import DEFAULT_MODEL
-from model.errors import KVChatError, ModelLoadError
-from model.events import Done, Event, Loaded, LoadFailed, Loading, Started, Stats, TextDelta
+from model.errors import KVChatError
+from model.events import (
+    Done,
+    Event,
+    Loaded,
+    LoadFailed,
+    Loading,
+    Overflow,
+    PrefillProgress,
+    Started,
+    Stats,
+    TextDelta,
+)
 
 from .screens import (
     HelpScreen,
@@ -36,8 +47,10 @@ from .screens import (
     ModelPickerScreen,
     SettingsScreen,
 )
+from .session import apply_theme, remember_session, restore_session, retitle_after_edit
 from .settings import Settings, load_settings, save_settings
 from .store import Conversation, ConversationStore, StoreError, export_markdown
+from .turn_notices import on_turn_event
 from .widgets import ChatInput, ChatMessage, StatsPanel, Transcript
 from .widgets.format import fmt_bytes
 
@@ -60,17 +73,10 @@ FINISH_NOTES = {"length": "max tokens reached", "stop": "stop string", "eos": ""
 def validate_model_path(path: str | Path) -> Path:
     """Check a model folder before the UI starts; raises ModelLoadError/ConfigError
     (one line) so the CLI can print it and exit 1."""
-    from model.config import load_config
-    from model.weights import weight_files
+    from model.facts import check_model_folder
 
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ModelLoadError(f"model folder not found: {p}")
-    if not p.is_dir():
-        raise ModelLoadError(f"not a model folder: {p}")
-    load_config(p)
-    weight_files(p)
-    return p
+    check_model_folder(path)  # config, weights' headers, tokenizer
+    return Path(path).expanduser().resolve()  # saved as last_model: must work from any cwd
 
 
 def _default_engine(on_event: Callable[[Event], None], model_path: str | None) -> Any:
@@ -148,10 +154,12 @@ class KVChatApp(App[int]):
         Binding("ctrl+n", "new_chat", "New", id="new_chat", priority=True),
         Binding("ctrl+o", "pick_model", "Model", id="pick_model", priority=True),
         Binding("ctrl+s", "settings", "Settings", id="settings", priority=True),
-        # most terminals send ctrl+h as Backspace, so F2 is the key the footer shows
+        # most terminals send ctrl+h as Backspace: F2 and Ctrl+T open the history
         Binding("f2", "history", "History", id="history", priority=True),
-        Binding("ctrl+h", "history", "History", id="history_ctrl_h", show=False,
+        Binding("ctrl+t", "history", "History", id="history_ctrl_t", show=False,
                 priority=True),
+        # Ctrl+C stops a reply (as in Ollama / llama.cpp); otherwise it copies as usual
+        Binding("ctrl+c", "interrupt", "Stop", id="interrupt", show=False, priority=True),
         Binding("ctrl+e", "export", "Export", id="export", priority=True),
         Binding("ctrl+y", "copy_reply", "Copy", id="copy_reply", priority=True),
         Binding("ctrl+l", "layers", "Layers", id="layers", priority=True),
@@ -237,6 +245,8 @@ class KVChatApp(App[int]):
         self.engine = self._engine_factory(self.bridge, self.initial_model)
         if self.initial_model is None:
             self.notify("No model loaded: press Ctrl+O to pick one.", severity="warning")
+        apply_theme(self)
+        self.call_after_refresh(restore_session, self)
 
     def on_unmount(self) -> None:
         self.bridge.closed = True
@@ -276,6 +286,8 @@ class KVChatApp(App[int]):
             await self._drain_text()
         elif isinstance(ev, Done):
             await self._on_done(ev)
+        elif isinstance(ev, (PrefillProgress, Overflow)):
+            on_turn_event(ev, self.panel, self._reply, self.notify)
         elif isinstance(ev, Loading):
             self._show_loading(f"Loading {ev.path} …")
         elif isinstance(ev, Loaded):
@@ -358,6 +370,7 @@ class KVChatApp(App[int]):
             self.store.save(self.conversation)
         except StoreError as e:
             self.notify(str(e), severity="error", title="Chat not saved")
+        remember_session(self)
 
     # ---- sending ------------------------------------------------------------------------
     def _refuse_busy(self) -> bool:
@@ -383,12 +396,15 @@ class KVChatApp(App[int]):
         inp = self.input
         inp.remember(text)
         inp.clear()
+        edited = self.edit_index
         if self.edit_index is not None:
             await self._truncate(self.edit_index)
             self._end_edit()
         conv = self.conversation
         index = len(conv.messages)
         conv.add_message("user", text)
+        if edited is not None:
+            retitle_after_edit(conv, edited)
         await self.transcript.add(ChatMessage("user", text, index=index))
         await self._start_reply()
         return True
@@ -448,6 +464,8 @@ class KVChatApp(App[int]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in self.CHAT_ACTIONS and len(self.screen_stack) > 1:
             return False  # a modal is open: let its own keys through
+        if action == "interrupt":
+            return self.generating  # not generating: Ctrl+C goes to the focused widget
         if action == "stop" and not (self.generating or self.edit_index is not None):
             return None  # shown, greyed out
         return True
@@ -461,6 +479,9 @@ class KVChatApp(App[int]):
         elif self.edit_index is not None:
             self._end_edit()
             self.input.clear()
+
+    def action_interrupt(self) -> None:
+        self.action_stop()
 
     async def action_regenerate(self) -> None:
         if self._refuse_busy():
@@ -497,6 +518,7 @@ class KVChatApp(App[int]):
         if self.engine is not None:
             self.engine.reset()
         self.panel.clear_cache_stats()
+        remember_session(self)
 
     def action_pick_model(self) -> None:
         if self._refuse_busy():
@@ -543,6 +565,7 @@ class KVChatApp(App[int]):
             return False
         self._end_edit()
         self.conversation = conv
+        self.panel.clear_cache_stats()  # the figures were the previous chat's
         await self.transcript.remove_children()
         widgets = [
             ChatMessage(m["role"], m["content"], index=i, stopped=bool(m.get("stopped")))
@@ -640,6 +663,7 @@ ACTION_HELP = {
     "pick_model": "swap the model (local weights)",
     "settings": "system prompt, sampling, limits, cache bound",
     "history": "past chats: reopen or delete",
+    "interrupt": "stop the reply (while one is generating)",
     "export": "export this chat to Markdown",
     "layers": "per-layer KV cache view",
     "copy_reply": "copy the selected (or last) reply",

@@ -456,7 +456,7 @@ class Engine:
         self._emit(Done(reason_done, stops.text, generated, prompt_ids, dict(stats)))
 
     def _note_overflow(self, evicted_before: int, during: str) -> int:
-        """Emit Overflow when rotation evicted tokens since `evicted_before`; returns the count now."""
+        """Emit Overflow when rotation evicted tokens since `evicted_before`; returns the total."""
         assert self.model is not None and self._cache is not None
         s = cache_stats(self._cache, self.model.config)
         if s["evicted_tokens"] > evicted_before:

@@ -113,17 +113,23 @@ def check_model_folder(folder: str | Path) -> ModelFacts:
     return facts
 
 
-def folder_weight_bytes(folder: str | Path) -> int | None:
-    """Runtime weight bytes, or None when the folder's weights cannot be read."""
+def folder_status(folder: str | Path) -> tuple[ModelFacts | None, str | None]:
+    """(facts, None) for a folder kvchat can load, else (facts or None, why not), cheaply:
+    config and headers only, the tokenizer by its files. For listings (models, picker)."""
     from .errors import KVChatError
 
     try:
-        return model_facts(folder).weight_bytes
-    except (KVChatError, OSError, ValueError, KeyError, TypeError):
-        return None
+        facts = model_facts(folder)
+    except KVChatError as e:
+        return None, str(e)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, f"unreadable: {e}"
+    if not has_tokenizer(folder):
+        return facts, "no tokenizer.json or tokenizer.model"
+    return facts, None
 
 
 __all__ = [
-    "ModelFacts", "check_model_folder", "dtype_name", "folder_weight_bytes", "has_tokenizer",
+    "ModelFacts", "check_model_folder", "dtype_name", "folder_status", "has_tokenizer",
     "model_facts", "runtime_dtype",
 ]

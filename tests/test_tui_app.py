@@ -16,6 +16,7 @@ from textual import events
 from textual.widgets import DataTable, Input, Markdown, Static
 from textual.widgets._markdown import MarkdownFence
 
+from app.models_cmd import ModelRow
 from app.screens import HelpScreen, HistoryScreen, LayerCacheScreen, ModelPickerScreen
 from app.screens.settings_form import SettingsScreen
 from app.settings import Settings, load_settings
@@ -341,7 +342,8 @@ async def test_every_action_is_in_the_command_palette(env: Path) -> None:
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         titles = {c.title for c in app.get_system_commands(app.screen)}
-        bound = {b.action for b in app.BINDINGS} - {"quit"}  # quit: Textual's own "Quit"
+        # quit: Textual's own "Quit"; interrupt: Ctrl+C's alias of "Stop generation"
+        bound = {b.action for b in app.BINDINGS} - {"quit", "interrupt"}
         palette = {action for _t, action, _cb in app._palette_actions()}
         assert bound <= palette | {"help"}
         assert "Quit" in titles  # Textual's own system command
@@ -418,7 +420,8 @@ async def test_swap_model_via_picker_and_failed_swap(
         ModelEntry("other-model", Path("/models/other-model"), "llama", 1_040_128, None,
                    "configured"),
     ]
-    monkeypatch.setattr("app.screens.picker.find_models", lambda *a, **k: entries)
+    monkeypatch.setattr("app.screens.picker.model_rows",
+                        lambda *a, **k: [ModelRow(e, None, None) for e in entries])
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
