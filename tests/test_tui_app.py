@@ -371,12 +371,14 @@ async def test_settings_validate_save_and_apply(env: Path) -> None:
         await pilot.press("ctrl+s")
         assert app.screen is screen  # not closed
         error = str(screen.query_one("#settings-error", Static).render())
-        assert error == "temp must be a number (got 'abc')"
+        assert error == "temperature must be a number (got 'abc')"  # the form's label
         assert screen.query_one("#temp", Input).value == "abc"  # nothing lost
         screen.query_one("#temp", Input).value = "2.5"
         screen.query_one("#top_p", Input).value = "1.5"
         await pilot.press("ctrl+s")
-        assert "top_p" in str(screen.query_one("#settings-error", Static).render())
+        error = str(screen.query_one("#settings-error", Static).render())
+        assert error.startswith("top-p ") and "top_p" not in error
+        assert screen.focused is screen.query_one("#top_p", Input)
         screen.query_one("#top_p", Input).value = "0.9"
         screen.query_one("#seed", Input).value = "7"
         screen.query_one("#system_prompt").load_text("Be brief.")
