@@ -25,6 +25,22 @@ COMMANDS = {
 }
 
 
+def version() -> str:
+    """The installed distribution's version, else pyproject.toml's (a source checkout)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("kvchat")
+    except PackageNotFoundError:
+        import re
+        from pathlib import Path
+
+        text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text("utf-8")
+        m = re.search(r'^version = "([^"]+)"', text, re.M)
+        return m.group(1) if m else "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvchat",
@@ -32,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Without a command: open the chat.",
     )
     p.add_argument("--model", dest="tui_model", metavar="DIR",
-                   help="model folder for the chat (default: the shipped model)")
+                   help="model folder for the chat (default: the last one used, else the"
+                   " shipped model)")
+    p.add_argument("--version", action="version", version=f"kvchat {version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
