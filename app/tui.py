@@ -677,7 +677,9 @@ def _slug(text: str) -> str:
 
 def default_model_path(settings: Settings) -> str | None:
     """No --model: the last model used, else the shipped one, else none (pick in the UI)."""
-    if settings.last_model and Path(settings.last_model).is_dir():
+    # absolute only: an old relative entry would depend on where kvchat was started
+    if settings.last_model and Path(settings.last_model).is_absolute() and \
+            Path(settings.last_model).is_dir():
         return settings.last_model
     if (DEFAULT_MODEL / "config.json").is_file():
         return str(DEFAULT_MODEL)

@@ -113,6 +113,9 @@ def test_models_inspect_and_the_loaded_model_agree(tmp_path: Path) -> None:
     assert mini["weight_bytes"] == inspected["weights_bytes"] == facts.weight_bytes
     # KV bytes per token from what the cache allocates (float32 on the CPU), not the file
     assert inspected["dtype_bytes"] == facts.kv_dtype_bytes
+    live = json.loads(kvchat("inspect", "--model", str(MINI), "--live", "--json",
+                             env=env).stdout)
+    assert live["live"]["dtype_bytes"] == live["dtype_bytes"]  # --live agrees with its headline
     text = kvchat("inspect", "--model", str(MINI), env=env).stdout
     if facts.dtype_differs:
         assert f"note: the files hold {facts.file_dtype}; kvchat computes and caches in" in text
@@ -196,3 +199,15 @@ def test_readme_key_table_matches_the_app() -> None:
         key = {"esc": "esc"}.get(key, key)
         assert key in readme_keys, f"{key} is not in the README's key table"
     assert "ctrl+h" not in readme_keys
+
+
+def test_relative_paths_become_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.settings import Settings
+    from app.tui import default_model_path, validate_model_path
+
+    shutil.copytree(MINI, tmp_path / "m")
+    monkeypatch.chdir(tmp_path)
+    assert validate_model_path("m") == (tmp_path / "m").resolve()
+    # an old relative last_model is not trusted: it depends on where kvchat starts
+    assert default_model_path(Settings(last_model="m")) == str(MINI.resolve())
+    assert default_model_path(Settings(last_model=str(tmp_path / "m"))) == str(tmp_path / "m")
