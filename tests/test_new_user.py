@@ -63,6 +63,13 @@ async def turn(pilot: Any, text: str) -> None:
     await wait_for(pilot, lambda: not pilot.app.generating)
 
 
+async def new_chat(pilot: Any, text: str) -> str:
+    """Ctrl+N, one turn; the new chat's id."""
+    await pilot.press("ctrl+n")
+    await turn(pilot, text)
+    return pilot.app.conversation.id
+
+
 async def open_picker(pilot: Any) -> ModelPickerScreen:
     await pilot.press("ctrl+o")
     picker = pilot.app.screen
@@ -195,10 +202,8 @@ async def test_opening_a_chat_clears_the_previous_chats_cache_figures(env: Path)
     app = make_app(env)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        await turn(pilot, "first chat")
-        first = app.conversation.id
-        await pilot.press("ctrl+n")
-        await turn(pilot, "second chat, longer so the cache holds more tokens")
+        first = await new_chat(pilot, "first chat")
+        await new_chat(pilot, "second chat, longer so the cache holds more tokens")
         assert app.panel.stats.get("cache_tokens")
         await app.open_conversation(first)
         await pilot.pause()
@@ -262,13 +267,9 @@ async def test_history_keys_cursor_confirm_and_undo(env: Path) -> None:
     app = make_app(env)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        await turn(pilot, "oldest chat")
-        oldest = app.conversation.id
-        await pilot.press("ctrl+n")
-        await turn(pilot, "middle chat")
-        middle = app.conversation.id
-        await pilot.press("ctrl+n")
-        await turn(pilot, "newest chat")
+        oldest = await new_chat(pilot, "oldest chat")
+        middle = await new_chat(pilot, "middle chat")
+        await new_chat(pilot, "newest chat")
         await app.open_conversation(middle)
         for key in ("f2", "ctrl+t"):  # both open the history (Ctrl+H is Backspace)
             await pilot.press(key)

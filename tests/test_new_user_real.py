@@ -4,7 +4,6 @@ GQA factor and weights as loaded (the same number `kvchat models` prints)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,19 +15,12 @@ from app.tui import KVChatApp
 from tests.scripted_engine import async_test, wait_for
 
 from .conftest import REPO_ROOT, STORIES260K
+from .test_tui_real import env  # noqa: F401  (hermetic config, data, HF cache, HOME)
 
 MINI = REPO_ROOT / "assets" / "kvchat-mini"
 SIZE = (120, 40)
-pytestmark = pytest.mark.skipif(not STORIES260K.is_dir(), reason="stories260K absent")
-
-
-@pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    return tmp_path
+pytestmark = [pytest.mark.skipif(not STORIES260K.is_dir(), reason="stories260K absent"),
+              pytest.mark.usefixtures("env")]
 
 
 def greedy(**kw: Any) -> Settings:
@@ -36,7 +28,7 @@ def greedy(**kw: Any) -> Settings:
 
 
 @async_test
-async def test_real_bos_never_becomes_text(env: Path) -> None:
+async def test_real_bos_never_becomes_text() -> None:
     app = KVChatApp(str(STORIES260K), greedy(max_tokens=400))
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: bool(app.model_info), timeout=120)
@@ -58,7 +50,7 @@ async def test_real_bos_never_becomes_text(env: Path) -> None:
 
 
 @async_test
-async def test_real_swap_panel_numbers_are_the_new_models(env: Path) -> None:
+async def test_real_swap_panel_numbers_are_the_new_models() -> None:
     app = KVChatApp(str(STORIES260K), greedy(max_tokens=8))
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: bool(app.model_info), timeout=120)
