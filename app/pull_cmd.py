@@ -54,14 +54,14 @@ def bar(done: int, total: int, width: int = BAR_W) -> str:
     return "█" * full + "░" * (width - full) + f" {frac * 100:3.0f}%"
 
 
-def progress_lines(p: PullProgress) -> tuple[str, str]:
+def progress_lines(p: PullProgress, bar_width: int = BAR_W) -> tuple[str, str]:
     """(the current file's line, the total line): what the terminal and the picker show."""
     name = p.file if len(p.file) <= 28 else "…" + p.file[-27:]
-    file_line = (f"{name:<28} {bar(p.file_done, p.file_total)}"
+    file_line = (f"{name:<28} {bar(p.file_done, p.file_total, bar_width)}"
                  f"  {short_bytes(p.file_done)} / {short_bytes(p.file_total)}")
     total_line = (
         f"{'total ' + str(p.files_done) + '/' + str(p.files_total) + ' files':<28}"
-        f" {bar(p.bytes_done, p.bytes_total)}  {short_bytes(p.bytes_done)} /"
+        f" {bar(p.bytes_done, p.bytes_total, bar_width)}  {short_bytes(p.bytes_done)} /"
         f" {short_bytes(p.bytes_total)} · {short_bytes(p.speed)}/s · ETA {fmt_eta(p.eta)}"
     )
     return file_line, total_line

@@ -44,6 +44,7 @@ from .events import (
     Stats,
     TextDelta,
 )
+from .facts import model_name
 from .sampling import Sampler
 from .tokenizer import Tokenizer, load_tokenizer
 from .transformer import Transformer
@@ -69,7 +70,7 @@ def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
     quant = getattr(model, "quantization", None)
     path = Path(getattr(model, "path", ""))
     return {
-        "name": path.name,
+        "name": model_name(path),
         "path": str(path),
         "architecture": cfg.model_type,
         "parameters": parameter_count(model),

@@ -90,6 +90,15 @@ def model_facts(folder: str | Path) -> ModelFacts:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
+def model_name(folder: str | Path) -> str:
+    """What to call a model folder: org/name for a Hugging Face cache snapshot
+    (models--org--name/snapshots/<commit>), else the folder's name."""
+    p = Path(folder)
+    if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
+        return p.parent.parent.name[len("models--"):].replace("--", "/")
+    return p.name
+
+
 def has_tokenizer(folder: str | Path) -> bool:
     return any((Path(folder) / n).is_file() for n in TOKENIZER_FILES)
 
@@ -131,5 +140,5 @@ def folder_status(folder: str | Path) -> tuple[ModelFacts | None, str | None]:
 
 __all__ = [
     "ModelFacts", "check_model_folder", "dtype_name", "folder_status", "has_tokenizer",
-    "model_facts", "runtime_dtype",
+    "model_facts", "model_name", "runtime_dtype",
 ]

@@ -16,6 +16,7 @@ from app.screens.settings_form import SettingsScreen
 from app.settings import Settings, load_settings
 from app.tui import KVChatApp
 from model.events import Overflow, PrefillProgress
+from model.facts import model_name
 from tests.scripted_engine import ScriptedEngine, async_test, wait_for
 
 from .conftest import REPO_ROOT
@@ -153,16 +154,25 @@ async def test_picker_pulls_a_repo_id_then_offers_it(env: Path,
         async with app.run_test(size=SIZE) as pilot:
             await ready(pilot)
             picker = await open_picker(pilot)
+            shown: list[str] = []
+            show = picker._show_progress
+            picker._show_progress = lambda text: (shown.append(text), show(text))  # type: ignore
             picker.query_one("#path", Input).value = repo
             await pilot.press("enter")
             box = picker.query_one("#pull-progress", Static)
             await wait_for(pilot, lambda: picker.pulled is not None, timeout=60)
-            assert "✓ downloaded and checked" in str(box.render())
+            assert str(box.render()) == f"✓ {repo} downloaded and checked · Enter loads it"
+            # per file and in total, with speed and ETA, ending at 100 %
+            assert "model.safetensors" in "".join(shown)
+            last_total = shown[-1].splitlines()[1]
+            assert "total 7/7 files" in last_total and "100%" in last_total
+            assert "/s · ETA" in last_total
             await wait_for(pilot, lambda: repo in [e.name for e in picker.entries])
             table = picker.query_one("#models", DataTable)
             assert picker.entries[table.cursor_row].name == repo  # offered: cursor on it
             await pilot.press("enter")
             await wait_for(pilot, lambda: app.model_path == str(picker.pulled))
+            assert model_name(app.model_path) == repo  # org/name, not the snapshot hash
     assert picker.pulled is not None and (picker.pulled / "model.safetensors").is_file()
 
 

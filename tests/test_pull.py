@@ -70,6 +70,12 @@ def test_cli_pull_downloads_verifies_and_lists(cache: Path) -> None:
     assert len(totals) == 7 and "7/7 files" in totals[-1] and "100%" in totals[-1]
     assert "/s" in totals[-1] and "ETA" in totals[-1]
     check_model_folder(snap)
+    # the chat names it org/name (the engine's model info), not by its snapshot hash
+    from model.engine import model_info
+    from model.tokenizer import load_tokenizer
+    from model.weights import load_model
+
+    assert model_info(load_model(snap), load_tokenizer(snap))["name"] == REPO
     listed = json.loads(kvchat("models", "--json", env=env).stdout)["models"]
     mine = [m for m in listed if m["name"] == REPO]
     assert mine and mine[0]["source"] == "hf-cache" and Path(mine[0]["path"]) == snap.resolve()

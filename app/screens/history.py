@@ -4,13 +4,14 @@ chat; Delete asks first (press it again), and Ctrl+Z brings a deleted chat back.
 from __future__ import annotations
 
 from datetime import datetime
-from pathlib import Path
 
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
+
+from model.facts import model_name
 
 from ..store import Conversation, ConversationStore, StoreError
 
@@ -57,7 +58,7 @@ class HistoryScreen(ModalScreen[str | None]):
                 c.title or "New chat",
                 _when(c.updated),
                 str(len(c.messages)),
-                Path(c.model).name if c.model else "–",
+                model_name(c.model) if c.model else "–",
                 key=c.id,
             )
         ids = [c.id for c in convs]

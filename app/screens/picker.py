@@ -61,9 +61,7 @@ class ModelPickerScreen(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog", classes="dialog -picker"):
             yield Static("Swap model", classes="dialog-title")
-            table: DataTable[str] = DataTable(id="models", cursor_type="row", zebra_stripes=True)
-            table.add_columns("", "name", "arch", "bits", "memory", "source")
-            yield table
+            yield DataTable(id="models", cursor_type="row", zebra_stripes=True)
             yield Static("Looking for local models…", id="picker-status", classes="dialog-hint")
             yield Static("", id="pull-progress", classes="dialog-hint")
             yield Input(
@@ -90,7 +88,8 @@ class ModelPickerScreen(ModalScreen[str | None]):
         self.rows = rows
         self.scanned = True
         table = self.query_one("#models", DataTable)
-        table.clear()
+        table.clear(columns=True)  # columns too: their widths follow the new rows
+        table.add_columns("", "name", "arch", "bits", "memory", "source")
         for r in rows:
             e = r.entry
             mark = "●" if self.current and str(e.path) == self.current else ""
@@ -217,20 +216,21 @@ class ModelPickerScreen(ModalScreen[str | None]):
             now = time.monotonic()
             if now - last[0] >= 0.1 or p.files_done == p.files_total:
                 last[0] = now
-                self.app.call_from_thread(self._show_progress, "\n".join(progress_lines(p)))
+                lines = progress_lines(p, bar_width=12)
+                self.app.call_from_thread(self._show_progress, "\n".join(lines))
 
         try:
             folder = pull(repo_id, on_progress=on_progress, cancel=stop)
             verify_pulled(folder)
         except KVChatError as e:
-            self.app.call_from_thread(self._pull_done, None, str(e))
+            self.app.call_from_thread(self._pull_done, repo_id, None, str(e))
             return
-        self.app.call_from_thread(self._pull_done, folder, None)
+        self.app.call_from_thread(self._pull_done, repo_id, folder, None)
 
     def _show_progress(self, text: str) -> None:
         self.query_one("#pull-progress", Static).update(text)
 
-    def _pull_done(self, folder: Path | None, error: str | None) -> None:
+    def _pull_done(self, repo_id: str, folder: Path | None, error: str | None) -> None:
         self.pulling = None
         box = self.query_one("#pull-progress", Static)
         if error is not None:
@@ -239,7 +239,7 @@ class ModelPickerScreen(ModalScreen[str | None]):
             return
         assert folder is not None
         self.pulled = folder
-        box.update(f"✓ downloaded and checked: {folder} · Enter loads it")
+        box.update(f"✓ {repo_id} downloaded and checked · Enter loads it")
         self.query_one("#path", Input).value = ""
         self._select_after_scan = str(folder.resolve())
         self._scan()
