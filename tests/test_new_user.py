@@ -403,3 +403,20 @@ async def test_theme_input_history_and_last_chat_come_back(env: Path) -> None:
         await pilot.pause(0.2)
         assert off.conversation.id != chat and not off.transcript.messages
         assert off.input.sent_history == []
+
+
+@async_test
+async def test_user_messages_render_as_markdown(env: Path) -> None:
+    from textual.widgets import Markdown
+
+    app = make_app(env)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await turn(pilot, "see **this** and `code`\n\n- one\n- two")
+        mine = next(w for w in app.transcript.messages if w.role == "user")
+        body = mine.body
+        assert isinstance(body, Markdown)
+        assert body.source == "see **this** and `code`\n\n- one\n- two"  # data, kept as typed
+        await pilot.pause()
+        rendered = " ".join(str(b.render()) for b in body.children)
+        assert "**" not in rendered and "this" in rendered
