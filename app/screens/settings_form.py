@@ -96,7 +96,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
                         yield Label(label, classes="field-label")
                         yield Input(_shown(getattr(s, name)), id=name, classes="field-input")
                 yield Label("model folders (searched by the picker and `kvchat models`)",
-                            classes="field-label")
+                            classes="field-label -wide")
                 yield OptionList(*self.model_dirs, id="model_dirs")
                 with Horizontal(classes="field"):
                     yield Input(placeholder="a folder to add", id="new_dir",
