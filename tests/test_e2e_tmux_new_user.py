@@ -18,13 +18,17 @@ MINI = REPO / "assets" / "kvchat-mini"
 
 def _command(args: str, env: dict[str, str], status: Path) -> str:
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-    return (f"cd {shlex.quote(str(REPO))} && env -u COLUMNS -u LINES {exports}"
+    # other test modules set HF_HUB_OFFLINE=1 for the whole process; tmux inherits it
+    return (f"cd {shlex.quote(str(REPO))} && env -u COLUMNS -u LINES -u HF_HUB_OFFLINE"
+            f" -u TRANSFORMERS_OFFLINE {exports}"
             f" {shlex.quote(sys.executable)} -m app {args}; echo $? > {shlex.quote(str(status))}")
 
 
 def _session(tmux: Tmux, name: str, size: tuple[int, int], command: str) -> None:
     w, h = size
+    # remain-on-exit: a command that ends early leaves its output to read
     tmux("start-server", ";", "set-option", "-g", "default-size", f"{w}x{h}", ";",
+         "set-option", "-g", "remain-on-exit", "on", ";",
          "new-session", "-d", "-s", name, "-x", str(w), "-y", str(h), command)
 
 
