@@ -261,10 +261,13 @@ def pull(
 def _pull(
     repo_id: str, revision: str, cache: Path, on_progress: ProgressFn, cancel: threading.Event
 ) -> Path:
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, constants
     from huggingface_hub.file_download import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.utils import build_hf_headers
 
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import; pull() has just read it from
+    # the environment as it is now (and returned from the cache if it is set)
+    constants.HF_HUB_OFFLINE = False
     ep = endpoint()
     info = HfApi(endpoint=ep).model_info(repo_id, revision=revision, files_metadata=True)
     sha = info.sha

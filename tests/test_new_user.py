@@ -33,7 +33,8 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # other modules set them
+        monkeypatch.delenv(var, raising=False)
     models = tmp_path / "models"
     shutil.copytree(MINI, models / "mini")
     shutil.copytree(MINI, models / "mini-2")

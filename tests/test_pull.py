@@ -36,7 +36,8 @@ def kvchat(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     c = tmp_path / "hf-cache"
     monkeypatch.setenv("HF_HUB_CACHE", str(c))
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # other modules set them
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
     return c
 
