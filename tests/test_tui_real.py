@@ -258,7 +258,7 @@ async def test_real_settings_apply_from_next_turn(env: Path) -> None:
                             ("top_k", "-1")):
             screen.query_one(f"#{name}", Input).value = value
         await pilot.press("ctrl+s")
-        assert app.screen is screen and "top_k" in str(
+        assert app.screen is screen and "top-k" in str(
             screen.query_one("#settings-error", Static).render()
         )
         screen.query_one("#top_k", Input).value = "0"

@@ -96,6 +96,7 @@ class StatsPanel(VerticalScroll):
         self._dirty = True
         self._last_point: tuple[int, float] | None = None  # (generated, decode span)
         self._spark: deque[float] = deque(maxlen=SPARK_POINTS)
+        self.prefill: tuple[int, int, float] | None = None  # (done, total, tok/s) while slow
 
     def compose(self) -> ComposeResult:
         yield Static("Speed", classes="section")
@@ -122,12 +123,19 @@ class StatsPanel(VerticalScroll):
             **{**fresh, "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens}
         )
         self.decode_now = None
+        self.prefill = None
         self._last_point = None
         self._spark.clear()
         self.generating = True
         self._dirty = True
 
+    def show_prefill(self, done: int, total: int, tps: float) -> None:
+        """A long prompt is being read: show tokens done / total and the rate so far."""
+        self.prefill = (done, total, tps)
+        self._dirty = True
+
     def end_turn(self, stats: TurnStats | None = None) -> None:
+        self.prefill = None
         if stats:
             self.update_stats(stats)
         self.generating = False
@@ -137,6 +145,8 @@ class StatsPanel(VerticalScroll):
     def update_stats(self, stats: TurnStats) -> None:
         """Store the newest stats; the timer renders them (never per token)."""
         self.stats = self.stats.merged(stats)
+        if self.stats.generated_tokens:
+            self.prefill = None  # the prompt is read; decoding has begun
         span = decode_elapsed(self.stats)
         n = self.stats.generated_tokens or 0
         if span is not None:
@@ -154,6 +164,9 @@ class StatsPanel(VerticalScroll):
 
     def set_model(self, info: dict[str, Any]) -> None:
         self.info = dict(info)
+        heads, kv = info.get("n_heads"), info.get("n_kv_heads")
+        if heads and kv:  # the new model's factor, not the previous model's
+            self.stats = self.stats.with_(gqa_saving=heads / kv)
         self._dirty = True
         self._render_now()
 
@@ -178,7 +191,10 @@ class StatsPanel(VerticalScroll):
             _lines(
                 _row("now", fmt_rate(self.decode_now), "bold"),
                 _row("average", fmt_rate(s.decode_tps)),
-                _row("prefill", fmt_rate(s.prefill_tps)),
+                _row("prefill", fmt_rate(s.prefill_tps))
+                if self.prefill is None
+                else _row("prefill", f"{self.prefill[0]:,}/{self.prefill[1]:,} · "
+                          f"{fmt_rate(self.prefill[2])}", "bold"),
                 _row("TTFT", fmt_seconds(s.ttft_s)),
                 _row("tokens", f"{fmt_count(s.generated_tokens)} generated"),
             )

@@ -1,0 +1,68 @@
+"""Issue 14 with the real engine: stories260K's BOS never reaches the transcript, the
+saved chat, the export or the clipboard; after a swap the panel shows the new model's
+GQA factor and weights as loaded (the same number `kvchat models` prints)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from textual.widgets import Static
+
+from app.models_cmd import model_rows
+from app.settings import Settings
+from app.tui import KVChatApp
+from tests.scripted_engine import async_test, wait_for
+
+from .conftest import REPO_ROOT, STORIES260K
+from .test_tui_real import env  # noqa: F401  (hermetic config, data, HF cache, HOME)
+
+MINI = REPO_ROOT / "assets" / "kvchat-mini"
+SIZE = (120, 40)
+pytestmark = [pytest.mark.skipif(not STORIES260K.is_dir(), reason="stories260K absent"),
+              pytest.mark.usefixtures("env")]
+
+
+def greedy(**kw: Any) -> Settings:
+    return Settings(temp=0.0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, **kw)
+
+
+@async_test
+async def test_real_bos_never_becomes_text() -> None:
+    app = KVChatApp(str(STORIES260K), greedy(max_tokens=400))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: bool(app.model_info), timeout=120)
+        app.input.load_text("Once upon a time")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not app.generating, timeout=120)
+        done = app.last_done
+        assert done is not None and done.finish_reason == "eos" and done.ids[-1] == 1
+        reply = app.conversation.messages[-1]["content"]
+        assert reply.strip() and "<s>" not in reply
+        saved = app.store.path_for(app.conversation.id).read_text()
+        assert "<s>" not in saved
+        export = app.action_export()
+        assert export is not None and "<s>" not in export.read_text()
+        copied: list[str] = []
+        app.copy_to_clipboard = copied.append  # type: ignore[method-assign]
+        app.action_copy_reply()
+        assert copied == [reply]
+
+
+@async_test
+async def test_real_swap_panel_numbers_are_the_new_models() -> None:
+    app = KVChatApp(str(STORIES260K), greedy(max_tokens=8))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: bool(app.model_info), timeout=120)
+        app.input.load_text("Once")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not app.generating, timeout=120)
+        assert "2× smaller" in str(app.panel.query_one("#cache", Static).render())  # 8/4
+        app.load_model(str(MINI.resolve()))
+        await wait_for(pilot, lambda: app.model_path == str(MINI.resolve()), timeout=120)
+        await pilot.pause(0.2)
+        cache = str(app.panel.query_one("#cache", Static).render())
+        assert "4× smaller" in cache  # kvchat-mini: 8 query heads over 2 KV heads
+        row = next(r for r in model_rows([], include_defaults=True) if r.entry.source == "assets")
+        assert row.facts is not None
+        assert app.model_info["weight_bytes"] == row.facts.weight_bytes
