@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from model.discovery import hf_cache_dir
-
 from model.errors import KVChatError
-from model.weights import PICKLE_PATTERNS
+from model.files import PICKLE_PATTERNS
+
+from .discovery import hf_cache_dir
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # what kvchat reads from a model folder; everything else (onnx/, gguf, pickles, images) is skipped

@@ -14,10 +14,9 @@ import threading
 import time
 from typing import TextIO
 
-from model.discovery import human_bytes
-
 from model.errors import KVChatError
 
+from .discovery import human_bytes
 from .errors import report
 from .hub_download import PullProgress, pull, verify_pulled
 

@@ -17,7 +17,8 @@ from typing import Any
 import mlx.core as mx
 
 from .config import load_config
-from .weights import IGNORED_SUFFIXES, compute_dtype, safetensors_header, weight_files
+from .files import safetensors_header, weight_files
+from .weights import IGNORED_SUFFIXES, compute_dtype
 
 # safetensors dtype names -> MLX dtypes (the floating ones the loader casts)
 _FLOAT = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}

@@ -14,10 +14,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from model.discovery import ModelEntry
 from textual.widgets import DataTable, Input
 from textual.widgets._toast import Toast
 
+from app.discovery import ModelEntry
 from app.screens import HistoryScreen, LayerCacheScreen, ModelPickerScreen
 from app.screens.settings_form import SettingsScreen
 from app.settings import Settings, load_settings
