@@ -83,15 +83,16 @@ def remember_session(app: Any) -> None:
         pass  # a convenience; the chat itself is saved by the store
 
 
-def apply_theme(app: Any, settings: Any) -> None:
+def apply_theme(chat: Any) -> None:
     """Use the saved theme, and save the theme whenever the user changes it (the palette's
-    "Change theme" or the settings screen)."""
-    saved = settings.theme
-    if saved and saved in app.available_themes:
-        app.theme = saved
+    "Change theme" or the settings screen). `chat.settings` is read at each change: the
+    settings screen replaces that object."""
+    app = chat.app
+    use_saved_theme(chat)
 
     def changed(theme: Any) -> None:
         name = getattr(theme, "name", None)
+        settings = chat.settings
         if name and settings.theme != name:
             settings.theme = name
             try:
@@ -99,7 +100,14 @@ def apply_theme(app: Any, settings: Any) -> None:
             except KVChatError:
                 pass  # remembering the theme is best-effort
 
-    app.theme_changed_signal.subscribe(app, changed)
+    app.theme_changed_signal.subscribe(chat, changed)
+
+
+def use_saved_theme(chat: Any) -> None:
+    """Switch to the theme in `chat.settings` (when this Textual has it)."""
+    saved = chat.settings.theme
+    if saved and saved in chat.app.available_themes:
+        chat.app.theme = saved
 
 
 def retitle_after_edit(conv: Any, edited_index: int) -> None:

@@ -15,9 +15,10 @@ from app.screens import HistoryScreen, ModelPickerScreen
 from app.screens.settings_form import SettingsScreen
 from app.settings import Settings, load_settings
 from app.tui import KVChatApp
-from model.events import Overflow, PrefillProgress
+from app.widgets import ChatMessage
+from model.events import Done, Overflow, PrefillProgress
 from model.facts import model_name
-from tests.scripted_engine import ScriptedEngine, async_test, wait_for
+from tests.scripted_engine import ScriptedEngine, async_test, record_notifications, wait_for
 
 from .conftest import REPO_ROOT
 from .fake_hub import FakeHub, FakeRepo
@@ -51,25 +52,35 @@ def make_app(env: Path, model: str | None = None, **settings: Any) -> KVChatApp:
 
 
 def engine(app: KVChatApp) -> ScriptedEngine:
-    assert isinstance(app.engine, ScriptedEngine)
-    return app.engine
+    assert isinstance(app.chat.engine, ScriptedEngine)
+    return app.chat.engine
+
+
+def last_done(app: KVChatApp) -> Done:
+    done = [e for e in engine(app).events if isinstance(e, Done)]
+    assert done, "no turn has ended"
+    return done[-1]
+
+
+def replies(app: KVChatApp) -> list[ChatMessage]:
+    return [w for w in app.chat.transcript.messages if w.role == "assistant"]
 
 
 async def ready(pilot: Any) -> None:
-    await wait_for(pilot, lambda: bool(pilot.app.model_info))
+    await wait_for(pilot, lambda: bool(pilot.app.chat.model_info))
 
 
 async def turn(pilot: Any, text: str) -> None:
-    pilot.app.input.load_text(text)
+    pilot.app.chat.input.load_text(text)
     await pilot.press("enter")
-    await wait_for(pilot, lambda: not pilot.app.generating)
+    await wait_for(pilot, lambda: not pilot.app.chat.generating)
 
 
 async def new_chat(pilot: Any, text: str) -> str:
     """Ctrl+N, one turn; the new chat's id."""
     await pilot.press("ctrl+n")
     await turn(pilot, text)
-    return pilot.app.conversation.id
+    return pilot.app.chat.conversation.id
 
 
 async def open_picker(pilot: Any) -> ModelPickerScreen:
@@ -80,8 +91,9 @@ async def open_picker(pilot: Any) -> ModelPickerScreen:
     return picker
 
 
-def messages(app: KVChatApp) -> list[str]:
-    return [n.message for n in app._notifications]
+def messages(seen: list[tuple[str, str]]) -> list[str]:
+    """The texts of the notifications record_notifications() saw."""
+    return [m for m, _severity in seen]
 
 
 # ---- 1. the picker --------------------------------------------------------------------
@@ -90,6 +102,7 @@ def messages(app: KVChatApp) -> list[str]:
 @async_test
 async def test_picker_typed_path_cursor_current_and_no_reload(env: Path) -> None:
     app = make_app(env)
+    seen = record_notifications(app)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         picker = await open_picker(pilot)
@@ -101,18 +114,19 @@ async def test_picker_typed_path_cursor_current_and_no_reload(env: Path) -> None
         await pilot.press("enter")
         await wait_for(pilot, lambda: not isinstance(app.screen, ModelPickerScreen))
         assert engine(app).loads == [str((env / "models" / "mini").resolve())]
-        assert "That model is already loaded." in messages(app)
+        assert "That model is already loaded." in messages(seen)
         # typing goes to the path box (focus starts there), Enter loads what was typed
         picker = await open_picker(pilot)
         await pilot.press(*str(env / "models" / "mini-2"))
         assert picker.query_one("#path", Input).value == str(env / "models" / "mini-2")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.model_path == str((env / "models" / "mini-2").resolve()))
+        await wait_for(pilot, lambda: app.chat.model_path == str((env / "models" / "mini-2").resolve()))
 
 
 @async_test
 async def test_picker_arrows_move_the_list_and_unloadable_is_refused(env: Path) -> None:
     app = make_app(env)
+    seen = record_notifications(app)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         picker = await open_picker(pilot)
@@ -127,7 +141,7 @@ async def test_picker_arrows_move_the_list_and_unloadable_is_refused(env: Path) 
         await pilot.press("enter")
         assert isinstance(app.screen, ModelPickerScreen)  # refused, still open
         assert len(engine(app).loads) == 1
-        assert any("no tokenizer" in m for m in messages(app))
+        assert any("no tokenizer" in m for m in messages(seen))
 
 
 @async_test
@@ -172,8 +186,8 @@ async def test_picker_pulls_a_repo_id_then_offers_it(env: Path,
             table = picker.query_one("#models", DataTable)
             assert picker.entries[table.cursor_row].name == repo  # offered: cursor on it
             await pilot.press("enter")
-            await wait_for(pilot, lambda: app.model_path == str(picker.pulled))
-            assert model_name(app.model_path) == repo  # org/name, not the snapshot hash
+            await wait_for(pilot, lambda: app.chat.model_path == str(picker.pulled))
+            assert model_name(app.chat.model_path) == repo  # org/name, not the snapshot hash
     assert picker.pulled is not None and (picker.pulled / "model.safetensors").is_file()
 
 
@@ -202,10 +216,10 @@ async def test_panel_takes_the_new_models_gqa_factor(env: Path) -> None:
     app = make_app(env)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        app.panel.set_model({**app.model_info, "n_heads": 8, "n_kv_heads": 2})
+        app.chat.panel.set_model({**app.chat.model_info, "n_heads": 8, "n_kv_heads": 2})
         await pilot.pause()
-        assert app.panel.stats["gqa_saving"] == 4.0
-        assert "4× smaller" in str(app.panel.query_one("#cache", Static).render())
+        assert app.chat.panel.stats.gqa_saving == 4.0
+        assert "4× smaller" in str(app.chat.panel.query_one("#cache", Static).render())
 
 
 @async_test
@@ -215,10 +229,11 @@ async def test_opening_a_chat_clears_the_previous_chats_cache_figures(env: Path)
         await ready(pilot)
         first = await new_chat(pilot, "first chat")
         await new_chat(pilot, "second chat, longer so the cache holds more tokens")
-        assert app.panel.stats.get("cache_tokens")
-        await app.open_conversation(first)
+        assert app.chat.panel.stats.cache_tokens
+        await app.chat.open_conversation(first)
         await pilot.pause()
-        assert "cache_tokens" not in app.panel.stats and "cache_bytes" not in app.panel.stats
+        stats = app.chat.panel.stats
+        assert stats.cache_tokens is None and stats.cache_bytes is None
 
 
 # ---- 6. prefill progress and the overflow notice ---------------------------------------
@@ -227,29 +242,30 @@ async def test_opening_a_chat_clears_the_previous_chats_cache_figures(env: Path)
 @async_test
 async def test_prefill_progress_and_overflow_notice(env: Path) -> None:
     app = make_app(env)
+    seen = record_notifications(app)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         engine(app).pause_after = 0
-        app.input.load_text("x " * 100)
+        app.chat.input.load_text("x " * 100)
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app._reply is not None)
-        reply = app._reply
+        await wait_for(pilot, lambda: bool(replies(app)) and replies(app)[-1].streaming)
+        reply = replies(app)[-1]
         # a fast prompt shows nothing, a slow one tokens done / total and the rate
-        app.bridge(PrefillProgress(512, 1471, 0.2))
+        app.chat.bridge(PrefillProgress(512, 1471, 0.2))
         await pilot.pause(0.2)
-        assert "512" not in str(app.panel.query_one("#speed", Static).render())
-        app.bridge(PrefillProgress(1024, 1471, 3.3))
+        assert "512" not in str(app.chat.panel.query_one("#speed", Static).render())
+        app.chat.bridge(PrefillProgress(1024, 1471, 3.3))
         await wait_for(pilot, lambda: "1,024/1,471" in str(
-            app.panel.query_one("#speed", Static).render()))
+            app.chat.panel.query_one("#speed", Static).render()))
         assert reply is not None
         assert reply.border_subtitle == "reading the prompt: 1,024/1,471 tokens · 310 tok/s"
-        app.bridge(Overflow(447, 1024, "prompt"))
-        await wait_for(pilot, lambda: any("447" in m for m in messages(app)))
-        note = next(m for m in messages(app) if "447" in m)
+        app.chat.bridge(Overflow(447, 1024, "prompt"))
+        await wait_for(pilot, lambda: any("447" in m for m in messages(seen)))
+        note = next(m for m in messages(seen) if "447" in m)
         assert "1,024-token window" in note and "--max-kv-size" in note
         assert "Settings" in note and "\n" not in note
         engine(app).resume()
-        await wait_for(pilot, lambda: not app.generating)
+        await wait_for(pilot, lambda: not app.chat.generating)
 
 
 # ---- 7. keys and labels ------------------------------------------------------------------
@@ -257,20 +273,34 @@ async def test_prefill_progress_and_overflow_notice(env: Path) -> None:
 
 @async_test
 async def test_ctrl_c_stops_generation_and_is_harmless_otherwise(env: Path) -> None:
+    # i11's Ctrl+C: once stops the running reply, a second within 3 s quits; with no
+    # reply running it only warns. Never Textual's own "press ctrl+q" notice.
     app = make_app(env)
+    seen = record_notifications(app)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        await pilot.press("ctrl+c")  # idle: nothing stops, nothing quits
-        assert app.is_running and not app.generating
         engine(app).pause_after = 3
-        app.input.load_text("tell me a story")
+        app.chat.input.load_text("tell me a story")
         await pilot.press("enter")
         await wait_for(pilot, lambda: engine(app).paused.is_set())
         await pilot.press("ctrl+c")
-        await wait_for(pilot, lambda: not app.generating)
-        assert app.last_done is not None and app.last_done.finish_reason == "cancelled"
-        assert app.conversation.messages[-1]["stopped"] is True
-        assert not any("ctrl+q" in m.lower() for m in messages(app))
+        await wait_for(pilot, lambda: not app.chat.generating)
+        assert app.is_running
+        assert last_done(app).finish_reason == "cancelled"
+        assert app.chat.conversation.messages[-1]["stopped"] is True
+        assert not any("to quit the app" in m for m in messages(seen))
+        await pilot.press("ctrl+c")  # the second within 3 s
+        await wait_for(pilot, lambda: not app.is_running)
+    idle = make_app(env)
+    seen = record_notifications(idle)
+    async with idle.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+c")  # idle: nothing stops, nothing quits, one warning
+        await pilot.pause()
+        assert idle.is_running and not idle.chat.generating
+        assert not engine(idle).submitted
+        assert "Press Ctrl+C again to quit (or Ctrl+Q)." in messages(seen)
+        assert not any("to quit the app" in m for m in messages(seen))
 
 
 @async_test
@@ -281,7 +311,7 @@ async def test_history_keys_cursor_confirm_and_undo(env: Path) -> None:
         oldest = await new_chat(pilot, "oldest chat")
         middle = await new_chat(pilot, "middle chat")
         await new_chat(pilot, "newest chat")
-        await app.open_conversation(middle)
+        await app.chat.open_conversation(middle)
         for key in ("f2", "ctrl+t"):  # both open the history (Ctrl+H is Backspace)
             await pilot.press(key)
             assert isinstance(app.screen, HistoryScreen)
@@ -296,13 +326,13 @@ async def test_history_keys_cursor_confirm_and_undo(env: Path) -> None:
         await pilot.press("delete")  # asks first
         status = str(screen.query_one("#history-status", Static).render())
         assert status.startswith("Delete “oldest chat”? Press Delete again")
-        assert app.store.path_for(oldest).exists()
+        assert app.chat.store.path_for(oldest).exists()
         await pilot.press("delete")
-        assert not app.store.path_for(oldest).exists()
+        assert not app.chat.store.path_for(oldest).exists()
         assert table.row_count == 2
         await pilot.press("ctrl+z")
-        assert app.store.path_for(oldest).exists() and table.row_count == 3
-        assert app.store.load(oldest).messages[0]["content"] == "oldest chat"
+        assert app.chat.store.path_for(oldest).exists() and table.row_count == 3
+        assert app.chat.store.load(oldest).messages[0]["content"] == "oldest chat"
         # moving away after the first Delete cancels it
         table.move_cursor(row=[r.key.value for r in table.ordered_rows].index(oldest))
         await pilot.press("delete")
@@ -318,22 +348,22 @@ async def test_title_follows_an_edited_first_message(env: Path) -> None:
         await ready(pilot)
         await turn(pilot, "tell me about cats")
         await turn(pilot, "and dogs")
-        assert app.conversation.title == "tell me about cats"
-        assert app.begin_edit(0)
-        app.input.load_text("tell me about owls")
+        assert app.chat.conversation.title == "tell me about cats"
+        assert app.chat.begin_edit(0)
+        app.chat.input.load_text("tell me about owls")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: not app.generating)
-        assert app.conversation.title == "tell me about owls"
-        assert app.store.load(app.conversation.id).title == "tell me about owls"
+        await wait_for(pilot, lambda: not app.chat.generating)
+        assert app.chat.conversation.title == "tell me about owls"
+        assert app.chat.store.load(app.chat.conversation.id).title == "tell me about owls"
         # editing a later message keeps the title
-        assert app.begin_edit(0) is True
+        assert app.chat.begin_edit(0) is True
         await pilot.press("escape")
         await turn(pilot, "and birds")
-        assert app.begin_edit(2)
-        app.input.load_text("and fish")
+        assert app.chat.begin_edit(2)
+        app.chat.input.load_text("and fish")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: not app.generating)
-        assert app.conversation.title == "tell me about owls"
+        await wait_for(pilot, lambda: not app.chat.generating)
+        assert app.chat.conversation.title == "tell me about owls"
 
 
 @async_test
@@ -387,23 +417,23 @@ async def test_theme_input_history_and_last_chat_come_back(env: Path) -> None:
         await turn(pilot, "first question")
         await turn(pilot, "second question")
         app.theme = "gruvbox"  # e.g. from the palette's "Change theme"
-        chat = app.conversation.id
+        chat = app.chat.conversation.id
     assert load_settings().theme == "gruvbox"
     again = make_app(env, theme="gruvbox")
     async with again.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        await wait_for(pilot, lambda: again.conversation.id == chat)
+        await wait_for(pilot, lambda: again.chat.conversation.id == chat)
         assert again.theme == "gruvbox"
-        assert [w.content for w in again.transcript.messages][0] == "first question"
+        assert [w.content for w in again.chat.transcript.messages][0] == "first question"
         await pilot.press("up")
-        assert again.input.text == "second question"
+        assert again.chat.input.text == "second question"
     # turned off: a fresh chat and an empty history
     off = make_app(env, restore_session=False)
     async with off.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await pilot.pause(0.2)
-        assert off.conversation.id != chat and not off.transcript.messages
-        assert off.input.sent_history == []
+        assert off.chat.conversation.id != chat and not off.chat.transcript.messages
+        assert off.chat.input.sent_history == []
 
 
 @async_test
@@ -414,7 +444,7 @@ async def test_user_messages_render_as_markdown(env: Path) -> None:
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await turn(pilot, "see **this** and `code`\n\n- one\n- two")
-        mine = next(w for w in app.transcript.messages if w.role == "user")
+        mine = next(w for w in app.chat.transcript.messages if w.role == "user")
         body = mine.body
         assert isinstance(body, Markdown)
         assert body.source == "see **this** and `code`\n\n- one\n- two"  # data, kept as typed

@@ -151,7 +151,7 @@ def test_engine_reports_prefill_progress_and_overflow() -> None:
     assert over[0].during == "prompt" and over[0].dropped == 151 - 64 and over[0].capacity == 64
     assert over[1].during == "reply" and over[1].dropped == 19  # 19 of 20 replies fed back
     final = next(e for e in events if isinstance(e, Done))
-    assert final.stats["evicted_tokens"] == over[0].dropped + over[1].dropped
+    assert final.stats.evicted_tokens == over[0].dropped + over[1].dropped
 
 
 # ---- 7. --version, and the README matching --help and the app ------------------------

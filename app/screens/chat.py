@@ -40,7 +40,13 @@ from model.events import (
 from ..actions import bindings
 from ..bridge import Bridge, EngineEvent, TextReady
 from ..interrupt import InterruptKey
-from ..session import apply_theme, remember_session, restore_session, retitle_after_edit
+from ..session import (
+    apply_theme,
+    remember_session,
+    restore_session,
+    retitle_after_edit,
+    use_saved_theme,
+)
 from ..settings import Settings, remember_model
 from ..store import Conversation, ConversationStore, StoreError, export_markdown
 from ..text import literal
@@ -143,7 +149,7 @@ class ChatScreen(InterruptKey, Screen[None]):
         self.engine = self._engine_factory(self.bridge, self._initial_model)
         if self._initial_model is None:
             self.notify("No model loaded: press Ctrl+O to pick one.", severity="warning")
-        apply_theme(self.app, self.settings)
+        apply_theme(self)
         self.call_after_refresh(restore_session, self)
 
     def on_unmount(self) -> None:
@@ -481,6 +487,7 @@ class ChatScreen(InterruptKey, Screen[None]):
         if new is None:
             return
         self.settings = new
+        use_saved_theme(self)  # after the swap: the theme hook saves into these settings
         # the open chat follows the new system prompt from its next turn
         self.conversation.system_prompt = new.system_prompt
         self.notify("Saved; applied from the next turn.", title="Settings")

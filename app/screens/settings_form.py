@@ -152,9 +152,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
             self.notify(text, severity="error", title="Settings not saved")
             return
         error.update("")
-        if new.theme and new.theme in self.app.available_themes:
-            self.app.theme = new.theme
-        self.dismiss(new)
+        self.dismiss(new)  # the chat screen applies it (theme included)
 
     # ---- model folders -----------------------------------------------------------------
     def _add_dir(self) -> None:

@@ -171,8 +171,9 @@ class StatsPanel(VerticalScroll):
         self._render_now()
 
     def clear_cache_stats(self) -> None:
-        """New chat: the cache is empty again."""
-        self.stats = self.stats.with_(**dict.fromkeys((*CACHE_FIELDS, "cached_tokens")))
+        """New chat: the cache is empty again. The GQA factor stays: it is the model's."""
+        gone = [f for f in (*CACHE_FIELDS, "cached_tokens") if f != "gqa_saving"]
+        self.stats = self.stats.with_(**dict.fromkeys(gone))
         self._dirty = True
         self._render_now()
 
