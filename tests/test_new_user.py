@@ -120,7 +120,8 @@ async def test_picker_typed_path_cursor_current_and_no_reload(env: Path) -> None
         await pilot.press(*str(env / "models" / "mini-2"))
         assert picker.query_one("#path", Input).value == str(env / "models" / "mini-2")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.chat.model_path == str((env / "models" / "mini-2").resolve()))
+        want = str((env / "models" / "mini-2").resolve())
+        await wait_for(pilot, lambda: app.chat.model_path == want)
 
 
 @async_test

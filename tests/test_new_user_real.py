@@ -11,11 +11,11 @@ from textual.widgets import Static
 
 from app.models_cmd import model_rows
 from app.settings import Settings
-from app.tui import KVChatApp
+from model.events import Done
 from tests.scripted_engine import async_test, wait_for
 
 from .conftest import REPO_ROOT, STORIES260K
-from .test_tui_real import env  # noqa: F401  (hermetic config, data, HF cache, HOME)
+from .test_tui_real import env, last, real_app  # noqa: F401  (env: hermetic config, data, HF cache, HOME)
 
 MINI = REPO_ROOT / "assets" / "kvchat-mini"
 SIZE = (120, 40)
@@ -29,40 +29,40 @@ def greedy(**kw: Any) -> Settings:
 
 @async_test
 async def test_real_bos_never_becomes_text() -> None:
-    app = KVChatApp(str(STORIES260K), greedy(max_tokens=400))
+    app, seen = real_app(greedy(max_tokens=400))
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: bool(app.model_info), timeout=120)
-        app.input.load_text("Once upon a time")
+        await wait_for(pilot, lambda: bool(app.chat.model_info), timeout=120)
+        app.chat.input.load_text("Once upon a time")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: not app.generating, timeout=120)
-        done = app.last_done
-        assert done is not None and done.finish_reason == "eos" and done.ids[-1] == 1
-        reply = app.conversation.messages[-1]["content"]
+        await wait_for(pilot, lambda: not app.chat.generating, timeout=120)
+        done = last(seen, Done)
+        assert done.finish_reason == "eos" and done.ids[-1] == 1
+        reply = app.chat.conversation.messages[-1]["content"]
         assert reply.strip() and "<s>" not in reply
-        saved = app.store.path_for(app.conversation.id).read_text()
+        saved = app.chat.store.path_for(app.chat.conversation.id).read_text()
         assert "<s>" not in saved
-        export = app.action_export()
+        export = app.chat.action_export()
         assert export is not None and "<s>" not in export.read_text()
         copied: list[str] = []
         app.copy_to_clipboard = copied.append  # type: ignore[method-assign]
-        app.action_copy_reply()
+        app.chat.action_copy_reply()
         assert copied == [reply]
 
 
 @async_test
 async def test_real_swap_panel_numbers_are_the_new_models() -> None:
-    app = KVChatApp(str(STORIES260K), greedy(max_tokens=8))
+    app, _seen = real_app(greedy(max_tokens=8))
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: bool(app.model_info), timeout=120)
-        app.input.load_text("Once")
+        await wait_for(pilot, lambda: bool(app.chat.model_info), timeout=120)
+        app.chat.input.load_text("Once")
         await pilot.press("enter")
-        await wait_for(pilot, lambda: not app.generating, timeout=120)
-        assert "2× smaller" in str(app.panel.query_one("#cache", Static).render())  # 8/4
-        app.load_model(str(MINI.resolve()))
-        await wait_for(pilot, lambda: app.model_path == str(MINI.resolve()), timeout=120)
+        await wait_for(pilot, lambda: not app.chat.generating, timeout=120)
+        assert "2× smaller" in str(app.chat.panel.query_one("#cache", Static).render())  # 8/4
+        app.chat.load_model(str(MINI.resolve()))
+        await wait_for(pilot, lambda: app.chat.model_path == str(MINI.resolve()), timeout=120)
         await pilot.pause(0.2)
-        cache = str(app.panel.query_one("#cache", Static).render())
+        cache = str(app.chat.panel.query_one("#cache", Static).render())
         assert "4× smaller" in cache  # kvchat-mini: 8 query heads over 2 KV heads
         row = next(r for r in model_rows([], include_defaults=True) if r.entry.source == "assets")
         assert row.facts is not None
-        assert app.model_info["weight_bytes"] == row.facts.weight_bytes
+        assert app.chat.model_info["weight_bytes"] == row.facts.weight_bytes
