@@ -19,6 +19,7 @@ from model.errors import KVChatError
 from .discovery import human_bytes
 from .errors import report
 from .hub_download import PullProgress, pull, verify_pulled
+from .text import visible
 
 BAR_W = 24
 REDRAW_S = 0.1
@@ -90,9 +91,14 @@ class TerminalProgress:
             if not force and now - self.last < REDRAW_S and p.files_done < p.files_total:
                 return
             self.last = now
-            lines = progress_lines(p)
-            up = "\x1b[2F" if self.drawn else ""
-            self.out.write(up + "".join(f"\x1b[2K{line}\n" for line in lines))
+            # our own cursor moves pass a VisibleWriter (app/cli.py) as they are; the lines
+            # hold names from the Hub, so they are shown, never obeyed
+            control = getattr(self.out, "write_control", self.out.write)
+            if self.drawn:
+                control("\x1b[2F")  # back to the first of the two lines
+            for line in progress_lines(p):
+                control("\x1b[2K")  # clear it
+                self.out.write(visible(line) + "\n")
             self.out.flush()
             self.drawn = True
 

@@ -178,3 +178,30 @@ def test_offline_mode_uses_the_cache_or_says_why(cache: Path,
         assert len(hub.requests) == n  # no request at all
     assert r.returncode == 0, r.stderr
     assert Path(r.stdout.splitlines()[1]) == snap
+
+
+def test_terminal_progress_moves_the_cursor_but_shows_file_names_literally() -> None:
+    """Through the CLI's VisibleWriter: the two lines are redrawn in place (its own ESC
+    sequences pass), while a file name from the Hub with an escape in it is only shown."""
+    import io
+
+    from app.hub_download import PullProgress
+    from app.pull_cmd import TerminalProgress
+    from app.text import VisibleWriter
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    raw = Tty()
+    show = TerminalProgress(VisibleWriter(raw))
+    p = PullProgress(REPO, files_total=2, bytes_total=200, file="a\x1b]0;pwned\x07.bin",
+                     file_total=100)
+    show(p, force=True)
+    p.received(100)
+    show(p, force=True)
+    first, second = raw.getvalue().split("\x1b[2F")  # the second draw moves up two lines
+    for draw in (first, second):
+        assert draw.count("\x1b[2K") == 2  # each of the two lines cleared, then written
+        assert "a␛]0;pwned␇.bin" in draw and "\x07" not in draw and "\x1b]" not in draw
+    assert "100%" in second.split("\n")[0]
