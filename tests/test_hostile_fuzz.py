@@ -30,8 +30,8 @@ from model.chat_template import TemplateError, render
 from model.config import load_config
 from model.config_checks import MAX_LAYERS
 from model.errors import KVChatError
+from model.files import DTYPE_BYTES, safetensors_header
 from model.tokenizer import load_tokenizer
-from model.weights import DTYPE_BYTES, safetensors_header
 
 from .conftest import REPO_ROOT
 

@@ -15,13 +15,13 @@ from app.screens import HistoryScreen, ModelPickerScreen
 from app.screens.settings_form import SettingsScreen
 from app.settings import Settings, load_settings
 from app.tui import KVChatApp
-from app.widgets import ChatMessage
-from model.events import Done, Overflow, PrefillProgress
+from model.events import Overflow, PrefillProgress
 from model.facts import model_name
 from tests.scripted_engine import ScriptedEngine, async_test, record_notifications, wait_for
 
 from .conftest import REPO_ROOT
 from .fake_hub import FakeHub, FakeRepo
+from .test_tui_app import engine, last_done, ready, replies, turn
 
 MINI = REPO_ROOT / "assets" / "kvchat-mini"
 SIZE = (120, 40)
@@ -49,31 +49,6 @@ def make_app(env: Path, model: str | None = None, **settings: Any) -> KVChatApp:
     s = Settings(model_dirs=[str(env / "models")], **settings)
     path = model or str((env / "models" / "mini").resolve())
     return KVChatApp(path, s, engine_factory=lambda cb, p: ScriptedEngine(cb, p, token_delay=0.001))
-
-
-def engine(app: KVChatApp) -> ScriptedEngine:
-    assert isinstance(app.chat.engine, ScriptedEngine)
-    return app.chat.engine
-
-
-def last_done(app: KVChatApp) -> Done:
-    done = [e for e in engine(app).events if isinstance(e, Done)]
-    assert done, "no turn has ended"
-    return done[-1]
-
-
-def replies(app: KVChatApp) -> list[ChatMessage]:
-    return [w for w in app.chat.transcript.messages if w.role == "assistant"]
-
-
-async def ready(pilot: Any) -> None:
-    await wait_for(pilot, lambda: bool(pilot.app.chat.model_info))
-
-
-async def turn(pilot: Any, text: str) -> None:
-    pilot.app.chat.input.load_text(text)
-    await pilot.press("enter")
-    await wait_for(pilot, lambda: not pilot.app.chat.generating)
 
 
 async def new_chat(pilot: Any, text: str) -> str:

@@ -4,18 +4,22 @@ GQA factor and weights as loaded (the same number `kvchat models` prints)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from textual.widgets import Static
 
 from app.models_cmd import model_rows
-from app.settings import Settings
 from model.events import Done
 from tests.scripted_engine import async_test, wait_for
 
 from .conftest import REPO_ROOT, STORIES260K
-from .test_tui_real import env, last, real_app  # noqa: F401  (env: hermetic config, data, HF cache, HOME)
+from .test_tui_real import (
+    env,  # noqa: F401  (hermetic config, data, HF cache, HOME)
+    last,
+    ready,
+    real_app,
+    settings,
+    turn,
+)
 
 MINI = REPO_ROOT / "assets" / "kvchat-mini"
 SIZE = (120, 40)
@@ -23,18 +27,12 @@ pytestmark = [pytest.mark.skipif(not STORIES260K.is_dir(), reason="stories260K a
               pytest.mark.usefixtures("env")]
 
 
-def greedy(**kw: Any) -> Settings:
-    return Settings(temp=0.0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, **kw)
-
-
 @async_test
 async def test_real_bos_never_becomes_text() -> None:
-    app, seen = real_app(greedy(max_tokens=400))
+    app, seen = real_app(settings(max_tokens=400))
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: bool(app.chat.model_info), timeout=120)
-        app.chat.input.load_text("Once upon a time")
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: not app.chat.generating, timeout=120)
+        await ready(pilot)
+        await turn(pilot, "Once upon a time")
         done = last(seen, Done)
         assert done.finish_reason == "eos" and done.ids[-1] == 1
         reply = app.chat.conversation.messages[-1]["content"]
@@ -51,12 +49,10 @@ async def test_real_bos_never_becomes_text() -> None:
 
 @async_test
 async def test_real_swap_panel_numbers_are_the_new_models() -> None:
-    app, _seen = real_app(greedy(max_tokens=8))
+    app, _seen = real_app(settings(max_tokens=8))
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: bool(app.chat.model_info), timeout=120)
-        app.chat.input.load_text("Once")
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: not app.chat.generating, timeout=120)
+        await ready(pilot)
+        await turn(pilot, "Once")
         assert "2× smaller" in str(app.chat.panel.query_one("#cache", Static).render())  # 8/4
         app.chat.load_model(str(MINI.resolve()))
         await wait_for(pilot, lambda: app.chat.model_path == str(MINI.resolve()), timeout=120)
