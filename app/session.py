@@ -59,13 +59,15 @@ async def restore_session(app: Any) -> None:  # app: the chat screen
     if not app.settings.restore_session:
         return
     state = load_session(session_path(app.store))
-    app.input.sent_history[:0] = state.input_history
     if state.last_chat and not app.conversation.messages:
         try:
             app.store.load(state.last_chat)
         except StoreError:
-            return  # deleted or unreadable since: start with a new chat
-        await app.open_conversation(state.last_chat)
+            pass  # deleted or unreadable since: start with a new chat
+        else:
+            await app.open_conversation(state.last_chat)
+    if state.input_history:  # it holds the reopened chat's messages already: replace
+        app.input.sent_history[:] = state.input_history
 
 
 def remember_session(app: Any) -> None:

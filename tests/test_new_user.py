@@ -403,6 +403,8 @@ async def test_theme_input_history_and_last_chat_come_back(env: Path) -> None:
         assert [w.content for w in again.chat.transcript.messages][0] == "first question"
         await pilot.press("up")
         assert again.chat.input.text == "second question"
+        # once each, although reopening the chat also offers its messages
+        assert again.chat.input.sent_history == ["first question", "second question"]
     # turned off: a fresh chat and an empty history
     off = make_app(env, restore_session=False)
     async with off.run_test(size=SIZE) as pilot:
