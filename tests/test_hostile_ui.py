@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from textual.widgets import DataTable, Input
-from textual.widgets._toast import Toast
 
 from app.discovery import ModelEntry
 from app.models_cmd import ModelRow
@@ -57,7 +56,8 @@ def assert_safe(app: KVChatApp, *shown: str) -> None:
 
 def toasts(app: KVChatApp) -> str:
     """The text of every toast on screen, as rendered."""
-    return "\n".join(str(t.render()) for t in app.screen.query(Toast))
+    # by type name: Textual exports no Toast class publicly
+    return "\n".join(str(t.render()) for t in app.screen.query("Toast"))
 
 
 def make_app(path: str, settings: Settings | None = None, **kw: Any) -> KVChatApp:

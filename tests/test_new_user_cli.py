@@ -47,6 +47,14 @@ def test_bos_ends_the_reply_and_never_shows_as_text() -> None:
     assert out["finish_reason"] == "eos" and out["ids"][-1] == 1  # BOS ended it
     assert "<s>" not in out["text"] and "</s>" not in out["text"]
     assert len(out["ids"]) < 400
+    # --ignore-eos: the same run goes on past that BOS to --max-tokens; still no "<s>" text
+    r = kvchat("generate", "--model", str(STORIES260K), "--raw", "--prompt", "Once upon a time",
+               "--max-tokens", "400", "--temp", "0", "--json", "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    longer = json.loads(r.stdout)
+    assert longer["finish_reason"] == "length" and len(longer["ids"]) == 400
+    assert longer["ids"][:len(out["ids"])] == out["ids"]  # greedy: the same start
+    assert "<s>" not in longer["text"]
 
 
 def test_control_tokens_are_dropped_from_streamed_text() -> None:
