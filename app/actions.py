@@ -33,8 +33,8 @@ ACTIONS: tuple[Action, ...] = (
     Action("pick_model", "ctrl+o", "Model", "swap the model (local weights)", "Swap model"),
     Action("settings", "ctrl+s", "Settings", "system prompt, sampling, limits, cache bound",
            "Settings"),
-    # most terminals send ctrl+h as Backspace, so F2 is the key the footer shows
-    Action("history", "f2,ctrl+h", "History", "past chats: reopen or delete", "History"),
+    # most terminals send ctrl+h as Backspace: F2 and Ctrl+T open the history
+    Action("history", "f2,ctrl+t", "History", "past chats: reopen or delete", "History"),
     Action("export", "ctrl+e", "Export", "export this chat to Markdown",
            "Export chat to Markdown"),
     Action("copy_reply", "ctrl+y", "Copy", "copy the selected (or last) reply",

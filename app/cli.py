@@ -23,6 +23,7 @@ COMMANDS = {
     "inspect": "KV-cache memory math for a model or config",
     "bench": "measure prefill and decode speed (optionally against mlx-lm)",
     "models": "list local models with their sizes",
+    "pull": "download a model from the Hugging Face Hub (resumable)",
 }
 QUIT_WAIT_S = 0.8  # at exit, how long a busy engine thread may take before we leave anyway
 
@@ -32,10 +33,10 @@ class UsageError(Exception):
 
 
 def _command_module(name: str) -> Any:
-    from . import bench_cmd, generate_cmd, inspect_cmd, models_cmd
+    from . import bench_cmd, generate_cmd, inspect_cmd, models_cmd, pull_cmd
 
     return {"generate": generate_cmd, "inspect": inspect_cmd, "bench": bench_cmd,
-            "models": models_cmd}[name]
+            "models": models_cmd, "pull": pull_cmd}[name]
 
 
 def build_parser() -> Any:
@@ -53,7 +54,8 @@ def build_parser() -> Any:
     p.add_argument("--version", action=blas.VersionAction,
                    help="print kvchat, MLX, device and BLAS, then exit")
     p.add_argument("--model", dest="tui_model", metavar="DIR",
-                   help="model folder for the chat (default: the shipped model)")
+                   help="model folder for the chat (default: the last one used, else the"
+                   " shipped model)")
     p.add_argument("--hosts", dest="hostfile", metavar="HOSTFILE",
                    help="split the chat's model across the hosts of an mlx.launch hostfile")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")  # parser_class: Parser

@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", choices=["auto", "sentencepiece", "hf"], default="auto",
                    help="tokenizer file to use: auto prefers tokenizer.json over tokenizer.model")
     add_sampling_arguments(p)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate --max-tokens tokens: EOS (and a base model's BOS) does not"
+                   " end the reply, as llama.cpp's --ignore-eos")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from model.config import ModelConfig, load_config
 from model.errors import ConfigError, KVChatError, ModelLoadError
+from model.facts import model_facts
 from model.kv_math import (
     BudgetError,
     attention_table,
@@ -26,7 +27,6 @@ from model.kv_math import (
     kv_bytes_by_kind,
     kv_bytes_per_token,
     parse_size,
-    weights_bytes,
     weights_dtype_bytes,
 )
 
@@ -92,9 +92,13 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _dtype_bytes(args: argparse.Namespace, cfg: ModelConfig) -> tuple[int, str]:
-    """(bytes, where it came from): --dtype-bytes, torch_dtype, the weights, else fp16."""
+    """(bytes, where it came from): --dtype-bytes; for a model folder what this backend
+    will allocate (model/facts.py); for a bare config its torch_dtype, else fp16."""
     if args.dtype_bytes is not None:
         return args.dtype_bytes, "--dtype-bytes"
+    if args.model:
+        f = model_facts(args.model)
+        return f.kv_dtype_bytes, f"{f.compute_dtype}, what kvchat allocates on the {f.device}"
     b = dtype_bytes_of(cfg.torch_dtype)
     if b is not None:
         return b, f"torch_dtype {cfg.torch_dtype}"
@@ -126,7 +130,8 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
     per_token = kv_bytes_per_token(L, kv, hd, dtype_bytes)
     at_context = kv_bytes_at(cfg, context, dtype_bytes)
     kinds = kv_bytes_by_kind(cfg, context, dtype_bytes)
-    weights = weights_bytes(source) if args.model else None
+    facts = model_facts(source) if args.model else None
+    weights = facts.weight_bytes if facts else None
     out: dict[str, Any] = {
         "source": str(source),
         "model_type": cfg.model_type,
@@ -154,7 +159,8 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
              "bytes_at_context": r.bytes_at_context, "saving_vs_mha": r.saving_vs_mha}
             for r in attention_table(cfg, dtype_bytes, context)
         ],
-        "weights_bytes": weights,
+        "weights_bytes": weights,  # as loaded on this backend
+        "facts": facts.to_dict() if facts else None,
         "budget_bytes": budget,
         "budget_tokens": None if budget is None else context_that_fits(
             cfg, budget, dtype_bytes, weights or 0),
@@ -252,8 +258,15 @@ def _render(o: dict[str, Any]) -> str:
             f"{_b(r['bytes_at_context']):<34} {r['saving_vs_mha']:g}x"
         )
     lines.append("")
-    if o["weights_bytes"] is not None:
-        lines.append(f"weights: {_b(o['weights_bytes'])}")
+    f = o.get("facts")
+    if f:
+        held = f["file_dtype"] or "no float"
+        lines.append(f"weights: {_b(f['weight_bytes'])} loaded as {f['compute_dtype']} on the"
+                     f" {f['device']} (files: {_b(f['file_bytes'])}, {held} tensors)")
+        if f["file_dtype"] and f["file_dtype"] != f["compute_dtype"]:
+            lines.append(f"note: the files hold {f['file_dtype']}; kvchat computes and caches in"
+                         f" {f['compute_dtype']} on the {f['device']}, so the figures above use"
+                         f" {f['kv_dtype_bytes']} B/element")
     if o["budget_bytes"] is not None:
         after = " after the weights" if o["weights_bytes"] else ""
         fits = ("any context length fits (every layer slides)" if o["budget_tokens"] is None

@@ -56,6 +56,8 @@ class Settings:
     # warm chats: save each chat's K/V cache beside it, unless larger than the cap (MiB)
     save_kv_cache: bool = True
     kv_cache_max_mib: int = 256
+    theme: str | None = None  # a Textual theme name; None = the default
+    restore_session: bool = True  # input history and the open chat come back at start
     # what load_settings() had to fix (one line each); never saved
     warnings: list[str] = field(default_factory=list, init=False, compare=False, repr=False)
 
@@ -149,6 +151,12 @@ def _field_error(name: str, v: Any) -> str | None:
         if v is not None and v not in metal_kernels.available_backends():
             return (f"kernels must be empty (the default) or one of "
                     f"{', '.join(metal_kernels.available_backends())} here (got {v!r})")
+    elif name == "theme":
+        if v is not None and not isinstance(v, str):
+            return f"theme must be a theme name (got {v!r})"
+    elif name == "restore_session":
+        if not isinstance(v, bool):
+            return f"restore_session must be true or false (got {v!r})"
     elif name == "model_dirs":
         if not isinstance(v, list) or not all(isinstance(d, str) for d in v):
             return f"model_dirs must be a list of folder paths (got {v!r})"

@@ -75,6 +75,11 @@ class VisibleWriter:
         self._stream.write(visible(s))
         return len(s)
 
+    def write_control(self, seq: str) -> None:
+        """The program's own terminal control sequence (e.g. a progress bar's cursor
+        moves), written as it is; never text from elsewhere."""
+        self._stream.write(seq)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
 

@@ -17,7 +17,6 @@ from textual.app import App, SystemCommand
 from textual.screen import Screen
 
 import metal_kernels
-from model.errors import ModelLoadError
 from model.events import EngineFactory, EngineLike, Event
 
 from .actions import bindings, help_rows, palette
@@ -31,17 +30,10 @@ from .text import SafeNotify
 def validate_model_path(path: str | Path) -> Path:
     """Check a model folder before the UI starts; raises ModelLoadError/ConfigError
     (one line) so the CLI can print it and exit 1."""
-    from model.config import load_config
-    from model.files import weight_files
+    from model.facts import check_model_folder
 
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ModelLoadError(f"model folder not found: {p}")
-    if not p.is_dir():
-        raise ModelLoadError(f"not a model folder: {p}")
-    load_config(p)
-    weight_files(p)
-    return p
+    check_model_folder(path)  # config, weights' headers, tokenizer
+    return Path(path).expanduser().resolve()  # saved as last_model: must work from any cwd
 
 
 def _default_engine(on_event: Callable[[Event], None], model_path: str | None) -> EngineLike:
@@ -104,8 +96,10 @@ class KVChatApp(SafeNotify, App[int]):
 
 def default_model_path(settings: Settings) -> str | None:
     """No --model: the last model used, else the shipped one, else none (pick in the UI)."""
-    if settings.last_model and Path(settings.last_model).is_dir():
-        return settings.last_model
+    # absolute only: an old relative entry would depend on where kvchat was started
+    last = settings.last_model
+    if last and Path(last).is_absolute() and Path(last).is_dir():
+        return last
     if (DEFAULT_MODEL / "config.json").is_file():
         return str(DEFAULT_MODEL)
     return None

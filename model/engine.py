@@ -45,12 +45,15 @@ from .events import (
     Loaded,
     LoadFailed,
     Loading,
+    Overflow,
+    PrefillProgress,
     Prompt,
     Started,
     Stats,
     TextDelta,
     TurnStats,
 )
+from .facts import model_name
 from .generate import PREFILL_CHUNK, Progress, generate_step
 from .sampling import Sampler
 from .tokenizer import Tokenizer, load_tokenizer
@@ -81,7 +84,7 @@ def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
     quant = getattr(model, "quantization", None)
     path = Path(getattr(model, "path", ""))
     return {
-        "name": path.name,
+        "name": model_name(path),
         "path": str(path),
         "architecture": cfg.model_type,
         "parameters": parameter_count(model),
@@ -101,6 +104,16 @@ def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
         # a model split across hosts: whole-model totals and each rank's share
         **(model.pipeline_info() if hasattr(model, "pipeline_info") else {}),
     }
+
+
+def is_blank(prompt: Prompt) -> bool:
+    """Nothing to reply to: blank text, no ids, or a conversation whose last message is blank."""
+    if isinstance(prompt, str):
+        return not prompt.strip()
+    if not prompt:
+        return True
+    last = prompt[-1]
+    return isinstance(last, dict) and not str(last.get("content") or "").strip()
 
 
 class _StopMatcher:
@@ -417,10 +430,13 @@ class Engine:
 
     def _turn(self, turn: int, prompt: Prompt, params: GenParams, t_submit: float) -> None:
         prompt_ids: list[int] = []
+        context_room: int | None = None  # --overflow refuse: the window ends the reply here
         try:
             if self.model is None or self.tokenizer is None:
                 raise KVChatError("no model loaded")
             params.validate()
+            if is_blank(prompt):
+                raise KVChatError("empty prompt: type a message first")
             prompt_ids = self._prompt_ids(prompt, lambda: turn <= self._cancel_upto)
             if not prompt_ids:
                 raise KVChatError("empty prompt")
@@ -431,8 +447,9 @@ class Engine:
                         f"prompt of {len(prompt_ids)} tokens exceeds the"
                         f" {self._capacity(params)}-token context; shorten it or allow rotation"
                     )
+                context_room = room if room < params.max_tokens else None
                 params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
-            self._generate(turn, prompt_ids, params, t_submit)
+            self._generate(turn, prompt_ids, params, t_submit, context_room)
         except TemplateCancelled:
             self._emit(Done("cancelled", "", [], prompt_ids))
         except KVChatError as e:
@@ -445,7 +462,8 @@ class Engine:
             self._emit(Done("error", "", [], prompt_ids, error=error_line(e)))
 
     def _generate(
-        self, turn: int, prompt_ids: list[int], params: GenParams, t_submit: float
+        self, turn: int, prompt_ids: list[int], params: GenParams, t_submit: float,
+        context_room: int | None = None,
     ) -> None:
         model, tok = self.model, self.tokenizer
         assert model is not None and tok is not None
@@ -455,6 +473,7 @@ class Engine:
         cache = self._cache
         self._emit(Started(len(prompt_ids), cached, reason, again))
         stats = TurnStats(prompt_tokens=len(prompt_ids), cached_tokens=cached)
+        evicted = self._evicted()
 
         sampler = Sampler(params.sampling())
         # embedding tables are often padded past the tokenizer's vocabulary; an id the
@@ -477,11 +496,12 @@ class Engine:
             model, todo, cache, sample=sample, max_tokens=params.max_tokens,
             prefill_chunk=self.prefill_chunk, compiled=self.compiled,
             cancelled=cancelled, progress=progress, clock=self.clock,
+            on_prefill=lambda done, secs: self._emit(PrefillProgress(done, len(todo), secs)),
         )
         generated: list[int] = []
-        detok = tok.detokenizer()
+        detok = tok.detokenizer(skip_special_tokens=True)  # control tokens are never text
         stops = _StopMatcher(params.stop)
-        eos = set(tok.eos_ids)
+        eos = set(tok.end_ids)  # EOS, and BOS: a base model starting a new document
         reason_done = "length"
         t_first = t_last = None
         last_stats = self.clock()
@@ -495,6 +515,7 @@ class Engine:
                     p_s = progress.prefill_s
                     stats.prefill_tps = len(todo) / p_s if p_s > 0 else 0.0
                     stats.compiled_step = progress.compiled
+                    evicted = self._note_overflow(evicted, "prompt")
                 generated.append(token)
                 if token in eos and not params.ignore_eos:
                     reason_done = "eos"
@@ -525,10 +546,26 @@ class Engine:
             if tail:
                 self._emit(TextDelta(tail, generated[-1]))
         self._cache_ids.extend(generated[: progress.fed])
+        self._note_overflow(evicted, "reply")
+        if reason_done == "length" and context_room is not None and len(generated) >= context_room:
+            reason_done = "context_full"
         self._decode_stats(stats, generated, t_first, t_last)
         final = self._stats_now(stats)
         self._emit(Stats(final))
         self._emit(Done(reason_done, stops.text, generated, prompt_ids, final))
+
+    def _evicted(self) -> int:
+        assert self.model is not None and self._cache is not None
+        return cache_stats(self._cache, self.model.config).evicted_tokens or 0
+
+    def _note_overflow(self, evicted_before: int, during: str) -> int:
+        """Emit Overflow when rotation evicted tokens since `evicted_before`; returns the total."""
+        assert self.model is not None and self._cache is not None
+        s = cache_stats(self._cache, self.model.config)
+        evicted = s.evicted_tokens or 0
+        if evicted > evicted_before:
+            self._emit(Overflow(evicted - evicted_before, s.cache_capacity or 0, during))
+        return evicted
 
     @staticmethod
     def _decode_stats(

@@ -46,7 +46,7 @@ class GenParams:
     max_kv_size: int | None = None
     keep: int = 4
     # past the cache capacity: "rotate" (evict, keep `keep` sinks) or "refuse" (a prompt
-    # that does not fit is an error; generation stops with "length" when the cache is full)
+    # that does not fit is an error; generation stops with "context_full" when the cache is full)
     overflow: str = "rotate"
 
     @classmethod
@@ -176,6 +176,29 @@ class Started:
 
 
 @dataclass
+class PrefillProgress:
+    """After each prefill chunk: `done` of `total` new prompt tokens, at `tps` so far."""
+
+    done: int
+    total: int
+    elapsed_s: float
+
+    @property
+    def tps(self) -> float:
+        return self.done / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+@dataclass
+class Overflow:
+    """The conversation no longer fits the cache: `dropped` tokens were evicted (rotation)
+    while the prompt ("prompt") or the reply ("reply") ran; `capacity` is the window."""
+
+    dropped: int
+    capacity: int
+    during: str
+
+
+@dataclass
 class TextDelta:
     text: str
     token: int
@@ -188,7 +211,8 @@ class Stats:
 
 @dataclass
 class Done:
-    finish_reason: str  # eos | stop | length | cancelled | error
+    # eos | stop | length | context_full (--overflow refuse hit the window) | cancelled | error
+    finish_reason: str
     text: str
     ids: list[int]
     prompt_ids: list[int]
@@ -218,8 +242,8 @@ class CacheRestored:
 
 
 Event = (
-    Loading | Loaded | LoadFailed | Started | TextDelta | Stats | Done | CacheSaved
-    | CacheRestored
+    Loading | Loaded | LoadFailed | Started | PrefillProgress | Overflow | TextDelta | Stats
+    | Done | CacheSaved | CacheRestored
 )
 
 Prompt = Sequence[Mapping[str, str]] | Sequence[int] | str

@@ -263,6 +263,7 @@ def generate_step(
     cancelled: Callable[[], bool] | None = None,
     progress: Progress | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    on_prefill: Callable[[int, float], None] | None = None,
 ) -> Iterator[int]:
     """Prefill `prompt` (the ids not yet in `caches`) in chunks, then yield up to
     `max_tokens` sampled ids.
@@ -286,6 +287,8 @@ def generate_step(
         last = i + prefill_chunk >= len(prompt)
         mx.eval(logits if last else [c.state for c in caches])
         prog.prefilled = i + len(chunk)
+        if on_prefill is not None:  # prompt tokens done, seconds so far
+            on_prefill(prog.prefilled, clock() - t0)
     prog.prefill_s = clock() - t0
     if max_tokens < 1:
         return

@@ -380,6 +380,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._backend.size
 
+    @property
+    def end_ids(self) -> list[int]:
+        """Ids that end a reply: EOS, and BOS (a base model such as stories260K writes BOS
+        to start the next document; it must end the reply, never show as text)."""
+        extra = [self.bos_id] if self.bos_id is not None and self.bos_id not in self.eos_ids else []
+        return [*self.eos_ids, *extra]
+
     def token_to_id(self, token: str) -> int | None:
         """The id of one token string (special tokens included), or None."""
         return self._backend.token_to_id(token)

@@ -23,7 +23,7 @@ from .transformer import Transformer
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
 QUANT_GROUPS = (32, 64, 128)
 # tensors some exporters write that carry no parameters
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def _validate_quantization(q: Any) -> dict[str, Any]:
@@ -152,7 +152,7 @@ def load_model(
             weights.update(mx.load(str(f)))
         except Exception as e:  # mlx raises RuntimeError/ValueError with long texts
             raise ModelLoadError(f"cannot read {f.name}: {str(e).splitlines()[0]}") from None
-    weights = {k: v for k, v in weights.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    weights = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
     if cfg.tie_word_embeddings:
         for k in [k for k in weights if k.startswith("lm_head.")]:
             del weights[k]

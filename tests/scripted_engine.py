@@ -102,6 +102,7 @@ class WordTokenizer:
     chat_template = None
     vocab_size = VOCAB
     eos_ids = [EOS]
+    end_ids = [EOS]  # no BOS: nothing else ends a reply
 
     def __init__(self) -> None:
         self._ids: dict[str, int] = {}
@@ -119,9 +120,8 @@ class WordTokenizer:
     def encode(self, text: str) -> list[int]:
         return [self.id(p) for p in split_reply(text)]
 
-    def encode_chat(
-        self, messages: Sequence[Mapping[str, str]], should_stop: Any = None
-    ) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, str]], **_render: Any) -> list[int]:
+        """Like Tokenizer.encode_chat; render options (should_stop) have nothing to bound."""
         out: list[int] = []
         for m in messages:
             out.append(self._tag(m["role"]))
@@ -136,7 +136,8 @@ class WordTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(self._pieces.get(int(i), "") for i in ids if int(i) not in self._tags)
 
-    def detokenizer(self) -> StreamDetokenizer:
+    def detokenizer(self, skip_special_tokens: bool = False) -> StreamDetokenizer:
+        # role tags are the only special pieces, and decode() always drops them
         return StreamDetokenizer(self.decode)
 
 

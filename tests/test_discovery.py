@@ -345,21 +345,17 @@ def test_models_cmd_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     make_model(tmp_path / "m" / "q", model_type="mamba", quant={"bits": 4})
     assert _run(["--dir", str(tmp_path / "m")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["NAME", "ARCH", "BITS", "SIZE", "SOURCE", "PATH"]
+    assert lines[0].split() == ["NAME", "ARCH", "BITS", "DTYPE", "MEMORY", "SOURCE", "PATH"]
+    # neither fake folder can be loaded: listed, marked, and the reason is printed
     assert lines[1].split() == [
-        "q",
-        "mamba?",
-        "4",
-        "100",
-        "B",
-        "configured",
-        str((tmp_path / "m" / "q").resolve()),
+        "q", "✗", "mamba", "4", "-", "-", "configured", str((tmp_path / "m" / "q").resolve()),
     ]
-    assert lines[2].split()[:5] == ["small-model", "llama", "-", "1.5", "KiB"]
+    assert lines[2].split()[:6] == ["small-model", "✗", "llama", "-", "-", "-"]
     # aligned: the PATH column starts at the same offset on every row
     starts = {line.index("/") for line in lines[1:3]}
     assert len(starts) == 1
-    assert "cannot run" in lines[-1]
+    assert "cannot load" in lines[4]
+    assert lines[5].startswith("  q: unknown architecture 'mamba'")
 
 
 def test_models_cmd_json_and_settings_dirs(
@@ -373,7 +369,8 @@ def test_models_cmd_json_and_settings_dirs(
     out = json.loads(capsys.readouterr().out)
     assert [m["name"] for m in out["models"]] == ["m1"]
     m = out["models"][0]
-    assert set(m) == {"name", "path", "architecture", "size_bytes", "bits", "source", "supported"}
+    assert set(m) == {"name", "path", "architecture", "size_bytes", "bits", "source", "supported",
+                      "loadable", "problem", "weight_bytes", "compute_dtype", "file_dtype"}
     assert str(tmp_path / "fromsettings") in out["looked_in"]
 
 

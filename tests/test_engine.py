@@ -11,7 +11,16 @@ import pytest
 
 from model.client import EngineClient
 from model.engine import Engine, common_prefix_len
-from model.events import Done, Event, GenParams, LoadFailed, Started, Stats, TextDelta
+from model.events import (
+    Done,
+    Event,
+    GenParams,
+    LoadFailed,
+    PrefillProgress,
+    Started,
+    Stats,
+    TextDelta,
+)
 
 from .conftest import STORIES260K
 
@@ -80,7 +89,7 @@ def test_stats_follow_their_definitions(client):
     assert s.cache_bytes == per_token * s.cache_tokens
     assert s.mha_bytes == s.cache_bytes * cfg.num_attention_heads // cfg.num_key_value_heads
     assert s.gqa_saving == 2
-    assert all(isinstance(e, (Started, TextDelta, Stats, Done)) for e in seen)
+    assert all(isinstance(e, (Started, PrefillProgress, TextDelta, Stats, Done)) for e in seen)
 
 
 def test_stop_string_cuts_before_it(client):
@@ -196,7 +205,7 @@ def test_prompt_longer_than_context_rotates_or_refuses(client):
     done, _ = turn(client,
         [1] * 500, GenParams(max_tokens=50, overflow="refuse", ignore_eos=True)
     )
-    assert done.finish_reason == "length" and len(done.ids) == 13
+    assert done.finish_reason == "context_full" and len(done.ids) == 13  # not --max-tokens
     assert done.stats.cache_tokens == 512 and done.stats.evicted_tokens == 0
 
 

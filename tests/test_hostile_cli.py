@@ -24,7 +24,7 @@ import pytest
 
 from app import generate_cmd
 from app.cli import main
-from model.events import Done
+from model.events import Done, TurnStats
 
 from .conftest import REPO_ROOT, STORIES260K
 
@@ -142,7 +142,7 @@ HOSTILE = ["Hello ", "\x1b]52;c;aGVsbG8=\x07", "\x1b]0;pwned\x07", "\x1b[2J", "\
 
 
 class FakeRunner:
-    """BlockingEngine's shape; streams a reply full of terminal escapes."""
+    """EngineClient's shape; streams a reply full of terminal escapes."""
 
     def __init__(self, model_path: str, on_delta: Any = None, tokenizer: str = "auto"):
         self.on_delta = on_delta
@@ -153,7 +153,7 @@ class FakeRunner:
                 self.on_delta(piece)
         text = "".join(HOSTILE)
         return Done("eos", text, list(range(len(HOSTILE))), [1, 2, 3],
-                    {"prompt_tokens": 3})
+                    TurnStats(prompt_tokens=3))
 
     def close(self, timeout: float = 10.0) -> None:
         pass
@@ -162,7 +162,7 @@ class FakeRunner:
 def test_plain_output_makes_controls_visible_json_keeps_them(
     monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    monkeypatch.setattr(generate_cmd, "BlockingEngine", FakeRunner)
+    monkeypatch.setattr(generate_cmd, "EngineClient", FakeRunner)
     assert main(["generate", "--prompt", "hi"]) == 0
     out = capsys.readouterr().out
     assert not any(c in RAW_CONTROL for c in out), repr(out)
@@ -178,9 +178,9 @@ def test_error_line_from_a_template_makes_controls_visible(
 ) -> None:
     class Failing(FakeRunner):
         def run(self, prompt: Any, params: Any) -> Done:
-            return Done("error", "", [], [], {}, error="chat template error: \x1b]0;x\x07")
+            return Done("error", "", [], [], TurnStats(), error="chat template error: \x1b]0;x\x07")
 
-    monkeypatch.setattr(generate_cmd, "BlockingEngine", Failing)
+    monkeypatch.setattr(generate_cmd, "EngineClient", Failing)
     assert main(["generate", "--prompt", "hi"]) == 1
     line = one_line(capsys.readouterr().err.encode())
     assert line.endswith("␛]0;x␇")
@@ -207,8 +207,9 @@ def wait_for_output(p: subprocess.Popen[bytes], timeout: float = 60) -> bytes:
     raise AssertionError("no output")
 
 
+# past the story's end: stories260K writes BOS after a story, which ends a reply
 ENDLESS = ["--model", str(STORIES260K), "--prompt", "Once upon a time", "--max-tokens",
-           "1000000", "--max-kv-size", "64", "--temp", "0.8"]
+           "1000000", "--max-kv-size", "64", "--temp", "0.8", "--ignore-eos"]
 
 
 @needs_model

@@ -15,16 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from textual.widgets import DataTable, Input
-from textual.widgets._toast import Toast
 
 from app.discovery import ModelEntry
+from app.models_cmd import ModelRow
 from app.screens import HistoryScreen, LayerCacheScreen, ModelPickerScreen
 from app.screens.settings_form import SettingsScreen
 from app.settings import Settings, load_settings
 from app.store import Conversation, ConversationStore
 from app.text import SafeStream, literal, visible
 from app.tui import KVChatApp
-from model.events import Done
+from app.turn import Phase
+from model.events import Done, TurnStats
 from tests import test_tui_app
 from tests.scripted_engine import ScriptedEngine, async_test, wait_for
 
@@ -55,7 +56,8 @@ def assert_safe(app: KVChatApp, *shown: str) -> None:
 
 def toasts(app: KVChatApp) -> str:
     """The text of every toast on screen, as rendered."""
-    return "\n".join(str(t.render()) for t in app.screen.query(Toast))
+    # by type name: Textual exports no Toast class publicly
+    return "\n".join(str(t.render()) for t in app.screen.query("Toast"))
 
 
 def make_app(path: str, settings: Settings | None = None, **kw: Any) -> KVChatApp:
@@ -95,37 +97,37 @@ async def test_hostile_text_everywhere_is_shown_literally(env: Path) -> None:
     bad.warnings.append(f"temp must be a number (got {MARKUP!r}\x1b[31m)")
     app = make_app(str(model_dir), bad, reply=HOSTILE, fail_paths=[f"/nope/[/INST]{CONTROLS}"])
     async with app.run_test(size=SIZE, notifications=True) as pilot:
-        await wait_for(pilot, lambda: bool(app.model_info))
+        await wait_for(pilot, lambda: bool(app.chat.model_info))
         await pilot.pause()
         # settings warning toast, model name in the header and the side panel
         assert_safe(app, "[@click=app.quit]q␛]0;t␇")
         assert f"(got {MARKUP!r}␛[31m)" in toasts(app)
 
         # a user message and a model reply full of markup and escapes
-        await app.send(HOSTILE)
-        await wait_for(pilot, lambda: not app.generating)
+        await app.chat.send(HOSTILE)
+        await wait_for(pilot, lambda: not app.chat.generating)
         await pilot.pause()
         assert_safe(app, "[/INST]? [bold]b[/bold] [@click=app.quit]x[/]", "␛]52;c;aGVsbG8=␇")
-        assert app.conversation.messages[0]["content"] == HOSTILE  # saved exactly
-        assert app.conversation.messages[1]["content"] == HOSTILE
+        assert app.chat.conversation.messages[0]["content"] == HOSTILE  # saved exactly
+        assert app.chat.conversation.messages[1]["content"] == HOSTILE
 
         # an error from the engine (e.g. a template's raise_exception('[/INST]'))
-        eng = app.engine
+        eng = app.chat.engine
         eng._turn = lambda *_: eng._emit(
-            Done("error", "", [], [], {}, error=f"chat template error: {HOSTILE}"))
-        await app.send("why")
-        await wait_for(pilot, lambda: not app.generating)
+            Done("error", "", [], [], TurnStats(), error=f"chat template error: {HOSTILE}"))
+        await app.chat.send("why")
+        await wait_for(pilot, lambda: not app.chat.generating)
         await pilot.pause()
         # a model that fails to load, its path in the loading label and the toast
-        app.load_model(f"/nope/[/INST]{CONTROLS}")
-        await wait_for(pilot, lambda: app.loading_path is None)
+        app.chat.load_model(f"/nope/[/INST]{CONTROLS}")
+        await wait_for(pilot, lambda: app.chat.phase is not Phase.LOADING)
         await pilot.pause()
         assert_safe(app)
         assert f"chat template error: {visible(HOSTILE)}" in toasts(app)
         assert f"/nope/[/INST]{visible(CONTROLS)}" in toasts(app)
 
         # export (path toast) and copy (count toast) still work with such a title
-        app.action_export()
+        app.chat.action_export()
         await pilot.pause()
         assert_safe(app)
 
@@ -140,7 +142,7 @@ async def test_chat_with_inst_opens_from_history(env: Path) -> None:
     store.save(conv)
     app = make_app("/models/plain")
     async with app.run_test(size=SIZE, notifications=True) as pilot:
-        await wait_for(pilot, lambda: bool(app.model_info))
+        await wait_for(pilot, lambda: bool(app.chat.model_info))
         await pilot.press("f2")
         await wait_for(pilot, lambda: isinstance(app.screen, HistoryScreen))
         await pilot.pause()
@@ -150,13 +152,13 @@ async def test_chat_with_inst_opens_from_history(env: Path) -> None:
         await pilot.press("enter")
         await wait_for(pilot, lambda: not isinstance(app.screen, HistoryScreen))
         await pilot.pause()
-        assert app.conversation.id == conv.id
-        assert [m["content"] for m in app.conversation.messages] == [
+        assert app.chat.conversation.id == conv.id
+        assert [m["content"] for m in app.chat.conversation.messages] == [
             HOSTILE, f"Because {CONTROLS} [/INST]"]
         assert_safe(app, "Because ␛]52;c;aGVsbG8=␇")
         assert "Opened “Why does Llama 2 use [INST] and [/INST]?" in toasts(app)
         # the edit box gets the message too (controls shown, markup literal)
-        app.begin_edit(0)
+        app.chat.begin_edit(0)
         await pilot.pause()
         assert_safe(app, "[@click=app.quit]x[/]")
 
@@ -165,30 +167,31 @@ async def test_chat_with_inst_opens_from_history(env: Path) -> None:
 async def test_settings_form_picker_and_layers_show_text_literally(env: Path) -> None:
     app = make_app("/models/plain")
     async with app.run_test(size=SIZE, notifications=True) as pilot:
-        await wait_for(pilot, lambda: bool(app.model_info))
+        await wait_for(pilot, lambda: bool(app.chat.model_info))
         # a settings field with markup in it: the error line and toast show it literally
-        app.push_screen(SettingsScreen(app.settings))
+        app.push_screen(SettingsScreen(app.chat.settings))
         await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen))
         await pilot.pause()
         app.screen.query_one("#temp", Input).value = "[/]x"
         await pilot.press("ctrl+s")
         await pilot.pause()
         assert isinstance(app.screen, SettingsScreen)  # not saved, still open
-        assert_safe(app, "temp must be a number (got '[/]x')")
-        assert "temp must be a number (got '[/]x')" in toasts(app)
+        # in the form's words (issue 14): the label, not the field name
+        assert_safe(app, "temperature must be a number (got '[/]x')")
+        assert "temperature must be a number (got '[/]x')" in toasts(app)
         await pilot.press("escape")
 
         # model names from folders on disk
         picker = ModelPickerScreen([], None, include_defaults=False)
         app.push_screen(picker)
         await wait_for(pilot, lambda: picker.scanned)
-        picker._fill([ModelEntry(f"[/INST]{CONTROLS}", Path("/m/[/]"), "[bold]x", 1, None,
-                                 "config")])
+        entry = ModelEntry(f"[/INST]{CONTROLS}", Path("/m/[/]"), "[bold]x", 1, None, "config")
+        picker._fill([ModelRow(entry, None, None)])
         await pilot.pause()
         assert_safe(app, "[/INST]␛]52", "[bold]x")
         await pilot.press("escape")
 
-        app.push_screen(LayerCacheScreen(app._layer_rows))
+        app.push_screen(LayerCacheScreen(app.chat._layer_rows))
         await pilot.pause()
         assert_safe(app)
 
@@ -209,14 +212,15 @@ def test_a_settings_file_with_markup_values_loads(env: Path) -> None:
 async def test_ctrl_c_once_stops_the_reply_twice_quits(env: Path) -> None:
     app = make_app("/models/m", pause_after=2)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: bool(app.model_info))
-        await app.send("tell me a story")
-        await wait_for(pilot, lambda: app.engine.paused.is_set())
-        app.input.focus()  # the input box has focus, as when typing
+        await wait_for(pilot, lambda: bool(app.chat.model_info))
+        await app.chat.send("tell me a story")
+        await wait_for(pilot, lambda: app.chat.engine.paused.is_set())
+        app.chat.input.focus()  # the input box has focus, as when typing
         await pilot.press("ctrl+c")
-        await wait_for(pilot, lambda: not app.generating)
-        assert app.engine.cancels == 1 and app.is_running
-        reply = app.conversation.messages[-1]
+        await wait_for(pilot, lambda: not app.chat.generating)
+        done = [e for e in app.chat.engine.events if isinstance(e, Done)]
+        assert [d.finish_reason for d in done] == ["cancelled"] and app.is_running
+        reply = app.chat.conversation.messages[-1]
         assert reply["role"] == "assistant" and reply.get("stopped")
         await pilot.press("ctrl+c")
         await wait_for(pilot, lambda: not app.is_running)
@@ -226,7 +230,7 @@ async def test_ctrl_c_once_stops_the_reply_twice_quits(env: Path) -> None:
 async def test_ctrl_c_without_a_reply_warns_then_quits(env: Path) -> None:
     app = make_app("/models/m")
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: bool(app.model_info))
+        await wait_for(pilot, lambda: bool(app.chat.model_info))
         await pilot.press("ctrl+c")
         await pilot.pause()
         assert app.is_running

@@ -103,13 +103,13 @@ async def test_user_message_is_saved_before_the_reply_starts(config_dir: Path) -
 
     app = KVChatApp("/models/m", Settings(), engine_factory=factory)
     async with app.run_test() as pilot:
-        await wait_for(pilot, lambda: bool(app.model_info))
-        await app.send("my precious words")
+        await wait_for(pilot, lambda: bool(app.chat.model_info))
+        await app.chat.send("my precious words")
         await wait_for(pilot, lambda: engines[0].paused.is_set())
-        on_disk = ConversationStore().load(app.conversation.id)
+        on_disk = ConversationStore().load(app.chat.conversation.id)
         assert [m["content"] for m in on_disk.messages] == ["my precious words"]
         engines[0].resume()
-        await wait_for(pilot, lambda: not app.generating)
+        await wait_for(pilot, lambda: not app.chat.generating)
 
 
 def write_tmp(root: Path, conv: Conversation, mtime: float) -> Path:

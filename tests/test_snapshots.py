@@ -14,10 +14,12 @@ import pytest
 from textual.app import App, ComposeResult
 
 from app.discovery import ModelEntry
+from app.models_cmd import ModelRow
 from app.settings import Settings
 from app.tui import KVChatApp
 from app.widgets import StatsPanel
 from model.events import TurnStats
+from model.facts import ModelFacts
 from tests.scripted_engine import (
     REPLY,
     ScriptedEngine,
@@ -152,7 +154,11 @@ def test_model_picker(snap_compare: Any, monkeypatch: pytest.MonkeyPatch) -> Non
         ModelEntry("mamba-2.8b", Path("/lms/mamba"), "mamba", 5_228_683_776, None,
                    "lm-studio"),
     ]
-    monkeypatch.setattr("app.screens.picker.find_models", lambda *a, **k: entries)
+    facts = [ModelFacts("float32", e.size_bytes, "float32", 4, e.size_bytes, "cpu")
+             for e in entries]
+    rows = [ModelRow(e, f, None) for e, f in zip(entries, facts, strict=True)]
+    rows[-1] = ModelRow(entries[-1], None, "unknown architecture 'gemma2'")
+    monkeypatch.setattr("app.screens.picker.model_rows", lambda *a, **k: rows)
     app = scripted_app()
 
     async def run_before(pilot: Any) -> None:

@@ -20,6 +20,7 @@ from textual.widgets.markdown import MarkdownFence
 from app.actions import ACTIONS
 from app.bridge import Bridge, TextReady
 from app.discovery import ModelEntry
+from app.models_cmd import ModelRow
 from app.screens import ChatScreen, HelpScreen, HistoryScreen, LayerCacheScreen, ModelPickerScreen
 from app.screens.settings_form import SettingsScreen
 from app.settings import Settings, load_settings
@@ -417,12 +418,14 @@ async def test_settings_validate_save_and_apply(env: Path) -> None:
         await pilot.press("ctrl+s")
         assert app.screen is screen  # not closed
         error = str(screen.query_one("#settings-error", Static).render())
-        assert error == "temp must be a number (got 'abc')"
+        assert error == "temperature must be a number (got 'abc')"  # the form's label
         assert screen.query_one("#temp", Input).value == "abc"  # nothing lost
         screen.query_one("#temp", Input).value = "2.5"
         screen.query_one("#top_p", Input).value = "1.5"
         await pilot.press("ctrl+s")
-        assert "top_p" in str(screen.query_one("#settings-error", Static).render())
+        error = str(screen.query_one("#settings-error", Static).render())
+        assert error.startswith("top-p ") and "top_p" not in error
+        assert screen.focused is screen.query_one("#top_p", Input)
         screen.query_one("#top_p", Input).value = "0.9"
         screen.query_one("#seed", Input).value = "7"
         screen.query_one("#system_prompt").load_text("Be brief.")
@@ -512,7 +515,8 @@ async def test_swap_model_via_picker_and_failed_swap(
         ModelEntry("other-model", Path("/models/other-model"), "llama", 1_040_128, None,
                    "configured"),
     ]
-    monkeypatch.setattr("app.screens.picker.find_models", lambda *a, **k: entries)
+    monkeypatch.setattr("app.screens.picker.model_rows",
+                        lambda *a, **k: [ModelRow(e, None, None) for e in entries])
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
         notes = record_notifications(app)

@@ -31,6 +31,8 @@ from model.events import (
     Loaded,
     LoadFailed,
     Loading,
+    Overflow,
+    PrefillProgress,
     Started,
     Stats,
 )
@@ -38,10 +40,18 @@ from model.events import (
 from ..actions import bindings
 from ..bridge import Bridge, EngineEvent, TextReady
 from ..interrupt import InterruptKey
+from ..session import (
+    apply_theme,
+    remember_session,
+    restore_session,
+    retitle_after_edit,
+    use_saved_theme,
+)
 from ..settings import Settings, remember_model
 from ..store import Conversation, ConversationStore, StoreError, export_markdown
 from ..text import literal
 from ..turn import FINISH_PHASE, Phase, step
+from ..turn_notices import on_turn_event
 from ..widgets import ChatInput, ChatMessage, StatsPanel, Transcript
 from ..widgets.format import fmt_bytes
 from .history import HistoryScreen
@@ -102,6 +112,8 @@ class ChatScreen(InterruptKey, Screen[None]):
             LoadFailed: self.on_load_failed,
             CacheSaved: self.on_cache_saved,
             CacheRestored: self.on_cache_restored,
+            PrefillProgress: self.on_turn_notice,
+            Overflow: self.on_turn_notice,
         }
 
     # ---- layout ---------------------------------------------------------------------------
@@ -137,6 +149,8 @@ class ChatScreen(InterruptKey, Screen[None]):
         self.engine = self._engine_factory(self.bridge, self._initial_model)
         if self._initial_model is None:
             self.notify("No model loaded: press Ctrl+O to pick one.", severity="warning")
+        apply_theme(self)
+        self.call_after_refresh(restore_session, self)
 
     def on_unmount(self) -> None:
         self.close_engine()
@@ -256,6 +270,9 @@ class ChatScreen(InterruptKey, Screen[None]):
             except KVChatError:
                 pass  # remembering the last model is best-effort
 
+    def on_turn_notice(self, ev: PrefillProgress | Overflow) -> None:
+        on_turn_event(ev, self.panel, self._reply, self.notify)
+
     def on_load_failed(self, ev: LoadFailed) -> None:
         self.go(Phase.ERROR)
         keep = f" (still on {self.model_info.get('name')})" if self.model_info else ""
@@ -297,6 +314,7 @@ class ChatScreen(InterruptKey, Screen[None]):
     def _autosave(self) -> None:
         if not self._save_chat():
             return
+        remember_session(self)
         if self.engine is not None:
             path = self.store.cache_path(self.conversation.id)
             if self.settings.save_kv_cache:
@@ -331,12 +349,15 @@ class ChatScreen(InterruptKey, Screen[None]):
         inp = self.input
         inp.remember(text)
         inp.clear()
+        edited = self.edit_index
         if self.edit_index is not None:
             await self._truncate(self.edit_index)
             self._end_edit()
         conv = self.conversation
         index = len(conv.messages)
         conv.add_message("user", text)
+        if edited is not None:
+            retitle_after_edit(conv, edited)
         self._save_chat()  # on disk before the reply starts: a crash mid-reply loses nothing
         await self.transcript.add(ChatMessage("user", text, index=index))
         await self._start_reply()
@@ -442,6 +463,7 @@ class ChatScreen(InterruptKey, Screen[None]):
         if self.engine is not None:
             self.engine.reset()
         self.panel.clear_cache_stats()
+        remember_session(self)
 
     def action_pick_model(self) -> None:
         if self._refuse_busy():
@@ -465,6 +487,7 @@ class ChatScreen(InterruptKey, Screen[None]):
         if new is None:
             return
         self.settings = new
+        use_saved_theme(self)  # after the swap: the theme hook saves into these settings
         # the open chat follows the new system prompt from its next turn
         self.conversation.system_prompt = new.system_prompt
         self.notify("Saved; applied from the next turn.", title="Settings")
@@ -492,6 +515,7 @@ class ChatScreen(InterruptKey, Screen[None]):
             return False
         self._end_edit()
         self.conversation = conv
+        self.panel.clear_cache_stats()  # the figures were the previous chat's
         await self.transcript.remove_children()
         widgets = [
             ChatMessage(m["role"], m["content"], index=i, stopped=bool(m.get("stopped")))

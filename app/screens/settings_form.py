@@ -1,20 +1,24 @@
-"""Ctrl+S: system prompt, sampling, limits and the cache bound.
+"""Ctrl+S: system prompt, sampling, limits, the cache bound, model folders, theme and
+whether the last chat comes back at start.
 
 Save parses every field, validates with Settings.validate() and writes with
-save_settings(). A bad value shows one line and keeps the form as typed (nothing is
-lost); a good one returns the new Settings, which the app applies from the next turn.
+save_settings(). A bad value shows one line naming the field as the form labels it (not
+the setting's internal name) and keeps the form as typed; a good one returns the new
+Settings, which the app applies from the next turn.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, Static, TextArea
+from textual.widgets import Button, Input, Label, OptionList, Select, Static, Switch, TextArea
 
 from model.errors import KVChatError
 
@@ -33,6 +37,9 @@ FIELDS: tuple[tuple[str, str, str], ...] = (
     ("max_kv_size", "max KV size (blank = model context)", "opt_int"),
     ("keep", "keep (sink tokens on rotation)", "int"),
 )
+# how an error names a field: the label without its hint
+LABELS = {name: label.split(" (")[0] for name, label, _ in FIELDS}
+_NAME_RE = re.compile(r"\b(" + "|".join(sorted(LABELS, key=len, reverse=True)) + r")\b")
 
 
 class FormError(KVChatError):
@@ -41,6 +48,17 @@ class FormError(KVChatError):
 
 def _shown(value: Any) -> str:
     return "" if value is None else str(value)
+
+
+def in_form_words(message: str) -> str:
+    """'top_p must be in (0, 1]' -> 'top-p must be in (0, 1]': the form's labels."""
+    return _NAME_RE.sub(lambda m: LABELS[m.group(1)], message)
+
+
+def field_of(message: str) -> str | None:
+    """The first field a validation message is about (to focus it)."""
+    m = _NAME_RE.search(message)
+    return m.group(1) if m else None
 
 
 def parse_field(name: str, kind: str, raw: str) -> Any:
@@ -53,7 +71,7 @@ def parse_field(name: str, kind: str, raw: str) -> Any:
         return int(raw)
     except ValueError:
         want = "a number" if kind == "float" else "a whole number"
-        raise FormError(f"{name} must be {want} (got {raw!r})") from None
+        raise FormError(f"{LABELS[name]} must be {want} (got {raw!r})") from None
 
 
 class SettingsScreen(ModalScreen[Settings | None]):
@@ -65,6 +83,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
     def __init__(self, settings: Settings) -> None:
         super().__init__()
         self.settings = settings
+        self.model_dirs = list(settings.model_dirs)
 
     def compose(self) -> ComposeResult:
         s = self.settings
@@ -77,6 +96,23 @@ class SettingsScreen(ModalScreen[Settings | None]):
                     with Horizontal(classes="field"):
                         yield Label(label, classes="field-label")
                         yield Input(_shown(getattr(s, name)), id=name, classes="field-input")
+                yield Label("model folders (searched by the picker and `kvchat models`)",
+                            classes="field-label -wide")
+                yield OptionList(*map(literal, self.model_dirs), id="model_dirs")
+                with Horizontal(classes="field"):
+                    yield Input(placeholder="a folder to add", id="new_dir",
+                                classes="field-input")
+                    yield Button("Add", id="add_dir")
+                    yield Button("Remove", id="remove_dir")
+                with Horizontal(classes="field"):
+                    yield Label("theme", classes="field-label")
+                    themes = sorted(self.app.available_themes)
+                    yield Select([(t, t) for t in themes], value=self.app.theme,
+                                 allow_blank=False, id="theme", classes="field-input")
+                with Horizontal(classes="field"):
+                    yield Label("reopen the last chat and input history at start",
+                                classes="field-label")
+                    yield Switch(s.restore_session, id="restore_session")
             yield Static("", id="settings-error", classes="error-line")
             yield Static(
                 "Applied from the next turn. Ctrl+S saves · Esc cancels.", classes="dialog-hint"
@@ -91,7 +127,10 @@ class SettingsScreen(ModalScreen[Settings | None]):
     def collect(self) -> Settings:
         """The form's values as Settings (raises FormError / SettingsError, one line)."""
         values: dict[str, Any] = {
-            "system_prompt": self.query_one("#system_prompt", TextArea).text
+            "system_prompt": self.query_one("#system_prompt", TextArea).text,
+            "model_dirs": list(self.model_dirs),
+            "theme": str(self.query_one("#theme", Select).value),
+            "restore_session": self.query_one("#restore_session", Switch).value,
         }
         for name, _label, kind in FIELDS:
             values[name] = parse_field(name, kind, self.query_one(f"#{name}", Input).value)
@@ -104,19 +143,65 @@ class SettingsScreen(ModalScreen[Settings | None]):
             new = self.collect()
             save_settings(new)
         except KVChatError as e:
-            # one line; the form keeps what was typed
-            error.update(literal(e))
-            self.notify(str(e), severity="error", title="Settings not saved")
+            # one line in the form's words; the form keeps what was typed
+            text = in_form_words(str(e))
+            error.update(literal(text))
+            name = field_of(str(e)) or field_of_label(str(e))
+            if name:
+                self.query_one(f"#{name}", Input).focus()
+            self.notify(text, severity="error", title="Settings not saved")
             return
         error.update("")
-        self.dismiss(new)
+        self.dismiss(new)  # the chat screen applies it (theme included)
+
+    # ---- model folders -----------------------------------------------------------------
+    def _add_dir(self) -> None:
+        box = self.query_one("#new_dir", Input)
+        raw = box.value.strip()
+        if not raw:
+            return
+        folder = Path(raw).expanduser()
+        if not folder.is_dir():
+            self.query_one("#settings-error", Static).update(literal(f"not a folder: {folder}"))
+            return
+        path = str(folder.resolve())  # absolute: it must mean the same from any cwd
+        if path not in self.model_dirs:
+            self.model_dirs.append(path)
+            self.query_one("#model_dirs", OptionList).add_option(literal(path))
+        box.value = ""
+        self.query_one("#settings-error", Static).update("")
+
+    def _remove_dir(self) -> None:
+        options = self.query_one("#model_dirs", OptionList)
+        i = options.highlighted
+        if i is None or not 0 <= i < len(self.model_dirs):
+            self.notify("Highlight a folder in the list first.", severity="warning")
+            return
+        del self.model_dirs[i]
+        options.remove_option_at_index(i)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
-        self.action_save()
+        if event.input.id == "new_dir":
+            self._add_dir()
+        else:
+            self.action_save()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
-        if event.button.id == "save":
+        bid = event.button.id
+        if bid == "save":
             self.action_save()
+        elif bid == "add_dir":
+            self._add_dir()
+        elif bid == "remove_dir":
+            self._remove_dir()
         else:
             self.dismiss(None)
+
+
+def field_of_label(message: str) -> str | None:
+    """A FormError already speaks in labels: find its field the other way round."""
+    for name, label in LABELS.items():
+        if message.startswith(label + " "):
+            return name
+    return None

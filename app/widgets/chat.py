@@ -55,7 +55,8 @@ class ChatMessage(Vertical):
         self._set_subtitle()
 
     def compose(self):
-        if self.role == "assistant":
+        # user text is Markdown too (code fences, lists); the system prompt stays plain
+        if self.role in ("assistant", "user"):
             yield Markdown(visible(self.content), classes="body")
         else:
             yield Static(visible(self.content), markup=False, classes="body")

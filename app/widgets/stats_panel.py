@@ -98,6 +98,7 @@ class StatsPanel(VerticalScroll):
         self._dirty = True
         self._last_point: tuple[int, float] | None = None  # (generated, decode span)
         self._spark: deque[float] = deque(maxlen=SPARK_POINTS)
+        self.prefill: tuple[int, int, float] | None = None  # (done, total, tok/s) while slow
 
     def compose(self) -> ComposeResult:
         yield Static("Speed", classes="section")
@@ -124,12 +125,19 @@ class StatsPanel(VerticalScroll):
             **{**fresh, "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens}
         )
         self.decode_now = None
+        self.prefill = None
         self._last_point = None
         self._spark.clear()
         self.generating = True
         self._dirty = True
 
+    def show_prefill(self, done: int, total: int, tps: float) -> None:
+        """A long prompt is being read: show tokens done / total and the rate so far."""
+        self.prefill = (done, total, tps)
+        self._dirty = True
+
     def end_turn(self, stats: TurnStats | None = None) -> None:
+        self.prefill = None
         if stats:
             self.update_stats(stats)
         self.generating = False
@@ -139,6 +147,8 @@ class StatsPanel(VerticalScroll):
     def update_stats(self, stats: TurnStats) -> None:
         """Store the newest stats; the timer renders them (never per token)."""
         self.stats = self.stats.merged(stats)
+        if self.stats.generated_tokens:
+            self.prefill = None  # the prompt is read; decoding has begun
         span = decode_elapsed(self.stats)
         n = self.stats.generated_tokens or 0
         if span is not None:
@@ -156,12 +166,16 @@ class StatsPanel(VerticalScroll):
 
     def set_model(self, info: dict[str, Any]) -> None:
         self.info = dict(info)
+        heads, kv = info.get("n_heads"), info.get("n_kv_heads")
+        if heads and kv:  # the new model's factor, not the previous model's
+            self.stats = self.stats.with_(gqa_saving=heads / kv)
         self._dirty = True
         self._render_now()
 
     def clear_cache_stats(self) -> None:
-        """New chat: the cache is empty again."""
-        self.stats = self.stats.with_(**dict.fromkeys((*CACHE_FIELDS, "cached_tokens")))
+        """New chat: the cache is empty again. The GQA factor stays: it is the model's."""
+        gone = [f for f in (*CACHE_FIELDS, "cached_tokens") if f != "gqa_saving"]
+        self.stats = self.stats.with_(**dict.fromkeys(gone))
         self._dirty = True
         self._render_now()
 
@@ -180,7 +194,10 @@ class StatsPanel(VerticalScroll):
             _lines(
                 _row("now", fmt_rate(self.decode_now), "bold"),
                 _row("average", fmt_rate(s.decode_tps)),
-                _row("prefill", fmt_rate(s.prefill_tps)),
+                _row("prefill", fmt_rate(s.prefill_tps))
+                if self.prefill is None
+                else _row("prefill", f"{self.prefill[0]:,}/{self.prefill[1]:,} · "
+                          f"{fmt_rate(self.prefill[2])}", "bold"),
                 _row("TTFT", fmt_seconds(s.ttft_s)),
                 _row("tokens", f"{fmt_count(s.generated_tokens)} generated"),
             )

@@ -1,0 +1,145 @@
+"""One place for a model folder's byte and dtype facts, as the runtime will allocate them.
+
+`inspect`, `models`, the picker and the side panel all read these numbers, so they agree:
+the weights' bytes and the K/V element size are what `load_model` / `make_cache` will
+allocate *on this backend* (the CPU computes in float32 whatever the file holds), and
+the file's own dtype and tensor bytes sit beside them. Everything comes from
+safetensors headers; no tensor is read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from .config import load_config
+from .files import safetensors_header, weight_files
+from .weights import IGNORED_SUFFIXES, compute_dtype
+
+# safetensors dtype names -> MLX dtypes (the floating ones the loader casts)
+_FLOAT = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    file_dtype: str | None  # the weights' floating dtype in the files (None: none found)
+    file_bytes: int  # tensor bytes in the safetensors files
+    compute_dtype: str  # what this backend computes in; the KV cache uses it too
+    kv_dtype_bytes: int  # bytes per K/V element the cache will allocate
+    weight_bytes: int  # bytes load_model() will allocate for the parameters
+    device: str  # "cpu" or "gpu"
+
+    @property
+    def dtype_differs(self) -> bool:
+        return self.file_dtype is not None and self.file_dtype != self.compute_dtype
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def runtime_dtype(file_dtype: str | None) -> mx.Dtype:
+    """The dtype load_model() computes in for a checkpoint of `file_dtype`
+    (a safetensors or torch_dtype name; None or unknown counts as float32)."""
+    names = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+    key = names.get(str(file_dtype or "").removeprefix("torch."), str(file_dtype or ""))
+    return compute_dtype(_FLOAT.get(key, mx.float32))
+
+
+def model_facts(folder: str | Path) -> ModelFacts:
+    """Facts for a model folder (raises ModelLoadError/ConfigError, one line, when the
+    folder is not loadable)."""
+    folder = Path(folder).expanduser()
+    cfg = load_config(folder)
+    tensors: list[tuple[str, dict[str, Any]]] = []
+    for f in weight_files(folder):
+        for name, info in safetensors_header(f).items():
+            if name != "__metadata__":
+                tensors.append((name, info))
+    file_bytes = sum(i["data_offsets"][1] - i["data_offsets"][0] for _, i in tensors)
+    kept = [
+        (n, i) for n, i in tensors
+        if not n.endswith(IGNORED_SUFFIXES)
+        and not (cfg.tie_word_embeddings and n.startswith("lm_head."))
+    ]
+    floats = [i["dtype"] for _, i in kept if i.get("dtype") in _FLOAT]
+    file_dtype = floats[0] if floats else None
+    target = compute_dtype(_FLOAT[file_dtype] if file_dtype else mx.float32)
+    weight = 0
+    for _, info in kept:
+        if info.get("dtype") in _FLOAT:  # cast to the compute dtype on load
+            weight += math.prod(info.get("shape", [])) * target.size
+        else:  # packed quantized weights and integer tensors stay as they are
+            weight += info["data_offsets"][1] - info["data_offsets"][0]
+    return ModelFacts(
+        file_dtype=dtype_name(_FLOAT[file_dtype]) if file_dtype else None,
+        file_bytes=file_bytes,
+        compute_dtype=dtype_name(target),
+        kv_dtype_bytes=target.size,
+        weight_bytes=weight,
+        device="cpu" if mx.default_device() == mx.cpu else "gpu",
+    )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def model_name(folder: str | Path) -> str:
+    """What to call a model folder: org/name for a Hugging Face cache snapshot
+    (models--org--name/snapshots/<commit>), else the folder's name."""
+    p = Path(folder)
+    if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
+        return p.parent.parent.name[len("models--"):].replace("--", "/")
+    return p.name
+
+
+def has_tokenizer(folder: str | Path) -> bool:
+    return any((Path(folder) / n).is_file() for n in TOKENIZER_FILES)
+
+
+def check_model_folder(folder: str | Path) -> ModelFacts:
+    """Everything the loader checks short of reading the weights: the folder, config.json,
+    the safetensors headers (pickles refused) and the tokenizer. Raises KVChatError
+    (one line) naming what is wrong; returns the folder's facts."""
+    from .errors import ModelLoadError
+    from .tokenizer import load_tokenizer
+
+    p = Path(folder).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"model folder not found: {p}")
+    if not p.is_dir():
+        raise ModelLoadError(f"not a model folder: {p}")
+    facts = model_facts(p)
+    if not has_tokenizer(p):
+        raise ModelLoadError(f"{p}: no tokenizer.json or tokenizer.model (kvchat needs one)")
+    load_tokenizer(p)
+    return facts
+
+
+def folder_status(folder: str | Path) -> tuple[ModelFacts | None, str | None]:
+    """(facts, None) for a folder kvchat can load, else (facts or None, why not), cheaply:
+    config and headers only, the tokenizer by its files. For listings (models, picker)."""
+    from .errors import KVChatError
+
+    try:
+        facts = model_facts(folder)
+    except KVChatError as e:
+        return None, str(e)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, f"unreadable: {e}"
+    if not has_tokenizer(folder):
+        return facts, "no tokenizer.json or tokenizer.model"
+    return facts, None
+
+
+__all__ = [
+    "ModelFacts", "check_model_folder", "dtype_name", "folder_status", "has_tokenizer",
+    "model_facts", "model_name", "runtime_dtype",
+]
