@@ -492,11 +492,18 @@ class Engine:
 
         todo = prompt_ids[cached:]
         progress = Progress()
+
+        def prefilled(done: int, secs: float) -> None:
+            nonlocal evicted
+            self._emit(PrefillProgress(done, len(todo), secs))
+            if done == len(todo):  # the prompt is in: what reading it evicted, before decoding
+                evicted = self._note_overflow(evicted, "prompt")
+
         steps = generate_step(
             model, todo, cache, sample=sample, max_tokens=params.max_tokens,
             prefill_chunk=self.prefill_chunk, compiled=self.compiled,
             cancelled=cancelled, progress=progress, clock=self.clock,
-            on_prefill=lambda done, secs: self._emit(PrefillProgress(done, len(todo), secs)),
+            on_prefill=prefilled,
         )
         generated: list[int] = []
         detok = tok.detokenizer(skip_special_tokens=True)  # control tokens are never text
@@ -515,7 +522,6 @@ class Engine:
                     p_s = progress.prefill_s
                     stats.prefill_tps = len(todo) / p_s if p_s > 0 else 0.0
                     stats.compiled_step = progress.compiled
-                    evicted = self._note_overflow(evicted, "prompt")
                 generated.append(token)
                 if token in eos and not params.ignore_eos:
                     reason_done = "eos"

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from .config import load_config
 from .files import safetensors_header, weight_files
-from .weights import IGNORED_SUFFIXES, compute_dtype
+from .weights import IGNORED_SUFFIXES, compute_dtype, dequantize_on_load
 
 # safetensors dtype names -> MLX dtypes (the floating ones the loader casts)
 _FLOAT = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
@@ -53,6 +53,10 @@ def runtime_dtype(file_dtype: str | None) -> mx.Dtype:
     return compute_dtype(_FLOAT.get(key, mx.float32))
 
 
+def _module(tensor: str) -> str:
+    return tensor.rsplit(".", 1)[0]
+
+
 def model_facts(folder: str | Path) -> ModelFacts:
     """Facts for a model folder (raises ModelLoadError/ConfigError, one line, when the
     folder is not loadable)."""
@@ -72,9 +76,24 @@ def model_facts(folder: str | Path) -> ModelFacts:
     floats = [i["dtype"] for _, i in kept if i.get("dtype") in _FLOAT]
     file_dtype = floats[0] if floats else None
     target = compute_dtype(_FLOAT[file_dtype] if file_dtype else mx.float32)
+    # quantized modules (weight + scales [+ biases]): the float weight they stand for has
+    # group_size elements per scale; on the CPU load_model() dequantizes them when that fits
+    quant = cfg.quantization or {}
+    unpacked = {
+        n[: -len(".scales")]: math.prod(i.get("shape", []))
+        * (quant.get(n[: -len(".scales")]) or quant).get("group_size", 0)
+        for n, i in kept if n.endswith(".scales")
+    }
+    floats_total = sum(math.prod(i.get("shape", [])) for n, i in kept
+                       if i.get("dtype") in _FLOAT and _module(n) not in unpacked)
+    dequantize = bool(unpacked) and dequantize_on_load(
+        floats_total + sum(unpacked.values()), target)
     weight = 0
-    for _, info in kept:
-        if info.get("dtype") in _FLOAT:  # cast to the compute dtype on load
+    for name, info in kept:
+        if dequantize and _module(name) in unpacked:
+            if name.endswith(".weight"):  # becomes a float weight; scales/biases go
+                weight += unpacked[_module(name)] * target.size
+        elif info.get("dtype") in _FLOAT:  # cast to the compute dtype on load
             weight += math.prod(info.get("shape", [])) * target.size
         else:  # packed quantized weights and integer tensors stay as they are
             weight += info["data_offsets"][1] - info["data_offsets"][0]

@@ -232,7 +232,7 @@ class ScriptedEngine(Engine):
 
     def _runtime_stats(self) -> TurnStats:
         return TurnStats(peak_memory=PEAK_MEMORY, active_memory=ACTIVE_MEMORY,
-                         kernels_backend="mx.fast", device="Device(cpu, 0)")
+                         kernels_backend="fast", device="Device(cpu, 0)")
 
     # ---- the script's time and pauses (called by ScriptedModel on the engine thread) ------
     def advance(self, seconds: float) -> None:

@@ -78,8 +78,10 @@ def test_footer_at_80_columns_and_ctrl_c_stops(tmp_path: Path) -> None:
     try:
         _session(tmux, "chat", (80, 24),
                  _command(f"--model {shlex.quote(str(STORIES))}", env, status))
-        screen = tmux.wait_screen("chat", lambda s: "palette" in s and "Message" in s,
-                                  timeout=90)
+        # the model's name in the title: loaded (a message sent mid-load is refused)
+        screen = tmux.wait_screen(
+            "chat", lambda s: "palette" in s and "Message" in s and "stories260K" in s,
+            timeout=90)
         footer = screen.splitlines()[-1]
         assert footer.rstrip().endswith("^p palette"), repr(footer)  # no stray letter after
         tmux("send-keys", "-t", "chat", "-l", "Once upon a time")

@@ -167,7 +167,10 @@ def test_engine_reports_prefill_progress_and_overflow() -> None:
 
 def test_version() -> None:
     r = kvchat("--version")
-    assert r.returncode == 0 and re.fullmatch(r"kvchat \d+\.\d+\.\d+\S*\n", r.stdout)
+    # the version first, then the diagnostics (MLX, its device, the BLAS in use)
+    first = r.stdout.split("\n")[0]
+    assert r.returncode == 0 and re.fullmatch(r"kvchat \d+\.\d+\.\d+\S*", first)
+    assert "\nBLAS: " in r.stdout
 
 
 def _readme() -> str:

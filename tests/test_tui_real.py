@@ -310,8 +310,9 @@ async def test_real_persistence_round_trip_and_export(env: Path) -> None:
         assert PROMPT in md and first_reply.strip()[:20] in md
     assert (env / "data" / "chats" / f"{conv_id}.json").is_file()
 
-    # a fresh app (a restart): reopen the chat from history and continue it
-    app2, seen2 = real_app(settings(max_tokens=24))
+    # a fresh app (a restart): reopen the chat from history and continue it (the
+    # automatic reopening of the last chat is off here; tests/test_new_user*.py cover it)
+    app2, seen2 = real_app(settings(max_tokens=24, restore_session=False))
     async with app2.run_test(size=SIZE) as pilot:
         notes = record_notifications(app2)
         await ready(pilot)

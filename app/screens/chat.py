@@ -93,6 +93,7 @@ class ChatScreen(InterruptKey, Screen[None]):
         self.bridge = Bridge(self)
         self._engine_factory = engine_factory
         self._initial_model = model_path
+        self._restore_pending = False  # the last chat reopens once the model has loaded
         self.engine: EngineLike | None = None
         self.conversation = Conversation(system_prompt=settings.system_prompt)
         self.model_info: dict[str, Any] = {}
@@ -150,7 +151,10 @@ class ChatScreen(InterruptKey, Screen[None]):
         if self._initial_model is None:
             self.notify("No model loaded: press Ctrl+O to pick one.", severity="warning")
         apply_theme(self)
-        self.call_after_refresh(restore_session, self)
+        # the last chat comes back once its model is in (a chat cannot open mid-load)
+        self._restore_pending = self._initial_model is not None
+        if not self._restore_pending:
+            self.call_after_refresh(restore_session, self)
 
     def on_unmount(self) -> None:
         self.close_engine()
@@ -248,6 +252,9 @@ class ChatScreen(InterruptKey, Screen[None]):
     def on_loaded(self, ev: Loaded) -> None:
         swapped = bool(self.model_info)
         self.go(Phase.IDLE)
+        if self._restore_pending:
+            self._restore_pending = False
+            self.call_after_refresh(restore_session, self)
         self.model_info = dict(ev.info)
         self.model_path = str(ev.info.get("path") or "") or None
         self.sub_title = str(ev.info.get("name") or "")
