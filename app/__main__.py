@@ -1,3 +1,3 @@
-from app.cli import entry
+from kvchat.app.cli import entry
 
 entry()

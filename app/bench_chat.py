@@ -1,7 +1,7 @@
 """Does the chat UI slow decoding? The real app (headless, Textual's Pilot) against the
 same engine without a UI (`kvchat generate`'s BlockingEngine), interleaved.
 
-    python -m app.bench_chat [--model DIR] [--tokens 1600] [--runs 2] [--json]
+    python -m kvchat.app.bench_chat [--model DIR] [--tokens 1600] [--runs 2] [--json]
 
 Both sides get the same conversation and GenParams (greedy, EOS ignored so the reply
 has exactly --tokens tokens). Reported per run: decode tok/s as the engine measured it,
@@ -19,9 +19,8 @@ import statistics
 import time
 from typing import Any
 
-from model.discovery import DEFAULT_MODEL
-
-from model.events import Done, Event, GenParams, TextDelta
+from kvchat.model.discovery import DEFAULT_MODEL
+from kvchat.model.events import Done, Event, GenParams, TextDelta
 
 PROMPT = "Once upon a time"
 
@@ -57,8 +56,8 @@ def run_generate(model: str, tokens: int) -> dict[str, Any]:
 
 def run_chat(model: str, tokens: int, size: tuple[int, int] = (120, 40),
              in_process: bool = False) -> dict[str, Any]:
-    from model.engine import Engine
-    from model.engine_process import EngineProcess
+    from kvchat.model.engine import Engine
+    from kvchat.model.engine_process import EngineProcess
 
     from .settings import Settings
     from .tui import KVChatApp
@@ -95,7 +94,7 @@ def run_chat(model: str, tokens: int, size: tuple[int, int] = (120, 40),
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m app.bench_chat", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m kvchat.app.bench_chat", description=__doc__)
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--tokens", type=int, default=1600)
     p.add_argument("--runs", type=int, default=2)

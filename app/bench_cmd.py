@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from model.client import EngineClient
-from model.events import GenParams
-from model.kv_math import kv_bytes_per_token
+from kvchat.model.client import EngineClient
+from kvchat.model.events import GenParams
+from kvchat.model.kv_math import kv_bytes_per_token
 
 from . import blas
 from .discovery import DEFAULT_MODEL

@@ -1,6 +1,6 @@
 """Decode tok/s against context length, full cache vs rotating cache, as a PNG.
 
-    python -m app.bench_plot [--model DIR] [--out assets/decode_vs_context.png]
+    python -m kvchat.app.bench_plot [--model DIR] [--out assets/decode_vs_context.png]
 
 For each context length the prompt is prefilled, then `--gen` tokens are decoded with
 the compiled step (`model.generate.generate_step`); the median of `--runs` is plotted.
@@ -21,9 +21,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from model.config import ModelConfig
-from model.generate import generate_step
-from model.transformer import Transformer
+from kvchat.model.config import ModelConfig
+from kvchat.model.generate import generate_step
+from kvchat.model.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTEXTS = (128, 512, 1024, 2048, 4096, 8192)
@@ -89,7 +89,7 @@ def plot(contexts: list[int], res: dict[str, list[float]], window: int, title: s
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m app.bench_plot", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m kvchat.app.bench_plot", description=__doc__)
     p.add_argument("--model", metavar="DIR", help="a model folder (default: random, see above)")
     p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
     p.add_argument("--window", type=int, default=512)
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "assets" / "decode_vs_context.png"))
     a = p.parse_args(argv)
     if a.model:
-        from model.weights import load_model
+        from kvchat.model.weights import load_model
 
         model, name = load_model(a.model), Path(a.model).name
     else:

@@ -112,7 +112,7 @@ def reexec_with_fast_blas() -> None:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
             p for p in (str(lib_dir), os.environ.get("LD_LIBRARY_PATH", "")) if p)
     try:
-        os.execve(sys.executable, [sys.executable, "-m", "app", *sys.argv[1:]], env)
+        os.execve(sys.executable, [sys.executable, "-m", "kvchat.app", *sys.argv[1:]], env)
     except OSError:
         pass  # run on the slower BLAS rather than not at all
 

@@ -13,7 +13,7 @@ import threading
 from textual.message import Message
 from textual.message_pump import MessagePump
 
-from model.events import Event, Started, TextDelta
+from kvchat.model.events import Event, Started, TextDelta
 
 
 class EngineEvent(Message):

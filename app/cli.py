@@ -97,8 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    import metal_kernels
-    from model.errors import KVChatError
+    from kvchat import metal_kernels
+    from kvchat.model.errors import KVChatError
 
     from . import hosts
     from .settings import load_settings

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model.config import FAMILIES
-from model.kv_math import human_bytes  # one formatter for the whole app; re-exported here
+from kvchat.model.config import FAMILIES
+from kvchat.model.kv_math import human_bytes  # one formatter for the whole app; re-exported here
 
 log = logging.getLogger(__name__)
 

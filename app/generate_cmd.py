@@ -9,9 +9,9 @@ import sys
 import traceback
 from typing import Any
 
-from model.client import EngineClient
-from model.errors import KVChatError, error_line
-from model.events import Done, GenParams, stats_json
+from kvchat.model.client import EngineClient
+from kvchat.model.errors import KVChatError, error_line
+from kvchat.model.events import Done, GenParams, stats_json
 
 from .discovery import DEFAULT_MODEL
 from .errors import debug, report

@@ -31,8 +31,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from model.errors import KVChatError
-from model.events import TurnStats
+from kvchat.model.errors import KVChatError
+from kvchat.model.events import TurnStats
 
 from .errors import debug
 
@@ -80,7 +80,7 @@ def join_if_launched(args: argparse.Namespace) -> int | None:
     """None when this process is not one of several ranks, or is rank 0 (the command then
     runs as usual and its engine loads the pipeline); else serve the model's layers for
     rank 0 and return this rank's exit status."""
-    from model import pipeline, pipeline_link
+    from kvchat.model import pipeline, pipeline_link
 
     if not pipeline_link.launched():
         return None
@@ -147,7 +147,7 @@ def start_ranks(
     for rank, h in enumerate(spec["hosts"]):
         if rank == 0:
             continue
-        command = [sys.executable, "-m", "app", "--model", str(h.get("model") or model),
+        command = [sys.executable, "-m", "kvchat.app", "--model", str(h.get("model") or model),
                    *(extra_args or [])]
         local = h["ssh"] == "127.0.0.1"
         script = RemoteProcess.make_launch_script(

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from model.errors import KVChatError
-from model.files import PICKLE_PATTERNS
+from kvchat.model.errors import KVChatError
+from kvchat.model.files import PICKLE_PATTERNS
 
 from .discovery import hf_cache_dir
 
@@ -329,7 +329,7 @@ def _pull(
 def verify_pulled(folder: Path) -> dict[str, Any]:
     """The checks the loader makes, without loading weights: config, tokenizer, weight
     headers (pickles refused). Returns a summary; raises KVChatError (one line)."""
-    from model.facts import check_model_folder
+    from kvchat.model.facts import check_model_folder
 
     facts = check_model_folder(folder)
     return facts.to_dict()

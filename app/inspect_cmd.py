@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from model.config import ModelConfig, load_config
-from model.errors import ConfigError, KVChatError, ModelLoadError
-from model.facts import model_facts
-from model.kv_math import (
+from kvchat.model.config import ModelConfig, load_config
+from kvchat.model.errors import ConfigError, KVChatError, ModelLoadError
+from kvchat.model.facts import model_facts
+from kvchat.model.kv_math import (
     BudgetError,
     attention_table,
     context_that_fits,
@@ -176,7 +176,7 @@ def _ranks(args: argparse.Namespace, source: Path, cfg: ModelConfig, dtype_bytes
     sizes, or estimated from the config's shapes when there are no weights."""
     if args.hosts is None:
         return None
-    from model.pipeline import config_tensor_bytes, split_table, tensor_bytes
+    from kvchat.model.pipeline import config_tensor_bytes, split_table, tensor_bytes
 
     sizes = tensor_bytes(source) if args.model else config_tensor_bytes(cfg, dtype_bytes)
     return split_table(cfg, sizes, args.hosts, dtype_bytes, context)
@@ -186,10 +186,10 @@ def _live(folder: Path, cfg: ModelConfig) -> dict[str, Any]:
     """Greedy-generate LIVE_TOKENS tokens from BOS through make_cache and measure the
     cache from its arrays (resident slices' nbytes) next to the formula."""
 
-    from model.cache import cache_stats, make_cache
-    from model.events import CACHE_FIELDS, stats_json
-    from model.generate import generate_step
-    from model.weights import load_model
+    from kvchat.model.cache import cache_stats, make_cache
+    from kvchat.model.events import CACHE_FIELDS, stats_json
+    from kvchat.model.generate import generate_step
+    from kvchat.model.weights import load_model
 
     model = load_model(folder)
     caches = make_cache(model.config)

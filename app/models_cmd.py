@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model.facts import ModelFacts, folder_status
+from kvchat.model.facts import ModelFacts, folder_status
 
 from .discovery import ModelEntry, default_model_dirs, find_models, human_bytes
 from .settings import load_settings
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (python -m app.models_cmd); app/cli.py wires the real one."""
+    """Standalone entry (python -m kvchat.app.models_cmd); app/cli.py wires the real one."""
     parser = argparse.ArgumentParser(prog="kvchat models", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import TextIO
 
-from model.errors import KVChatError
+from kvchat.model.errors import KVChatError
 
 from .discovery import human_bytes
 from .errors import report

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from model.errors import KVChatError
+from kvchat.model.errors import KVChatError
 
 from .settings import save_settings
 from .store import ConversationStore, StoreError, atomic_write_text

@@ -24,10 +24,10 @@ from typing import Any
 
 import platformdirs
 
-import metal_kernels
-from model.errors import KVChatError
-from model.events import GenParams
-from model.sampling import SamplingParams
+from kvchat import metal_kernels
+from kvchat.model.errors import KVChatError
+from kvchat.model.events import GenParams
+from kvchat.model.sampling import SamplingParams
 
 from .store import atomic_write_text
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import platformdirs
 
-from model.errors import KVChatError
-from model.files import read_regular_text
+from kvchat.model.errors import KVChatError
+from kvchat.model.files import read_regular_text
 
 SCHEMA_VERSION = 1
 TITLE_MAX = 50

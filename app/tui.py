@@ -16,8 +16,8 @@ from typing import Any
 from textual.app import App, SystemCommand
 from textual.screen import Screen
 
-import metal_kernels
-from model.events import EngineFactory, EngineLike, Event
+from kvchat import metal_kernels
+from kvchat.model.events import EngineFactory, EngineLike, Event
 
 from .actions import bindings, help_rows, palette
 from .discovery import DEFAULT_MODEL
@@ -30,7 +30,7 @@ from .text import SafeNotify
 def validate_model_path(path: str | Path) -> Path:
     """Check a model folder before the UI starts; raises ModelLoadError/ConfigError
     (one line) so the CLI can print it and exit 1."""
-    from model.facts import check_model_folder
+    from kvchat.model.facts import check_model_folder
 
     check_model_folder(path)  # config, weights' headers, tokenizer
     return Path(path).expanduser().resolve()  # saved as last_model: must work from any cwd
@@ -38,14 +38,14 @@ def validate_model_path(path: str | Path) -> Path:
 
 def _default_engine(on_event: Callable[[Event], None], model_path: str | None) -> EngineLike:
     """The engine in a child process: the UI and the model never share an interpreter."""
-    from model.engine_process import EngineProcess
+    from kvchat.model.engine_process import EngineProcess
 
     return EngineProcess(on_event, model_path)
 
 
 def in_process_engine(on_event: Callable[[Event], None], model_path: str | None) -> EngineLike:
     """The engine on a thread of this process (a pipeline's rank 0 must be this process)."""
-    from model.engine import Engine  # imports MLX; kept out of module import time
+    from kvchat.model.engine import Engine  # imports MLX; kept out of module import time
 
     return Engine(on_event, model_path)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from model.events import Overflow, PrefillProgress
+from kvchat.model.events import Overflow, PrefillProgress
 
 from .widgets import ChatMessage, StatsPanel
 

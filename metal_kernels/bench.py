@@ -1,4 +1,4 @@
-"""Time the kernel entry points per backend: `python -m metal_kernels.bench [--json]`.
+"""Time the kernel entry points per backend: `python -m kvchat.metal_kernels.bench [--json]`.
 
 Shapes: decode (1 row) and prefill (512 rows) of a hidden size (default 4096, a 7-8B
 model's), and RoPE on Q/K with 32 query and 8 KV heads of 128 at 1 and 512 positions.
@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-import metal_kernels
+from kvchat import metal_kernels
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -90,7 +90,7 @@ def run(hidden: int, dtype: mx.Dtype, rounds: int, emulator_rounds: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m metal_kernels.bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m kvchat.metal_kernels.bench", description=__doc__)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="default: float16 on a GPU, float32 on the CPU")

@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-import metal_kernels
+from kvchat import metal_kernels
 
 from . import pipeline
 from .cache import cache_stats, can_trim_to, layer_stats, trim_to, why_not_trimmable

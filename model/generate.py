@@ -28,7 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
-import metal_kernels
+from kvchat import metal_kernels
 
 PREFILL_CHUNK = 512
 

@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-import metal_kernels
+from kvchat import metal_kernels
 
 from .cache import causal_mask
 from .config import FULL, LayerSpec, ModelConfig, RopeConfig

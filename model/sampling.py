@@ -25,7 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from model.errors import KVChatError
+from kvchat.model.errors import KVChatError
 
 __all__ = [
     "MIN_P_TOLERANCE",

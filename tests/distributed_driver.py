@@ -35,13 +35,21 @@ def main() -> int:
                     help="with --pause: how long to wait for the other ranks to exit")
     args = ap.parse_args()
 
-    from app import hosts
+    from kvchat.app import hosts
 
     procs = hosts.start_ranks(args.hostfile, args.model, Path(tempfile.mkdtemp()))
     hosts.join_if_launched(argparse.Namespace(model=args.model))
 
-    from model.engine import Engine
-    from model.events import Done, GenParams, Loaded, LoadFailed, Started, TextDelta, stats_json
+    from kvchat.model.engine import Engine
+    from kvchat.model.events import (
+        Done,
+        GenParams,
+        Loaded,
+        LoadFailed,
+        Started,
+        TextDelta,
+        stats_json,
+    )
 
     def say(obj: dict) -> None:
         print(json.dumps(obj), flush=True)

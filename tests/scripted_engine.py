@@ -27,12 +27,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from model.cache import make_cache
-from model.config import ModelConfig
-from model.engine import Engine
-from model.errors import KVChatError
-from model.events import Event, GenParams, Prompt, TurnStats
-from model.tokenizer import StreamDetokenizer
+from kvchat.model.cache import make_cache
+from kvchat.model.config import ModelConfig
+from kvchat.model.engine import Engine
+from kvchat.model.errors import KVChatError
+from kvchat.model.events import Event, GenParams, Prompt, TurnStats
+from kvchat.model.tokenizer import StreamDetokenizer
 
 REPLY = (
     "Once upon a time, a little **robot** named Kiv lived in a *cache*. "

@@ -12,9 +12,9 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from model import load_model
-from model.errors import KVChatError
-from model.weights import safetensors_header
+from kvchat.model import load_model
+from kvchat.model.errors import KVChatError
+from kvchat.model.weights import safetensors_header
 
 
 def load_error(path: Path, **kwargs: Any) -> str:
@@ -83,7 +83,7 @@ def test_unknown_model_type_lists_supported(llama: Path) -> None:
     edit_config(llama, lambda c: c.update(model_type="gpt2"))
     msg = load_error(llama)
     assert "'gpt2'" in msg
-    from model.config import FAMILIES
+    from kvchat.model.config import FAMILIES
 
     assert "supported: " + ", ".join(sorted(FAMILIES)) in msg
 

@@ -11,7 +11,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from app.cli import main
+from kvchat.app.cli import main
 
 pytest.importorskip("mlx_lm")
 

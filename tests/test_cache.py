@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model.cache import (
+from kvchat.model.cache import (
     CacheError,
     KVCache,
     RotatingKVCache,
@@ -26,9 +26,9 @@ from model.cache import (
     make_cache,
     trim_to,
 )
-from model.config import ModelConfig
-from model.events import TurnStats
-from model.transformer import Transformer
+from kvchat.model.config import ModelConfig
+from kvchat.model.events import TurnStats
+from kvchat.model.transformer import Transformer
 
 STORIES = Path(__file__).resolve().parents[1].parent / "shared/models/stories260K"
 
@@ -285,7 +285,7 @@ def test_greedy_rotation_matches_mlx_lm_on_stories260k(stories: Path) -> None:
     from mlx_lm.models.cache import RotatingKVCache as MlxRotating
     from mlx_lm.utils import load_model as mlx_load_model
 
-    from model.weights import load_model
+    from kvchat.model.weights import load_model
 
     ours, theirs = load_model(stories), mlx_load_model(stories)[0]
     prompt = mx.array([1, 100, 200, 300, 50])  # BOS + 4 ids: short, same prefill both sides

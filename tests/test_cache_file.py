@@ -11,10 +11,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as mlx_cache
 
-from model.cache import KVCache, RotatingKVCache
-from model.cache_file import load_cache, save_cache
-from model.config import ModelConfig
-from model.transformer import Transformer
+from kvchat.model.cache import KVCache, RotatingKVCache
+from kvchat.model.cache_file import load_cache, save_cache
+from kvchat.model.config import ModelConfig
+from kvchat.model.transformer import Transformer
 
 PROMPT = [1, 17, 42, 5, 88, 23, 61, 9, 14, 70, 33, 2]
 BEFORE, AFTER = 40, 40  # greedy tokens before the save and after the restore
@@ -94,7 +94,7 @@ def test_state_is_arrays_and_meta_state_is_strings() -> None:
 
 
 def test_unreadable_file_is_one_line(tmp_path: Path) -> None:
-    from model.cache import CacheError
+    from kvchat.model.cache import CacheError
 
     bad = tmp_path / "x.kv.safetensors"
     bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
@@ -105,8 +105,8 @@ def test_unreadable_file_is_one_line(tmp_path: Path) -> None:
 def test_engine_restores_only_for_the_model_that_saved(tmp_path: Path) -> None:
     """Through the real Engine (scripted model): a cache saved for one model is refused,
     in one line, by another; for the same model the next turn reuses all of it."""
-    from model.client import EngineClient
-    from model.events import CacheRestored, CacheSaved, GenParams, Started
+    from kvchat.model.client import EngineClient
+    from kvchat.model.events import CacheRestored, CacheSaved, GenParams, Started
     from tests.scripted_engine import ScriptedEngine
 
     chat = [{"role": "user", "content": "hello there"}]

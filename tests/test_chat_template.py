@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from model.chat_template import PLAIN_FALLBACK, TemplateError, load_chat_template, render
-from model.errors import KVChatError
-from model.tokenizer import load_tokenizer
+from kvchat.model.chat_template import PLAIN_FALLBACK, TemplateError, load_chat_template, render
+from kvchat.model.errors import KVChatError
+from kvchat.model.tokenizer import load_tokenizer
 from tests.tokenizer_fixtures import (
     STORIES,
     STORIES_MISSING,

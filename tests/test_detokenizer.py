@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from model.tokenizer import StreamDetokenizer, Tokenizer, load_tokenizer
+from kvchat.model.tokenizer import StreamDetokenizer, Tokenizer, load_tokenizer
 from tests.tokenizer_fixtures import (
     STORIES,
     STORIES_MISSING,

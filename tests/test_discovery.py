@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from app import discovery, models_cmd
-from app.discovery import (
+from kvchat.app import discovery, models_cmd
+from kvchat.app.discovery import (
     DEFAULT_MODEL,
     ModelEntry,
     default_model_dirs,
@@ -325,7 +325,7 @@ def test_real_model_if_present() -> None:
 )
 def test_human_bytes(n: int, text: str) -> None:
     # discovery re-exports kv_math's formatter rather than keeping a second one
-    from model import kv_math
+    from kvchat.model import kv_math
 
     assert human_bytes is kv_math.human_bytes
     assert human_bytes(n) == text
@@ -361,7 +361,7 @@ def test_models_cmd_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 def test_models_cmd_json_and_settings_dirs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from app.settings import Settings, save_settings
+    from kvchat.app.settings import Settings, save_settings
 
     make_model(tmp_path / "fromsettings" / "m1")
     save_settings(Settings(model_dirs=[str(tmp_path / "fromsettings")]))

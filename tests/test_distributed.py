@@ -82,8 +82,8 @@ def _lines(proc: subprocess.Popen[str], timeout: float = 60) -> list[dict[str, A
 def _single(model: Path, prompt: str, max_tokens: int, max_kv: int | None
             ) -> tuple[list[int], dict[str, Any]]:
     """The single-process Engine's greedy ids and model info: the reference."""
-    from model.client import EngineClient
-    from model.events import GenParams
+    from kvchat.model.client import EngineClient
+    from kvchat.model.events import GenParams
 
     with EngineClient(model) as runner:
         done = runner.run(prompt, GenParams(max_tokens=max_tokens, max_kv_size=max_kv))
@@ -105,8 +105,8 @@ def wide_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_plan_is_the_byte_optimal_contiguous_split(stories260k: Path) -> None:
     from itertools import combinations
 
-    from model.config import load_config
-    from model.pipeline import plan, tensor_bytes
+    from kvchat.model.config import load_config
+    from kvchat.model.pipeline import plan, tensor_bytes
 
     cfg, sizes = load_config(stories260k), tensor_bytes(stories260k)
     total_layer = sum(b for k, b in sizes.items() if k.startswith("model.layers."))
@@ -134,7 +134,7 @@ def test_plan_is_the_byte_optimal_contiguous_split(stories260k: Path) -> None:
 
 def test_inspect_hosts_shows_each_ranks_bytes_beside_the_totals(stories260k: Path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "app", "inspect", "--model", str(stories260k), "--hosts", "3",
+        [sys.executable, "-m", "kvchat.app", "inspect", "--model", str(stories260k), "--hosts", "3",
          "--json"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
         env=_env(0),
     )
@@ -148,7 +148,8 @@ def test_inspect_hosts_shows_each_ranks_bytes_beside_the_totals(stories260k: Pat
     embed = 512 * 64 * 4  # vocab × hidden × fp32
     assert sum(x["weight_bytes"] for x in ranks) == d["weights_bytes"] + embed
     text = subprocess.run(
-        [sys.executable, "-m", "app", "inspect", "--model", str(stories260k), "--hosts", "2"],
+        [sys.executable, "-m", "kvchat.app", "inspect", "--model", str(stories260k),
+         "--hosts", "2"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, env=_env(0),
     ).stdout
     assert "rank 0: layers 0-2 + embedding" in text
@@ -211,7 +212,7 @@ def test_greedy_ids_equal_single_process(
 def test_rank_weight_bytes_are_its_slice(ranks: int, wide_llama: Path, tmp_path: Path) -> None:
     """Tolerance: MLX active memory after load within 5 % + 1 MiB of the slice's bytes
     planned from the safetensors headers (lazy loading: no rank reads others' tensors)."""
-    from model.kv_math import weights_bytes
+    from kvchat.model.kv_math import weights_bytes
 
     total = weights_bytes(wide_llama)
     lines = _lines(_driver(_hostfile(tmp_path, ranks), wide_llama, "--max-tokens", "2"))
@@ -317,7 +318,7 @@ def test_rank_that_never_connects_fails_in_bounded_time(
     ring.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
     t0 = time.monotonic()
     r = subprocess.run(
-        [sys.executable, "-m", "app", "generate", "--model", str(tiny_checkpoint("llama")),
+        [sys.executable, "-m", "kvchat.app", "generate", "--model", str(tiny_checkpoint("llama")),
          "--prompt", "w5", "--raw"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
         env=_env(port, MLX_RANK="0", MLX_HOSTFILE=str(ring), KVCHAT_CONNECT_TIMEOUT="3"),
@@ -335,7 +336,7 @@ def test_mlx_launch_generate_json_rank0_alone_prints(stories260k: Path) -> None:
     port = _free_port(2)
     r = subprocess.run(
         [str(MLX_LAUNCH), "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1",
-         "--starting-port", str(port), sys.executable, "-m", "app", "generate",
+         "--starting-port", str(port), sys.executable, "-m", "kvchat.app", "generate",
          "--model", str(stories260k), "--prompt", STORY, "--raw", "--max-tokens", "30",
          "--json"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=90, env=_env(port),

@@ -1,4 +1,4 @@
-"""End to end in a real terminal: tmux runs `python -m app --model stories260K`, we type
+"""End to end in a real terminal: tmux runs `python -m kvchat.app --model stories260K`, we type
 a prompt, read the screen with capture-pane while the reply streams, stop it with Esc
 and quit with Ctrl+Q. A private tmux server (-L) keeps it away from any user session.
 """
@@ -79,7 +79,7 @@ def test_chat_in_tmux(tmp_path: Path) -> None:
         # COLUMNS/LINES can leak in from the test process (set below os.environ, by C
         # code); they would override the pane size, so the app must not see them
         f"cd {shlex.quote(str(REPO))} && env -u COLUMNS -u LINES {exports}"
-        f" {shlex.quote(sys.executable)} -m app"
+        f" {shlex.quote(sys.executable)} -m kvchat.app"
         f" --model {shlex.quote(str(STORIES))}; echo $? > {shlex.quote(str(status))}"
     )
     tmux = Tmux(f"kvchat-e2e-{os.getpid()}")

@@ -21,7 +21,8 @@ def _command(args: str, env: dict[str, str], status: Path) -> str:
     # other test modules set HF_HUB_OFFLINE=1 for the whole process; tmux inherits it
     return (f"cd {shlex.quote(str(REPO))} && env -u COLUMNS -u LINES -u HF_HUB_OFFLINE"
             f" -u TRANSFORMERS_OFFLINE {exports}"
-            f" {shlex.quote(sys.executable)} -m app {args}; echo $? > {shlex.quote(str(status))}")
+            f" {shlex.quote(sys.executable)} -m kvchat.app {args};"
+            f" echo $? > {shlex.quote(str(status))}")
 
 
 def _session(tmux: Tmux, name: str, size: tuple[int, int], command: str) -> None:

@@ -27,8 +27,8 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-import metal_kernels
-from metal_kernels.metal import MetalBackend, read_source
+from kvchat import metal_kernels
+from kvchat.metal_kernels.metal import MetalBackend, read_source
 from tests import metal_emulator as me
 from tests.test_kernels import (
     NORM_CASES,

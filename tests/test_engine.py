@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from model.client import EngineClient
-from model.engine import Engine, common_prefix_len
-from model.events import (
+from kvchat.model.client import EngineClient
+from kvchat.model.engine import Engine, common_prefix_len
+from kvchat.model.events import (
     Done,
     Event,
     GenParams,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import queue
 from pathlib import Path
 
-from model.engine import Engine
-from model.engine_process import EngineProcess
-from model.events import Done, Event, GenParams, Loaded, Started, TextDelta
+from kvchat.model.engine import Engine
+from kvchat.model.engine_process import EngineProcess
+from kvchat.model.events import Done, Event, GenParams, Loaded, Started, TextDelta
 
 
 def _turn(engine: Engine | EngineProcess, events: queue.Queue[Event], prompt: str,

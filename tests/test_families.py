@@ -22,9 +22,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from model import load_model
-from model.config import FAMILIES, SLIDING, ModelConfig
-from model.errors import ConfigError
+from kvchat.model import load_model
+from kvchat.model.config import FAMILIES, SLIDING, ModelConfig
+from kvchat.model.errors import ConfigError
 
 from .conftest import _randomize, _to_classic_rope, _write_tokenizer
 
@@ -369,7 +369,7 @@ def test_mixed_caches_keep_window_and_full(family: Callable[[str], Path]) -> Non
     assert [c.max_size for c in cache] == [WINDOW, WINDOW, 256, WINDOW]
     assert [c.keep for c in cache] == [0, 0, 4, 0]
     model(mx.array(IDS), cache=cache)
-    from model.cache import cache_stats, layer_stats
+    from kvchat.model.cache import cache_stats, layer_stats
 
     s = cache_stats(cache, model.config)
     per = 2 * 2 * 16 * 4  # K+V × kv heads × head_dim × float32
@@ -453,8 +453,8 @@ def _turns(folder: Path, prompts: list[list[int]], **kw: Any) -> list[tuple[Any,
     """(Started, Done) of each prompt, in one engine (greedy, 3 tokens each)."""
     import queue
 
-    from model.engine import Engine
-    from model.events import Done, GenParams, Loaded, LoadFailed, Started
+    from kvchat.model.engine import Engine
+    from kvchat.model.events import Done, GenParams, Loaded, LoadFailed, Started
 
     events: queue.Queue[Any] = queue.Queue()
     engine = Engine(events.put, folder, **kw)
@@ -495,8 +495,8 @@ def test_prompt_reuse_stays_exact_with_sliding_layers(family: Callable[[str], Pa
 
 
 def test_layer_view_summary_shows_window_and_gqa_savings(family: Callable[[str], Path]) -> None:
-    from app.screens.layers import summary
-    from model.cache import layer_stats
+    from kvchat.app.screens.layers import summary
+    from kvchat.model.cache import layer_stats
 
     model = load_model(family("gemma3_text"))
     cache = model.make_cache()
@@ -516,7 +516,7 @@ def test_inspect_live_with_sliding_layers(
     per-kind formula: 32 tokens in the global layer, 16 in each of 3 sliding ones."""
     import argparse
 
-    from app import inspect_cmd
+    from kvchat.app import inspect_cmd
 
     p = argparse.ArgumentParser()
     inspect_cmd.add_arguments(p)

@@ -18,7 +18,7 @@ needs_model = pytest.mark.skipif(
 
 def kvchat(*args: str, stdin: str | None = None, env: dict | None = None):
     return subprocess.run(
-        [sys.executable, "-m", "app", *args],
+        [sys.executable, "-m", "kvchat.app", *args],
         input=stdin,
         capture_output=True,
         text=True,

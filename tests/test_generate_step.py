@@ -11,9 +11,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from model.cache import KVCache, trim_to
-from model.generate import CompiledStep, Progress, generate_step
-from model.weights import load_model
+from kvchat.model.cache import KVCache, trim_to
+from kvchat.model.generate import CompiledStep, Progress, generate_step
+from kvchat.model.weights import load_model
 
 
 def _caches(model: Any, kind: str) -> list[Any]:

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from app import generate_cmd
-from app.cli import main
-from model.events import Done, TurnStats
+from kvchat.app import generate_cmd
+from kvchat.app.cli import main
+from kvchat.model.events import Done, TurnStats
 
 from .conftest import REPO_ROOT, STORIES260K
 
@@ -37,7 +37,7 @@ ENV = {**os.environ, "KVCHAT_NO_OPENBLAS": "1", "PYTHONPATH": str(REPO_ROOT)}
 
 def kvchat(*args: str, stdin: bytes | None = None, timeout: float = 120
            ) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([sys.executable, "-m", "app", *args], input=stdin,
+    return subprocess.run([sys.executable, "-m", "kvchat.app", *args], input=stdin,
                           capture_output=True, cwd=REPO_ROOT, env=ENV, timeout=timeout)
 
 
@@ -190,7 +190,7 @@ def test_error_line_from_a_template_makes_controls_visible(
 
 
 def spawn(*args: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "app", *args], cwd=REPO_ROOT, env=ENV,
+    return subprocess.Popen([sys.executable, "-m", "kvchat.app", *args], cwd=REPO_ROOT, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -277,12 +277,12 @@ def test_ctrl_c_during_start_up_never_prints_a_traceback(delay: float) -> None:
 def test_leaving_while_the_engine_is_busy_never_aborts() -> None:
     code = """
 import time
-import model.engine as engine_mod
+import kvchat.model.engine as engine_mod
 engine_mod.load_model = lambda path: time.sleep(30)
 eng = engine_mod.Engine(lambda ev: None)
 eng.load("slow")
 time.sleep(0.5)
-from app.cli import finish
+from kvchat.app.cli import finish
 t0 = time.monotonic()
 finish(0)
 """

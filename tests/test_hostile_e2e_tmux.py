@@ -29,7 +29,7 @@ def test_quit_while_the_engine_is_busy(tmp_path: Path) -> None:
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     command = (
         f"cd {shlex.quote(str(REPO))} && env -u COLUMNS -u LINES {exports}"
-        f" {shlex.quote(sys.executable)} -m app --model {shlex.quote(str(model))};"
+        f" {shlex.quote(sys.executable)} -m kvchat.app --model {shlex.quote(str(model))};"
         f" echo $? > {shlex.quote(str(status))}; sleep 30"
     )
     tmux = Tmux(f"kvchat-quit-{os.getpid()}")

@@ -24,14 +24,14 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from app.text import SafeStream
-from model import chat_template
-from model.chat_template import TemplateError, render
-from model.config import load_config
-from model.config_checks import MAX_LAYERS
-from model.errors import KVChatError
-from model.files import DTYPE_BYTES, safetensors_header
-from model.tokenizer import load_tokenizer
+from kvchat.app.text import SafeStream
+from kvchat.model import chat_template
+from kvchat.model.chat_template import TemplateError, render
+from kvchat.model.config import load_config
+from kvchat.model.config_checks import MAX_LAYERS
+from kvchat.model.errors import KVChatError
+from kvchat.model.files import DTYPE_BYTES, safetensors_header
+from kvchat.model.tokenizer import load_tokenizer
 
 from .conftest import REPO_ROOT
 

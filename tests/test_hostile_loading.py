@@ -22,12 +22,12 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from model.config import load_config
-from model.engine import Engine
-from model.errors import ConfigError, KVChatError, read_json_object
-from model.events import Done, GenParams, Loaded, LoadFailed
-from model.files import safetensors_header
-from model.weights import load_model
+from kvchat.model.config import load_config
+from kvchat.model.engine import Engine
+from kvchat.model.errors import ConfigError, KVChatError, read_json_object
+from kvchat.model.events import Done, GenParams, Loaded, LoadFailed
+from kvchat.model.files import safetensors_header
+from kvchat.model.weights import load_model
 
 from .conftest import REPO_ROOT
 
@@ -130,8 +130,8 @@ def test_fifo_named_model_safetensors_is_refused(llama: Path) -> None:
     (llama / "model.safetensors").unlink()
     os.mkfifo(llama / "model.safetensors")
     r = run_python(f"""
-        from model.errors import KVChatError
-        from model.weights import load_model
+        from kvchat.model.errors import KVChatError
+        from kvchat.model.weights import load_model
         try:
             load_model({str(llama)!r})
         except KVChatError as e:
@@ -146,7 +146,7 @@ def test_fifo_tokenizer_config_and_directory_weights_refused(tmp_path: Path) -> 
     os.mkfifo(tmp_path / "tokenizer_config.json")
     r = run_python(f"""
         from pathlib import Path
-        from model.errors import KVChatError, read_json_object
+        from kvchat.model.errors import KVChatError, read_json_object
         try:
             read_json_object(Path({str(tmp_path)!r}) / "tokenizer_config.json", KVChatError)
         except KVChatError as e:
@@ -234,8 +234,8 @@ def collect(engine_events: queue.Queue[Any], kind: Any, timeout: float = 30) -> 
 def test_engine_survives_any_job_exception_and_message_is_never_empty(
     llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import model.engine as engine_mod
-    from model import pipeline
+    import kvchat.model.engine as engine_mod
+    from kvchat.model import pipeline
 
     real_load = pipeline.load
     events: queue.Queue[Any] = queue.Queue()

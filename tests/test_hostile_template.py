@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from model import chat_template
-from model.chat_template import TemplateError, render
+from kvchat.model import chat_template
+from kvchat.model.chat_template import TemplateError, render
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -103,8 +103,8 @@ def test_raise_exception_message_is_one_line_and_kept() -> None:
 def test_engine_cancel_stops_a_hanging_template_at_once(copy_checkpoint: Any) -> None:
     import queue
 
-    from model.engine import Engine
-    from model.events import Done, GenParams, Loaded
+    from kvchat.model.engine import Engine
+    from kvchat.model.events import Done, GenParams, Loaded
 
     folder = copy_checkpoint("llama")
     (folder / "chat_template.jinja").write_text(RUNAWAYS["nested range loops"])

@@ -16,16 +16,16 @@ from typing import Any
 
 from textual.widgets import DataTable, Input
 
-from app.discovery import ModelEntry
-from app.models_cmd import ModelRow
-from app.screens import HistoryScreen, LayerCacheScreen, ModelPickerScreen
-from app.screens.settings_form import SettingsScreen
-from app.settings import Settings, load_settings
-from app.store import Conversation, ConversationStore
-from app.text import SafeStream, literal, visible
-from app.tui import KVChatApp
-from app.turn import Phase
-from model.events import Done, TurnStats
+from kvchat.app.discovery import ModelEntry
+from kvchat.app.models_cmd import ModelRow
+from kvchat.app.screens import HistoryScreen, LayerCacheScreen, ModelPickerScreen
+from kvchat.app.screens.settings_form import SettingsScreen
+from kvchat.app.settings import Settings, load_settings
+from kvchat.app.store import Conversation, ConversationStore
+from kvchat.app.text import SafeStream, literal, visible
+from kvchat.app.tui import KVChatApp
+from kvchat.app.turn import Phase
+from kvchat.model.events import Done, TurnStats
 from tests import test_tui_app
 from tests.scripted_engine import ScriptedEngine, async_test, wait_for
 

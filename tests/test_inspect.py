@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app import inspect_cmd
+from kvchat.app import inspect_cmd
 
 STORIES = Path(__file__).resolve().parents[1].parent / "shared/models/stories260K"
 GiB = 1024**3

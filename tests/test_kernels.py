@@ -31,9 +31,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import metal_kernels
-from metal_kernels import KernelError
-from model.layers import rope_periods
+from kvchat import metal_kernels
+from kvchat.metal_kernels import KernelError
+from kvchat.model.layers import rope_periods
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HIDDEN = (1, 7, 64, 576, 4096, 8193)
@@ -94,7 +94,7 @@ def qk_inputs(B: int, hq: int, hk: int, T: int, D: int, dtype: mx.Dtype, seed: i
 
 
 def llama3_periods(dims: int) -> mx.array:
-    from model.config import RopeConfig
+    from kvchat.model.config import RopeConfig
 
     return rope_periods(dims, RopeConfig(type="llama3", theta=500000.0, factor=8.0,
                                          low_freq_factor=1.0, high_freq_factor=4.0,
@@ -301,7 +301,7 @@ def test_cli_exits_2_on_an_unusable_kernels_env(value: str, needle: str) -> None
         pytest.skip("this machine has Metal")
     env = {**os.environ, "KVCHAT_KERNELS": value, "PYTHONPATH": str(REPO_ROOT),
            "KVCHAT_NO_OPENBLAS": "1"}
-    res = subprocess.run([sys.executable, "-m", "app", "models"], env=env, cwd=REPO_ROOT,
+    res = subprocess.run([sys.executable, "-m", "kvchat.app", "models"], env=env, cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
@@ -409,7 +409,7 @@ def _doc_params(fn: object) -> set[str]:
 def test_metal_backend_calls_the_factory_as_mx_fast_metal_kernel_takes_it() -> None:
     """The seam the emulator plugs into: keywords that mx.fast.metal_kernel (and the
     kernel it returns) really accept, grids in threads, one threadgroup per norm row."""
-    from metal_kernels.metal import MetalBackend
+    from kvchat.metal_kernels.metal import MetalBackend
 
     built: list[dict] = []
     calls: list[dict] = []
@@ -452,7 +452,7 @@ def test_metal_backend_calls_the_factory_as_mx_fast_metal_kernel_takes_it() -> N
 
 
 def test_norm_launch_covers_any_hidden_size_and_refuses_past_the_limit() -> None:
-    from metal_kernels.metal import MAX_THREADS, N_READS, norm_launch
+    from kvchat.metal_kernels.metal import MAX_THREADS, N_READS, norm_launch
 
     for hidden in (1, 7, 64, 576, 4096, 4097, 8193, 32768):
         threads, chunks = norm_launch(hidden, 1)

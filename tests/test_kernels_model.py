@@ -17,9 +17,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import metal_kernels
-from metal_kernels.metal import MetalBackend
-from model import load_model
+from kvchat import metal_kernels
+from kvchat.metal_kernels.metal import MetalBackend
+from kvchat.model import load_model
 
 IDS = np.random.default_rng(99).integers(3, 256, size=(1, 40))
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from model.config import ModelConfig
-from model.kv_math import (
+from kvchat.model.config import ModelConfig
+from kvchat.model.kv_math import (
     BudgetError,
     attention_table,
     dtype_bytes_of,
@@ -90,7 +90,7 @@ def test_dtype_bytes() -> None:
 def test_weights_bytes_from_headers() -> None:
     if not (STORIES / "config.json").is_file():
         pytest.skip(f"real model absent: {STORIES}")
-    from model.weights import load_model, weight_bytes
+    from kvchat.model.weights import load_model, weight_bytes
 
     n = weights_bytes(STORIES)
     # the model loads as float32 on the CPU, as stored: every header byte is a parameter byte

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from textual.widgets import Button, DataTable, Input, OptionList, Select, Static, Switch
 
-from app.screens import HistoryScreen, ModelPickerScreen
-from app.screens.settings_form import SettingsScreen
-from app.settings import Settings, load_settings
-from app.tui import KVChatApp
-from model.events import Overflow, PrefillProgress
-from model.facts import model_name
+from kvchat.app.screens import HistoryScreen, ModelPickerScreen
+from kvchat.app.screens.settings_form import SettingsScreen
+from kvchat.app.settings import Settings, load_settings
+from kvchat.app.tui import KVChatApp
+from kvchat.model.events import Overflow, PrefillProgress
+from kvchat.model.facts import model_name
 from tests.scripted_engine import ScriptedEngine, async_test, record_notifications, wait_for
 
 from .conftest import REPO_ROOT

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import build_parser
-from app.tui import KVChatApp
-from model.facts import check_model_folder, model_facts
-from model.weights import load_model, weight_bytes
+from kvchat.app.cli import build_parser
+from kvchat.app.tui import KVChatApp
+from kvchat.model.facts import check_model_folder, model_facts
+from kvchat.model.weights import load_model, weight_bytes
 
 from .conftest import REPO_ROOT, STORIES260K
 
@@ -29,7 +29,7 @@ needs_stories = pytest.mark.skipif(not STORIES260K.is_dir(), reason="stories260K
 def kvchat(*args: str, env: dict[str, str] | None = None, cwd: Path = REPO_ROOT
            ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "app", *args], capture_output=True, text=True, cwd=cwd,
+        [sys.executable, "-m", "kvchat.app", *args], capture_output=True, text=True, cwd=cwd,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}, timeout=300,
     )
 
@@ -58,7 +58,7 @@ def test_bos_ends_the_reply_and_never_shows_as_text() -> None:
 
 
 def test_control_tokens_are_dropped_from_streamed_text() -> None:
-    from model.tokenizer import load_tokenizer
+    from kvchat.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(MINI)
     hello = tok.encode("Hello there", add_special_tokens=False)
@@ -132,8 +132,8 @@ def test_models_inspect_and_the_loaded_model_agree(tmp_path: Path) -> None:
 
 @needs_stories
 def test_engine_reports_prefill_progress_and_overflow() -> None:
-    from model.engine import Engine
-    from model.events import Done, GenParams, Overflow, PrefillProgress, Started
+    from kvchat.model.engine import Engine
+    from kvchat.model.events import Done, GenParams, Overflow, PrefillProgress, Started
 
     events: list[object] = []
     done = threading.Event()
@@ -213,8 +213,8 @@ def test_readme_key_table_matches_the_app() -> None:
 
 
 def test_relative_paths_become_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.settings import Settings
-    from app.tui import default_model_path, validate_model_path
+    from kvchat.app.settings import Settings
+    from kvchat.app.tui import default_model_path, validate_model_path
 
     shutil.copytree(MINI, tmp_path / "m")
     monkeypatch.chdir(tmp_path)

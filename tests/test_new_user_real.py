@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from textual.widgets import Static
 
-from app.models_cmd import model_rows
-from model.events import Done
+from kvchat.app.models_cmd import model_rows
+from kvchat.model.events import Done
 from tests.scripted_engine import async_test, wait_for
 
 from .conftest import REPO_ROOT, STORIES260K

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import app as _app
+from kvchat import app as _app
 
 REPO = Path(__file__).resolve().parents[1]
 # "" in the repository layout, "kvchat." once installed under the kvchat namespace
@@ -61,7 +61,7 @@ def test_imports_point_one_way_and_textual_only_public() -> None:
 
 
 def test_version() -> None:
-    from app import __version__
+    from kvchat.app import __version__
 
     out = subprocess.run([sys.executable, "-m", f"{PREFIX}app", "--version"], cwd=REPO,
                          capture_output=True, text=True, env={"PYTHONPATH": str(REPO),

@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from model import load_model
+from kvchat.model import load_model
 
 from .conftest import LLAMA3_ROPE, TINY_SPECS
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from app.hub_download import PullCancelled, PullError, pull, repo_folder
-from model.facts import check_model_folder
+from kvchat.app.hub_download import PullCancelled, PullError, pull, repo_folder
+from kvchat.model.facts import check_model_folder
 
 from .conftest import REPO_ROOT
 from .fake_hub import FakeHub, FakeRepo
@@ -27,7 +27,7 @@ REPO = "kvchat-test/mini"
 
 def kvchat(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "app", *args], capture_output=True, text=True, cwd=REPO_ROOT,
+        [sys.executable, "-m", "kvchat.app", *args], capture_output=True, text=True, cwd=REPO_ROOT,
         env={**os.environ, **env}, timeout=120,
     )
 
@@ -72,9 +72,9 @@ def test_cli_pull_downloads_verifies_and_lists(cache: Path) -> None:
     assert "/s" in totals[-1] and "ETA" in totals[-1]
     check_model_folder(snap)
     # the chat names it org/name (the engine's model info), not by its snapshot hash
-    from model.engine import model_info
-    from model.tokenizer import load_tokenizer
-    from model.weights import load_model
+    from kvchat.model.engine import model_info
+    from kvchat.model.tokenizer import load_tokenizer
+    from kvchat.model.weights import load_model
 
     assert model_info(load_model(snap), load_tokenizer(snap))["name"] == REPO
     listed = json.loads(kvchat("models", "--json", env=env).stdout)["models"]
@@ -185,9 +185,9 @@ def test_terminal_progress_moves_the_cursor_but_shows_file_names_literally() -> 
     sequences pass), while a file name from the Hub with an escape in it is only shown."""
     import io
 
-    from app.hub_download import PullProgress
-    from app.pull_cmd import TerminalProgress
-    from app.text import VisibleWriter
+    from kvchat.app.hub_download import PullProgress
+    from kvchat.app.pull_cmd import TerminalProgress
+    from kvchat.app.text import VisibleWriter
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from model.errors import KVChatError
-from model.sampling import (
+from kvchat.model.errors import KVChatError
+from kvchat.model.sampling import (
     Sampler,
     SamplingError,
     SamplingParams,

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from app import settings as settings_mod
-from app.settings import Settings, SettingsError, load_settings, save_settings, settings_path
-from model.errors import KVChatError
-from model.events import GenParams
+from kvchat.app import settings as settings_mod
+from kvchat.app.settings import Settings, SettingsError, load_settings, save_settings, settings_path
+from kvchat.model.errors import KVChatError
+from kvchat.model.events import GenParams
 
 
 @pytest.fixture(autouse=True)

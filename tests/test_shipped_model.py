@@ -10,11 +10,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from model import load_model
-from model.client import EngineClient
-from model.events import GenParams
-from model.tokenizer import load_tokenizer
-from model.weights import parameter_count
+from kvchat.model import load_model
+from kvchat.model.client import EngineClient
+from kvchat.model.events import GenParams
+from kvchat.model.tokenizer import load_tokenizer
+from kvchat.model.weights import parameter_count
 
 MODEL = Path(__file__).resolve().parents[1] / "assets" / "kvchat-mini"
 FILES = ("config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json",

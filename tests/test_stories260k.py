@@ -7,7 +7,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from model import load_model
+from kvchat.model import load_model
 
 BOS = 1
 STEPS = 60

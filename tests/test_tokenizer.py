@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from model.errors import KVChatError, ModelLoadError
-from model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from kvchat.model.errors import KVChatError, ModelLoadError
+from kvchat.model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from tests.tokenizer_fixtures import (
     STORIES,
     STORIES_MISSING,

@@ -10,13 +10,13 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from model.chat_template import render
-from model.client import EngineClient
-from model.events import GenParams
-from model.training import corpus as chatdata
-from model.training import data as D
-from model.training import export as E
-from model.training import loop as L
+from kvchat.model.chat_template import render
+from kvchat.model.client import EngineClient
+from kvchat.model.events import GenParams
+from kvchat.model.training import corpus as chatdata
+from kvchat.model.training import data as D
+from kvchat.model.training import export as E
+from kvchat.model.training import loop as L
 
 TINY = dict(preset="tiny", batch=4, seq_len=64, lr=3e-3, warmup=5, ckpt_every=10,
             eval_every=0, log_every=10, eval_rows=8)
@@ -127,8 +127,8 @@ def test_resume_without_checkpoint_is_one_line_error(tmp_path: Path) -> None:
 
 
 def test_export_writes_a_loadable_4bit_folder(tiny_data: Path, tmp_path: Path) -> None:
-    from model import load_model
-    from model.tokenizer import load_tokenizer
+    from kvchat.model import load_model
+    from kvchat.model.tokenizer import load_tokenizer
 
     L.train(_run(tiny_data, tmp_path / "run", 10))
     out = tmp_path / "export"

@@ -21,15 +21,15 @@ import pytest
 from textual import events
 from textual.widgets import DataTable, Input, Static
 
-from app.screens import HistoryScreen, ModelPickerScreen
-from app.screens.settings_form import SettingsScreen
-from app.settings import Settings, load_settings
-from app.tui import KVChatApp
-from app.turn import Phase
-from app.widgets import ChatMessage
-from app.widgets.format import human_bytes
-from model.engine_process import EngineProcess
-from model.events import CacheRestored, Done, Event, GenParams, Loaded, Started
+from kvchat.app.screens import HistoryScreen, ModelPickerScreen
+from kvchat.app.screens.settings_form import SettingsScreen
+from kvchat.app.settings import Settings, load_settings
+from kvchat.app.tui import KVChatApp
+from kvchat.app.turn import Phase
+from kvchat.app.widgets import ChatMessage
+from kvchat.app.widgets.format import human_bytes
+from kvchat.model.engine_process import EngineProcess
+from kvchat.model.events import CacheRestored, Done, Event, GenParams, Loaded, Started
 from tests.scripted_engine import async_test, record_notifications, wait_for
 
 STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"

@@ -21,8 +21,8 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer, Header, LoadingIndicator, Static
 
-from model.errors import KVChatError
-from model.events import (
+from kvchat.model.errors import KVChatError
+from kvchat.model.events import (
     CacheRestored,
     CacheSaved,
     Done,

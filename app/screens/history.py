@@ -11,7 +11,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 
-from model.facts import model_name
+from kvchat.model.facts import model_name
 
 from ..store import Conversation, ConversationStore, StoreError
 from ..text import literal

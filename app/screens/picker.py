@@ -22,7 +22,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Input, Static
 
-from model.errors import KVChatError
+from kvchat.model.errors import KVChatError
 
 from ..hub_download import PullProgress, looks_like_repo_id, pull, verify_pulled
 from ..models_cmd import ModelRow, model_rows

@@ -20,7 +20,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, Select, Static, Switch, TextArea
 
-from model.errors import KVChatError
+from kvchat.model.errors import KVChatError
 
 from ..settings import Settings, save_settings
 from ..text import literal, visible

@@ -15,7 +15,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Sparkline, Static
 
-from model.events import CACHE_FIELDS, TURN_FIELDS, TurnStats
+from kvchat.model.events import CACHE_FIELDS, TURN_FIELDS, TurnStats
 
 from .. import blas
 from ..hosts import rank_rows

@@ -1,12 +1,12 @@
 """Train, export and try out kvchat's shipped model (assets/kvchat-mini).
 
-    python -m model.training data   --data /tmp/kvchat-train/data      # corpus + tokenizer
-    python -m model.training train  --data ... --run /tmp/kvchat-train/run [--resume]
-    python -m model.training export --data ... --run ... --out assets/kvchat-mini
-    python -m model.training sample --model assets/kvchat-mini [--markdown FILE]
-    python -m model.training eval   --data ... --model assets/kvchat-mini  # val loss, ppl
-    python -m model.training bench  --model assets/kvchat-mini    # TTFT, decode tok/s
-    python -m model.training all    --data ... --run ... --out ...  # data+train+export
+    python -m kvchat.model.training data   --data /tmp/kvchat-train/data      # corpus + tokenizer
+    python -m kvchat.model.training train  --data ... --run /tmp/kvchat-train/run [--resume]
+    python -m kvchat.model.training export --data ... --run ... --out assets/kvchat-mini
+    python -m kvchat.model.training sample --model assets/kvchat-mini [--markdown FILE]
+    python -m kvchat.model.training eval   --data ... --model assets/kvchat-mini  # val loss, ppl
+    python -m kvchat.model.training bench  --model assets/kvchat-mini    # TTFT, decode tok/s
+    python -m kvchat.model.training all    --data ... --run ... --out ...  # data+train+export
 
 Everything is deterministic for a seed: the corpus (model/training/corpus.py), the tokenizer,
 the packing of conversations into rows, the order of batches (a pure function of the

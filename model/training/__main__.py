@@ -1,4 +1,4 @@
-"""`python -m model.training`: data, train, export, all, sample, bench, eval (see the
+"""`python -m kvchat.model.training`: data, train, export, all, sample, bench, eval (see the
 package docstring)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def _train_args(ns: argparse.Namespace) -> TrainArgs:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m model.training", description=USAGE,
+    ap = argparse.ArgumentParser(prog="python -m kvchat.model.training", description=USAGE,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     default_data, default_run = "/tmp/kvchat-train/data", "/tmp/kvchat-train/run"

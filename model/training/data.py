@@ -56,7 +56,7 @@ def load_sp(path: Path) -> Any:
 
     if not path.is_file():
         raise TrainError(
-            f"no tokenizer at {path}; run `python -m model.training data` first"
+            f"no tokenizer at {path}; run `python -m kvchat.model.training data` first"
         )
     return spm.SentencePieceProcessor(model_file=str(path))
 

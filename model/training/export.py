@@ -103,7 +103,7 @@ def export(run: Path, data: Path, out: Path, group_size: int = GROUP_SIZE,
 MODEL_CARD = """# kvchat-mini
 
 kvchat's default model: a {params:,}-parameter Llama-style chat model trained from scratch
-by `python -m model.training` on the project's own synthetic conversations (see ../DATA.md).
+by `python -m kvchat.model.training` on the project's own synthetic conversations (see ../DATA.md).
 It greets, tells short simple stories, and explains kvchat, KV caches, GQA, RoPE, RMSNorm
 and SwiGLU in a sentence or two. It knows nothing else.
 

@@ -52,7 +52,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
               f" sampled at temperature {args.temp} with seed {args.seed}; at most"
               f" {args.max_tokens} new tokens. Ended at EOS: greedy {n_g}/{len(rows)},"
               f" sampled {n_s}/{len(rows)}.\n"
-              f"\nReproduce: `python -m model.training sample --model {args.model}`\n"]
+              f"\nReproduce: `python -m kvchat.model.training sample --model {args.model}`\n"]
         for p, g, s in rows:
             md.append(f"\n**{p}**\n\n- greedy: {g[0]}" + ("" if g[1] == "eos" else
                                                            " *(token limit)*")
