@@ -91,7 +91,8 @@ class KVChatApp(SafeNotify, App[int]):
         for scope, target in scopes:
             for a in palette(scope):
                 yield SystemCommand(a.palette, a.help, partial(self.run_action, a.name, target))
-        yield from (SystemCommand(*c) for c in metal_kernels.switch_commands(self.notify))
+        switch = self.chat.switch_kernels  # the engine switches where the model runs
+        yield from (SystemCommand(*c) for c in metal_kernels.switch_commands(switch))
 
 
 def default_model_path(settings: Settings) -> str | None:

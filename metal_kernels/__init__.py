@@ -115,14 +115,15 @@ def switch_backend(name: str) -> str:
 
 
 def switch_commands(
-    notify: Callable[[str], object],
+    switch: Callable[[str], object],
 ) -> list[tuple[str, str, Callable[[], object]]]:
     """Command-palette entries `(title, help, callback)`, one per usable backend; the
-    callback switches and passes the one-line outcome to `notify` (the UI's toast)."""
+    callback asks `switch` for that backend (the engine switches where the model runs,
+    and reports the one-line outcome)."""
     return [
         (f"Kernels: use {name}", f"run RMSNorm and RoPE on the {name!r} backend from the next"
          " token on (compare decode tok/s on the same chat)",
-         lambda name=name: notify(switch_backend(name)))
+         lambda name=name: switch(name))
         for name in available_backends()
     ]
 

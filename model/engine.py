@@ -42,6 +42,7 @@ from .events import (
     Done,
     Event,
     GenParams,
+    KernelsSwitched,
     Loaded,
     LoadFailed,
     Loading,
@@ -228,6 +229,12 @@ class Engine:
         prefix as if the chat had never closed. Reports CacheRestored."""
         self._jobs.put(("restore", Path(path)))
 
+    def set_kernels(self, backend: str) -> None:
+        """Run RMSNorm and RoPE on `backend` from the next step on (after queued turns);
+        reports KernelsSwitched. The switch happens where the model runs: on this
+        engine's thread, in this engine's process."""
+        self._jobs.put(("kernels", backend))
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (idempotent); its MLX state is released there."""
         if not self._thread.is_alive():
@@ -274,6 +281,9 @@ class Engine:
                         self._save_cache(*arg)
                     elif kind == "restore":
                         self._restore_cache(arg)
+                    elif kind == "kernels":
+                        message = metal_kernels.switch_backend(arg)
+                        self._emit(KernelsSwitched(metal_kernels.backend(), message))
                 except Exception as e:  # no job may end the engine thread: report it
                     self._job_failed(kind, arg, e)
                 finally:

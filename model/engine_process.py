@@ -25,6 +25,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import metal_kernels
+
 from .events import (
     CacheRestored,
     Done,
@@ -62,6 +64,8 @@ class EngineProcess:
         root = str(Path(__file__).resolve().parents[1])
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        # the backend this process chose (KVCHAT_KERNELS or the settings entry)
+        env["KVCHAT_KERNELS"] = metal_kernels.backend()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", __name__, str(cmd_r), str(evt_w)],
             pass_fds=(cmd_r, evt_w), env=env, stdin=subprocess.DEVNULL,
@@ -101,6 +105,9 @@ class EngineProcess:
 
     def restore_cache(self, path: str | Path) -> None:
         self._send(("restore_cache", (str(path),)))
+
+    def set_kernels(self, backend: str) -> None:
+        self._send(("set_kernels", (backend,)))
 
     def cache_stats(self) -> TurnStats:
         return self._snapshot.cache

@@ -241,9 +241,18 @@ class CacheRestored:
     error: str | None = None
 
 
+@dataclass
+class KernelsSwitched:
+    """The engine now runs RMSNorm and RoPE on `backend`; `message` is the one line to show
+    (it names the reason when the switch was refused)."""
+
+    backend: str
+    message: str
+
+
 Event = (
     Loading | Loaded | LoadFailed | Started | PrefillProgress | Overflow | TextDelta | Stats
-    | Done | CacheSaved | CacheRestored
+    | Done | CacheSaved | CacheRestored | KernelsSwitched
 )
 
 Prompt = Sequence[Mapping[str, str]] | Sequence[int] | str
@@ -261,6 +270,7 @@ class EngineLike(Protocol):
     def close(self, timeout: float = 10.0) -> None: ...
     def save_cache(self, path: str | Path, max_bytes: int | None = None) -> None: ...
     def restore_cache(self, path: str | Path) -> None: ...
+    def set_kernels(self, backend: str) -> None: ...
     def cache_stats(self) -> TurnStats: ...
     def layer_stats(self) -> list[dict[str, Any]]: ...
 

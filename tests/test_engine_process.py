@@ -72,3 +72,32 @@ def test_child_death_is_reported(stories260k: Path) -> None:
         pass
     assert "engine process exited" in (ev.error or "")
     child.close()
+
+
+def test_kernels_switch_where_the_model_runs(stories260k: Path) -> None:
+    """The palette's switch goes to the child: its next turn runs on the new backend (this
+    process's own backend is not what decodes), with the same greedy ids."""
+    import kvchat.metal_kernels as metal_kernels
+    from kvchat.model.events import KernelsSwitched
+
+    params = GenParams(max_tokens=20, ignore_eos=True)
+    events: queue.Queue[Event] = queue.Queue()
+    child = EngineProcess(events.put, stories260k)
+    try:
+        _loaded(events)
+        before, _ = _turn(child, events, "Once upon a time", params)
+        assert before.stats.kernels_backend == metal_kernels.backend() == "fast"
+        child.set_kernels("ops")
+        while not isinstance(ev := events.get(timeout=120), KernelsSwitched):
+            pass
+        assert ev.backend == "ops" and ev.message == "kernels: ops"
+        assert metal_kernels.backend() == "fast"  # this process did not switch
+        child.reset()
+        after, _ = _turn(child, events, "Once upon a time", params)
+        assert after.stats.kernels_backend == "ops" and after.ids == before.ids
+        child.set_kernels("nope")
+        while not isinstance(ev := events.get(timeout=120), KernelsSwitched):
+            pass
+        assert ev.backend == "ops" and ev.message.startswith("unknown kernels backend 'nope'")
+    finally:
+        child.close()

@@ -28,6 +28,7 @@ from kvchat.model.events import (
     Done,
     EngineFactory,
     EngineLike,
+    KernelsSwitched,
     Loaded,
     LoadFailed,
     Loading,
@@ -35,6 +36,7 @@ from kvchat.model.events import (
     PrefillProgress,
     Started,
     Stats,
+    TurnStats,
 )
 
 from ..actions import bindings
@@ -113,6 +115,7 @@ class ChatScreen(InterruptKey, Screen[None]):
             LoadFailed: self.on_load_failed,
             CacheSaved: self.on_cache_saved,
             CacheRestored: self.on_cache_restored,
+            KernelsSwitched: self.on_kernels_switched,
             PrefillProgress: self.on_turn_notice,
             Overflow: self.on_turn_notice,
         }
@@ -276,6 +279,15 @@ class ChatScreen(InterruptKey, Screen[None]):
                 remember_model(self.settings)
             except KVChatError:
                 pass  # remembering the last model is best-effort
+
+    def switch_kernels(self, backend: str) -> None:
+        """The palette's "Kernels: use …": the engine switches where the model runs."""
+        if self.engine is not None:
+            self.engine.set_kernels(backend)
+
+    def on_kernels_switched(self, ev: KernelsSwitched) -> None:
+        self.notify(ev.message, title="Kernels")
+        self.panel.update_stats(TurnStats(kernels_backend=ev.backend))
 
     def on_turn_notice(self, ev: PrefillProgress | Overflow) -> None:
         on_turn_event(ev, self.panel, self._reply, self.notify)
