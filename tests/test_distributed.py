@@ -101,6 +101,29 @@ def wide_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_checkpoint(spec, tmp_path_factory.mktemp("wide_llama"))
 
 
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Gemma 3 (sliding, sliding, global, sliding; sandwich blocks, offset norms,
+    scaled embedding, tied head) built by transformers, as tests/test_families.py does."""
+    from tests.test_families import FAMILY_SPECS, build
+
+    return build(FAMILY_SPECS["gemma3_text"], tmp_path_factory.mktemp("gemma3"))
+
+
+def test_split_gemma3_equals_single_process(gemma3: Path, tmp_path: Path) -> None:
+    """Every rank runs Transformer's own embed / blocks / head: a family with sliding and
+    global layers, sandwich norms and a scaled embedding gives the single process's ids
+    split across two ranks (the prompt is longer than the sliding window)."""
+    prompt = " ".join(f"w{3 + (i * 11) % 200}" for i in range(24))
+    want, _ = _single(gemma3, prompt, 16, None)
+    lines = _lines(_driver(_hostfile(tmp_path, 2), gemma3, "--prompt", prompt,
+                           "--max-tokens", "16"))
+    loaded, turns = lines[0]["loaded"], lines[1:]
+    assert len(loaded["ranks"]) == 2 and len(turns) == 1
+    assert turns[0]["finish_reason"] in ("length", "eos"), turns[0]["error"]
+    assert turns[0]["ids"] == want
+
+
 # ---- the plan --------------------------------------------------------------------------
 def test_plan_is_the_byte_optimal_contiguous_split(stories260k: Path) -> None:
     from itertools import combinations
