@@ -1,5 +1,5 @@
 """Does the chat UI slow decoding? The real app (headless, Textual's Pilot) against the
-same engine without a UI (`kvchat generate`'s BlockingEngine), interleaved.
+same engine without a UI (`kvchat generate`'s EngineClient), interleaved.
 
     python -m kvchat.app.bench_chat [--model DIR] [--tokens 1600] [--runs 2] [--json]
 
@@ -19,8 +19,9 @@ import statistics
 import time
 from typing import Any
 
-from kvchat.model.discovery import DEFAULT_MODEL
 from kvchat.model.events import Done, Event, GenParams, TextDelta
+
+from .discovery import DEFAULT_MODEL
 
 PROMPT = "Once upon a time"
 
@@ -41,16 +42,12 @@ def _params(tokens: int) -> GenParams:
 
 
 def run_generate(model: str, tokens: int) -> dict[str, Any]:
-    from .generate_cmd import BlockingEngine
+    from kvchat.model.client import EngineClient
 
-    runner = BlockingEngine(model)
     stamps: list[float] = []
-    try:
-        runner._on_delta = lambda _t: stamps.append(time.perf_counter())
+    with EngineClient(model, on_delta=lambda _t: stamps.append(time.perf_counter())) as runner:
         done = runner.run([{"role": "user", "content": PROMPT}], _params(tokens))
-    finally:
-        runner.close()
-    return {"decode_tps": done.stats["decode_tps"], "tokens": len(done.ids),
+    return {"decode_tps": done.stats.decode_tps, "tokens": len(done.ids),
             "quarters": _quarters(stamps)}
 
 
@@ -63,11 +60,14 @@ def run_chat(model: str, tokens: int, size: tuple[int, int] = (120, 40),
     from .tui import KVChatApp
 
     stamps: list[float] = []
+    finished: list[Done] = []
 
     def factory(on_event: Any, path: str | None) -> Engine | EngineProcess:
         def spy(ev: Event) -> None:
             if isinstance(ev, TextDelta):
                 stamps.append(time.perf_counter())
+            elif isinstance(ev, Done):
+                finished.append(ev)
             on_event(ev)
 
         engine = (Engine if in_process else EngineProcess)(spy, path)
@@ -80,16 +80,15 @@ def run_chat(model: str, tokens: int, size: tuple[int, int] = (120, 40),
     async def drive() -> Done:
         app = KVChatApp(model, Settings(), engine_factory=factory)
         async with app.run_test(size=size) as pilot:
-            while not app.model_info:
+            while not app.chat.model_info:
                 await pilot.pause(0.05)
-            await app.send(PROMPT)
-            while app.generating:
+            await app.chat.send(PROMPT)
+            while not finished:
                 await pilot.pause(0.05)
-            assert app.last_done is not None
-            return app.last_done
+            return finished[-1]
 
     done = asyncio.run(drive())
-    return {"decode_tps": done.stats["decode_tps"], "tokens": len(done.ids),
+    return {"decode_tps": done.stats.decode_tps, "tokens": len(done.ids),
             "quarters": _quarters(stamps)}
 
 

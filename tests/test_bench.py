@@ -96,3 +96,17 @@ def test_text_output_names_dtypes_and_roofline(stories260k: Path, capsys) -> Non
                  "--model", str(stories260k)]) == 0
     out = capsys.readouterr().out
     assert "computes in float32" in out and "decode roofline" in out and "BLAS" in out
+
+
+def test_bench_chat_runs_both_sides(stories260k: Path, capsys) -> None:
+    """`python -m kvchat.app.bench_chat`: the real app and the UI-less client decode the
+    same number of tokens and each reports a rate (README's chat-vs-generate table)."""
+    from kvchat.app import bench_chat
+
+    assert bench_chat.main(["--model", str(stories260k), "--tokens", "48", "--runs", "1",
+                            "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for side in ("generate", "chat"):
+        assert [row["tokens"] for row in r[side]] == [48]
+        assert r[side][0]["decode_tps"] > 0
+    assert r["ratio_runs"] == [r["chat"][0]["decode_tps"] / r["generate"][0]["decode_tps"]]
