@@ -132,15 +132,17 @@ CACHE_FIELDS = ("cache_offset", "cache_tokens", "cache_capacity", "cache_bytes",
                 "sliding_bytes", "window_saving")
 
 
+# the annotations of TurnStats' numeric fields (strings: `from __future__ import annotations`)
+_NUMBER_TYPES = ("int | None", "float | None")
+
+
 def stats_json(stats: TurnStats) -> dict[str, Any]:
     """The one serialisation of statistics (`generate --json`, bench): every field by its
     DESIGN.md name, numbers never absent (0 when not measured), non-finite floats as null."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(stats):
         v = getattr(stats, f.name)
-        if v is None and f.name not in (
-            "kernels_backend", "device", "wrapped", "pipeline", "compiled_step"
-        ):
+        if v is None and f.type in _NUMBER_TYPES:  # a flag, a name or a table stays null
             v = 0
         out[f.name] = None if isinstance(v, float) and not math.isfinite(v) else v
     return out
