@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import metal_kernels
+from kvchat import metal_kernels
 
 from .events import (
     CacheRestored,
@@ -61,11 +61,8 @@ class EngineProcess:
         self._snapshot = _Snapshot([], TurnStats())
         cmd_r, cmd_w = os.pipe()
         evt_r, evt_w = os.pipe()
-        root = str(Path(__file__).resolve().parents[1])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         # the backend this process chose (KVCHAT_KERNELS or the settings entry)
-        env["KVCHAT_KERNELS"] = metal_kernels.backend()
+        env = {**os.environ, "KVCHAT_KERNELS": metal_kernels.backend()}
         self._proc = subprocess.Popen(
             [sys.executable, "-m", __name__, str(cmd_r), str(evt_w)],
             pass_fds=(cmd_r, evt_w), env=env, stdin=subprocess.DEVNULL,

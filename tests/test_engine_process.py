@@ -103,3 +103,26 @@ def test_kernels_switch_where_the_model_runs(stories260k: Path) -> None:
         assert ev.backend == "ops" and ev.message.startswith("unknown kernels backend 'nope'")
     finally:
         child.close()
+
+
+def test_child_starts_on_this_process_backend_from_any_folder(
+    stories260k: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """The `kernels` setting is applied in this process (app.cli: metal_kernels.configure);
+    the child decodes on it. And the child imports from any working directory (the
+    installed package, not the checkout's folders)."""
+    import kvchat.metal_kernels as metal_kernels
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("KVCHAT_KERNELS", raising=False)
+    before = metal_kernels.backend()
+    metal_kernels.set_backend("ops")  # as configure() does for a settings entry
+    events: queue.Queue[Event] = queue.Queue()
+    child = EngineProcess(events.put, stories260k)
+    try:
+        _loaded(events)
+        done, _ = _turn(child, events, "Once upon a time", GenParams(max_tokens=4))
+        assert done.finish_reason in ("length", "eos") and done.stats.kernels_backend == "ops"
+    finally:
+        child.close()
+        metal_kernels.set_backend(before)
