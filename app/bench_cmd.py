@@ -37,12 +37,13 @@ from kvchat.model.kv_math import kv_bytes_per_token
 from . import blas
 from .discovery import DEFAULT_MODEL
 from .errors import report
+from .generate_cmd import add_model_argument
 
 METRICS = ("prefill_tps", "decode_tps", "ttft_s")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="DIR", help=f"model folder (default: {DEFAULT_MODEL})")
+    add_model_argument(p)
     p.add_argument("--prompt-tokens", type=int, default=128, metavar="N")
     p.add_argument("--gen-tokens", type=int, default=64, metavar="M")
     p.add_argument("--runs", type=int, default=3, metavar="R", help="timed runs per side")

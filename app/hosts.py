@@ -135,7 +135,7 @@ def ring_addresses(hosts: list[dict[str, Any]], port: int = RING_PORT) -> list[l
 
 
 def start_ranks(
-    hostfile: str | Path, model: str, log_dir: Path, extra_args: list[str] | None = None
+    hostfile: str | Path, model: str, log_dir: Path
 ) -> list[subprocess.Popen[bytes]]:
     """Start ranks 1..N-1 of `hostfile` serving `model` and make this process rank 0
     (its environment then says so; call `join_if_launched` next)."""
@@ -147,8 +147,7 @@ def start_ranks(
     for rank, h in enumerate(spec["hosts"]):
         if rank == 0:
             continue
-        command = [sys.executable, "-m", "kvchat.app", "--model", str(h.get("model") or model),
-                   *(extra_args or [])]
+        command = [sys.executable, "-m", "kvchat.app", "--model", str(h.get("model") or model)]
         local = h["ssh"] == "127.0.0.1"
         script = RemoteProcess.make_launch_script(
             rank, None, None, {"MLX_HOSTFILE": ring}, spec["envs"], command, local
@@ -198,7 +197,6 @@ def run_chat(hostfile: str, model: str | None) -> int:
         return run_tui(path, settings, engine_factory=in_process_engine)
     finally:
         stop_ranks(procs)
-
 
 
 # ---- what the side panel shows for a split model -------------------------------------

@@ -27,7 +27,6 @@ from kvchat.model.kv_math import (
     kv_bytes_by_kind,
     kv_bytes_per_token,
     parse_size,
-    weights_dtype_bytes,
 )
 
 from .errors import report
@@ -102,10 +101,6 @@ def _dtype_bytes(args: argparse.Namespace, cfg: ModelConfig) -> tuple[int, str]:
     b = dtype_bytes_of(cfg.torch_dtype)
     if b is not None:
         return b, f"torch_dtype {cfg.torch_dtype}"
-    if args.model:
-        b = weights_dtype_bytes(args.model)
-        if b is not None:
-            return b, "weights' dtype"
     return 2, "assumed fp16"
 
 

@@ -1,8 +1,9 @@
 """The kvchat Textual app: it wires the engine, the settings and the store, and pushes
 screens. The chat itself is app/screens/chat.py; the keys are app/actions.py's table.
 
-Threading (DESIGN.md): every MLX call happens on the engine's own thread; the chat screen
-hears from it through app/bridge.py. The UI never runs MLX in a Textual worker; the only
+Threading (DESIGN.md): every MLX call happens in the engine, by default in a child process
+(model/engine_process.py; a pipeline's rank 0 keeps it on a thread of this process); the
+chat screen hears from it through app/bridge.py. The UI never runs MLX in a Textual worker; the only
 worker thread (model discovery in the picker) reads files.
 """
 

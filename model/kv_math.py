@@ -8,11 +8,9 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from .config import ModelConfig
 from .errors import KVChatError
-from .files import safetensors_header, weight_files
 
 # bytes per element of the dtype names in config.json (torch_dtype) and safetensors headers
 DTYPE_BYTES: dict[str, int] = {
@@ -135,28 +133,6 @@ def dtype_bytes_of(torch_dtype: str | None) -> int | None:
     if not torch_dtype:
         return None
     return DTYPE_BYTES.get(str(torch_dtype).removeprefix("torch."))
-
-
-def weights_bytes(folder: str | Path) -> int:
-    """Bytes of every tensor in a model folder's safetensors files, from the headers'
-    data offsets (exact, packed quantized weights included; no tensor is read)."""
-    total = 0
-    for f in weight_files(Path(folder)):
-        for name, info in safetensors_header(f).items():
-            if name == "__metadata__":
-                continue
-            start, end = info["data_offsets"]
-            total += end - start
-    return total
-
-
-def weights_dtype_bytes(folder: str | Path) -> int | None:
-    """Bytes per element of the first floating tensor in a folder's weights."""
-    for f in weight_files(Path(folder)):
-        for name, info in safetensors_header(f).items():
-            if name != "__metadata__" and str(info.get("dtype", "")).startswith(("F", "BF")):
-                return DTYPE_BYTES.get(info["dtype"])
-    return None
 
 
 def parse_size(text: str | int) -> int:

@@ -235,9 +235,9 @@ def test_greedy_ids_equal_single_process(
 def test_rank_weight_bytes_are_its_slice(ranks: int, wide_llama: Path, tmp_path: Path) -> None:
     """Tolerance: MLX active memory after load within 5 % + 1 MiB of the slice's bytes
     planned from the safetensors headers (lazy loading: no rank reads others' tensors)."""
-    from kvchat.model.kv_math import weights_bytes
+    from kvchat.model.facts import model_facts
 
-    total = weights_bytes(wide_llama)
+    total = model_facts(wide_llama).file_bytes
     lines = _lines(_driver(_hostfile(tmp_path, ranks), wide_llama, "--max-tokens", "2"))
     rows = lines[0]["loaded"]["ranks"]
     for r in rows:

@@ -16,8 +16,6 @@ from kvchat.model.kv_math import (
     kv_bytes_per_token,
     parse_size,
     tokens_that_fit,
-    weights_bytes,
-    weights_dtype_bytes,
 )
 
 STORIES = Path(__file__).resolve().parents[1].parent / "shared/models/stories260K"
@@ -90,9 +88,10 @@ def test_dtype_bytes() -> None:
 def test_weights_bytes_from_headers() -> None:
     if not (STORIES / "config.json").is_file():
         pytest.skip(f"real model absent: {STORIES}")
+    from kvchat.model.facts import model_facts
     from kvchat.model.weights import load_model, weight_bytes
 
-    n = weights_bytes(STORIES)
+    facts = model_facts(STORIES)
     # the model loads as float32 on the CPU, as stored: every header byte is a parameter byte
-    assert n == weight_bytes(load_model(STORIES)) == 1_040_128
-    assert weights_dtype_bytes(STORIES) == 4
+    assert facts.file_bytes == facts.weight_bytes == weight_bytes(load_model(STORIES))
+    assert facts.file_bytes == 1_040_128 and facts.file_dtype == "float32"

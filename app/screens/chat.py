@@ -3,8 +3,10 @@ state machine (app/turn.py) they render from, and the keys that act on them.
 
 Engine events arrive through a `Bridge` (app/bridge.py) as messages; each kind has its own
 method (`on_started`, `on_text`, `on_stats`, `on_done`, `on_loading`, `on_loaded`,
-`on_load_failed`, `on_cache_saved`, `on_cache_restored`), the place to hook into. The
-screen never runs MLX: the engine's thread does all of it.
+`on_load_failed`, `on_cache_saved`, `on_cache_restored`, `on_kernels_switched`,
+`on_turn_notice`), the place to hook into. The screen never runs MLX: the engine does
+all of it, in its own process (model/engine_process.py) or, for a pipeline's rank 0, on
+its own thread.
 """
 
 from __future__ import annotations
@@ -165,7 +167,9 @@ class ChatScreen(InterruptKey, Screen[None]):
     def close_engine(self) -> None:
         self.bridge.closed = True
         if self.engine is not None:
-            self.engine.close(timeout=1.0)  # a busy engine is left to app.cli.finish
+            # a busy engine: its process is killed, or (in-process) its thread is left
+            # to app.cli.finish
+            self.engine.close(timeout=1.0)
 
     # ---- the turn state machine -----------------------------------------------------------
     @property
@@ -265,7 +269,7 @@ class ChatScreen(InterruptKey, Screen[None]):
         self.panel.clear_cache_stats()
         self.panel.set_model(ev.info)
         # memory, kernels and device before the first turn: metadata and allocator
-        # counters only (no arrays), so this is safe off the engine thread
+        # counters only (no arrays; from the engine process, its last snapshot)
         if self.engine is not None:
             self.panel.update_stats(self.engine.cache_stats())
         if swapped:
@@ -474,6 +478,7 @@ class ChatScreen(InterruptKey, Screen[None]):
         if self._refuse_busy():
             return
         self._end_edit()
+        self._restored_tokens = 0
         self.conversation = Conversation(
             system_prompt=self.settings.system_prompt, model=self.model_path
         )
@@ -495,8 +500,7 @@ class ChatScreen(InterruptKey, Screen[None]):
         """Swap weights on the engine thread; the conversation continues on the new model."""
         if not path or self._refuse_busy() or self.engine is None:
             return
-        self.query_one("#loading-label", Static).update(f"Loading {path} …")
-        self.go(Phase.LOADING)
+        self.go(Phase.LOADING)  # the label comes with the engine's Loading event
         self.engine.load(path)
 
     def action_settings(self) -> None:
@@ -533,6 +537,7 @@ class ChatScreen(InterruptKey, Screen[None]):
             self.notify(str(e), severity="error")
             return False
         self._end_edit()
+        self._restored_tokens = 0  # set again if this chat's cache comes back
         self.conversation = conv
         self.panel.clear_cache_stats()  # the figures were the previous chat's
         await self.transcript.remove_children()

@@ -93,7 +93,6 @@ class StatsPanel(VerticalScroll):
         self.stats = TurnStats()
         self.info: dict[str, Any] = {}
         self.decode_now: float | None = None
-        self.generating = False
         self.freed_bytes: int | None = None  # memory released by the last model swap
         self._dirty = True
         self._last_point: tuple[int, float] | None = None  # (generated, decode span)
@@ -128,7 +127,6 @@ class StatsPanel(VerticalScroll):
         self.prefill = None
         self._last_point = None
         self._spark.clear()
-        self.generating = True
         self._dirty = True
 
     def show_prefill(self, done: int, total: int, tps: float) -> None:
@@ -140,7 +138,6 @@ class StatsPanel(VerticalScroll):
         self.prefill = None
         if stats:
             self.update_stats(stats)
-        self.generating = False
         self._dirty = True
         self._render_now()  # final numbers at once, not up to 100 ms later
 
