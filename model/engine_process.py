@@ -147,13 +147,15 @@ class EngineProcess:
                 self._snapshot = msg
                 continue
             if isinstance(msg, Done):
-                self._pending = max(0, self._pending - 1)
+                with self._lock:
+                    self._pending = max(0, self._pending - 1)
             self._on_event(msg)
         code = self._proc.wait()
         if code != 0:  # died: whoever waits for a turn must hear about it
             why = f"the engine process exited with status {code}"
-            if self._pending:
-                self._pending = 0
+            with self._lock:
+                lost, self._pending = self._pending, 0
+            if lost:
                 self._on_event(Done("error", "", [], [], error=why))
             else:
                 self._on_event(LoadFailed("", why))
@@ -170,7 +172,10 @@ def _child(cmd_fd: int, evt_fd: int) -> None:
     def on_event(ev: Event) -> None:  # on the engine thread
         with lock:  # the snapshot first: a handler of `ev` may read it at once
             if isinstance(ev, _SNAPSHOT_AFTER) and engine is not None:
-                evt.send(_Snapshot(engine.layer_stats(), engine.cache_stats()))
+                # a Stats event already holds the cache's numbers: don't gather them twice
+                # between two decode steps
+                cache = ev.stats if isinstance(ev, Stats) else engine.cache_stats()
+                evt.send(_Snapshot(engine.layer_stats(), cache))
             evt.send(ev)
 
     engine = Engine(on_event, None, **cmd.recv())

@@ -182,6 +182,8 @@ class CompiledStep:
         adapters = [_adapter(c) for c in self.caches]
         self.supported = all(a is not None for a in adapters)
         self.adapters: list[Any] = adapters
+        # each adapter's kind and bounds: fixed for its cache, part of every trace's key
+        self.layout = tuple(a.static() for a in adapters) if self.supported else ()
         # traces live with the model (its weights are constants in them), so a new
         # cache list, e.g. every new chat, reuses them instead of tracing again
         self._fns: dict[tuple[Any, ...], Any] = model.__dict__.setdefault(
@@ -210,15 +212,15 @@ class CompiledStep:
         rows: list[list[int]] = []
         index: dict[tuple[Any, ...], int] = {}
         groups, buffers = [], []
-        for a in self.adapters:
+        for a, static in zip(self.adapters, self.layout, strict=True):
             r = a.row()
-            key = (*a.static(), *r)
+            key = (*static, *r)
             g = index.setdefault(key, len(rows))
             if g == len(rows):
                 rows.append(r)
             groups.append(g)
             buffers += [a.cache.keys, a.cache.values]
-        layout = tuple(a.static() for a in self.adapters)
+        layout = self.layout
         # the kernel backend can be switched at run time: a trace keeps the one it saw
         fkey = (layout, tuple(groups), metal_kernels.backend())
         fn = self._fns.get(fkey)

@@ -339,7 +339,6 @@ class PipelineModel(nn.Module):
         self._bound: tuple[int, int] = (-1, 4)
         self._local = 0  # layers on rank 0
         self._steps: deque[tuple[float, list[float]]] = deque(maxlen=TIMING_WINDOW)
-        self._dtype = mx.float32
 
     @property
     def layers(self) -> list[Any]:
@@ -411,7 +410,6 @@ class PipelineModel(nn.Module):
                 *self._bound] + [0] * self._link.size
         ctrl[CTRL_FIXED] = int((time.perf_counter() - t0) * 1e6)
         self._link.send_async(mx.array(ctrl, dtype=mx.int32), h)
-        self._dtype = h.dtype
         return h.dtype
 
     # -- statistics --
@@ -420,7 +418,6 @@ class PipelineModel(nn.Module):
         return {
             "parameters": sum(r["parameters"] for r in self._ranks),
             "weight_bytes": sum(r["weight_bytes"] for r in self._ranks),
-            "dtype": str(self._dtype).removeprefix("mlx.core."),
             "ranks": [dict(r) for r in self._ranks],
         }
 
