@@ -1,3 +1,3 @@
-from kvchat.app.cli import entry
+from kvchat.app.main import entry
 
 entry()

@@ -68,7 +68,8 @@ import jinja2.utils
 from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from .errors import KVChatError, one_line, read_json_object
+from .errors import KVChatError, one_line
+from .files import read_json_object
 
 __all__ = ["PLAIN_FALLBACK", "RENDER_OUTPUT_LIMIT", "RENDER_TIME_LIMIT_S", "TemplateCancelled",
            "TemplateError", "load_chat_template", "render", "template_from_config"]

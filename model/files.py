@@ -170,3 +170,17 @@ def weight_files(folder: Path) -> list[Path]:
             " convert it to safetensors"
         )
     raise ModelLoadError(f"no *.safetensors weights in {folder}")
+
+
+def read_json_object(path: Path, error: type[KVChatError]) -> dict[str, Any]:
+    """A JSON object from `path`; {} when the file is absent or not an object,
+    `error` (one line) when it cannot be read or parsed."""
+    try:
+        data = json.loads(read_regular_text(path))
+    except FileNotFoundError:
+        return {}
+    except KVChatError as e:  # a FIFO, a device, a directory, an absurd size
+        raise error(str(e)) from None
+    except (OSError, ValueError) as e:
+        raise error(f"{path}: cannot read: {one_line(e)}") from None
+    return data if isinstance(data, dict) else {}

@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from . import chat_template as _chat
-from .errors import ModelLoadError, one_line, read_json_object
+from .errors import ModelLoadError, one_line
+from .files import read_json_object
 
 __all__ = ["StreamDetokenizer", "Tokenizer", "TokenizerError", "load_tokenizer"]
 

@@ -1,5 +1,5 @@
 """Rank 0 for the distributed tests, as `kvchat --hosts` runs it: start the other ranks
-with app.hosts, join, drive the real Engine, print one JSON line per event of interest.
+with app.core.hosts, join, drive the real Engine, print one JSON line per event of interest.
 
     python -m tests.distributed_driver HOSTFILE MODEL [--turns N] [--pause] ...
 
@@ -35,7 +35,7 @@ def main() -> int:
                     help="with --pause: how long to wait for the other ranks to exit")
     args = ap.parse_args()
 
-    from kvchat.app import hosts
+    from kvchat.app.core import hosts
 
     procs = hosts.start_ranks(args.hostfile, args.model, Path(tempfile.mkdtemp()))
     hosts.join_if_launched(argparse.Namespace(model=args.model))

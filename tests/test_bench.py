@@ -11,7 +11,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from kvchat.app.cli import main
+from kvchat.app.main import main
 
 pytest.importorskip("mlx_lm")
 
@@ -99,9 +99,9 @@ def test_text_output_names_dtypes_and_roofline(stories260k: Path, capsys) -> Non
 
 
 def test_bench_chat_runs_both_sides(stories260k: Path, capsys) -> None:
-    """`python -m kvchat.app.bench_chat`: the real app and the UI-less client decode the
+    """`python -m kvchat.app.tui.bench_chat`: the real app and the UI-less client decode the
     same number of tokens and each reports a rate (README's chat-vs-generate table)."""
-    from kvchat.app import bench_chat
+    from kvchat.app.tui import bench_chat
 
     assert bench_chat.main(["--model", str(stories260k), "--tokens", "48", "--runs", "1",
                             "--json"]) == 0

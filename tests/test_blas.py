@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.app import blas
+from kvchat.app.core import blas
 
 REPO = Path(__file__).resolve().parents[1]
-PROBE = ("import json, mlx.core as mx; from app.blas import active_blas;"
+PROBE = ("import json, mlx.core as mx; from kvchat.app.core.blas import active_blas;"
          " mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64))); print(json.dumps(active_blas()))")
 
 
@@ -54,7 +54,7 @@ def test_pip_openblas_route_without_system_libraries(monkeypatch, tmp_path) -> N
 
 
 def test_version_names_mlx_device_and_blas(capsys) -> None:
-    from kvchat.app.cli import main
+    from kvchat.app.main import main
 
     with pytest.raises(SystemExit) as e:
         main(["--version"])

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.app import discovery, models_cmd
-from kvchat.app.discovery import (
+from kvchat.app.cli import models as models_cmd
+from kvchat.app.core import discovery
+from kvchat.app.core.discovery import (
     DEFAULT_MODEL,
     ModelEntry,
     default_model_dirs,
@@ -283,7 +284,7 @@ def test_dedup_by_resolved_path_and_sort(
 
 def test_default_model_is_repo_assets() -> None:
     # DEFAULT_MODEL was imported before the autouse fixture patched the module attribute
-    expected = Path(discovery.__file__).resolve().parents[1] / "assets" / "kvchat-mini"
+    expected = Path(discovery.__file__).resolve().parents[2] / "assets" / "kvchat-mini"
     assert DEFAULT_MODEL == expected
     # the repository's assets, or their copy inside an installed (non-editable) package
     shipped = REPO / "assets" / "kvchat-mini" / "config.json"
@@ -361,7 +362,7 @@ def test_models_cmd_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 def test_models_cmd_json_and_settings_dirs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvchat.app.settings import Settings, save_settings
+    from kvchat.app.core.settings import Settings, save_settings
 
     make_model(tmp_path / "fromsettings" / "m1")
     save_settings(Settings(model_dirs=[str(tmp_path / "fromsettings")]))

@@ -1,7 +1,7 @@
 """Pipeline parallelism on loopback: two and three real mx.distributed ranks (ring backend).
 
 Rank 0 runs either `tests/distributed_driver.py` (what `kvchat --hosts` does: it starts
-the other ranks with app.hosts and drives the real Engine) or the CLI under mlx.launch.
+the other ranks with app.core.hosts and drives the real Engine) or the CLI under mlx.launch.
 References are the single-process Engine's greedy ids on the same folder.
 """
 

@@ -108,7 +108,7 @@ def test_kernels_switch_where_the_model_runs(stories260k: Path) -> None:
 def test_child_starts_on_this_process_backend_from_any_folder(
     stories260k: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    """The `kernels` setting is applied in this process (app.cli: metal_kernels.configure);
+    """The `kernels` setting is applied in this process (app.main: metal_kernels.configure);
     the child decodes on it. And the child imports from any working directory (the
     installed package, not the checkout's folders)."""
     import kvchat.metal_kernels as metal_kernels

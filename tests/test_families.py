@@ -495,7 +495,7 @@ def test_prompt_reuse_stays_exact_with_sliding_layers(family: Callable[[str], Pa
 
 
 def test_layer_view_summary_shows_window_and_gqa_savings(family: Callable[[str], Path]) -> None:
-    from kvchat.app.screens.layers import summary
+    from kvchat.app.tui.screens.layers import summary
     from kvchat.model.cache import layer_stats
 
     model = load_model(family("gemma3_text"))
@@ -516,7 +516,7 @@ def test_inspect_live_with_sliding_layers(
     per-kind formula: 32 tokens in the global layer, 16 in each of 3 sliding ones."""
     import argparse
 
-    from kvchat.app import inspect_cmd
+    from kvchat.app.cli import inspect as inspect_cmd
 
     p = argparse.ArgumentParser()
     inspect_cmd.add_arguments(p)

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from kvchat.app import generate_cmd
-from kvchat.app.cli import main
+from kvchat.app.cli import generate as generate_cmd
+from kvchat.app.main import main
 from kvchat.model.events import Done, TurnStats
 
 from .conftest import REPO_ROOT, STORIES260K
@@ -282,7 +282,7 @@ engine_mod.load_model = lambda path: time.sleep(30)
 eng = engine_mod.Engine(lambda ev: None)
 eng.load("slow")
 time.sleep(0.5)
-from kvchat.app.cli import finish
+from kvchat.app.main import finish
 t0 = time.monotonic()
 finish(0)
 """

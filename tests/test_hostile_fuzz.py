@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvchat.app.text import SafeStream
+from kvchat.app.core.text import SafeStream
 from kvchat.model import chat_template
 from kvchat.model.chat_template import TemplateError, render
 from kvchat.model.config import load_config

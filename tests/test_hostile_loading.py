@@ -24,9 +24,9 @@ import pytest
 
 from kvchat.model.config import load_config
 from kvchat.model.engine import Engine
-from kvchat.model.errors import ConfigError, KVChatError, read_json_object
+from kvchat.model.errors import ConfigError, KVChatError
 from kvchat.model.events import Done, GenParams, Loaded, LoadFailed
-from kvchat.model.files import safetensors_header
+from kvchat.model.files import read_json_object, safetensors_header
 from kvchat.model.weights import load_model
 
 from .conftest import REPO_ROOT
@@ -146,7 +146,8 @@ def test_fifo_tokenizer_config_and_directory_weights_refused(tmp_path: Path) -> 
     os.mkfifo(tmp_path / "tokenizer_config.json")
     r = run_python(f"""
         from pathlib import Path
-        from kvchat.model.errors import KVChatError, read_json_object
+        from kvchat.model.errors import KVChatError
+        from kvchat.model.files import read_json_object
         try:
             read_json_object(Path({str(tmp_path)!r}) / "tokenizer_config.json", KVChatError)
         except KVChatError as e:

@@ -16,15 +16,14 @@ from typing import Any
 
 from textual.widgets import DataTable, Input
 
-from kvchat.app.discovery import ModelEntry
-from kvchat.app.models_cmd import ModelRow
-from kvchat.app.screens import HistoryScreen, LayerCacheScreen, ModelPickerScreen
-from kvchat.app.screens.settings_form import SettingsScreen
-from kvchat.app.settings import Settings, load_settings
-from kvchat.app.store import Conversation, ConversationStore
-from kvchat.app.text import SafeStream, literal, visible
-from kvchat.app.tui import KVChatApp
-from kvchat.app.turn import Phase
+from kvchat.app.core.discovery import ModelEntry, ModelRow
+from kvchat.app.core.settings import Settings, load_settings
+from kvchat.app.core.store import Conversation, ConversationStore
+from kvchat.app.core.text import SafeStream, literal, visible
+from kvchat.app.tui.app import KVChatApp
+from kvchat.app.tui.screens import HistoryScreen, LayerCacheScreen, ModelPickerScreen
+from kvchat.app.tui.screens.settings_form import SettingsScreen
+from kvchat.app.tui.turn import Phase
 from kvchat.model.events import Done, TurnStats
 from tests import test_tui_app
 from tests.scripted_engine import ScriptedEngine, async_test, wait_for

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from kvchat.app.settings import load_settings, remember_model, save_settings
-from kvchat.app.store import Conversation, ConversationStore
-from kvchat.app.tui import KVChatApp
+from kvchat.app.core.settings import load_settings, remember_model, save_settings
+from kvchat.app.core.store import Conversation, ConversationStore
+from kvchat.app.tui.app import KVChatApp
 from tests.scripted_engine import ScriptedEngine, async_test, wait_for
 
 
@@ -99,7 +99,7 @@ async def test_user_message_is_saved_before_the_reply_starts(config_dir: Path) -
         engines.append(ScriptedEngine(on_event, p, pause_after=0))
         return engines[-1]
 
-    from kvchat.app.settings import Settings
+    from kvchat.app.core.settings import Settings
 
     app = KVChatApp("/models/m", Settings(), engine_factory=factory)
     async with app.run_test() as pilot:

@@ -1,4 +1,4 @@
-"""`kvchat inspect` through app.inspect_cmd.run with parsed arguments."""
+"""`kvchat inspect` through app.cli.inspect.run with parsed arguments."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.app import inspect_cmd
+from kvchat.app.cli import inspect as inspect_cmd
 
 STORIES = Path(__file__).resolve().parents[1].parent / "shared/models/stories260K"
 GiB = 1024**3

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from textual.widgets import Button, DataTable, Input, OptionList, Select, Static, Switch
 
-from kvchat.app.screens import HistoryScreen, ModelPickerScreen
-from kvchat.app.screens.settings_form import SettingsScreen
-from kvchat.app.settings import Settings, load_settings
-from kvchat.app.tui import KVChatApp
+from kvchat.app.core.settings import Settings, load_settings
+from kvchat.app.tui.app import KVChatApp
+from kvchat.app.tui.screens import HistoryScreen, ModelPickerScreen
+from kvchat.app.tui.screens.settings_form import SettingsScreen
 from kvchat.model.events import Overflow, PrefillProgress
 from kvchat.model.facts import model_name
 from tests.scripted_engine import ScriptedEngine, async_test, record_notifications, wait_for

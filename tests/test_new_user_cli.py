@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.app.cli import build_parser
-from kvchat.app.tui import KVChatApp
+from kvchat.app.main import build_parser
+from kvchat.app.tui.app import KVChatApp
 from kvchat.model.facts import check_model_folder, model_facts
 from kvchat.model.weights import load_model, weight_bytes
 
@@ -213,8 +213,8 @@ def test_readme_key_table_matches_the_app() -> None:
 
 
 def test_relative_paths_become_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvchat.app.settings import Settings
-    from kvchat.app.tui import default_model_path, validate_model_path
+    from kvchat.app.core.settings import Settings
+    from kvchat.app.tui.app import default_model_path, validate_model_path
 
     shutil.copytree(MINI, tmp_path / "m")
     monkeypatch.chdir(tmp_path)

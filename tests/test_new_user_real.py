@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from textual.widgets import Static
 
-from kvchat.app.models_cmd import model_rows
+from kvchat.app.core.discovery import model_rows
 from kvchat.model.events import Done
 from tests.scripted_engine import async_test, wait_for
 

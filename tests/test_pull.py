@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.app.hub_download import PullCancelled, PullError, pull, repo_folder
+from kvchat.app.core.hub_download import PullCancelled, PullError, pull, repo_folder
 from kvchat.model.facts import check_model_folder
 
 from .conftest import REPO_ROOT
@@ -185,9 +185,9 @@ def test_terminal_progress_moves_the_cursor_but_shows_file_names_literally() -> 
     sequences pass), while a file name from the Hub with an escape in it is only shown."""
     import io
 
-    from kvchat.app.hub_download import PullProgress
-    from kvchat.app.pull_cmd import TerminalProgress
-    from kvchat.app.text import VisibleWriter
+    from kvchat.app.cli.pull import TerminalProgress
+    from kvchat.app.core.hub_download import PullProgress
+    from kvchat.app.core.text import VisibleWriter
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:

@@ -8,8 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.app import settings as settings_mod
-from kvchat.app.settings import Settings, SettingsError, load_settings, save_settings, settings_path
+from kvchat.app.core import settings as settings_mod
+from kvchat.app.core.settings import (
+    Settings,
+    SettingsError,
+    load_settings,
+    save_settings,
+    settings_path,
+)
 from kvchat.model.errors import KVChatError
 from kvchat.model.events import GenParams
 

@@ -13,11 +13,10 @@ from typing import Any
 import pytest
 from textual.app import App, ComposeResult
 
-from kvchat.app.discovery import ModelEntry
-from kvchat.app.models_cmd import ModelRow
-from kvchat.app.settings import Settings
-from kvchat.app.tui import KVChatApp
-from kvchat.app.widgets import StatsPanel
+from kvchat.app.core.discovery import ModelEntry, ModelRow
+from kvchat.app.core.settings import Settings
+from kvchat.app.tui.app import KVChatApp
+from kvchat.app.tui.widgets import StatsPanel
 from kvchat.model.events import TurnStats
 from kvchat.model.facts import ModelFacts
 from tests.scripted_engine import (
@@ -37,7 +36,7 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
     monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
     # the panel's BLAS row describes the test machine; pin it
-    monkeypatch.setattr("kvchat.app.blas.active_blas",
+    monkeypatch.setattr("kvchat.app.core.blas.active_blas",
                         lambda: {"name": "OpenBLAS", "path": None, "fast": True})
     return tmp_path
 
@@ -158,7 +157,7 @@ def test_model_picker(snap_compare: Any, monkeypatch: pytest.MonkeyPatch) -> Non
              for e in entries]
     rows = [ModelRow(e, f, None) for e, f in zip(entries, facts, strict=True)]
     rows[-1] = ModelRow(entries[-1], None, "unknown architecture 'gemma2'")
-    monkeypatch.setattr("kvchat.app.screens.picker.model_rows", lambda *a, **k: rows)
+    monkeypatch.setattr("kvchat.app.tui.screens.picker.model_rows", lambda *a, **k: rows)
     app = scripted_app()
 
     async def run_before(pilot: Any) -> None:

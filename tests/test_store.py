@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from kvchat.app import store as store_mod
-from kvchat.app.store import (
+from kvchat.app.core import store as store_mod
+from kvchat.app.core.store import (
     SCHEMA_VERSION,
     Conversation,
     ConversationStore,
@@ -286,7 +286,7 @@ def test_store_save_error_is_one_line(tmp_path: Path) -> None:
 _SAVER = textwrap.dedent(
     """
     import sys
-    from kvchat.app.store import Conversation, ConversationStore
+    from kvchat.app.core.store import Conversation, ConversationStore
     st = ConversationStore(sys.argv[1])
     conv = Conversation(id="victim")
     pad = "x" * 200_000  # big saves widen the window a kill can land in
@@ -409,7 +409,7 @@ def test_cache_file_sits_beside_the_chat_and_goes_with_it(tmp_path: Path) -> Non
 
 
 def test_cache_settings_are_validated() -> None:
-    from kvchat.app.settings import Settings, SettingsError
+    from kvchat.app.core.settings import Settings, SettingsError
 
     s = Settings.from_dict({"save_kv_cache": "yes", "kv_cache_max_mib": -1})
     assert (s.save_kv_cache, s.kv_cache_max_mib) == (True, 256)  # defaults kept

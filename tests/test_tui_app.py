@@ -17,23 +17,22 @@ from textual import events
 from textual.widgets import DataTable, Input, Markdown, Sparkline, Static
 from textual.widgets.markdown import MarkdownFence
 
-from kvchat.app.actions import ACTIONS
-from kvchat.app.bridge import Bridge, TextReady
-from kvchat.app.discovery import ModelEntry
-from kvchat.app.models_cmd import ModelRow
-from kvchat.app.screens import (
+from kvchat.app.core.discovery import ModelEntry, ModelRow
+from kvchat.app.core.settings import Settings, load_settings
+from kvchat.app.tui.actions import ACTIONS
+from kvchat.app.tui.app import KVChatApp, run_tui, validate_model_path
+from kvchat.app.tui.bridge import Bridge, TextReady
+from kvchat.app.tui.screens import (
     ChatScreen,
     HelpScreen,
     HistoryScreen,
     LayerCacheScreen,
     ModelPickerScreen,
 )
-from kvchat.app.screens.settings_form import SettingsScreen
-from kvchat.app.settings import Settings, load_settings
-from kvchat.app.tui import KVChatApp, run_tui, validate_model_path
-from kvchat.app.turn import Phase
-from kvchat.app.widgets import ChatMessage, ContextGauge
-from kvchat.app.widgets.format import context_level, fmt_saving, human_bytes
+from kvchat.app.tui.screens.settings_form import SettingsScreen
+from kvchat.app.tui.turn import Phase
+from kvchat.app.tui.widgets import ChatMessage, ContextGauge
+from kvchat.app.tui.widgets.format import context_level, fmt_saving, human_bytes
 from kvchat.model.errors import ModelLoadError
 from kvchat.model.events import Done, Loaded, Started, Stats, TextDelta, TurnStats
 from tests.scripted_engine import (
@@ -521,7 +520,7 @@ async def test_swap_model_via_picker_and_failed_swap(
         ModelEntry("other-model", Path("/models/other-model"), "llama", 1_040_128, None,
                    "configured"),
     ]
-    monkeypatch.setattr("kvchat.app.screens.picker.model_rows",
+    monkeypatch.setattr("kvchat.app.tui.screens.picker.model_rows",
                         lambda *a, **k: [ModelRow(e, None, None) for e in entries])
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:

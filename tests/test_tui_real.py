@@ -21,13 +21,13 @@ import pytest
 from textual import events
 from textual.widgets import DataTable, Input, Static
 
-from kvchat.app.screens import HistoryScreen, ModelPickerScreen
-from kvchat.app.screens.settings_form import SettingsScreen
-from kvchat.app.settings import Settings, load_settings
-from kvchat.app.tui import KVChatApp
-from kvchat.app.turn import Phase
-from kvchat.app.widgets import ChatMessage
-from kvchat.app.widgets.format import human_bytes
+from kvchat.app.core.settings import Settings, load_settings
+from kvchat.app.tui.app import KVChatApp
+from kvchat.app.tui.screens import HistoryScreen, ModelPickerScreen
+from kvchat.app.tui.screens.settings_form import SettingsScreen
+from kvchat.app.tui.turn import Phase
+from kvchat.app.tui.widgets import ChatMessage
+from kvchat.app.tui.widgets.format import human_bytes
 from kvchat.model.engine_process import EngineProcess
 from kvchat.model.events import CacheRestored, Done, Event, GenParams, Loaded, Started
 from tests.scripted_engine import async_test, record_notifications, wait_for

@@ -1,0 +1,301 @@
+"""`kvchat bench`: prefill and decode speed of our engine, optionally beside mlx-lm's
+generation loop on the same folder, the same prompt ids and the same dtype.
+
+Honest by construction:
+- runs alternate, ours then mlx-lm's (A B A B …), after one warm-up run of each, so a
+  machine that gets busier or quieter moves both sides alike;
+- mlx-lm runs in our compute dtype (its float parameters cast), and the dtypes of both
+  sides are printed; if they still differ the ratio is refused unless
+  --allow-dtype-mismatch;
+- min / median / max per side, and the ratio of every A B pair;
+- the decode roofline: bytes read per generated token (weights + resident K/V at the
+  middle of the reply) over a measured memory bandwidth, and each side's tok/s as a
+  fraction of it.
+
+Definitions (DESIGN.md): prefill_tps = prompt tokens / prefill seconds; decode_tps =
+(generated − 1) / (time of last token − time of first token). mlx-lm is timed with the
+same definitions around `mlx_lm.generate.generate_step`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from kvchat.app.cli.generate import add_model_argument
+from kvchat.app.core import blas
+from kvchat.app.core.discovery import DEFAULT_MODEL
+from kvchat.app.core.errors import report
+from kvchat.model.client import EngineClient
+from kvchat.model.events import GenParams
+from kvchat.model.kv_math import kv_bytes_per_token
+
+METRICS = ("prefill_tps", "decode_tps", "ttft_s")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_argument(p)
+    p.add_argument("--prompt-tokens", type=int, default=128, metavar="N")
+    p.add_argument("--gen-tokens", type=int, default=64, metavar="M")
+    p.add_argument("--runs", type=int, default=3, metavar="R", help="timed runs per side")
+    p.add_argument("--against", choices=["mlx-lm"], help="also time mlx-lm on the same ids")
+    p.add_argument("--mlx-lm-dtype", choices=["ours", "native"], default="ours",
+                   help="ours: cast mlx-lm's float parameters to our compute dtype (default);"
+                   " native: the dtype mlx-lm loads the folder in")
+    p.add_argument("--allow-dtype-mismatch", action="store_true",
+                   help="print ratios even when the two sides compute in different dtypes")
+    p.add_argument("--no-compile", action="store_true",
+                   help="decode with the plain (uncompiled) step")
+    p.add_argument("--keep-quantized", action="store_true",
+                   help="keep quantized weights quantized (CPU default: dequantize)")
+    p.add_argument("--json", action="store_true")
+
+
+def prompt_ids(vocab: int, n: int, seed: int = 0) -> list[int]:
+    """Deterministic ids away from the low special-token range."""
+    rng = random.Random(seed)
+    lo = min(16, vocab - 1)
+    return [rng.randrange(lo, vocab) for _ in range(n)]
+
+
+def summary(values: list[float]) -> dict[str, Any]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values),
+            "runs": values}
+
+
+def memory_bandwidth(n_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes per second of a large array copy (read + write), best of `repeats`."""
+    src = np.ones(n_bytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n_bytes / best
+
+
+def float_dtype(model: Any) -> str:
+    """The dtype a model computes in: that of its final norm weight."""
+    return str(model.model.norm.weight.dtype).removeprefix("mlx.core.")
+
+
+def weights_label(bits: int | None, dequantized: bool, dtype: str) -> str:
+    if bits is None:
+        return dtype
+    return f"{bits}-bit dequantized to {dtype}" if dequantized else f"{bits}-bit"
+
+
+class _Ours:
+    def __init__(self, path: str, compiled: bool):
+        self.runner = EngineClient(path, compiled=compiled)
+        self.info = self.runner.info
+
+    def once(self, ids: list[int], gen: int) -> dict[str, float]:
+        self.runner.engine.reset()
+        done = self.runner.run(ids, GenParams(max_tokens=gen, temp=0.0, ignore_eos=True))
+        if done.finish_reason == "error":
+            raise RuntimeError(done.error)
+        s = done.stats
+        return {k: getattr(s, k) or 0.0 for k in (*METRICS, "peak_memory")} | {
+            "compiled_step": s.compiled_step}
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+class _MlxLm:
+    def __init__(self, path: str, dtype: str | None):
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+        from mlx_lm import load
+
+        self.mx = mx
+        self.model, _ = load(path)
+        if dtype is not None:
+            self.model.set_dtype(getattr(mx, dtype))
+        self.dtype = float_dtype(self.model)
+        self.weight_bytes = sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
+
+    def once(self, ids: list[int], gen: int) -> dict[str, float]:
+        from mlx_lm.generate import generate_step
+
+        mx = self.mx
+        mx.reset_peak_memory()
+        prompt = mx.array(ids)
+        t0 = time.perf_counter()
+        t_first = t_last = t0
+        count = 0
+        for tok, _ in generate_step(prompt, self.model, max_tokens=gen,
+                                    sampler=lambda x: mx.argmax(x, axis=-1)):
+            _ = int(tok)
+            t_last = time.perf_counter()
+            if count == 0:
+                t_first = t_last
+            count += 1
+        span = t_last - t_first
+        return {
+            "prefill_tps": len(ids) / (t_first - t0),
+            "decode_tps": (count - 1) / span if count > 1 and span > 0 else 0.0,
+            "ttft_s": t_first - t0,
+            "peak_memory": mx.get_peak_memory(),
+        }
+
+
+def _side(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {k: summary([r[k] for r in rows]) for k in METRICS}
+    out["peak_memory"] = max(r["peak_memory"] for r in rows)
+    return out
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.prompt_tokens < 1 or args.gen_tokens < 2 or args.runs < 1:
+        report("--prompt-tokens must be >= 1, --gen-tokens >= 2 and --runs >= 1")
+        return 2
+    if args.keep_quantized:
+        os.environ["KVCHAT_KEEP_QUANTIZED"] = "1"
+    import mlx.core as mx
+
+    path = str(args.model or DEFAULT_MODEL)
+    ours = _Ours(path, compiled=not args.no_compile)
+    try:
+        info = ours.info
+        tokenizer = ours.runner.engine.tokenizer
+        vocab = min(info["vocab_size"], tokenizer.vocab_size if tokenizer else 1 << 30)
+        ids = prompt_ids(vocab, args.prompt_tokens)
+        ref = None
+        if args.against == "mlx-lm":
+            ref = _MlxLm(path, info["dtype"] if args.mlx_lm_dtype == "ours" else None)
+        # warm-up (traces the compiled step, fills allocator caches), then A B A B …
+        ours.once(ids[:8], 4)
+        if ref is not None:
+            ref.once(ids[:8], 4)
+        a_rows, b_rows = [], []
+        for _ in range(args.runs):
+            a_rows.append(ours.once(ids, args.gen_tokens))
+            if ref is not None:
+                b_rows.append(ref.once(ids, args.gen_tokens))
+    finally:
+        ours.close()
+
+    kv_token = kv_bytes_per_token(info["n_layers"], info["n_kv_heads"], info["head_dim"],
+                                  getattr(mx, info["dtype"]).size)
+    context = args.prompt_tokens + args.gen_tokens // 2  # mean resident tokens while decoding
+    bandwidth = memory_bandwidth()
+    ours_bytes = info["weight_bytes"] + kv_token * context
+    result: dict[str, Any] = {
+        "model": path,
+        "machine": {"platform": platform.platform(), "cpu": _cpu_name(),
+                    "cores": os.cpu_count(), "device": str(mx.default_device()),
+                    "mlx": mx.__version__, "blas": blas.active_blas()},
+        "prompt_tokens": args.prompt_tokens,
+        "gen_tokens": args.gen_tokens,
+        "runs": args.runs,
+        "order": "interleaved: one warm-up each, then kvchat, mlx-lm, kvchat, mlx-lm, …"
+        if ref is not None else "kvchat only, after one warm-up",
+        "kvchat": {
+            "dtype": info["dtype"],
+            "weights": weights_label(info.get("bits"), bool(info.get("dequantized")),
+                                     info["dtype"]),
+            "weight_bytes": info["weight_bytes"],
+            "compiled_step": bool(a_rows[-1]["compiled_step"]),
+            **_side(a_rows),
+        },
+        "roofline": {
+            "bandwidth_bytes_per_s": bandwidth,
+            "bandwidth_method": "numpy copy of 256 MiB, best of 5, read + write bytes",
+            "kv_bytes_per_token": kv_token,
+            "context_tokens": context,
+            "bytes_per_token": ours_bytes,
+            "roofline_tps": bandwidth / ours_bytes,
+            "fraction": statistics.median(r["decode_tps"] for r in a_rows)
+            / (bandwidth / ours_bytes),
+        },
+    }
+    if ref is not None:
+        quant = info.get("bits")
+        ref_bytes = ref.weight_bytes + kv_token * context
+        result["mlx_lm"] = {
+            "dtype": ref.dtype,
+            "weights": weights_label(quant, False, ref.dtype),
+            "weight_bytes": ref.weight_bytes,
+            **_side(b_rows),
+        }
+        result["roofline"]["mlx_lm_bytes_per_token"] = ref_bytes
+        result["roofline"]["mlx_lm_fraction"] = statistics.median(
+            r["decode_tps"] for r in b_rows) / (bandwidth / ref_bytes)
+        mismatch = ref.dtype != info["dtype"]
+        result["dtype_mismatch"] = mismatch
+        if mismatch and not args.allow_dtype_mismatch:
+            result["ratio"] = None
+            result["ratio_refused"] = (
+                f"kvchat computes in {info['dtype']}, mlx-lm in {ref.dtype}; pass"
+                " --allow-dtype-mismatch to print ratios anyway")
+        else:
+            result["ratio"] = {
+                k: summary([a[k] / b[k] for a, b in zip(a_rows, b_rows, strict=True)])
+                for k in ("prefill_tps", "decode_tps")
+            }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(_render(result))
+    return 0
+
+
+def _fmt(v: float) -> str:
+    return f"{v:,.3f}" if v < 10 else f"{v:,.1f}"
+
+
+def _render(r: dict[str, Any]) -> str:
+    m = r["machine"]
+    b = m["blas"]
+    lines = [
+        f"model {r['model']}: prompt {r['prompt_tokens']} tokens, generate {r['gen_tokens']},"
+        f" {r['runs']} runs per side ({r['order']})",
+        f"machine: {m['cpu']}, {m['cores']} cores, {m['device']}, mlx {m['mlx']},"
+        f" BLAS {b['name']}" + ("" if b["fast"] else f" ({blas.HINT})"),
+    ]
+    sides = [("kvchat", r["kvchat"])] + ([("mlx-lm", r["mlx_lm"])] if "mlx_lm" in r else [])
+    for name, s in sides:
+        extra = f", compiled step {'on' if s.get('compiled_step') else 'off'}" if (
+            name == "kvchat") else ""
+        lines.append(f"{name}: {s['weights']} weights ({s['weight_bytes']:,} bytes),"
+                     f" computes in {s['dtype']}{extra}")
+    lines.append(f"{'':16}{'min':>12}{'median':>12}{'max':>12}")
+    for name, s in sides:
+        for k in METRICS:
+            lines.append(f"{name + ' ' + k:<16}" + "".join(
+                f"{_fmt(s[k][x]):>12}" for x in ("min", "median", "max")))
+    if r.get("ratio"):
+        for k, v in r["ratio"].items():
+            pairs = ", ".join(f"{x:.2f}" for x in v["runs"])
+            lines.append(f"ratio {k:<10}{v['min']:>12.2f}{v['median']:>12.2f}{v['max']:>12.2f}"
+                         f"   pairs: {pairs}")
+    elif "ratio_refused" in r:
+        lines.append(f"no ratio: {r['ratio_refused']}")
+    rf = r["roofline"]
+    lines.append(
+        f"decode roofline: {rf['bytes_per_token']:,} bytes/token (weights + K/V of"
+        f" {rf['context_tokens']} tokens) at {rf['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ="
+        f" {_fmt(rf['roofline_tps'])} tok/s; kvchat reaches {rf['fraction']:.1%}"
+        + (f", mlx-lm {rf['mlx_lm_fraction']:.1%}" if "mlx_lm_fraction" in rf else ""))
+    return "\n".join(lines)

@@ -1,0 +1,185 @@
+"""`kvchat generate`: one turn on the command line, streamed to stdout or as one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from typing import Any
+
+from kvchat.app.core.discovery import DEFAULT_MODEL
+from kvchat.app.core.errors import UsageError, debug, report
+from kvchat.app.core.text import SafeStream
+from kvchat.model.client import EngineClient
+from kvchat.model.errors import KVChatError, error_line
+from kvchat.model.events import Done, GenParams, stats_json
+
+
+def add_model_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR", help=f"model folder (default: {DEFAULT_MODEL})")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    d = GenParams()
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, metavar="N")
+    p.add_argument("--temp", type=float, default=d.temp, metavar="T", help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=d.top_p, metavar="P")
+    p.add_argument("--top-k", type=int, default=d.top_k, metavar="K", help="0 = off")
+    p.add_argument("--min-p", type=float, default=d.min_p, metavar="M")
+    p.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty, metavar="R")
+    p.add_argument("--seed", type=int, default=None, metavar="S")
+    p.add_argument("--max-kv-size", type=int, default=None, metavar="N",
+                   help="bound the KV cache to N tokens (rotating); default: the context length")
+    p.add_argument("--keep", type=int, default=None, metavar="K",
+                   help=f"sink tokens kept when the cache rotates (needs --max-kv-size;"
+                   f" default {d.keep})")
+    p.add_argument("--overflow", choices=["rotate", "refuse"], default=d.overflow,
+                   help="past the cache bound: rotate (keep sinks, evict the oldest) or refuse"
+                   " (default %(default)s)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when this text appears (repeatable)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_argument(p)
+    p.add_argument("--prompt", metavar="TEXT", help="prompt text (default: read stdin)")
+    p.add_argument("--system", metavar="TEXT", help="system prompt")
+    p.add_argument("--raw", action="store_true",
+                   help="skip the chat template; add BOS as the tokenizer says")
+    p.add_argument("--tokenizer", choices=["auto", "sentencepiece", "hf"], default="auto",
+                   help="tokenizer file to use: auto prefers tokenizer.json over tokenizer.model")
+    add_sampling_arguments(p)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate --max-tokens tokens: EOS (and a base model's BOS) does not"
+                   " end the reply, as llama.cpp's --ignore-eos")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+
+
+def params_from_args(args: argparse.Namespace) -> GenParams:
+    return GenParams.from_fields(
+        args,
+        stop=tuple(t for t in map(_text_arg, args.stop) if t is not None),
+        keep=GenParams().keep if args.keep is None else args.keep,
+    )
+
+
+QUIT_WAIT_S = 1.0  # how long an interrupted run waits for the engine thread to end
+
+
+def result_object(done: Done) -> dict[str, Any]:
+    """The one --json object: text, ids, finish_reason, every statistic (0 when unknown),
+    counts that agree with the ids, and `error` on an error."""
+    out: dict[str, Any] = {
+        "text": done.text,
+        "prompt_ids": list(done.prompt_ids),
+        "ids": list(done.ids),
+        "finish_reason": done.finish_reason,
+        **stats_json(done.stats),
+    }
+    # one definition each (DESIGN.md): the rendered prompt's tokens, the generated ids
+    out["prompt_tokens"] = len(done.prompt_ids)
+    out["generated_tokens"] = len(done.ids)
+    if done.finish_reason == "error":
+        out["error"] = done.error or "generation failed"
+    return out
+
+
+def error_done(message: str) -> Done:
+    return Done("error", "", [], [], error=message)
+
+
+def _text_arg(value: str | None) -> str | None:
+    """Command-line text as UTF-8: bytes that are not UTF-8 become U+FFFD (Python hands
+    them over as lone surrogates, which no tokenizer accepts)."""
+    if value is None:
+        return None
+    return os.fsencode(value).decode("utf-8", errors="replace")
+
+
+def _read_stdin() -> str:
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    if isinstance(data, str):
+        return _text_arg(data) or ""
+    return data.decode("utf-8", errors="replace")
+
+
+def _prompt(args: argparse.Namespace) -> tuple[Any, GenParams]:
+    """The prompt and parameters from the flags; UsageError on any bad value."""
+    if args.keep is not None and args.max_kv_size is None:
+        raise UsageError("--keep applies to a bounded cache; give --max-kv-size too")
+    params = params_from_args(args)
+    try:
+        params.validate()
+    except KVChatError as e:
+        raise UsageError(str(e)) from None
+    if args.raw and args.system:
+        raise UsageError("--system needs the chat template; it cannot be used with --raw")
+    if args.prompt is not None:
+        text = _text_arg(args.prompt) or ""
+    elif not sys.stdin.isatty():
+        text = _read_stdin()
+    else:
+        raise UsageError("give --prompt TEXT or pipe the prompt on stdin")
+    if args.raw:
+        return text, params
+    system = _text_arg(args.system)
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": text}
+    ]
+    return messages, params
+
+
+def run(args: argparse.Namespace) -> int:
+    """One turn. Every outcome (usage, load, turn error, Ctrl+C) ends the same way: with
+    --json exactly one object on stdout; otherwise the text, then one stderr line on error.
+    Exit status: 0 ok, 1 error, 2 usage, 130 cancelled."""
+    safe = SafeStream()
+    streamed = False
+
+    def stream(delta: str) -> None:
+        nonlocal streamed
+        streamed = True
+        sys.stdout.write(safe.feed(delta))  # model text may hold terminal escapes
+        sys.stdout.flush()
+
+    rc = 0
+    try:
+        prompt, params = _prompt(args)
+        runner = EngineClient(
+            args.model or DEFAULT_MODEL, on_delta=None if args.json else stream,
+            tokenizer=args.tokenizer,
+        )
+        try:
+            done = runner.run(prompt, params)
+        except BaseException:
+            runner.close(QUIT_WAIT_S)
+            raise
+        # a cancelled run may leave the engine busy: don't wait long (the CLI then exits
+        # without waiting for it, see app.main.finish)
+        runner.close(QUIT_WAIT_S if done.finish_reason == "cancelled" else 10.0)
+    except UsageError as e:
+        done, rc = error_done(str(e)), 2
+    except KVChatError as e:
+        done, rc = error_done(str(e)), 1
+    except KeyboardInterrupt:
+        done = Done("cancelled", "", [], [])
+    except Exception as e:  # a bug: still one line (a traceback with KVCHAT_DEBUG=1)
+        if debug():
+            traceback.print_exc()
+        done, rc = error_done(error_line(e)), 1
+    if done.finish_reason == "cancelled":
+        rc = 130
+    elif done.finish_reason == "error" and rc == 0:
+        rc = 1
+    if args.json:
+        print(json.dumps(result_object(done)))
+    else:
+        tail = safe.flush()
+        if streamed or tail:
+            sys.stdout.write(tail + "\n")
+        sys.stdout.flush()
+    if done.finish_reason == "error":
+        report(done.error or "generation failed")
+    return rc

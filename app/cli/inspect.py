@@ -1,0 +1,283 @@
+"""`kvchat inspect`: KV-cache memory math for a model folder or a config.json.
+
+Bytes per token across layers, bytes at a context length, the MHA / GQA / MQA table,
+weight bytes (from safetensors headers), tokens that fit a memory budget, and with
+--live a short greedy run whose cache bytes, measured from the arrays, must equal the
+formula.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvchat.app.core.errors import UsageError, report
+from kvchat.model.config import ModelConfig, load_config
+from kvchat.model.errors import ConfigError, KVChatError, ModelLoadError
+from kvchat.model.facts import model_facts
+from kvchat.model.kv_math import (
+    BudgetError,
+    attention_table,
+    context_that_fits,
+    dtype_bytes_of,
+    human_bytes,
+    kv_bytes_at,
+    kv_bytes_by_kind,
+    kv_bytes_per_token,
+    parse_size,
+)
+
+LIVE_TOKENS = 32  # generated tokens in --live (a few dozen: cheap, and enough to fill a step)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="DIR", help="model folder (config.json + safetensors)")
+    src.add_argument("--config", metavar="FILE", help="a config.json (no weights needed)")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="context length for the totals (default: max_position_embeddings)")
+    p.add_argument("--dtype-bytes", type=int, default=None, metavar="B",
+                   help="bytes per K/V element (default: from torch_dtype; 2 = fp16/bf16)")
+    p.add_argument("--budget", default=None, metavar="BYTES",
+                   help="memory budget, e.g. 8GiB, 512MiB or a byte count: tokens that fit"
+                   " (after the weights, for a model folder)")
+    p.add_argument("--live", action="store_true",
+                   help="load the model, generate a few tokens, and compare the cache's"
+                   " measured bytes with the formula")
+    p.add_argument("--hosts", type=int, default=None, metavar="N",
+                   help="split the layers across N pipeline ranks: bytes per rank")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        out = _inspect(args)
+    except UsageError as e:
+        print(f"kvchat inspect: error: {e}", file=sys.stderr)
+        return 2
+    except KVChatError as e:
+        report(str(e))
+        return 1
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(_render(out))
+    if out.get("live") and not out["live"]["equal"]:
+        report("live cache bytes differ from the formula")
+        return 1
+    return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    model, config = getattr(args, "model", None), getattr(args, "config", None)
+    if bool(model) == bool(config):
+        raise UsageError("give exactly one of --model DIR or --config FILE")
+    if args.context is not None and args.context < 1:
+        raise UsageError(f"--context must be >= 1, got {args.context}")
+    if args.dtype_bytes is not None and args.dtype_bytes < 1:
+        raise UsageError(f"--dtype-bytes must be >= 1, got {args.dtype_bytes}")
+    if args.hosts is not None and args.hosts < 1:
+        raise UsageError(f"--hosts must be >= 1, got {args.hosts}")
+    if args.live and not model:
+        raise UsageError("--live needs --model DIR (it runs the model)")
+
+
+def _dtype_bytes(args: argparse.Namespace, cfg: ModelConfig) -> tuple[int, str]:
+    """(bytes, where it came from): --dtype-bytes; for a model folder what this backend
+    will allocate (model/facts.py); for a bare config its torch_dtype, else fp16."""
+    if args.dtype_bytes is not None:
+        return args.dtype_bytes, "--dtype-bytes"
+    if args.model:
+        f = model_facts(args.model)
+        return f.kv_dtype_bytes, f"{f.compute_dtype}, what kvchat allocates on the {f.device}"
+    b = dtype_bytes_of(cfg.torch_dtype)
+    if b is not None:
+        return b, f"torch_dtype {cfg.torch_dtype}"
+    return 2, "assumed fp16"
+
+
+def _inspect(args: argparse.Namespace) -> dict[str, Any]:
+    _check_args(args)
+    budget = None
+    if args.budget is not None:
+        try:
+            budget = parse_size(args.budget)
+        except BudgetError as e:
+            raise UsageError(str(e)) from None
+    source = Path(args.model or args.config).expanduser()
+    if args.model and not source.is_dir():
+        raise ModelLoadError(f"model folder not found: {source}")
+    if args.config and not source.exists():
+        raise ConfigError(f"config file not found: {source}")
+    cfg = load_config(source)
+    dtype_bytes, dtype_from = _dtype_bytes(args, cfg)
+    context = args.context or cfg.max_position_embeddings
+    L, h, kv, hd = (cfg.num_hidden_layers, cfg.num_attention_heads,
+                    cfg.num_key_value_heads, cfg.head_dim)
+    per_token = kv_bytes_per_token(L, kv, hd, dtype_bytes)
+    at_context = kv_bytes_at(cfg, context, dtype_bytes)
+    kinds = kv_bytes_by_kind(cfg, context, dtype_bytes)
+    facts = model_facts(source) if args.model else None
+    weights = facts.weight_bytes if facts else None
+    out: dict[str, Any] = {
+        "source": str(source),
+        "model_type": cfg.model_type,
+        "layers": L,
+        "heads": h,
+        "kv_heads": kv,
+        "head_dim": hd,
+        "dtype_bytes": dtype_bytes,
+        "dtype_from": dtype_from,
+        "context": context,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "sliding_window": cfg.sliding_window,
+        "bytes_per_token": per_token,
+        "bytes_at_context": at_context,
+        # with sliding layers the cost of a token depends on how long the context is
+        "bytes_per_token_at_context": at_context / context,
+        "layer_kinds": [
+            {"kind": r.kind, "layers": r.layers, "window": r.window, "tokens": r.tokens,
+             "bytes": r.bytes} for r in kinds
+        ],
+        "window_saving": per_token * context / at_context,
+        "gqa_saving": h / kv,
+        "table": [
+            {"name": r.name, "kv_heads": r.kv_heads, "bytes_per_token": r.bytes_per_token,
+             "bytes_at_context": r.bytes_at_context, "saving_vs_mha": r.saving_vs_mha}
+            for r in attention_table(cfg, dtype_bytes, context)
+        ],
+        "weights_bytes": weights,  # as loaded on this backend
+        "facts": facts.to_dict() if facts else None,
+        "budget_bytes": budget,
+        "budget_tokens": None if budget is None else context_that_fits(
+            cfg, budget, dtype_bytes, weights or 0),
+        "live": _live(source, cfg) if args.live else None,
+        "ranks": _ranks(args, source, cfg, dtype_bytes, context),
+    }
+    return out
+
+
+def _ranks(args: argparse.Namespace, source: Path, cfg: ModelConfig, dtype_bytes: int,
+           context: int) -> list[dict[str, Any]] | None:
+    """--hosts N: the pipeline split (model/pipeline.py), from the checkpoint's tensor
+    sizes, or estimated from the config's shapes when there are no weights."""
+    if args.hosts is None:
+        return None
+    from kvchat.model.pipeline import config_tensor_bytes, split_table, tensor_bytes
+
+    sizes = tensor_bytes(source) if args.model else config_tensor_bytes(cfg, dtype_bytes)
+    return split_table(cfg, sizes, args.hosts, dtype_bytes, context)
+
+
+def _live(folder: Path, cfg: ModelConfig) -> dict[str, Any]:
+    """Greedy-generate LIVE_TOKENS tokens from BOS through make_cache and measure the
+    cache from its arrays (resident slices' nbytes) next to the formula."""
+
+    from kvchat.model.cache import cache_stats, make_cache
+    from kvchat.model.events import CACHE_FIELDS, stats_json
+    from kvchat.model.generate import generate_step
+    from kvchat.model.weights import load_model
+
+    model = load_model(folder)
+    caches = make_cache(model.config)
+    bos = cfg.raw.get("bos_token_id", 1)
+    if isinstance(bos, list):
+        bos = bos[0] if bos else 1
+    # LIVE_TOKENS tokens end up cached: BOS and all generated ids but the last
+    for _ in generate_step(model, [int(bos) if bos is not None else 1], caches,
+                           max_tokens=LIVE_TOKENS):
+        pass
+    measured = 0
+    for c in caches:  # what the arrays hold: the resident slots' slices
+        n = c.size()
+        measured += c.keys[..., :n, :].nbytes + c.values[..., :n, :].nbytes
+    stats = cache_stats(caches, model.config)
+    tokens = stats.cache_tokens or 0
+    live_dtype = caches[0].keys.dtype
+    formula = kv_bytes_at(cfg, tokens, live_dtype.size)
+    return {
+        "tokens": tokens,
+        "dtype": str(live_dtype).removeprefix("mlx.core."),
+        "dtype_bytes": live_dtype.size,
+        "measured_bytes": measured,
+        "nbytes_sum": sum(c.nbytes for c in caches),
+        "formula_bytes": formula,
+        "allocated_bytes": sum(c.keys.nbytes + c.values.nbytes for c in caches),
+        "cache_stats": {k: v for k, v in stats_json(stats).items() if k in CACHE_FIELDS},
+        "equal": measured == formula == stats.cache_bytes == sum(c.nbytes for c in caches),
+    }
+
+
+def _b(n: int | None) -> str:
+    """Exact bytes with thousands separators, and binary units beside them."""
+    if n is None:
+        return "n/a"
+    return f"{n:,} B" if abs(n) < 1024 else f"{n:,} B ({human_bytes(n)})"
+
+
+def _render(o: dict[str, Any]) -> str:
+    sliding = any(k["window"] is not None for k in o["layer_kinds"])
+    lines = [
+        f"{o['source']}  ({o['model_type']}: {o['layers']} layers, {o['heads']} query heads,"
+        f" {o['kv_heads']} KV heads, head_dim {o['head_dim']}, {o['dtype_bytes']} B/element"
+        f" from {o['dtype_from']})",
+        f"KV cache per token (all layers{sliding and ', until the windows fill' or ''}):"
+        f" {_b(o['bytes_per_token'])}",
+        f"KV cache at {o['context']:,} tokens: {_b(o['bytes_at_context'])}",
+    ]
+    if sliding:
+        for k in o["layer_kinds"]:
+            what = "global" if k["window"] is None else f"sliding (window {k['window']:,})"
+            lines.append(f"  {k['layers']} {what} layers: {k['tokens']:,} tokens each,"
+                         f" {_b(k['bytes'])}")
+        lines.append(
+            f"  per token at {o['context']:,} tokens: {o['bytes_per_token_at_context']:,.1f} B;"
+            f" the sliding layers save {o['window_saving']:.3g}x over full attention"
+        )
+    lines += [
+        "",
+        f"{'attention':<18} {'KV heads':>8}  {'per token':<26} "
+        f"{'at ' + format(o['context'], ',') + ' tokens':<34} MHA / this",
+    ]
+    for r in o["table"]:
+        lines.append(
+            f"{r['name']:<18} {r['kv_heads']:>8}  {_b(r['bytes_per_token']):<26} "
+            f"{_b(r['bytes_at_context']):<34} {r['saving_vs_mha']:g}x"
+        )
+    lines.append("")
+    f = o.get("facts")
+    if f:
+        held = f["file_dtype"] or "no float"
+        lines.append(f"weights: {_b(f['weight_bytes'])} loaded as {f['compute_dtype']} on the"
+                     f" {f['device']} (files: {_b(f['file_bytes'])}, {held} tensors)")
+        if f["file_dtype"] and f["file_dtype"] != f["compute_dtype"]:
+            lines.append(f"note: the files hold {f['file_dtype']}; kvchat computes and caches in"
+                         f" {f['compute_dtype']} on the {f['device']}, so the figures above use"
+                         f" {f['kv_dtype_bytes']} B/element")
+    if o["budget_bytes"] is not None:
+        after = " after the weights" if o["weights_bytes"] else ""
+        fits = ("any context length fits (every layer slides)" if o["budget_tokens"] is None
+                else f"{o['budget_tokens']:,} tokens of KV cache fit")
+        lines.append(f"budget {_b(o['budget_bytes'])}: {fits}{after}")
+    for r in o.get("ranks") or []:
+        a, b = r["layers"]
+        tied = r["embedding"] and r["rank"] > 0  # the tied head: the embedding again
+        extra = " + embedding" * (r["embedding"] and not tied) + " + norm/head" * r["head"] \
+            + " (tied: embedding)" * tied
+        lines.append(
+            f"rank {r['rank']}: layers {a}-{b - 1}{extra}: weights {_b(r['weight_bytes'])},"
+            f" KV {_b(r['kv_bytes_per_token'])}/token, {_b(r['kv_bytes_at_context'])}"
+            f" at {o['context']:,} tokens"
+        )
+    live = o.get("live")
+    if live:
+        mark = "equal" if live["equal"] else "DIFFERENT"
+        lines.append(
+            f"live ({live['tokens']} tokens, {live['dtype']}, {live['dtype_bytes']} B/element):"
+            f" measured {_b(live['measured_bytes'])}, formula {_b(live['formula_bytes'])}"
+            f" -> {mark}; allocated buffers {_b(live['allocated_bytes'])}"
+        )
+    return "\n".join(lines).rstrip()

@@ -1,0 +1,101 @@
+"""`kvchat models`: list the local models kvchat can find, with what they cost to load.
+
+MEMORY and DTYPE are what loading allocates on this backend (model/facts.py, the numbers
+`inspect`, the picker and the side panel show too); a folder kvchat cannot load is listed
+with the reason instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvchat.app.core.discovery import ModelRow, default_model_dirs, human_bytes, model_rows
+from kvchat.app.core.settings import load_settings
+
+COLUMNS = ("NAME", "ARCH", "BITS", "DTYPE", "MEMORY", "SOURCE", "PATH")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dir",
+        dest="dirs",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="also look in DIR (repeatable; settings' model_dirs are always searched)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _short(path: Path) -> str:
+    """~ for the home folder keeps the PATH column readable."""
+    try:
+        return "~/" + path.relative_to(Path.home()).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def format_table(rows: list[ModelRow]) -> str:
+    table = [COLUMNS] + [
+        (
+            r.entry.name if r.loadable else f"{r.entry.name} ✗",
+            r.entry.architecture,
+            str(r.entry.bits) if r.entry.bits else "-",
+            r.facts.compute_dtype if r.facts else "-",
+            human_bytes(r.facts.weight_bytes) if r.facts else "-",
+            r.entry.source,
+            _short(r.entry.path),
+        )
+        for r in rows
+    ]
+    widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
+    right = {2, 4}  # numbers align right
+    lines = []
+    for r in table:
+        cells = [
+            r[i].rjust(widths[i]) if i in right else r[i].ljust(widths[i])
+            for i in range(len(COLUMNS))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = load_settings()
+    for w in settings.warnings:
+        print(f"kvchat: warning: {w}", file=sys.stderr)
+    for d in getattr(args, "dirs", []):
+        if not Path(d).expanduser().is_dir():
+            print(f"kvchat: warning: --dir {d} is not a folder", file=sys.stderr)
+    # --dir first: folders named on the command line win the dedup over settings' ones
+    extra = [*getattr(args, "dirs", []), *settings.model_dirs]
+    rows = model_rows(extra)
+    looked_in = [str(root) for root, _ in default_model_dirs(extra)]
+    if getattr(args, "json", False):
+        out = {"models": [r.to_dict() for r in rows], "looked_in": looked_in}
+        print(json.dumps(out, indent=2))
+        return 0
+    if not rows:
+        print("no local models found; looked in: " + ", ".join(looked_in))
+        return 0
+    print(format_table(rows))
+    bad = [r for r in rows if not r.loadable]
+    if bad:
+        print("\n✗ = kvchat cannot load it:")
+        for r in bad:
+            print(f"  {r.entry.name}: {r.problem}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (python -m kvchat.app.cli.models); app/main.py wires the real one."""
+    parser = argparse.ArgumentParser(prog="kvchat models", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,176 @@
+"""kvchat across several hosts: joining a pipeline, and starting one for the chat.
+
+Two ways in, one runtime (model/pipeline.py):
+
+- `mlx.launch --backend ring --hostfile hosts.json -- kvchat generate --model M ...`:
+  every rank runs the same command line; `join_if_launched()` (called by the CLI right
+  after parsing) makes rank 0 run the command as usual, over a `PipelineModel`, while
+  every other rank serves its layers and prints nothing.
+- `kvchat --hosts hosts.json [--model M]`: the chat. This process is rank 0 and keeps
+  the terminal; ranks 1..N-1 are started with MLX's own launch script (ssh, or a local
+  shell for 127.0.0.1), their output goes to log files, and they exit with the chat.
+
+hosts.json is mlx.launch's format, plus an optional per-host "model" (the folder's path
+on that host when it differs):
+
+    {"backend": "ring", "envs": ["PYTHONPATH=/opt/kvchat"],
+     "hosts": [{"ssh": "mac-a.local", "ips": ["192.168.1.10"]},
+               {"ssh": "mac-b.local", "ips": ["192.168.1.11"], "model": "/Volumes/m/M"}]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from kvchat.app.core.errors import debug
+from kvchat.model.errors import KVChatError
+
+RING_PORT = int(os.environ.get("KVCHAT_RING_PORT", "32323"))  # mlx.launch's default
+TERM_GRACE_S = 10.0  # after mlx.launch's SIGTERM, time for rank 0 to print its error line
+
+
+class HostsError(KVChatError):
+    """A hostfile we cannot use."""
+
+
+def _model_arg(args: argparse.Namespace) -> str:
+    from kvchat.app.core.discovery import DEFAULT_MODEL
+
+    return str(getattr(args, "model", None) or getattr(args, "tui_model", None)
+               or DEFAULT_MODEL)
+
+
+def _quiet_native_stderr() -> None:
+    """Keep Python's stderr (our one-line errors, Textual's screen) on the terminal and
+    send MLX's native prints ("[ring] Socket 4 was closed by the peer" × 10) elsewhere."""
+    if debug():
+        return
+    keep = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+    stream = os.fdopen(keep, "w", buffering=1, errors="backslashreplace")
+    sys.stderr = sys.__stderr__ = stream
+
+
+def _grace_on_sigterm() -> None:
+    """mlx.launch terminates every rank once one exits with an error; give rank 0 a few
+    seconds to finish the turn with its error line instead of dying silently."""
+
+    def on_term(signum: int, frame: Any) -> None:
+        t = threading.Timer(TERM_GRACE_S, lambda: os._exit(128 + signal.SIGTERM))
+        t.daemon = True
+        t.start()
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
+def join_if_launched(args: argparse.Namespace) -> int | None:
+    """None when this process is not one of several ranks, or is rank 0 (the command then
+    runs as usual and its engine loads the pipeline); else serve the model's layers for
+    rank 0 and return this rank's exit status."""
+    from kvchat.model import pipeline, pipeline_link
+
+    if not pipeline_link.launched():
+        return None
+    _quiet_native_stderr()
+    link = pipeline_link.join()
+    if link.rank == 0 or link.size < 2:
+        _grace_on_sigterm()
+        return None
+    try:
+        pipeline.serve(link, _model_arg(args))
+    except Exception:  # rank 0 reports; a rank's own traceback only when debugging
+        if debug():
+            raise
+        return 1
+    return 0
+
+
+# ---- kvchat --hosts hosts.json --------------------------------------------------------
+def read_hostfile(path: str | Path) -> dict[str, Any]:
+    """mlx.launch's hostfile (a list of hosts or {"backend", "envs", "hosts"})."""
+    p = Path(path).expanduser()
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise HostsError(f"cannot read hostfile {p}: {e}") from None
+    hosts = data.get("hosts") if isinstance(data, dict) else data
+    if not isinstance(hosts, list) or not all(isinstance(h, dict) and h.get("ssh")
+                                              for h in hosts):
+        raise HostsError(f"hostfile {p}: expected a list of hosts like"
+                         ' {"ssh": "name", "ips": ["10.0.0.2"]}')
+    if len(hosts) < 2:
+        raise HostsError(f"hostfile {p} lists {len(hosts)} host; a split needs two or more")
+    for i, h in enumerate(hosts):
+        if not h.get("ips"):
+            raise HostsError(f"hostfile {p}: host {i} ({h['ssh']}) needs \"ips\" for the"
+                             " ring backend")
+    backend = data.get("backend", "ring") if isinstance(data, dict) else "ring"
+    if backend not in ("", "ring"):
+        raise HostsError(f"kvchat --hosts starts the ring backend; for {backend!r} use"
+                         " mlx.launch -- kvchat generate")
+    envs = data.get("envs", []) if isinstance(data, dict) else []
+    return {"hosts": hosts, "envs": [str(e) for e in envs]}
+
+
+def ring_addresses(hosts: list[dict[str, Any]], port: int = RING_PORT) -> list[list[str]]:
+    """The ring hostfile mlx.launch writes: one ip:port per host, ports counting up."""
+    out = []
+    for h in hosts:
+        out.append([f"{h['ips'][0]}:{port}"])
+        port += 1
+    return out
+
+
+def start_ranks(
+    hostfile: str | Path, model: str, log_dir: Path
+) -> list[subprocess.Popen[bytes]]:
+    """Start ranks 1..N-1 of `hostfile` serving `model` and make this process rank 0
+    (its environment then says so; call `join_if_launched` next)."""
+    from mlx._distributed_utils.launch import RemoteProcess
+
+    spec = read_hostfile(hostfile)
+    ring = json.dumps(ring_addresses(spec["hosts"]))
+    procs = []
+    for rank, h in enumerate(spec["hosts"]):
+        if rank == 0:
+            continue
+        command = [sys.executable, "-m", "kvchat.app", "--model", str(h.get("model") or model)]
+        local = h["ssh"] == "127.0.0.1"
+        script = RemoteProcess.make_launch_script(
+            rank, None, None, {"MLX_HOSTFILE": ring}, spec["envs"], command, local
+        )
+        # as mlx.launch does: a forced tty, so ending ssh hangs up the remote rank too
+        cmd = ["bash", "-c", script] if local else \
+            ["ssh", "-tt", "-o", "LogLevel=QUIET", h["ssh"], script]
+        log = open(log_dir / f"rank{rank}.log", "wb")  # noqa: SIM115 (lives with the rank)
+        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    ring_file = log_dir / "ring.json"
+    ring_file.write_text(ring)
+    os.environ["MLX_RANK"] = "0"
+    os.environ["MLX_HOSTFILE"] = str(ring_file)
+    for e in spec["envs"]:
+        key, _, value = e.partition("=")
+        os.environ.setdefault(key, value)
+    return procs
+
+
+def stop_ranks(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            p.kill()

@@ -1,0 +1,276 @@
+"""User settings: one JSON file, read leniently, written atomically.
+
+Location: platformdirs.user_config_dir("kvchat")/settings.json, or $KVCHAT_CONFIG_DIR/settings.json
+when that variable is set (tests). Loading never fails and never writes: unknown keys are
+ignored, a bad value falls back to its default (with a line in `Settings.warnings`), a file
+that is not JSON at all gives the defaults. Nothing the user wrote is lost:
+
+- the file is rewritten only when the user saves settings (`save_settings`); the app's own
+  note of the last model (`remember_model`) updates that one key, and only in a file that
+  loads cleanly;
+- saving over a file with bad values (or not JSON) first copies it to the next free
+  ``settings.json.N.bak``; keys kvchat does not know are carried over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+from kvchat import metal_kernels
+from kvchat.app.core.store import atomic_write_text
+from kvchat.model.errors import KVChatError
+from kvchat.model.events import GenParams
+from kvchat.model.sampling import SamplingParams
+
+SETTINGS_FILE = "settings.json"
+
+
+class SettingsError(KVChatError):
+    """An invalid setting; str(e) is one line naming the setting and the bad value."""
+
+
+@dataclass
+class Settings:
+    system_prompt: str = ""
+    temp: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 0
+    min_p: float = 0.05
+    repetition_penalty: float = 1.1
+    max_tokens: int = 512
+    seed: int | None = None
+    max_kv_size: int | None = None
+    keep: int = 4
+    model_dirs: list[str] = field(default_factory=list)
+    last_model: str | None = None
+    kernels: str | None = None  # RMSNorm/RoPE backend (metal|fast|ops); None: the default
+    # warm chats: save each chat's K/V cache beside it, unless larger than the cap (MiB)
+    save_kv_cache: bool = True
+    kv_cache_max_mib: int = 256
+    theme: str | None = None  # a Textual theme name; None = the default
+    restore_session: bool = True  # input history and the open chat come back at start
+    # what load_settings() had to fix (one line each); never saved
+    warnings: list[str] = field(default_factory=list, init=False, compare=False, repr=False)
+
+    def gen_params(self) -> GenParams:
+        return GenParams.from_fields(self)
+
+    def validate(self) -> Settings:
+        """Raise SettingsError on the first invalid value; returns self for chaining."""
+        for name in _FIELD_NAMES:
+            err = _field_error(name, getattr(self, name))
+            if err:
+                raise SettingsError(err)
+        err = _cross_error(self)
+        if err:
+            raise SettingsError(err)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {name: getattr(self, name) for name in _FIELD_NAMES}
+        d["model_dirs"] = list(self.model_dirs)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Settings:
+        """Lenient: unknown keys ignored, bad values -> defaults, each noted in .warnings."""
+        s = cls()
+        for name in _FIELD_NAMES:
+            if name not in data:
+                continue
+            value = _coerce(name, data[name])
+            err = _field_error(name, value)
+            if err:
+                s.warnings.append(f"{err}; using the default {getattr(s, name)!r}")
+            else:
+                setattr(s, name, value)
+        err = _cross_error(s)
+        if err:
+            # only max_kv_size relates fields; the unbounded default is always valid
+            s.warnings.append(f"{err}; using the default max_kv_size None")
+            s.max_kv_size = None
+        return s
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(Settings) if f.init)
+_SAMPLING_FIELDS = {"temp", "top_p", "top_k", "min_p", "repetition_penalty", "seed"}
+_INT_FIELDS = {"top_k", "max_tokens", "keep", "seed", "max_kv_size", "kv_cache_max_mib"}
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """JSON-level leniency: 40.0 for an integer setting means 40."""
+    if name in _INT_FIELDS and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _field_error(name: str, v: Any) -> str | None:
+    """One line describing why `v` is not a valid value of setting `name`, or None."""
+    if name in _SAMPLING_FIELDS:
+        # one definition of the sampling ranges: the sampler's own
+        try:
+            SamplingParams(**{name: v}).validate()
+        except KVChatError as e:
+            return str(e)
+        return None
+    if name == "max_tokens":
+        if not _is_int(v) or v < 1:
+            return f"max_tokens must be an integer >= 1 (got {v!r})"
+    elif name == "keep":
+        if not _is_int(v) or v < 0:
+            return f"keep must be an integer >= 0 (got {v!r})"
+    elif name == "max_kv_size":
+        if v is not None and (not _is_int(v) or v < 1):
+            return f"max_kv_size must be empty (the model's context) or an integer >= 1 (got {v!r})"
+    elif name == "save_kv_cache":
+        if not isinstance(v, bool):
+            return f"save_kv_cache must be true or false (got {v!r})"
+    elif name == "kv_cache_max_mib":
+        if not _is_int(v) or v < 0:
+            return f"kv_cache_max_mib must be an integer >= 0 (got {v!r})"
+    elif name == "system_prompt":
+        if not isinstance(v, str):
+            return f"system_prompt must be text (got {v!r})"
+    elif name == "last_model":
+        if v is not None and not isinstance(v, str):
+            return f"last_model must be a path (got {v!r})"
+    elif name == "kernels":
+        if v is not None and v not in metal_kernels.available_backends():
+            return (f"kernels must be empty (the default) or one of "
+                    f"{', '.join(metal_kernels.available_backends())} here (got {v!r})")
+    elif name == "theme":
+        if v is not None and not isinstance(v, str):
+            return f"theme must be a theme name (got {v!r})"
+    elif name == "restore_session":
+        if not isinstance(v, bool):
+            return f"restore_session must be true or false (got {v!r})"
+    elif name == "model_dirs":
+        if not isinstance(v, list) or not all(isinstance(d, str) for d in v):
+            return f"model_dirs must be a list of folder paths (got {v!r})"
+    return None
+
+
+def _cross_error(s: Settings) -> str | None:
+    """Checks across fields, once each field is valid: the engine's own (GenParams)."""
+    try:
+        s.gen_params().validate()
+    except KVChatError as e:
+        return str(e)
+    return None
+
+
+def config_dir() -> Path:
+    env = os.environ.get("KVCHAT_CONFIG_DIR")
+    return Path(env).expanduser() if env else Path(platformdirs.user_config_dir("kvchat"))
+
+
+def settings_path() -> Path:
+    return config_dir() / SETTINGS_FILE
+
+
+def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
+    """Settings from disk; defaults when the file is missing. Never raises."""
+    p = Path(path) if path is not None else settings_path()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return Settings()
+    except (OSError, UnicodeDecodeError) as e:
+        return _corrupt(p, f"cannot read {p}: {getattr(e, 'strerror', None) or e}")
+    try:
+        data = json.loads(text)  # NaN/Infinity parse; field checks reject them
+    except ValueError as e:
+        return _corrupt(p, f"{p} is not valid JSON ({e})")
+    if not isinstance(data, dict):
+        return _corrupt(p, f"{p} does not hold a JSON object")
+    return Settings.from_dict(data)
+
+
+def _corrupt(p: Path, why: str) -> Settings:
+    """Defaults for a file we cannot use; the file stays as it is until the user saves."""
+    s = Settings()
+    s.warnings.append(f"{why}; using default settings (the file is kept until you save)")
+    return s
+
+
+def _on_disk(p: Path) -> tuple[bool, dict[str, Any]]:
+    """(whether `p` exists and would not load cleanly, its JSON object or {})."""
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return False, {}
+    except (OSError, ValueError):
+        return True, {}
+    if not isinstance(data, dict):
+        return True, {}
+    return bool(Settings.from_dict(data).warnings), data
+
+
+def _backup(p: Path) -> Path:
+    """Copy `p` to the first free settings.json.N.bak (never over an older backup)."""
+    n = 1
+    while (bak := p.with_name(f"{p.name}.{n}.bak")).exists():
+        n += 1
+    try:
+        shutil.copyfile(p, bak)
+    except OSError as e:
+        raise SettingsError(
+            f"cannot keep a backup of {p} ({e.strerror or e}); settings not saved"
+        ) from None
+    return bak
+
+
+def _write(p: Path, data: dict[str, Any]) -> None:
+    text = json.dumps(data, indent=2, ensure_ascii=False, allow_nan=False)
+    try:
+        atomic_write_text(p, text + "\n")
+    except OSError as e:
+        raise SettingsError(f"cannot save settings to {p}: {e.strerror or e}") from None
+
+
+def save_settings(s: Settings, path: str | os.PathLike[str] | None = None) -> Path:
+    """The user saves: validate, keep a file with bad values as a numbered backup, carry
+    unknown keys over, write atomically (a crash leaves the old file or the new one)."""
+    s.validate()
+    p = Path(path) if path is not None else settings_path()
+    bad, old = _on_disk(p)
+    if bad:
+        _backup(p)
+    known = set(_FIELD_NAMES)
+    _write(p, {**{k: v for k, v in old.items() if k not in known}, **s.to_dict()})
+    return p
+
+
+def remember_model(s: Settings, path: str | os.PathLike[str] | None = None) -> bool:
+    """Note `s.last_model` in the file (the app's own bookkeeping, not a user save): only
+    that key changes, and a file with bad values is left alone. True when written."""
+    p = Path(path) if path is not None else settings_path()
+    bad, data = _on_disk(p)
+    if bad:
+        return False
+    _write(p, {**data, "last_model": s.last_model})
+    return True
+
+
+__all__ = [
+    "SETTINGS_FILE",
+    "Settings",
+    "SettingsError",
+    "config_dir",
+    "load_settings",
+    "remember_model",
+    "save_settings",
+    "settings_path",
+]

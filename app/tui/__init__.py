@@ -1,0 +1,1 @@
+"""The chat: the Textual App (app.py), its screens, widgets, actions and turn state."""

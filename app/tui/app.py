@@ -1,0 +1,151 @@
+"""The kvchat Textual app: it wires the engine, the settings and the store, and pushes
+screens. The chat itself is app/tui/screens/chat.py; the keys are app/tui/actions.py's table.
+
+Threading (DESIGN.md): every MLX call happens in the engine, by default in a child process
+(model/engine_process.py; a pipeline's rank 0 keeps it on a thread of this process); the
+chat screen hears from it through app/tui/bridge.py. The UI never runs MLX in a Textual
+worker; the only worker thread (model discovery in the picker) reads files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from textual.app import App, SystemCommand
+from textual.screen import Screen
+
+from kvchat import metal_kernels
+from kvchat.app.core.discovery import DEFAULT_MODEL
+from kvchat.app.core.settings import Settings, load_settings
+from kvchat.app.core.store import ConversationStore
+from kvchat.app.core.text import SafeNotify
+from kvchat.app.tui.actions import bindings, help_rows, palette
+from kvchat.app.tui.screens import ChatScreen, HelpScreen
+from kvchat.model.events import EngineFactory, EngineLike, Event
+
+
+def validate_model_path(path: str | Path) -> Path:
+    """Check a model folder before the UI starts; raises ModelLoadError/ConfigError
+    (one line) so the CLI can print it and exit 1."""
+    from kvchat.model.facts import check_model_folder
+
+    check_model_folder(path)  # config, weights' headers, tokenizer
+    return Path(path).expanduser().resolve()  # saved as last_model: must work from any cwd
+
+
+def _default_engine(on_event: Callable[[Event], None], model_path: str | None) -> EngineLike:
+    """The engine in a child process: the UI and the model never share an interpreter."""
+    from kvchat.model.engine_process import EngineProcess
+
+    return EngineProcess(on_event, model_path)
+
+
+def in_process_engine(on_event: Callable[[Event], None], model_path: str | None) -> EngineLike:
+    """The engine on a thread of this process (a pipeline's rank 0 must be this process)."""
+    from kvchat.model.engine import Engine  # imports MLX; kept out of module import time
+
+    return Engine(on_event, model_path)
+
+
+class KVChatApp(SafeNotify, App[int]):
+    """Chat with a local model and watch the engine work."""
+
+    CSS_PATH = "kvchat.tcss"
+    TITLE = "kvchat"
+    BINDINGS = bindings("app")
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        settings: Settings | None = None,
+        *,
+        engine_factory: EngineFactory | None = None,
+        store: ConversationStore | None = None,
+    ) -> None:
+        super().__init__()
+        self.chat = ChatScreen(
+            settings if settings is not None else load_settings(),
+            store if store is not None else ConversationStore(),
+            engine_factory or _default_engine,
+            model_path,
+        )
+
+    def get_default_screen(self) -> Screen[Any]:
+        return self.chat
+
+    def on_unmount(self) -> None:
+        self.chat.close_engine()
+
+    def action_help(self) -> None:
+        if isinstance(self.screen, HelpScreen):
+            self.screen.dismiss()
+            return
+        self.push_screen(HelpScreen(help_rows(self.get_key_display)))
+
+    def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        scopes = [("app", self)] + ([("chat", self.chat)] if screen is self.chat else [])
+        for scope, target in scopes:
+            for a in palette(scope):
+                yield SystemCommand(a.palette, a.help, partial(self.run_action, a.name, target))
+        switch = self.chat.switch_kernels  # the engine switches where the model runs
+        yield from (SystemCommand(*c) for c in metal_kernels.switch_commands(switch))
+
+
+def default_model_path(settings: Settings) -> str | None:
+    """No --model: the last model used, else the shipped one, else none (pick in the UI)."""
+    # absolute only: an old relative entry would depend on where kvchat was started
+    last = settings.last_model
+    if last and Path(last).is_absolute() and Path(last).is_dir():
+        return last
+    if (DEFAULT_MODEL / "config.json").is_file():
+        return str(DEFAULT_MODEL)
+    return None
+
+
+def run_tui(
+    model_path: str | None,
+    settings: Settings | None = None,
+    engine_factory: EngineFactory | None = None,
+) -> int:
+    """Entry point for `kvchat [--model DIR]`. A bad --model folder raises a one-line
+    KVChatError before the UI starts (app.main prints it and exits 1)."""
+    settings = settings if settings is not None else load_settings()
+    if model_path is not None:
+        path: str | None = str(validate_model_path(model_path))
+    else:
+        path = default_model_path(settings)
+    app = KVChatApp(path, settings, engine_factory=engine_factory)
+    app.run()
+    return app.return_code or 0
+
+
+def run_chat(hostfile: str, model: str | None) -> int:
+    """`kvchat --hosts hosts.json [--model M]`: the chat on this terminal, the model split
+    across the hosts. Errors before the UI starts are one line (exit 1)."""
+    import argparse
+    import tempfile
+
+    from kvchat.app.core.hosts import (
+        HostsError,
+        join_if_launched,
+        read_hostfile,
+        start_ranks,
+        stop_ranks,
+    )
+
+    read_hostfile(hostfile)  # a bad hostfile: one line, nothing started
+    settings = load_settings()
+    path = str(validate_model_path(model)) if model else default_model_path(settings)
+    if path is None:
+        raise HostsError("give --model DIR: no default model to split across hosts")
+    log_dir = Path(tempfile.mkdtemp(prefix="kvchat-ranks-"))
+    procs = start_ranks(hostfile, path, log_dir)
+    try:
+        join_if_launched(argparse.Namespace(model=path))
+        return run_tui(path, settings, engine_factory=in_process_engine)
+    finally:
+        stop_ranks(procs)

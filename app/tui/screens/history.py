@@ -1,0 +1,136 @@
+"""F2 / Ctrl+T: past chats, newest first, the cursor on the open one. Enter reopens a
+chat; Delete asks first (press it again), and Ctrl+Z brings a deleted chat back."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import DataTable, Static
+
+from kvchat.app.core.store import Conversation, ConversationStore, StoreError
+from kvchat.app.core.text import literal
+from kvchat.app.tui.widgets.format import fmt_bytes
+from kvchat.model.facts import model_name
+
+
+def _when(ts: float) -> str:
+    try:
+        return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M")
+    except (OverflowError, OSError, ValueError):
+        return "?"
+
+
+class HistoryScreen(ModalScreen[str | None]):
+    BINDINGS = [
+        Binding("escape", "dismiss", "Close", id="history.close"),
+        Binding("delete", "delete", "Delete chat", id="history.delete"),
+        Binding("ctrl+z", "undo", "Undo delete", id="history.undo"),
+    ]
+
+    def __init__(self, store: ConversationStore, current_id: str | None = None) -> None:
+        super().__init__()
+        self.store = store
+        self.current_id = current_id
+        self.armed: str | None = None  # the chat a first Delete asked about
+        self.deleted: list[Conversation] = []  # Ctrl+Z restores the last one
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog", classes="dialog -history"):
+            yield Static("Chats", classes="dialog-title")
+            yield DataTable(id="chats", cursor_type="row", zebra_stripes=True)
+            yield Static(id="history-status", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        self._fill(select=self.current_id)
+        self.query_one("#chats", DataTable).focus()
+
+    def _fill(self, select: str | None = None) -> None:
+        table = self.query_one("#chats", DataTable)
+        table.clear(columns=True)
+        table.add_columns("", "title", "updated", "msgs", "K/V", "model")
+        convs = self.store.list()
+        for c in convs:
+            table.add_row(
+                "●" if c.id == self.current_id else "",
+                literal(c.title or "New chat"),
+                _when(c.updated),
+                str(len(c.messages)),
+                fmt_bytes(self.store.cache_bytes(c.id)),  # the saved cache: reopens warm
+                literal(model_name(c.model)) if c.model else "–",
+                key=c.id,
+            )
+        ids = [c.id for c in convs]
+        if select in ids:
+            table.move_cursor(row=ids.index(select))
+        self._status(self._hint(len(convs)) if convs else "No saved chats yet. Esc closes.")
+
+    def _hint(self, n: int) -> str:
+        note = f"{n} chats · Enter opens · Delete removes · Esc closes"
+        if self.deleted:
+            note += " · Ctrl+Z undoes the delete"
+        if self.store.skipped:
+            note += f" · {len(self.store.skipped)} unreadable file(s) skipped"
+        return note
+
+    def _status(self, text: str) -> None:
+        self.query_one("#history-status", Static).update(literal(text))
+
+    def on_data_table_row_highlighted(self, _event: DataTable.RowHighlighted) -> None:
+        if self.armed is not None:  # moving away cancels a pending delete
+            self.armed = None
+            self._status(self._hint(self.query_one("#chats", DataTable).row_count))
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        if event.row_key.value:
+            self.dismiss(event.row_key.value)
+
+    def action_delete(self) -> None:
+        table = self.query_one("#chats", DataTable)
+        if not table.row_count:
+            return
+        row_key, _ = table.coordinate_to_cell_key(table.cursor_coordinate)
+        conv_id = row_key.value
+        if not conv_id:
+            return
+        if conv_id == self.current_id:
+            self.notify("That chat is open; start a new chat (Ctrl+N) to delete it.",
+                        severity="warning")
+            return
+        if self.armed != conv_id:
+            self.armed = conv_id
+            title = str(table.get_row(row_key)[1])
+            self._status(f"Delete “{title}”? Press Delete again to delete it · any other row"
+                         " keeps it")
+            return
+        self.armed = None
+        try:
+            conv = self.store.load(conv_id)
+            self.store.delete(conv_id)
+        except StoreError as e:
+            self.notify(str(e), severity="error")
+            return
+        self.deleted.append(conv)
+        row = table.cursor_row
+        self._fill()
+        if table.row_count:
+            table.move_cursor(row=min(row, table.row_count - 1))
+        self.notify(f"Deleted “{conv.title or 'New chat'}” · Ctrl+Z brings it back",
+                    title="History")
+
+    def action_undo(self) -> None:
+        if not self.deleted:
+            self.notify("Nothing to undo.", severity="warning")
+            return
+        conv = self.deleted.pop()
+        try:
+            self.store.save(conv)
+        except StoreError as e:
+            self.deleted.append(conv)
+            self.notify(str(e), severity="error")
+            return
+        self._fill(select=conv.id)
+        self.notify(f"Restored “{conv.title or 'New chat'}”", title="History")

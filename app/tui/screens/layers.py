@@ -1,0 +1,105 @@
+"""Ctrl+L: what each layer's KV cache holds (engine.layer_stats(), metadata only)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import DataTable, Static
+
+from kvchat.app.core.text import literal
+from kvchat.app.tui.widgets.format import fmt_bytes
+
+# (key in layer_stats, column title); bytes columns are shown in human units
+COLUMNS = (
+    ("layer", "layer"),
+    ("attention", "attention"),
+    ("window", "window"),
+    ("kind", "cache"),
+    ("cache_offset", "offset"),
+    ("cache_tokens", "tokens"),
+    ("cache_capacity", "capacity"),
+    ("allocated_tokens", "alloc"),
+    ("cache_bytes", "bytes"),
+    ("mha_bytes", "as MHA"),
+    ("allocated_bytes", "alloc B"),
+    ("keep", "keep"),
+    ("evicted_tokens", "evicted"),
+    ("wrapped", "wrap"),
+)
+
+
+def _cell(key: str, value: Any) -> str | Text:
+    if value is None:
+        return "–"
+    if key.endswith("bytes"):
+        return fmt_bytes(value)
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return literal(value)  # text (a layer kind): never markup
+
+
+class LayerCacheScreen(ModalScreen[None]):
+    BINDINGS = [
+        Binding("escape,q", "dismiss", "Close", id="layers.close"),
+        Binding("r", "refresh_rows", "Refresh", id="layers.refresh"),
+    ]
+
+    def __init__(self, source: Callable[[], list[dict[str, Any]]]) -> None:
+        super().__init__()
+        self.source = source
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog", classes="dialog -layers"):
+            yield Static("KV cache per layer", classes="dialog-title")
+            yield DataTable(id="layers", cursor_type="row", zebra_stripes=True)
+            yield Static(id="summary", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        self.action_refresh_rows()
+
+    def action_refresh_rows(self) -> None:
+        rows = self.source()
+        table = self.query_one(DataTable)
+        table.clear(columns=True)
+        keys = [k for k, _ in COLUMNS if any(k in r for r in rows)]
+        extra = sorted({k for r in rows for k in r} - {k for k, _ in COLUMNS})
+        titles = dict(COLUMNS)
+        table.add_columns(*(titles.get(k, k) for k in keys + extra))
+        for r in rows:
+            table.add_row(*(_cell(k, r.get(k)) for k in keys + extra))
+        self.query_one("#summary", Static).update(
+            f"{summary(rows)} · r refresh · Esc close"
+            if rows
+            else "The cache is empty (no turn yet, or no model loaded). Esc closes."
+        )
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """Layers by kind, bytes resident, and what sliding windows and GQA each save:
+    windows against every layer holding as many tokens as the fullest one, GQA against
+    the same tokens with one K/V head per query head."""
+    total = sum(int(r.get("cache_bytes") or 0) for r in rows)
+    text = f"{len(rows)} layers · {fmt_bytes(total)} of K/V resident"
+    sliding = [r for r in rows if str(r.get("attention", "")).startswith("sliding")]
+    if sliding and total:
+        most = max(int(r.get("cache_tokens") or 0) for r in rows)
+        unwindowed = sum(
+            r["cache_bytes"] / r["cache_tokens"] * most for r in rows if r.get("cache_tokens")
+        )
+        held = sum(int(r.get("cache_bytes") or 0) for r in sliding)
+        text += (
+            f" · {len(sliding)} sliding layers hold {fmt_bytes(held)},"
+            f" windows save {unwindowed / total:.2f}x"
+        )
+    mha = sum(int(r.get("mha_bytes") or 0) for r in rows)
+    if total and mha:
+        text += f" · GQA saves {mha / total:.2f}x"
+    return text

@@ -1,0 +1,51 @@
+"""What the chat shows while a turn reads a long prompt, and when the conversation stops
+fitting the cache. The chat screen hands these engine events here in one call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvchat.app.tui.widgets import ChatMessage, StatsPanel
+from kvchat.model.events import Overflow, PrefillProgress
+
+# a prompt read faster than this shows no progress (it would only flicker)
+PREFILL_SHOW_AFTER_S = 0.5
+
+
+def prefill_label(ev: PrefillProgress) -> str:
+    return f"reading the prompt: {ev.done:,}/{ev.total:,} tokens · {ev.tps:,.0f} tok/s"
+
+
+def overflow_message(ev: Overflow) -> str:
+    where = "the prompt" if ev.during == "prompt" else "the reply"
+    return (
+        f"The chat no longer fits the {ev.capacity:,}-token window: {ev.dropped:,} oldest tokens"
+        f" were dropped while reading {where} (the first few are kept). Max KV size in"
+        " Settings (Ctrl+S) or --max-kv-size sets the window."
+    )
+
+
+def on_turn_event(
+    ev: PrefillProgress | Overflow,
+    panel: StatsPanel,
+    reply: ChatMessage | None,
+    notify: Callable[..., Any],
+) -> None:
+    """Prefill progress in the panel and the reply's header; overflow as a warning that
+    stays on screen a while and a note on the reply."""
+    if isinstance(ev, PrefillProgress):
+        if ev.done >= ev.total:
+            if reply is not None and reply.streaming:
+                reply.border_subtitle = "generating…"
+            return
+        if ev.elapsed_s < PREFILL_SHOW_AFTER_S:
+            return
+        panel.show_prefill(ev.done, ev.total, ev.tps)
+        if reply is not None:
+            reply.border_subtitle = prefill_label(ev)
+    else:
+        notify(overflow_message(ev), severity="warning", title="Context full", timeout=15)
+        if reply is not None:
+            reply.tooltip = overflow_message(ev)
+            reply.add_class("-overflow")

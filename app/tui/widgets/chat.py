@@ -1,0 +1,228 @@
+"""The chat column: one widget per message, the scrolling transcript, the input box."""
+
+from __future__ import annotations
+
+from textual import events
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.message import Message
+from textual.widgets import Markdown, Static, TextArea
+from textual.widgets.markdown import MarkdownStream
+
+from kvchat.app.core.text import SafeStream, visible
+
+ROLE_TITLES = {"user": "you", "assistant": "assistant", "system": "system"}
+
+
+class ChatMessage(Vertical):
+    """One transcript entry. Assistant replies are Markdown and can stream in.
+
+    While streaming, text goes through a `MarkdownStream` (which appends to the last
+    block and batches fragments that arrive faster than it can render); when the reply
+    ends, `finish()` re-parses the whole text once, so code fences and lists that were
+    split across fragments come out right.
+    """
+
+    can_focus = True
+
+    BINDINGS = [Binding("enter", "select", "Edit / select", show=False)]
+
+    class Selected(Message):
+        """The user picked this message (click or Enter): user text -> edit and resend."""
+
+        def __init__(self, widget: ChatMessage) -> None:
+            super().__init__()
+            self.widget = widget
+
+    def __init__(
+        self,
+        role: str,
+        content: str = "",
+        *,
+        index: int,
+        stopped: bool = False,
+        streaming: bool = False,
+    ) -> None:
+        super().__init__(classes=f"message -{role}")
+        self.role = role
+        self.content = content
+        self.index = index
+        self.stopped = stopped
+        self.streaming = streaming
+        self._stream: MarkdownStream | None = None
+        self._safe = SafeStream()
+        self.border_title = visible(ROLE_TITLES.get(role, role))
+        self._set_subtitle()
+
+    def compose(self):
+        # user text is Markdown too (code fences, lists); the system prompt stays plain
+        if self.role in ("assistant", "user"):
+            yield Markdown(visible(self.content), classes="body")
+        else:
+            yield Static(visible(self.content), markup=False, classes="body")
+
+    @property
+    def body(self) -> Markdown | Static:
+        return self.query_one(".body", (Markdown, Static))
+
+    def _set_subtitle(self, note: str = "") -> None:
+        if self.streaming:
+            self.border_subtitle = "generating…"
+        elif self.stopped:
+            self.border_subtitle = "■ stopped"
+        else:
+            self.border_subtitle = note
+        self.set_class(self.stopped, "-stopped")
+        self.set_class(self.streaming, "-streaming")
+
+    async def append(self, text: str) -> None:
+        """Add streamed text (assistant only)."""
+        if not text:
+            return
+        self.content += text
+        md = self.body
+        assert isinstance(md, Markdown)
+        if self._stream is None:
+            self._stream = Markdown.get_stream(md)
+        await self._stream.write(self._safe.feed(text))
+
+    async def finish(self, text: str, *, stopped: bool = False, note: str = "") -> None:
+        """The reply ended: stop the stream and render the full text once."""
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        self.content = text
+        self.streaming = False
+        self.stopped = stopped
+        self._safe = SafeStream()
+        body = self.body
+        if isinstance(body, Markdown):
+            await body.update(visible(text))
+        else:
+            body.update(visible(text))
+        self._set_subtitle(note)
+
+    def action_select(self) -> None:
+        self.post_message(self.Selected(self))
+
+    def on_click(self, event: events.Click) -> None:
+        event.stop()
+        self.focus()
+        self.post_message(self.Selected(self))
+
+
+class Transcript(VerticalScroll):
+    """The scrolling list of messages. Anchored: it follows new text only while the
+    view is at the bottom; scrolling up releases the anchor, scrolling back re-takes it."""
+
+    can_focus = False
+
+    def on_mount(self) -> None:
+        self.anchor()
+
+    @property
+    def messages(self) -> list[ChatMessage]:
+        return list(self.query_children(ChatMessage))
+
+    async def add(self, widget: ChatMessage) -> ChatMessage:
+        await self.mount(widget)
+        return widget
+
+    async def truncate(self, index: int) -> None:
+        """Remove every message whose conversation index is >= index."""
+        doomed = [m for m in self.messages if m.index >= index]
+        if doomed:
+            await self.remove_children(doomed)
+
+    def follow(self) -> None:
+        """Jump to the bottom and follow again (after the user sends a message)."""
+        self.anchor()
+
+
+class ChatInput(TextArea):
+    """Multi-line input: Enter sends; Shift+Enter or Ctrl+J inserts a newline;
+    Up on the first line / Down on the last line walk the input history."""
+
+    class Submitted(Message):
+        def __init__(self, text: str) -> None:
+            super().__init__()
+            self.text = text
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(
+            id=id,
+            soft_wrap=True,
+            show_line_numbers=False,
+            highlight_cursor_line=False,
+            placeholder="Message…  (Enter send · Ctrl+J newline · ↑ history)",
+        )
+        # ctrl+e (export) and ctrl+y (copy reply) are priority bindings of the chat screen,
+        # so TextArea's aliases for line end and redo never see them (End and ctrl+z remain)
+        self.sent_history: list[str] = []
+        self._hist_pos: int | None = None  # index into history while browsing
+        self._draft = ""
+
+    async def _on_key(self, event: events.Key) -> None:
+        # Runs before TextArea._on_key (MRO order); prevent_default stops the base from
+        # also inserting "\n" for Enter.
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            text = self.text
+            if text.strip():
+                self.post_message(self.Submitted(text))
+        elif event.key in ("shift+enter", "ctrl+j"):
+            event.stop()
+            event.prevent_default()
+            self.insert("\n")
+
+    # ---- history --------------------------------------------------------------------
+    def remember(self, text: str) -> None:
+        if text.strip() and (not self.sent_history or self.sent_history[-1] != text):
+            self.sent_history.append(text)
+        self._hist_pos = None
+        self._draft = ""
+
+    def load_text(self, text: str) -> None:
+        # a message from a saved chat may hold control characters: shown, never sent raw
+        super().load_text(visible(text))
+
+    def _show(self, text: str) -> None:
+        self.load_text(text)
+        self.move_cursor(self.document.end)
+
+    def history_prev(self) -> bool:
+        if not self.sent_history:
+            return False
+        if self._hist_pos is None:
+            self._draft = self.text
+            self._hist_pos = len(self.sent_history) - 1
+        elif self._hist_pos > 0:
+            self._hist_pos -= 1
+        else:
+            return True  # at the oldest entry: stay
+        self._show(self.sent_history[self._hist_pos])
+        return True
+
+    def history_next(self) -> bool:
+        if self._hist_pos is None:
+            return False
+        if self._hist_pos < len(self.sent_history) - 1:
+            self._hist_pos += 1
+            self._show(self.sent_history[self._hist_pos])
+        else:
+            self._hist_pos = None
+            self._show(self._draft)
+        return True
+
+    def action_cursor_up(self, select: bool = False) -> None:
+        if not select and self.navigator.is_first_wrapped_line(self.cursor_location):
+            if self.history_prev():
+                return
+        super().action_cursor_up(select)
+
+    def action_cursor_down(self, select: bool = False) -> None:
+        if not select and self.navigator.is_last_wrapped_line(self.cursor_location):
+            if self.history_next():
+                return
+        super().action_cursor_down(select)

@@ -1,0 +1,270 @@
+"""The live stats side panel: speed, context gauge, KV cache, model, runtime.
+
+Updates are throttled: `update_stats()` only stores the newest TurnStats; a 10 Hz timer
+renders it when something changed. The engine itself sends Stats about 10 times a
+second, never per token, so the panel costs a few re-renders a second while decoding.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Sparkline, Static
+
+from kvchat.app.core import blas
+from kvchat.app.core.text import literal
+from kvchat.app.tui.widgets.format import (
+    context_level,
+    fmt_bytes,
+    fmt_count,
+    fmt_params,
+    fmt_rate,
+    fmt_saving,
+    fmt_seconds,
+)
+from kvchat.model.events import CACHE_FIELDS, TURN_FIELDS, TurnStats
+
+REFRESH_S = 0.1
+# the "now" rate spans at least this much decode time: the last Stats of a turn can
+# follow the previous one by a token or two, and a rate over ~1 ms is noise
+NOW_MIN_WINDOW_S = 0.03
+SPARK_POINTS = 48
+LABEL_W = 9
+
+
+def _row(label: str, value: str | Text, style: str = "") -> Text:
+    t = Text(f"{label:<{LABEL_W}}", style="dim")
+    t.append(value if isinstance(value, Text) else literal(value, style=style))
+    return t
+
+
+def _lines(*rows: Text) -> Text:
+    return Text("\n").join(rows)
+
+
+def _set(widget: Static, text: Text) -> None:
+    """Update without a screen re-layout unless the number of lines changed (a layout
+    pass costs far more than the repaint, and this runs 10 times a second)."""
+    lines = len(text.plain.split("\n"))
+    widget.update(text, layout=lines != getattr(widget, "_kv_lines", None))
+    widget._kv_lines = lines  # type: ignore[attr-defined]
+
+
+def decode_elapsed(stats: TurnStats) -> float | None:
+    """Seconds between the first and the last generated token, from the stats alone:
+    decode_tps = (n - 1) / span  =>  span = (n - 1) / decode_tps (DESIGN.md)."""
+    n = stats.generated_tokens or 0
+    tps = stats.decode_tps or 0.0
+    if n < 2 or tps <= 0:
+        return None
+    return (n - 1) / tps
+
+
+class ContextGauge(Static):
+    """cache_tokens / cache_capacity as a bar; yellow from 75 %, red from 90 %."""
+
+    BAR_W = 18
+
+    def set_fill(self, tokens: int, capacity: int) -> None:
+        frac = tokens / capacity if capacity > 0 else 0.0
+        level = context_level(tokens, capacity)
+        for lvl in ("ok", "warn", "danger"):
+            self.set_class(lvl == level, f"-{lvl}")
+        full = round(min(1.0, frac) * self.BAR_W)
+        bar = Text("█" * full, style="bold")
+        bar.append("░" * (self.BAR_W - full), style="dim")
+        bar.append(f" {frac * 100:3.0f}%")
+        _set(self, _lines(bar, Text(f"{tokens:,} / {capacity:,} tokens", style="dim")))
+
+
+class StatsPanel(VerticalScroll):
+    """The side panel. Fed with the engine's TurnStats and the model info."""
+
+    can_focus = False
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.stats = TurnStats()
+        self.info: dict[str, Any] = {}
+        self.decode_now: float | None = None
+        self.freed_bytes: int | None = None  # memory released by the last model swap
+        self._dirty = True
+        self._last_point: tuple[int, float] | None = None  # (generated, decode span)
+        self._spark: deque[float] = deque(maxlen=SPARK_POINTS)
+        self.prefill: tuple[int, int, float] | None = None  # (done, total, tok/s) while slow
+
+    def compose(self) -> ComposeResult:
+        yield Static("Speed", classes="section")
+        yield Static(id="speed")
+        yield Sparkline([], id="spark")
+        yield Static("Context", classes="section")
+        yield ContextGauge(id="gauge")
+        yield Static("KV cache", classes="section")
+        yield Static(id="cache")
+        yield Static("Model", classes="section")
+        yield Static(id="model")
+        yield Static("Runtime", classes="section")
+        yield Static(id="runtime")
+
+    def on_mount(self) -> None:
+        self._render_now()
+        self.set_interval(REFRESH_S, self._tick)
+
+    # ---- feeding ----------------------------------------------------------------------
+    def start_turn(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A turn began: reset the per-turn speed numbers, keep cache and model."""
+        fresh = dict.fromkeys(TURN_FIELDS)
+        self.stats = self.stats.with_(
+            **{**fresh, "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens}
+        )
+        self.decode_now = None
+        self.prefill = None
+        self._last_point = None
+        self._spark.clear()
+        self._dirty = True
+
+    def show_prefill(self, done: int, total: int, tps: float) -> None:
+        """A long prompt is being read: show tokens done / total and the rate so far."""
+        self.prefill = (done, total, tps)
+        self._dirty = True
+
+    def end_turn(self, stats: TurnStats | None = None) -> None:
+        self.prefill = None
+        if stats:
+            self.update_stats(stats)
+        self._dirty = True
+        self._render_now()  # final numbers at once, not up to 100 ms later
+
+    def update_stats(self, stats: TurnStats) -> None:
+        """Store the newest stats; the timer renders them (never per token)."""
+        self.stats = self.stats.merged(stats)
+        if self.stats.generated_tokens:
+            self.prefill = None  # the prompt is read; decoding has begun
+        span = decode_elapsed(self.stats)
+        n = self.stats.generated_tokens or 0
+        if span is not None:
+            if self._last_point is not None:
+                n0, span0 = self._last_point
+                if n > n0 and span - span0 >= NOW_MIN_WINDOW_S:
+                    self.decode_now = (n - n0) / (span - span0)
+                    self._spark.append(self.decode_now)
+                    self._last_point = (n, span)
+            elif n >= 2:
+                self.decode_now = self.stats.decode_tps
+                self._spark.append(self.decode_now)
+                self._last_point = (n, span)
+        self._dirty = True
+
+    def set_model(self, info: dict[str, Any]) -> None:
+        self.info = dict(info)
+        heads, kv = info.get("n_heads"), info.get("n_kv_heads")
+        if heads and kv:  # the new model's factor, not the previous model's
+            self.stats = self.stats.with_(gqa_saving=heads / kv)
+        self._dirty = True
+        self._render_now()
+
+    def clear_cache_stats(self) -> None:
+        """New chat: the cache is empty again. The GQA factor stays: it is the model's."""
+        gone = [f for f in (*CACHE_FIELDS, "cached_tokens") if f != "gqa_saving"]
+        self.stats = self.stats.with_(**dict.fromkeys(gone))
+        self._dirty = True
+        self._render_now()
+
+    # ---- rendering --------------------------------------------------------------------
+    def _tick(self) -> None:
+        if self._dirty:
+            self._render_now()
+
+    def _render_now(self) -> None:
+        if not self.is_mounted:
+            return
+        self._dirty = False
+        s, info = self.stats, self.info
+        _set(
+            self.query_one("#speed", Static),
+            _lines(
+                _row("now", fmt_rate(self.decode_now), "bold"),
+                _row("average", fmt_rate(s.decode_tps)),
+                _row("prefill", fmt_rate(s.prefill_tps))
+                if self.prefill is None
+                else _row("prefill", f"{self.prefill[0]:,}/{self.prefill[1]:,} · "
+                          f"{fmt_rate(self.prefill[2])}", "bold"),
+                _row("TTFT", fmt_seconds(s.ttft_s)),
+                _row("tokens", f"{fmt_count(s.generated_tokens)} generated"),
+            )
+        )
+        spark = self.query_one("#spark", Sparkline)
+        spark.data = list(self._spark)  # empty: a flat baseline, not a full block
+
+        tokens, cap = s.cache_tokens, s.cache_capacity or info.get("context")
+        gauge = self.query_one("#gauge", ContextGauge)
+        gauge.set_fill(tokens or 0, cap or 0)
+
+        wrapped = s.wrapped
+        _set(
+            self.query_one("#cache", Static),
+            _lines(
+                _row("KV", fmt_bytes(s.cache_bytes), "bold"),
+                _row("as MHA", fmt_bytes(s.mha_bytes)),
+                _row("GQA", f"{fmt_saving(s.gqa_saving)} smaller"),
+                *([_row("windows", f"{fmt_saving(s.window_saving)} smaller")]
+                  if s.sliding_layers else []),
+                _row("reused", f"{fmt_count(s.cached_tokens)} tokens this turn"),
+                _row("window", f"{fmt_count(cap)} · keep {fmt_count(s.keep)}"),
+                _row(
+                    "evicted",
+                    f"{fmt_count(s.evicted_tokens)} · "
+                    f"{'wrapped' if wrapped else 'not wrapped' if wrapped is not None else '–'}",
+                ),
+                *(_row(label, value) for label, value in rank_rows(s)),  # split across hosts
+            )
+        )
+        bits = info.get("bits")
+        precision = f"{bits}-bit" if bits else str(info.get("dtype") or "–")
+        if bits and info.get("dequantized"):
+            precision = f"{bits}-bit → {info.get('dtype')}"  # dequantized on load (CPU)
+        _set(
+            self.query_one("#model", Static),
+            _lines(
+                _row("name", str(info.get("name") or "no model"), "bold"),
+                _row("arch", str(info.get("architecture") or "–")),
+                _row("params", f"{fmt_params(info.get('parameters'))} · {precision}"),
+                _row("weights", fmt_bytes(info.get("weight_bytes"))),
+                _row(
+                    "shape",
+                    f"{fmt_count(info.get('n_layers'))} layers · "
+                    f"{fmt_count(info.get('n_heads'))}/{fmt_count(info.get('n_kv_heads'))} heads",
+                )
+                if info
+                else _row("shape", "–"),
+            )
+        )
+        runtime = [
+            _row("kernels", str(s.kernels_backend or "–")),
+            _row("device", str(s.device or "–")),
+            _row("BLAS", blas.short_label(), "" if blas.active_blas()["fast"] else "yellow"),
+            _row("active", fmt_bytes(s.active_memory)),
+            _row("peak", fmt_bytes(s.peak_memory)),
+        ]
+        if self.freed_bytes is not None:
+            runtime.append(_row("swap", f"freed {fmt_bytes(self.freed_bytes)}"))
+        _set(self.query_one("#runtime", Static), _lines(*runtime))
+
+
+def rank_rows(stats: TurnStats) -> list[tuple[str, str]]:
+    """(label, value) rows for the KV panel: each rank's K/V and weight bytes, then the
+    mean decode step split into each rank's compute and the rest (transfer, waiting)."""
+    pipe = stats.pipeline or {}
+    rows = [
+        (f"rank {r['rank']}", f"{fmt_bytes(r['kv_bytes'])} KV · {fmt_bytes(r['weight_bytes'])} W")
+        for r in pipe.get("ranks", [])
+    ]
+    if pipe.get("steps_timed"):
+        split = " · ".join(f"r{r['rank']} {r['compute_ms']:.1f}" for r in pipe["ranks"])
+        rows.append(("compute", f"{split} ms/token"))
+        rows.append(("transfer", f"{pipe['transfer_ms']:.1f} of {pipe['step_ms']:.1f} ms/token"))
+    return rows
