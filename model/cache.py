@@ -1,8 +1,9 @@
-"""KV caches following mlx-lm's duck-typed protocol (update_and_fetch, offset, make_mask,
-trim, is_trimmable, nbytes, state (arrays only), meta_state (integers as strings),
-from_state(state, meta_state), empty, size) plus a read-only `stats()` built from
-metadata only, so mlx-lm's `generate_step` can drive our model with our caches and the UI
-can poll statistics every token for free.
+"""KV caches following mlx-lm's (>= 0.32) duck-typed protocol (update_and_fetch, offset,
+make_mask, trim, is_trimmable, nbytes, `state` (the arrays and the scalars, in mlx-lm's
+order for the classes it has), `from_state(state)`, empty, size) plus a read-only
+`stats()` built from metadata only, so mlx-lm's `generate_step` can drive our model with
+our caches, mlx-lm's save_prompt_cache / load_prompt_cache round-trip them, and the UI can
+poll statistics every token for free.
 
 Rotation semantics (DESIGN.md): with capacity M and K sink tokens ("keep"), the query at
 absolute position t attends to [0, K) ∪ [t − (M − K) + 1, t]. Storage is one buffer per
@@ -10,10 +11,16 @@ layer for K and one for V, shape (B, n_kv_heads, capacity, head_dim), grown in s
 M and written in place: position p lives in slot p while p < M; after that, ring positions
 p ≥ K live in slot K + (p − K) mod (M − K) (the same layout as mlx-lm's RotatingKVCache
 at decode time, so both give bit-identical logits token by token).
+
+Quantized caches (`QuantizedKVCache`, `QuantizedRotatingKVCache`) are the same classes
+storing each buffer as the (packed, scales, biases) triple of `mx.quantize`
+(model/kv_quant.py): every slot operation below maps over a buffer's parts, so writing in
+place, growing, rotating and trimming are one code path for both.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -22,6 +29,10 @@ from .config import LayerSpec, ModelConfig
 from .errors import KVChatError
 from .events import TurnStats
 from .kv_math import kv_bytes
+from .kv_quant import KVQuant, Packed
+
+# a K or V buffer: floats, or the parts of a quantized one
+Buf = mx.array | tuple[mx.array, ...]
 
 
 class CacheError(KVChatError):
@@ -39,29 +50,82 @@ def causal_mask(n: int, offset: int = 0, window: int | None = None) -> mx.array:
     return mask
 
 
-def _grow(buf: mx.array | None, like: mx.array, need: int, step: int, cap: int | None) -> mx.array:
+# ---- slot operations on a buffer (floats or quantized parts) ---------------------------
+def parts(buf: Buf) -> tuple[mx.array, ...]:
+    return buf if isinstance(buf, tuple) else (buf,)
+
+
+def map_parts(fn: Callable[..., mx.array], buf: Buf, *others: Buf) -> Buf:
+    out = tuple(fn(*ps) for ps in zip(parts(buf), *map(parts, others), strict=True))
+    return out if isinstance(buf, tuple) else out[0]
+
+
+def slots(buf: Buf) -> int:
+    return parts(buf)[0].shape[2]
+
+
+def first_slots(buf: Buf, n: int) -> Buf:
+    """The first `n` slots (the buffer itself when that is all of it)."""
+    return buf if n == slots(buf) else map_parts(lambda p: p[..., :n, :], buf)
+
+
+def _write(buf: Buf, slot: int, new: Buf, start: int = 0, run: int | None = None) -> None:
+    """Slots [slot, slot + run) of `buf` = slots [start, start + run) of `new`, in place."""
+    run = slots(new) - start if run is None else run
+    for p, n in zip(parts(buf), parts(new), strict=True):
+        p[..., slot : slot + run, :] = n[..., start : start + run, :]
+
+
+def grow_buffer(buf: Buf | None, like: Buf, need: int, step: int, cap: int | None) -> Buf:
     """Return `buf` with at least `need` slots: grown in whole steps (capped at `cap`),
     old slots copied once per step rather than once per token."""
-    have = 0 if buf is None else buf.shape[2]
+    have = 0 if buf is None else slots(buf)
     if have >= need:
         return buf  # type: ignore[return-value]
     size = ((need + step - 1) // step) * step
     if cap is not None:
         size = min(size, cap)
-    B, H, _, D = like.shape
-    fresh = mx.zeros((B, H, size - have, D), like.dtype)
-    return fresh if buf is None else mx.concatenate([buf[..., :have, :], fresh], axis=2)
+
+    def fresh(p: mx.array) -> mx.array:
+        B, H, _, D = p.shape
+        return mx.zeros((B, H, size - have, D), p.dtype)
+
+    if buf is None:
+        return map_parts(fresh, like)
+    return map_parts(lambda p: mx.concatenate([p[..., :have, :], fresh(p)], axis=2), buf)
+
+
+def buffer_bytes(buf: Buf | None, tokens: int, heads_factor: float = 1) -> int:
+    """Bytes of `tokens` slots of one K or V buffer, from its parts' shapes and dtypes
+    (kv_math's formula with one layer, halved: K or V); `heads_factor` scales the heads."""
+    if buf is None:
+        return 0
+    total = 0
+    for p in parts(buf):
+        B, H, _, D = p.shape
+        total += kv_bytes(tokens, 1, int(B * H * heads_factor), D, p.dtype.size) // 2
+    return total
 
 
 class _Buffers:
-    """What both caches share: K and V buffers of shape (B, n_kv_heads, slots, head_dim)
-    whose first `_written()` slots hold tokens; `state` is those slots (arrays only)."""
+    """What every cache shares: K and V buffers of shape (B, n_kv_heads, slots, ·)
+    whose first `_written()` slots hold tokens, and the hooks a quantized cache overrides
+    (`_encode`, `quant`)."""
 
-    keys: mx.array | None
-    values: mx.array | None
+    keys: Buf | None
+    values: Buf | None
+    offset: int
+    step = 256
+    quant: KVQuant | None = None  # set on the quantized classes
+    head_dim: int | None = None  # the model's head_dim (quantized storage may pad it)
+    # attributes mlx-lm's state has no place for; kvchat's cache files keep them beside it
+    extras: tuple[str, ...] = ()
 
     def _written(self) -> int:
         raise NotImplementedError
+
+    def _encode(self, x: mx.array) -> Buf:
+        return x
 
     def empty(self) -> bool:
         return self.keys is None
@@ -69,45 +133,121 @@ class _Buffers:
     def is_trimmable(self) -> bool:
         return True
 
-    @property
-    def state(self) -> tuple[mx.array, ...]:
+    def _resident(self) -> tuple[Buf | None, Buf | None]:
         if self.keys is None or self.values is None:
-            return ()
+            return None, None
         n = self._written()
-        if n == self.keys.shape[2]:
-            return self.keys, self.values
-        return self.keys[..., :n, :], self.values[..., :n, :]
+        return first_slots(self.keys, n), first_slots(self.values, n)
 
-    @state.setter
-    def state(self, v: tuple[mx.array, ...]) -> None:
-        self.keys, self.values = v
+    def _reserve(self, need: int, keys: Buf, values: Buf, cap: int | None) -> None:
+        self.keys = grow_buffer(self.keys, keys, need, self.step, cap)
+        self.values = grow_buffer(self.values, values, need, self.step, cap)
+
+    def _bytes(self, tokens: int, heads_factor: float = 1) -> int:
+        return buffer_bytes(self.keys, tokens, heads_factor) + buffer_bytes(
+            self.values, tokens, heads_factor)
+
+    def _float_bytes(self, tokens: int) -> int:
+        """What the same tokens take unquantized (head_dim at the compute dtype)."""
+        if self.keys is None:
+            return 0
+        if self.quant is None:
+            return self._bytes(tokens)
+        p = parts(self.keys)
+        B, H = p[0].shape[:2]
+        return kv_bytes(tokens, 1, B * H, self.head_dim or 0, p[1].dtype.size)
+
+    def _quant_stats(self, tokens: int) -> dict[str, Any]:
+        packed = self.packed() if self.quant is not None and self.head_dim else None
+        return {
+            # a float cache's bits are its element's
+            "kv_bits": packed.bits if packed else parts(self.keys)[0].dtype.size * 8
+            if self.keys is not None else None,
+            "kv_group_size": packed.group_size if packed else None,
+            "float_bytes": self._float_bytes(tokens),
+        }
+
+    def packed(self) -> Packed:
+        assert self.quant is not None and self.head_dim is not None
+        return Packed.of(self.quant, self.head_dim)
+
+    def grow_to(self, size: int) -> None:
+        """At least `size` slots allocated (whole steps, capped like the cache's writes);
+        the compiled step calls it before writing slot size − 1."""
+        assert self.keys is not None and self.values is not None
+        self._reserve(size, self.keys, self.values, getattr(self, "max_size", None))
+
+    def _advance(self, offset: int) -> None:
+        self.offset = offset
+
+    def quantized(self, q: KVQuant) -> _Buffers:
+        """This cache, its buffers quantized (mlx-lm's `to_quantized`): the class of the
+        same kind in `QUANTIZED`, every slot encoded once, offsets and bounds kept."""
+        cls = QUANTIZED[type(self)]
+        obj = cls.__new__(cls)
+        obj.__dict__.update(self.__dict__)
+        obj.__dict__.pop("pending_quant", None)
+        obj.quant = q
+        if self.keys is not None and self.values is not None:
+            obj.head_dim = parts(self.keys)[0].shape[-1]
+            obj.keys, obj.values = obj._encode(self.keys), obj._encode(self.values)
+        return obj
+
+
+class _Quantized(_Buffers):
+    """Mixin for the quantized classes: K/V encoded on write (the head_dim comes from the
+    first chunk), `bits` / `group_size` as mlx-lm's QuantizedKVCache names them."""
+
+    def _encode(self, x: mx.array | Buf) -> Buf:
+        if isinstance(x, tuple):
+            return x
+        if self.head_dim is None:
+            self.head_dim = x.shape[-1]
+        return self.packed().encode(x)
+
+    @property
+    def bits(self) -> int:
+        assert self.quant is not None
+        return self.quant.bits
+
+    @property
+    def group_size(self) -> int:
+        assert self.quant is not None
+        return self.packed().group_size if self.head_dim else self.quant.group_for(0)
+
+    def _set_quant(self, group_size: int, bits: int, head_dim: int | None) -> None:
+        self.quant = KVQuant(int(bits), int(group_size))
+        dim = parts(self.keys)[0].shape[-1] * 32 // int(bits) if self.keys is not None else None
+        self.head_dim = int(head_dim) if head_dim is not None else dim
 
 
 class KVCache(_Buffers):
     """Growing (unbounded) cache: K/V (B, n_kv_heads, capacity, head_dim) allocated in
-    `step`s and written in place; `offset` tokens are resident."""
-
-    step = 256
+    `step`s and written in place; `offset` tokens are resident. `state` is mlx-lm's
+    KVCache state: (keys, values, offset)."""
 
     def __init__(self) -> None:
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.keys: Buf | None = None
+        self.values: Buf | None = None
         self.offset = 0
 
     def _written(self) -> int:
         return self.offset
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        prev, n = self.offset, keys.shape[2]
-        if self.keys is not None and prev < self.keys.shape[2] < prev + n:
+    def slot_for(self, offset: int) -> int:
+        return offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buf, Buf]:
+        keys, values = self._encode(keys), self._encode(values)
+        prev, n = self.offset, slots(keys)
+        if self.keys is not None and prev < slots(self.keys) < prev + n:
             # drop stale slots past `prev` (after a trim) before growing
-            self.keys, self.values = self.keys[..., :prev, :], self.values[..., :prev, :]
-        self.keys = _grow(self.keys, keys, prev + n, self.step, None)
-        self.values = _grow(self.values, values, prev + n, self.step, None)
+            self.keys, self.values = first_slots(self.keys, prev), first_slots(self.values, prev)
+        self._reserve(prev + n, keys, values, None)
+        _write(self.keys, prev, keys)
+        _write(self.values, prev, values)
         self.offset += n
-        self.keys[..., prev : self.offset, :] = keys
-        self.values[..., prev : self.offset, :] = values
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return first_slots(self.keys, self.offset), first_slots(self.values, self.offset)
 
     def make_mask(
         self, n: int, return_array: bool = False, window_size: int | None = None
@@ -130,40 +270,74 @@ class KVCache(_Buffers):
         return n
 
     @property
-    def meta_state(self) -> tuple[str, ...]:
-        return (str(self.offset),)
+    def state(self) -> tuple[Any, ...]:
+        k, v = self._resident()
+        return k, v, self.offset
 
-    @meta_state.setter
-    def meta_state(self, v: tuple[str, ...]) -> None:
-        self.offset = int(v[0])
+    @state.setter
+    def state(self, v: tuple[Any, ...]) -> None:
+        keys, values, *rest = v
+        self.keys, self.values = _as_buf(keys), _as_buf(values)
+        # mlx-lm < 0.32 files held the arrays only: every slot holds a token
+        self.offset = int(rest[0]) if rest else (slots(self.keys) if self.keys is not None else 0)
 
     @classmethod
-    def from_state(cls, state: Any, meta_state: tuple[str, ...] | None = None) -> KVCache:
-        obj = cls()
+    def from_state(cls, state: Any) -> KVCache:
+        obj = cls.__new__(cls)
         obj.state = state
-        # without meta_state (mlx-lm's old KVCache files) every slot holds a token
-        obj.meta_state = meta_state or (str(obj.keys.shape[2]) if obj.keys is not None else "0",)
         return obj
 
     @property
     def nbytes(self) -> int:
         """Bytes of the resident K and V (the allocated buffer may be up to a step larger)."""
-        return _layer_bytes(self.keys, self.offset)
+        return self._bytes(self.offset)
 
     def stats(self) -> dict[str, Any]:
-        allocated = 0 if self.keys is None else self.keys.shape[2]
+        allocated = 0 if self.keys is None else slots(self.keys)
         return {
             "kind": "full",
             "cache_offset": self.offset,
             "cache_tokens": self.offset,
             "cache_capacity": None,  # unbounded: cache_stats reports the model's context
             "allocated_tokens": allocated,
-            "cache_bytes": _layer_bytes(self.keys, self.offset),
-            "allocated_bytes": _layer_bytes(self.keys, allocated),
+            "cache_bytes": self._bytes(self.offset),
+            "allocated_bytes": self._bytes(allocated),
             "evicted_tokens": 0,
             "keep": 0,
             "wrapped": False,
+            **self._quant_stats(self.offset),
         }
+
+
+def _as_buf(x: Any) -> Buf | None:
+    """A loaded K or V: an array, the parts of a quantized one (lists after a load), or
+    None (an empty cache)."""
+    if x is None or isinstance(x, mx.array):
+        return x
+    return tuple(x)
+
+
+class QuantizedKVCache(_Quantized, KVCache):
+    """A full cache in `bits` bits. `state` is mlx-lm's QuantizedKVCache state,
+    ((k parts), (v parts), offset, group_size, bits), so its loader reads ours; the
+    head_dim a padded buffer cannot tell is kept apart (`extras`)."""
+
+    def __init__(self, quant: KVQuant) -> None:
+        super().__init__()
+        self.quant = quant
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        k, v = self._resident()
+        return k, v, self.offset, self.group_size, self.bits
+
+    @state.setter
+    def state(self, v: tuple[Any, ...]) -> None:
+        keys, values, offset, group_size, bits, *head_dim = v
+        KVCache.state.fset(self, (keys, values, offset))  # type: ignore[attr-defined]
+        self._set_quant(group_size, bits, head_dim[0] if head_dim else None)
+
+    extras = ("head_dim",)
 
 
 class RotatingKVCache(_Buffers):
@@ -177,7 +351,7 @@ class RotatingKVCache(_Buffers):
     `make_mask`); the common cases return None / "causal" as mlx-lm does.
     """
 
-    step = 256
+    extras: tuple[str, ...] = ("_lo",)  # kvchat's files keep it beside mlx-lm's state
 
     def __init__(self, max_size: int, keep: int = 0) -> None:
         if max_size < 1:
@@ -186,8 +360,8 @@ class RotatingKVCache(_Buffers):
             raise CacheError(f"keep must be in [0, max size {max_size}), got {keep}")
         self.max_size = max_size
         self.keep = keep
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.keys: Buf | None = None
+        self.values: Buf | None = None
         self.offset = 0
         # lowest ring position still valid, as lowered by a trim past evicted tokens;
         # the effective bound is max(_lo, offset − ring, keep) (see _ring_lo)
@@ -202,7 +376,8 @@ class RotatingKVCache(_Buffers):
         """Lowest resident ring position once `offset` tokens have been written."""
         return max(self._lo, offset - self._ring, self.keep)
 
-    def _slot(self, p: int) -> int:
+    def slot_for(self, p: int) -> int:
+        """The slot position p is written to."""
         return p if p < self.max_size else self.keep + (p - self.keep) % self._ring
 
     def _inplace(self, n: int) -> bool:
@@ -258,46 +433,41 @@ class RotatingKVCache(_Buffers):
         return mask
 
     # ---- writes ---------------------------------------------------------------------
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        o, n = self.offset, keys.shape[2]
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buf, Buf]:
+        keys, values = self._encode(keys), self._encode(values)
+        o, n = self.offset, slots(keys)
         K, R, M = self.keep, self._ring, self.max_size
         if self._inplace(n):
-            self._reserve(min(o + n, M), keys, values)
-            s = self._slot(o)
-            self.keys[..., s : s + n, :] = keys
-            self.values[..., s : s + n, :] = values
+            self._reserve(min(o + n, M), keys, values, M)
+            s = self.slot_for(o)
+            _write(self.keys, s, keys)
+            _write(self.values, s, values)
             self._advance(o + n)
             length = min(o + n, M)
-            if length == self.keys.shape[2]:
-                return self.keys, self.values
-            return self.keys[..., :length, :], self.values[..., :length, :]
+            return first_slots(self.keys, length), first_slots(self.values, length)
 
         # Chunk crossing the buffer end: queries of this chunk still need keys its own
         # later tokens would overwrite, so attend over old + new and write afterwards.
         have = min(o, M)
         if have:
-            out_k = mx.concatenate([self.keys[..., :have, :], keys], axis=2)
-            out_v = mx.concatenate([self.values[..., :have, :], values], axis=2)
+            cat = lambda old, new: mx.concatenate([old[..., :have, :], new], axis=2)  # noqa: E731
+            out_k, out_v = map_parts(cat, self.keys, keys), map_parts(cat, self.values, values)
         else:
             out_k, out_v = keys, values
-        self._reserve(M, keys, values)
+        self._reserve(M, keys, values, M)
         if o < K:  # sink positions land in their own slots
             e = min(K, o + n)
-            self.keys[..., o:e, :] = keys[..., : e - o, :]
-            self.values[..., o:e, :] = values[..., : e - o, :]
+            _write(self.keys, o, keys, 0, e - o)
+            _write(self.values, o, values, 0, e - o)
         p = max(K, o, o + n - R)  # first chunk position that survives in the ring
         while p < o + n:  # at most two contiguous runs (before and after the ring end)
-            s = self._slot(p)
+            s = self.slot_for(p)
             run = min(o + n - p, M - s)
-            self.keys[..., s : s + run, :] = keys[..., p - o : p - o + run, :]
-            self.values[..., s : s + run, :] = values[..., p - o : p - o + run, :]
+            _write(self.keys, s, keys, p - o, run)
+            _write(self.values, s, values, p - o, run)
             p += run
         self._advance(o + n)
         return out_k, out_v
-
-    def _reserve(self, need: int, keys: mx.array, values: mx.array) -> None:
-        self.keys = _grow(self.keys, keys, need, self.step, self.max_size)
-        self.values = _grow(self.values, values, need, self.step, self.max_size)
 
     def _advance(self, offset: int) -> None:
         self._lo = self._ring_lo(offset)
@@ -311,7 +481,7 @@ class RotatingKVCache(_Buffers):
 
     def _written(self) -> int:
         assert self.keys is not None
-        return min(self.offset, self.max_size, self.keys.shape[2])
+        return min(self.offset, self.max_size, slots(self.keys))
 
     def can_trim_to(self, n: int) -> bool:
         """True when, after trimming to `n` tokens, the query at position n would find
@@ -331,56 +501,83 @@ class RotatingKVCache(_Buffers):
         return n
 
     @property
-    def meta_state(self) -> tuple[str, ...]:
-        """offset, keep, max_size, the next write slot (mlx-lm's `_idx`, so its
-        RotatingKVCache can continue from our buffers), and our lowest valid position."""
+    def state(self) -> tuple[Any, ...]:
+        """mlx-lm's RotatingKVCache state: keys, values, offset, keep, max_size and the
+        next write slot (its `_idx`, so its class continues from our buffers)."""
+        k, v = self._resident()
         o = self.offset
-        return tuple(map(str, (o, self.keep, self.max_size, self._slot(o), self._lo)))
+        return k, v, o, self.keep, self.max_size, self.slot_for(o) if o else 0
 
-    @meta_state.setter
-    def meta_state(self, v: tuple[str, ...]) -> None:
-        offset, keep, max_size, _idx, lo = map(int, v)
-        self.offset, self.keep, self.max_size, self._lo = offset, keep, max_size, lo
+    @state.setter
+    def state(self, v: tuple[Any, ...]) -> None:
+        keys, values, offset, keep, max_size, _idx = v[:6]
+        self.keys, self.values = _as_buf(keys), _as_buf(values)
+        self.offset, self.keep, self.max_size = int(offset), int(keep), int(max_size)
+        self._lo = self.keep
+        self._lo = self._ring_lo(self.offset)  # untrimmed; `extras` restores a trimmed one
 
     @classmethod
-    def from_state(cls, state: Any, meta_state: tuple[str, ...]) -> RotatingKVCache:
-        obj = cls(max_size=int(meta_state[2]), keep=int(meta_state[1]))
+    def from_state(cls, state: Any) -> RotatingKVCache:
+        obj = cls.__new__(cls)
         obj.state = state
-        obj.meta_state = meta_state
         return obj
 
     @property
     def nbytes(self) -> int:
         """Bytes of the resident K and V (not the allocated buffer)."""
-        return _layer_bytes(self.keys, self.size())
+        return self._bytes(self.size())
 
     def stats(self) -> dict[str, Any]:
         tokens = self.size()
-        allocated = 0 if self.keys is None else self.keys.shape[2]
+        allocated = 0 if self.keys is None else slots(self.keys)
         return {
             "kind": "rotating",
             "cache_offset": self.offset,
             "cache_tokens": tokens,
             "cache_capacity": self.max_size,
             "allocated_tokens": allocated,
-            "cache_bytes": _layer_bytes(self.keys, tokens),
-            "allocated_bytes": _layer_bytes(self.keys, allocated),
+            "cache_bytes": self._bytes(tokens),
+            "allocated_bytes": self._bytes(allocated),
             "evicted_tokens": self.offset - tokens,
             "keep": self.keep,
             "wrapped": self.offset > tokens,
+            **self._quant_stats(tokens),
         }
 
 
-def _layer_bytes(keys: mx.array | None, tokens: int, heads_factor: float = 1) -> int:
-    """K + V bytes of `tokens` positions of one layer, from the buffer's shape and dtype
-    (kv_math's formula with one layer); `heads_factor` scales the KV heads (MHA bytes)."""
-    if keys is None:
-        return 0
-    B, H, _, D = keys.shape
-    return kv_bytes(tokens, 1, int(B * H * heads_factor), D, keys.dtype.size)
+class QuantizedRotatingKVCache(_Quantized, RotatingKVCache):
+    """A rotating (or sliding-ring) cache in `bits` bits: mlx-lm has no such class (its
+    RotatingKVCache raises "Quantization NYI"), so `state` is kvchat's own: the rotating
+    state, then group_size, bits, head_dim and the lowest valid ring position."""
+
+    extras = ()
+
+    def __init__(self, max_size: int, keep: int, quant: KVQuant) -> None:
+        super().__init__(max_size, keep)
+        self.quant = quant
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        return (*RotatingKVCache.state.fget(self), self.group_size, self.bits,  # type: ignore[attr-defined]
+                self.head_dim or 0, self._lo)
+
+    @state.setter
+    def state(self, v: tuple[Any, ...]) -> None:
+        RotatingKVCache.state.fset(self, v[:6])  # type: ignore[attr-defined]
+        group_size, bits, head_dim, lo = v[6:10]
+        self._set_quant(group_size, bits, int(head_dim) or None)
+        self._lo = int(lo)
 
 
-def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, keep: int = 4) -> list[Any]:
+# the quantized class of each float one (`_Buffers.quantized`)
+QUANTIZED: dict[type, type] = {
+    KVCache: QuantizedKVCache, RotatingKVCache: QuantizedRotatingKVCache,
+}
+
+
+
+def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, keep: int = 4,
+               kv: KVQuant | None = None) -> list[Any]:
     """One cache per layer, of the kind the layer needs (`cfg.layers`).
 
     - a global layer: the model's full context (max_position_embeddings) grown in steps,
@@ -388,6 +585,10 @@ def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, keep: int = 4) 
     - a sliding layer: a ring of exactly its window with keep 0 (key j visible iff
       t − j < window, the model's own mask), unless max_kv_size asks for less, in which
       case the mask is the intersection of both.
+
+    With `kv`, K/V are stored in kv.bits bits: from the first token when kv.start is 0,
+    else the float caches carry `pending_quant` and `maybe_quantize` converts them once
+    they hold kv.start tokens.
     """
     if max_kv_size is not None and max_kv_size < 1:
         raise CacheError(f"--max-kv-size must be >= 1, got {max_kv_size}")
@@ -404,8 +605,32 @@ def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, keep: int = 4) 
             raise CacheError(
                 f"--keep must be in [0, {size}) for a KV cache of {size}, got {keep}"
             )
-        caches.append(RotatingKVCache(size, k))
+        if kv is not None and kv.start == 0:
+            caches.append(QuantizedRotatingKVCache(size, k, kv))
+            continue
+        cache = RotatingKVCache(size, k)
+        if kv is not None:
+            cache.pending_quant = kv  # type: ignore[attr-defined]
+        caches.append(cache)
     return caches
+
+
+def maybe_quantize(caches: list[Any]) -> bool:
+    """Replace, in the list, every float cache whose `pending_quant` start has been
+    reached by its quantized twin (mlx-lm's maybe_quantize_kv_cache); True if any was."""
+    changed = False
+    for i, c in enumerate(caches):
+        q = getattr(c, "pending_quant", None)
+        if q is not None and not c.empty() and c.offset >= q.start:
+            caches[i] = c.quantized(q)
+            changed = True
+    return changed
+
+
+def pending_quantization(caches: list[Any]) -> int | None:
+    """The lowest offset at which `maybe_quantize` will convert a layer (None: never)."""
+    starts = [c.pending_quant.start for c in caches if getattr(c, "pending_quant", None)]
+    return min(starts) if starts else None
 
 
 # ---- statistics (metadata only) ---------------------------------------------------------
@@ -415,9 +640,18 @@ def _attention_name(spec: LayerSpec) -> str:
     )
 
 
+def _layer_bytes(c: Any, tokens: int, heads_factor: float = 1) -> int:
+    """K + V bytes of `tokens` positions of one layer, from its buffers' parts' shapes and
+    dtypes; `heads_factor` scales the KV heads (MHA bytes)."""
+    keys = getattr(c, "keys", None)
+    return buffer_bytes(keys, tokens, heads_factor) + buffer_bytes(
+        getattr(c, "values", keys), tokens, heads_factor)
+
+
 def layer_stats(caches: list[Any], cfg: ModelConfig) -> list[dict[str, Any]]:
     """Per-layer view for the UI: the cache's own stats() plus the layer index, its
-    attention kind (sliding / global, NoPE) and window, and the MHA-equivalent bytes."""
+    attention kind (sliding / global, NoPE) and window, the MHA-equivalent bytes (same
+    storage, every head) and, quantized or not, the bits, group size and float bytes."""
     out = []
     for i, c in enumerate(caches):
         s = dict(c.stats())
@@ -427,7 +661,10 @@ def layer_stats(caches: list[Any], cfg: ModelConfig) -> list[dict[str, Any]]:
         if i < len(cfg.layers):
             s["attention"] = _attention_name(cfg.layers[i])
             s["window"] = cfg.layers[i].window
-        s["mha_bytes"] = _layer_bytes(getattr(c, "keys", None), s["cache_tokens"], cfg.gqa_groups)
+        s["mha_bytes"] = _layer_bytes(c, s["cache_tokens"], cfg.gqa_groups)
+        s.setdefault("kv_bits", None)
+        s.setdefault("kv_group_size", None)
+        s.setdefault("float_bytes", s["cache_bytes"])
         out.append(s)
     return out
 
@@ -442,44 +679,47 @@ def _reference_layer(cfg: ModelConfig, n: int) -> int:
 
 
 def cache_stats(caches: list[Any], cfg: ModelConfig) -> TurnStats:
-    """The cache fields of TurnStats, summed over layers by DESIGN.md's definitions;
-    never reads array values.
+    """The cache fields of TurnStats, summed over `layer_stats` by DESIGN.md's
+    definitions; never reads array values.
 
     Besides the GQA saving, `window_saving` says how much smaller the cache is than if
-    the sliding layers held every token the global ones do (1.0 without sliding layers).
+    the sliding layers held every token the global ones do (1.0 without sliding layers),
+    and `kv_saving` how much smaller it is than unquantized (1.0 for a float cache).
     """
     saving = cfg.num_attention_heads / cfg.num_key_value_heads
     if not caches:
         return TurnStats(
             cache_offset=0, cache_tokens=0, cache_capacity=0, cache_bytes=0, mha_bytes=0,
             gqa_saving=saving, evicted_tokens=0, keep=0, wrapped=False, sliding_layers=0,
-            sliding_bytes=0, window_saving=1.0,
+            sliding_bytes=0, window_saving=1.0, float_bytes=0, kv_saving=1.0,
         )
-    ref = caches[_reference_layer(cfg, len(caches))].stats()
-    cache_bytes = mha_bytes = sliding_bytes = no_window_bytes = sliding_layers = 0
-    for i, c in enumerate(caches):
-        s = c.stats()
-        keys = getattr(c, "keys", None)
-        cache_bytes += _layer_bytes(keys, s["cache_tokens"])
-        mha_bytes += _layer_bytes(keys, s["cache_tokens"], cfg.gqa_groups)
-        no_window_bytes += _layer_bytes(keys, max(s["cache_tokens"], ref["cache_tokens"]))
-        if i < len(cfg.layers) and cfg.layers[i].window is not None:
-            sliding_layers += 1
-            sliding_bytes += _layer_bytes(keys, s["cache_tokens"])
+    layers = layer_stats(caches, cfg)
+    ref = layers[_reference_layer(cfg, len(caches))]
+    cache_bytes = sum(s["cache_bytes"] for s in layers)
+    float_bytes = sum(s["float_bytes"] for s in layers)
+    sliding = [s for s in layers if s.get("window") is not None]
+    no_window_bytes = sum(
+        _layer_bytes(c, max(s["cache_tokens"], ref["cache_tokens"]))
+        for c, s in zip(caches, layers, strict=True)
+    )
     capacity = ref["cache_capacity"]
     return TurnStats(
         cache_offset=ref["cache_offset"],
         cache_tokens=ref["cache_tokens"],
         cache_capacity=cfg.max_position_embeddings if capacity is None else capacity,
         cache_bytes=cache_bytes,
-        mha_bytes=mha_bytes,
+        mha_bytes=sum(s["mha_bytes"] for s in layers),
         gqa_saving=saving,
         evicted_tokens=ref["evicted_tokens"],
         keep=ref["keep"],
         wrapped=ref["wrapped"],
-        sliding_layers=sliding_layers,
-        sliding_bytes=sliding_bytes,
+        sliding_layers=len(sliding),
+        sliding_bytes=sum(s["cache_bytes"] for s in sliding),
         window_saving=no_window_bytes / cache_bytes if cache_bytes else 1.0,
+        kv_bits=ref["kv_bits"],
+        kv_group_size=ref["kv_group_size"],
+        float_bytes=float_bytes,
+        kv_saving=float_bytes / cache_bytes if cache_bytes else 1.0,
     )
 
 

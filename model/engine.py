@@ -80,6 +80,18 @@ def _float_dtype(model: Transformer) -> mx.Dtype:
                 if mx.issubdtype(a.dtype, mx.floating))
 
 
+def _cache_key(params: GenParams) -> tuple[Any, ...]:
+    """What makes a cache: a change of any of these starts a new one."""
+    return (params.max_kv_size, params.keep, params.kv_bits, params.kv_group_size,
+            params.quantized_kv_start)
+
+
+def _make_cache(model: Any, params: GenParams) -> list[Any]:
+    kv = params.kv_quant()
+    extra = {} if kv is None else {"kv": kv}  # a float cache asks nothing new of the model
+    return model.make_cache(max_kv_size=params.max_kv_size, keep=params.keep, **extra)
+
+
 def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
     cfg = model.config
     quant = getattr(model, "quantization", None)
@@ -367,12 +379,13 @@ class Engine:
                 raise KVChatError("it was saved with another model")
             ids = [int(i) for i in json.loads(meta["kvchat_ids"])]
             bound = json.loads(meta["kvchat_bound"])
-            if len(caches) != self.model.config.num_hidden_layers or len(bound) != 2:
+            if len(caches) != self.model.config.num_hidden_layers or len(bound) not in (2, 5):
                 raise KVChatError("its layers do not match the model")
+            bound = [*bound, None, None, 0][:5]  # files before K/V quantization: float
         except (KVChatError, ValueError, KeyError, TypeError) as e:
             self._emit(CacheRestored(str(path), 0, f"K/V cache not restored: {e}"))
             return
-        self._cache, self._cache_key, self._cache_ids = caches, (bound[0], bound[1]), ids
+        self._cache, self._cache_key, self._cache_ids = caches, tuple(bound), ids
         self._emit(CacheRestored(str(path), len(ids)))
 
     def _prompt_ids(self, prompt: Prompt, should_stop: Callable[[], bool] | None = None
@@ -389,7 +402,7 @@ class Engine:
         """Reuse the longest common prefix; return (cached tokens, tokens the cache held
         that run again, why the prefix was not reused)."""
         assert self.model is not None
-        key = (params.max_kv_size, params.keep)
+        key = _cache_key(params)
         reason = None
         if self._cache is not None and key != self._cache_key:
             reason = "cache bound changed"
@@ -397,7 +410,7 @@ class Engine:
         elif not self.reuse_prefix:
             self._drop_cache()
         if self._cache is None:
-            self._cache = self.model.make_cache(max_kv_size=params.max_kv_size, keep=params.keep)
+            self._cache = _make_cache(self.model, params)
             self._cache_key = key
         # at least one token must run through the model to give the next logits
         shared = common_prefix_len(self._cache_ids, ids)
@@ -409,9 +422,7 @@ class Engine:
             else:
                 why = why_not_trimmable(self._cache, self.model.config, keep_n)
                 reason = f"{why}; prefilling again"
-                self._cache = self.model.make_cache(
-                    max_kv_size=params.max_kv_size, keep=params.keep
-                )
+                self._cache = _make_cache(self.model, params)
                 self._cache_ids, keep_n = [], 0
         return keep_n, shared - keep_n, reason
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .errors import KVChatError
 
 if TYPE_CHECKING:
+    from .kv_quant import KVQuant
     from .sampling import SamplingParams
 
 OVERFLOW_MODES = ("rotate", "refuse")
@@ -48,6 +49,16 @@ class GenParams:
     # past the cache capacity: "rotate" (evict, keep `keep` sinks) or "refuse" (a prompt
     # that does not fit is an error; generation stops with "context_full" when the cache is full)
     overflow: str = "rotate"
+    # K/V stored in 4 or 8 bits (None: the compute dtype), group size (None: 64 where
+    # head_dim allows, else 32), and after how many tokens quantization starts
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
+    quantized_kv_start: int = 0
+
+    def kv_quant(self) -> KVQuant | None:
+        from .kv_quant import kv_quant  # MLX only where a cache is made, not in the UI
+
+        return kv_quant(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
 
     @classmethod
     def from_fields(cls, source: Any, **overrides: Any) -> GenParams:
@@ -107,6 +118,12 @@ class TurnStats:
     sliding_layers: int | None = None
     sliding_bytes: int | None = None
     window_saving: float | None = None
+    # K/V quantization (model/kv_quant.py): bits and group size (None = float), the bytes
+    # the same tokens take unquantized, and float_bytes / cache_bytes
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
+    float_bytes: int | None = None
+    kv_saving: float | None = None
     # a model split across machines (model/pipeline.py): per-rank bytes and time split
     pipeline: dict[str, Any] | None = None
     # the runtime
@@ -129,7 +146,8 @@ TURN_FIELDS = ("prompt_tokens", "cached_tokens", "prefill_tps", "ttft_s", "gener
                "decode_tps")
 CACHE_FIELDS = ("cache_offset", "cache_tokens", "cache_capacity", "cache_bytes", "mha_bytes",
                 "gqa_saving", "evicted_tokens", "keep", "wrapped", "sliding_layers",
-                "sliding_bytes", "window_saving")
+                "sliding_bytes", "window_saving", "kv_bits", "kv_group_size", "float_bytes",
+                "kv_saving")
 
 
 # the annotations of TurnStats' numeric fields (strings: `from __future__ import annotations`)

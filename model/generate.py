@@ -30,6 +30,18 @@ import mlx.core as mx
 
 from kvchat import metal_kernels
 
+from .cache import (
+    Buf,
+    KVCache,
+    RotatingKVCache,
+    map_parts,
+    maybe_quantize,
+    parts,
+    pending_quantization,
+    slots,
+)
+from .kv_quant import Packed
+
 PREFILL_CHUNK = 512
 
 Sample = Callable[[mx.array], mx.array]  # logits (1, V) -> ids (1,)
@@ -50,78 +62,65 @@ class Progress:
 
 
 # ---- cache adapters (host side: growth, the int32 row, write-back) ----------------------
-def _grow_to(buf: mx.array, size: int) -> mx.array:
-    B, H, have, D = buf.shape
-    if have >= size:
-        return buf
-    return mx.concatenate([buf, mx.zeros((B, H, size - have, D), buf.dtype)], axis=2)
+class _Slots:
+    """What both adapters share: the cache grows and places slots itself (`grow_to`,
+    `slot_for`); the adapter adds the int32 row and hands the traced buffers back."""
 
-
-class _FullSlots:
-    """An unbounded cache (`KVCache`): position p lives in slot p."""
-
-    kind = "full"
+    kind = ""
 
     def __init__(self, cache: Any):
         self.cache = cache
-        self.step = getattr(cache, "step", 256)
+        # a quantized cache's layout (bits, group, head_dims): part of every trace's key
+        self.packed: Packed | None = cache.packed() if cache.quant is not None else None
 
     def static(self) -> tuple[Any, ...]:
-        return (self.kind,)
+        return (self.kind, self.packed)
 
-    def row(self) -> list[int]:
-        c = self.cache
-        o = c.offset
-        if c.keys.shape[2] < o + 1:
-            size = ((o + 1 + self.step - 1) // self.step) * self.step
-            c.keys, c.values = _grow_to(c.keys, size), _grow_to(c.values, size)
-        return [o, o, o + 1, 0]  # offset, slot, resident length, lowest valid position
+    def buffers(self) -> list[mx.array]:
+        return [*parts(self.cache.keys), *parts(self.cache.values)]
 
-    def commit(self, keys: mx.array, values: mx.array) -> None:
-        c = self.cache
-        c.keys, c.values = keys, values
-        c.offset += 1
-
-
-class _RingSlots:
-    """A bounded cache (`RotatingKVCache`): `keep` sinks, then a ring of max_size − keep."""
-
-    kind = "ring"
-
-    def __init__(self, cache: Any):
-        self.cache = cache
-        self.M, self.K = cache.max_size, cache.keep
-        self.R = self.M - self.K
-        self.step = getattr(cache, "step", 256)
-
-    def static(self) -> tuple[Any, ...]:
-        return (self.kind, self.M, self.K)
-
-    def row(self) -> list[int]:
-        c, M, K, R = self.cache, self.M, self.K, self.R
-        o = c.offset
-        length = min(o + 1, M)
-        if c.keys.shape[2] < length:
-            size = min(M, ((length + self.step - 1) // self.step) * self.step)
-            c.keys, c.values = _grow_to(c.keys, size), _grow_to(c.values, size)
-        slot = o if o < M else K + (o - K) % R
-        lo = c._ring_lo(o + 1)  # lowest ring position still resident after this write
-        return [o, slot, length, lo]
-
-    def commit(self, keys: mx.array, values: mx.array) -> None:
+    def commit(self, keys: Buf, values: Buf) -> None:
         c = self.cache
         c.keys, c.values = keys, values
         c._advance(c.offset + 1)
 
 
-def _adapter(cache: Any) -> _FullSlots | _RingSlots | None:
+class _FullSlots(_Slots):
+    """An unbounded cache (`KVCache`): position p lives in slot p."""
+
+    kind = "full"
+
+    def row(self) -> list[int]:
+        c = self.cache
+        o = c.offset
+        c.grow_to(o + 1)
+        return [o, c.slot_for(o), o + 1, 0]  # offset, slot, resident length, lowest valid
+
+
+class _RingSlots(_Slots):
+    """A bounded cache (`RotatingKVCache`): `keep` sinks, then a ring of max_size − keep."""
+
+    kind = "ring"
+
+    def static(self) -> tuple[Any, ...]:
+        return (self.kind, self.packed, self.cache.max_size, self.cache.keep)
+
+    def row(self) -> list[int]:
+        c = self.cache
+        o = c.offset
+        length = min(o + 1, c.max_size)
+        c.grow_to(length)
+        # lowest ring position still resident after this write
+        return [o, c.slot_for(o), length, c._ring_lo(o + 1)]
+
+
+def _adapter(cache: Any) -> _Slots | None:
     if getattr(cache, "keys", None) is None or isinstance(cache.offset, mx.array):
         return None
-    name = type(cache).__name__
-    if name == "KVCache":
-        return _FullSlots(cache)
-    if name == "RotatingKVCache" and hasattr(cache, "_ring_lo") and hasattr(cache, "_advance"):
+    if isinstance(cache, RotatingKVCache):
         return _RingSlots(cache)
+    if isinstance(cache, KVCache):
+        return _FullSlots(cache)
     return None
 
 
@@ -135,7 +134,7 @@ def _slot_mask(static: tuple[Any, ...], row: mx.array, capacity: int,
         pos = s
         valid = s < length
     else:
-        _, M, K = static
+        M, K = static[2], static[3]
         R = M - K
         ring_pos = o - mx.remainder(o - s, R)
         pos = mx.where(s < K, s, ring_pos)
@@ -148,26 +147,47 @@ def _slot_mask(static: tuple[Any, ...], row: mx.array, capacity: int,
 class _TracedCache:
     """Stands in for one cache inside the trace: same interface, array offsets."""
 
-    def __init__(self, static: tuple[Any, ...], row: mx.array, keys: mx.array,
-                 values: mx.array, masks: dict[Any, mx.array]):
+    def __init__(self, static: tuple[Any, ...], row: mx.array, keys: Buf,
+                 values: Buf, masks: dict[Any, mx.array]):
         self.static, self.row = static, row
         self.keys, self.values = keys, values
         self.offset = row[0]
+        self._packed: Packed | None = static[1]
         self._masks = masks  # shared by layers with the same layout and row
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def packed(self) -> Packed:
+        assert self._packed is not None
+        return self._packed
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buf, Buf]:
         slot = self.row[1:2]
-        self.keys = mx.slice_update(self.keys, keys, slot, axes=(2,))
-        self.values = mx.slice_update(self.values, values, slot, axes=(2,))
+        if self._packed is not None:  # quantize the token, then write each part
+            keys, values = self._packed.encode(keys), self._packed.encode(values)
+
+        def put(buf: mx.array, new: mx.array) -> mx.array:
+            return mx.slice_update(buf, new, slot, axes=(2,))
+
+        self.keys = map_parts(put, self.keys, keys)
+        self.values = map_parts(put, self.values, values)
         return self.keys, self.values
 
     def make_mask(self, n: int, return_array: bool = False,
                   window_size: int | None = None) -> mx.array:
         assert n == 1, "the compiled step decodes one token"
-        key = (self.static, id(self.row), self.keys.shape[2], window_size)
+        capacity = slots(self.keys)
+        key = (self.static, id(self.row), capacity, window_size)
         if key not in self._masks:
-            self._masks[key] = _slot_mask(self.static, self.row, self.keys.shape[2], window_size)
+            self._masks[key] = _slot_mask(self.static, self.row, capacity, window_size)
         return self._masks[key]
+
+
+def _n_parts(static: tuple[Any, ...]) -> int:
+    """Arrays per K or V buffer of a cache with this layout: 1 float, 3 quantized."""
+    return 1 if static[1] is None else 3
+
+
+def _unflatten(n: int, arrays: Sequence[mx.array]) -> Buf:
+    return arrays[0] if n == 1 else tuple(arrays)
 
 
 class CompiledStep:
@@ -195,15 +215,17 @@ class CompiledStep:
         def step(y: mx.array, rows: mx.array, *buffers: mx.array) -> list[mx.array]:
             masks: dict[Any, mx.array] = {}
             group_rows = [rows[g] for g in range(rows.shape[0])]
-            proxies = [
-                _TracedCache(layout[i], group_rows[groups[i]], buffers[2 * i],
-                             buffers[2 * i + 1], masks)
-                for i in range(len(layout))
-            ]
+            proxies, at = [], 0
+            for i, static in enumerate(layout):
+                n = _n_parts(static)
+                keys = _unflatten(n, buffers[at : at + n])
+                values = _unflatten(n, buffers[at + n : at + 2 * n])
+                at += 2 * n
+                proxies.append(_TracedCache(static, group_rows[groups[i]], keys, values, masks))
             logits = model(y[None], cache=proxies)[:, -1, :]
             out = [logits]
             for p in proxies:
-                out += [p.keys, p.values]
+                out += [*parts(p.keys), *parts(p.values)]
             return out
 
         return mx.compile(step)
@@ -219,7 +241,7 @@ class CompiledStep:
             if g == len(rows):
                 rows.append(r)
             groups.append(g)
-            buffers += [a.cache.keys, a.cache.values]
+            buffers += a.buffers()
         layout = self.layout
         # the kernel backend can be switched at run time: a trace keeps the one it saw
         fkey = (layout, tuple(groups), metal_kernels.backend())
@@ -231,8 +253,11 @@ class CompiledStep:
         # are then referenced by the graph alone, so MLX donates them and slice_update
         # writes in place (holding them would copy every buffer every token)
         del buffers
-        for i, a in enumerate(self.adapters):
-            a.commit(out[1 + 2 * i], out[2 + 2 * i])
+        at = 1
+        for a, static in zip(self.adapters, layout, strict=True):
+            n = _n_parts(static)
+            a.commit(_unflatten(n, out[at : at + n]), _unflatten(n, out[at + n : at + 2 * n]))
+            at += 2 * n
         return out[0]
 
 
@@ -285,6 +310,8 @@ def generate_step(
         if cancelled is not None and cancelled():
             return
         chunk = prompt[i : i + prefill_chunk]
+        if isinstance(caches, list):  # --quantized-kv-start reached: quantize from here
+            maybe_quantize(caches)
         logits = model(mx.array([chunk]), cache=caches, logits_to_keep=1)[:, -1, :]
         last = i + prefill_chunk >= len(prompt)
         mx.eval(logits if last else [c.state for c in caches])
@@ -294,6 +321,9 @@ def generate_step(
     prog.prefill_s = clock() - t0
     if max_tokens < 1:
         return
+    pending = pending_quantization(caches) if isinstance(caches, list) else None
+    if pending is not None and maybe_quantize(caches):  # type: ignore[arg-type]
+        pending = pending_quantization(caches)
     step = decode_step(model, caches, compiled)
     prog.compiled = isinstance(step, CompiledStep)
     y = sample(logits)
@@ -304,6 +334,10 @@ def generate_step(
         while True:
             next_y = None
             if n + 1 < max_tokens:
+                if pending is not None and maybe_quantize(caches):  # type: ignore[arg-type]
+                    # the caches changed class: a step for the new ones
+                    pending = pending_quantization(caches)
+                    step = decode_step(model, caches, compiled)
                 next_y = sample(step(y))
                 mx.async_eval(next_y)
                 prog.fed += 1

@@ -345,7 +345,11 @@ class PipelineModel(nn.Module):
         return self.part.model.layers
 
     # -- the Transformer interface --
-    def make_cache(self, max_kv_size: int | None = None, keep: int = 4) -> list[Any]:
+    def make_cache(self, max_kv_size: int | None = None, keep: int = 4,
+                   kv: Any = None) -> list[Any]:
+        if kv is not None:  # the ranks' wire format carries float K/V only
+            raise PipelineError("a quantized K/V cache (--kv-bits) is not supported for a"
+                                " model split across machines")
         local = self.part.make_local_cache(max_kv_size, keep)
         self._cache_id += 1
         self._bound = (-1 if max_kv_size is None else max_kv_size, keep)

@@ -11,6 +11,7 @@ import mlx.nn as nn
 
 from .cache import causal_mask, make_cache
 from .config import LayerSpec, ModelConfig
+from .kv_quant import KVQuant
 from .layers import make_block, make_norm
 
 
@@ -60,8 +61,9 @@ class Transformer(nn.Module):
     def layers(self) -> list[nn.Module]:
         return self.model.layers
 
-    def make_cache(self, max_kv_size: int | None = None, keep: int = 4) -> list[Any]:
-        return make_cache(self.config, max_kv_size=max_kv_size, keep=keep)
+    def make_cache(self, max_kv_size: int | None = None, keep: int = 4,
+                   kv: KVQuant | None = None) -> list[Any]:
+        return make_cache(self.config, max_kv_size=max_kv_size, keep=keep, kv=kv)
 
     def embed(self, tokens: mx.array) -> mx.array:
         h = self.model.embed_tokens(tokens)

@@ -160,8 +160,9 @@ class ScriptedModel:
         mx.eval(self.weights)
         self.step = 0
 
-    def make_cache(self, max_kv_size: int | None = None, keep: int = 4) -> list[Any]:
-        return make_cache(self.config, max_kv_size=max_kv_size, keep=keep)
+    def make_cache(self, max_kv_size: int | None = None, keep: int = 4,
+                   kv: Any = None) -> list[Any]:
+        return make_cache(self.config, max_kv_size=max_kv_size, keep=keep, kv=kv)
 
     def __call__(self, tokens: mx.array, cache: list[Any], logits_to_keep: int = 0) -> mx.array:
         g = GEOMETRY

@@ -81,16 +81,24 @@ def test_restored_cache_continues_to_the_same_ids(kind: str, loader: str, tmp_pa
     assert tail == straight[BEFORE:]
 
 
-def test_state_is_arrays_and_meta_state_is_strings() -> None:
+def test_state_follows_mlx_lm_032_protocol() -> None:
+    """`state` is mlx-lm's: the arrays then the scalars, in its order; no meta_state;
+    from_state(state) alone rebuilds the cache."""
     model = tiny()
-    for make in MAKERS.values():
+    for kind, make in MAKERS.items():
         caches = make()
         greedy(model, caches, PROMPT, 30)
         c = caches[0]
-        assert all(isinstance(a, mx.array) for a in c.state)
-        assert c.meta_state and all(isinstance(s, str) for s in c.meta_state)
-        again = type(c).from_state(c.state, c.meta_state)
-        assert again.meta_state == c.meta_state and again.offset == c.offset
+        assert not hasattr(c, "meta_state")
+        k, v, *scalars = c.state
+        assert isinstance(k, mx.array) and isinstance(v, mx.array)
+        assert all(isinstance(s, int) for s in scalars)
+        # mlx-lm's own class takes our state as is (its setter unpacks every field)
+        theirs = (mlx_cache.KVCache if kind == "full" else mlx_cache.RotatingKVCache
+                  ).from_state(c.state)
+        assert theirs.offset == c.offset and len(theirs.state) == len(c.state)
+        again = type(c).from_state(c.state)
+        assert again.offset == c.offset and again.state[2:] == c.state[2:]
 
 
 def test_unreadable_file_is_one_line(tmp_path: Path) -> None:
