@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .errors import KVChatError
 
 if TYPE_CHECKING:
-    from .kv_quant import KVQuant
+    from .kv_math import KVQuant
     from .sampling import SamplingParams
 
 OVERFLOW_MODES = ("rotate", "refuse")
@@ -56,7 +56,7 @@ class GenParams:
     quantized_kv_start: int = 0
 
     def kv_quant(self) -> KVQuant | None:
-        from .kv_quant import kv_quant  # MLX only where a cache is made, not in the UI
+        from .kv_math import kv_quant
 
         return kv_quant(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
 
@@ -85,6 +85,9 @@ class GenParams:
             )
         if self.overflow not in OVERFLOW_MODES:
             raise KVChatError(f"overflow must be 'rotate' or 'refuse', got {self.overflow!r}")
+        if self.kv_bits is None and (self.kv_group_size is not None or self.quantized_kv_start):
+            raise KVChatError("kv_group_size and quantized_kv_start need kv_bits (4 or 8)")
+        self.kv_quant()  # KVQuantError on bits / group size / start it cannot do
         return self
 
 

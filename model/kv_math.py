@@ -1,5 +1,5 @@
-"""Pure KV-cache arithmetic: bytes per token, bytes at a context length, the
-MHA / GQA / MQA comparison, weight bytes from safetensors headers, and how many tokens
+"""Pure KV-cache arithmetic: bytes per token (float or quantized), bytes at a context
+length, the MHA / GQA / MQA comparison, weight bytes from safetensors headers, and how many tokens
 fit in a memory budget. No MLX, no arrays: numbers in, numbers out.
 """
 
@@ -32,14 +32,72 @@ class BudgetError(KVChatError):
     """A memory size the user typed that we cannot read."""
 
 
-def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """K and V of one token across all layers: 2 × layers × kv_heads × head_dim × bytes."""
-    return 2 * n_layers * n_kv_heads * head_dim * dtype_bytes
+def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int,
+                       q: KVQuant | None = None) -> int:
+    """K and V of one token across all layers: 2 × layers × kv_heads × head_dim × bytes;
+    quantized (`q`), head_dim × bytes becomes the stored row (`KVQuant.row_bytes`, with
+    scales and biases at `dtype_bytes`)."""
+    row = head_dim * dtype_bytes if q is None else q.row_bytes(head_dim, dtype_bytes)
+    return 2 * n_layers * n_kv_heads * row
 
 
-def kv_bytes(n_tokens: int, n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+def kv_bytes(n_tokens: int, n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int,
+             q: KVQuant | None = None) -> int:
     """K and V of `n_tokens` tokens across all layers."""
-    return n_tokens * kv_bytes_per_token(n_layers, n_kv_heads, head_dim, dtype_bytes)
+    return n_tokens * kv_bytes_per_token(n_layers, n_kv_heads, head_dim, dtype_bytes, q)
+
+
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+
+
+class KVQuantError(KVChatError):
+    """A K/V quantization setting mx.quantize cannot do."""
+
+
+@dataclass(frozen=True)
+class KVQuant:
+    """`bits` per element in groups of `group_size` along head_dim; quantize once the
+    cache holds `start` tokens (mlx-lm's quantized_kv_start; 0 = from the first token).
+    `group_size` None picks 64 or 32 per head_dim (`group_for`)."""
+
+    bits: int
+    group_size: int | None = None
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        if self.bits not in BITS:
+            raise KVQuantError(f"--kv-bits must be 4 or 8, got {self.bits}")
+        if self.group_size is not None and self.group_size not in GROUP_SIZES:
+            raise KVQuantError(f"--kv-group-size must be 32, 64 or 128, got {self.group_size}")
+        if self.start < 0:
+            raise KVQuantError(f"--quantized-kv-start must be >= 0, got {self.start}")
+
+    def group_for(self, head_dim: int) -> int:
+        if self.group_size is not None:
+            return self.group_size
+        return 64 if head_dim % 64 == 0 else 32
+
+    def padded_dim(self, head_dim: int) -> int:
+        g = self.group_for(head_dim)
+        return -(-head_dim // g) * g
+
+    def row_bytes(self, head_dim: int, scale_bytes: int) -> int:
+        """Bytes of one token's head_dim features, stored: the packed bits of the padded
+        row, plus a scale and a bias (at `scale_bytes`, the compute dtype) per group."""
+        dim = self.padded_dim(head_dim)
+        return dim * self.bits // 8 + 2 * (dim // self.group_for(head_dim)) * scale_bytes
+
+    def describe(self, head_dim: int) -> str:
+        pad = self.padded_dim(head_dim)
+        extra = f", head_dim {head_dim} padded to {pad}" if pad != head_dim else ""
+        return f"{self.bits}-bit, group {self.group_for(head_dim)}{extra}"
+
+
+def kv_quant(bits: int | None, group_size: int | None = None, start: int = 0) -> KVQuant | None:
+    """The setting from the CLI / settings values: None when bits is None (float cache)."""
+    return None if bits is None else KVQuant(bits, group_size, start)
+
 
 
 @dataclass(frozen=True)
@@ -54,12 +112,13 @@ class LayerKindBytes:
 
 
 def kv_bytes_by_kind(
-    cfg: ModelConfig, context: int, dtype_bytes: int, kv_heads: int | None = None
+    cfg: ModelConfig, context: int, dtype_bytes: int, kv_heads: int | None = None,
+    q: KVQuant | None = None,
 ) -> list[LayerKindBytes]:
     """Bytes at `context` tokens per layer kind: a global layer holds every token, a
     sliding layer at most its window (so bytes per token fall as the context grows)."""
     kv = cfg.num_key_value_heads if kv_heads is None else kv_heads
-    per_layer = kv_bytes_per_token(1, kv, cfg.head_dim, dtype_bytes)
+    per_layer = kv_bytes_per_token(1, kv, cfg.head_dim, dtype_bytes, q)
     groups: dict[int | None, int] = {}
     for spec in cfg.layers:
         groups[spec.window] = groups.get(spec.window, 0) + 1
@@ -72,10 +131,11 @@ def kv_bytes_by_kind(
 
 
 def kv_bytes_at(
-    cfg: ModelConfig, context: int, dtype_bytes: int, kv_heads: int | None = None
+    cfg: ModelConfig, context: int, dtype_bytes: int, kv_heads: int | None = None,
+    q: KVQuant | None = None,
 ) -> int:
     """K and V of every layer at `context` tokens, sliding windows included."""
-    return sum(r.bytes for r in kv_bytes_by_kind(cfg, context, dtype_bytes, kv_heads))
+    return sum(r.bytes for r in kv_bytes_by_kind(cfg, context, dtype_bytes, kv_heads, q))
 
 
 def tokens_that_fit(budget_bytes: int, bytes_per_token: int, reserved_bytes: int = 0) -> int:
@@ -87,22 +147,23 @@ def tokens_that_fit(budget_bytes: int, bytes_per_token: int, reserved_bytes: int
 
 
 def context_that_fits(
-    cfg: ModelConfig, budget_bytes: int, dtype_bytes: int, reserved_bytes: int = 0
+    cfg: ModelConfig, budget_bytes: int, dtype_bytes: int, reserved_bytes: int = 0,
+    q: KVQuant | None = None,
 ) -> int | None:
     """The longest context whose K/V (sliding windows included) fits in the budget after
     `reserved_bytes`; None when any length fits (every layer slides and the windows fit)."""
     room = max(0, budget_bytes - reserved_bytes)
-    rows = kv_bytes_by_kind(cfg, 1, dtype_bytes)
+    rows = kv_bytes_by_kind(cfg, 1, dtype_bytes, q=q)
     if all(r.window is not None for r in rows):
         longest = max(r.window or 0 for r in rows)
-        if kv_bytes_at(cfg, longest, dtype_bytes) <= room:
+        if kv_bytes_at(cfg, longest, dtype_bytes, q=q) <= room:
             return None
     lo, hi = 0, 1
-    while kv_bytes_at(cfg, hi, dtype_bytes) <= room:  # bytes grow with the context
+    while kv_bytes_at(cfg, hi, dtype_bytes, q=q) <= room:  # bytes grow with the context
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if kv_bytes_at(cfg, mid, dtype_bytes) <= room else (lo, mid)
+        lo, hi = (mid, hi) if kv_bytes_at(cfg, mid, dtype_bytes, q=q) <= room else (lo, mid)
     return lo
 
 
@@ -117,14 +178,16 @@ class AttentionRow:
     saving_vs_mha: float  # n_heads / kv_heads
 
 
-def attention_table(cfg: ModelConfig, dtype_bytes: int, context: int) -> list[AttentionRow]:
+def attention_table(cfg: ModelConfig, dtype_bytes: int, context: int,
+                    q: KVQuant | None = None) -> list[AttentionRow]:
     """The same model with MHA (kv = heads), its own KV heads, and MQA (kv = 1)."""
     h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     own = "MHA (this model)" if kv == h else "MQA (this model)" if kv == 1 else "GQA (this model)"
     rows = []
     for name, k in (("MHA", h), (own, kv), ("MQA", 1)):
-        per = kv_bytes_per_token(cfg.num_hidden_layers, k, cfg.head_dim, dtype_bytes)
-        rows.append(AttentionRow(name, k, per, kv_bytes_at(cfg, context, dtype_bytes, k), h / k))
+        per = kv_bytes_per_token(cfg.num_hidden_layers, k, cfg.head_dim, dtype_bytes, q)
+        rows.append(AttentionRow(name, k, per, kv_bytes_at(cfg, context, dtype_bytes, k, q),
+                                 h / k))
     return rows
 
 

@@ -14,12 +14,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvchat.app.cli.generate import add_kv_arguments, kv_quant_from_args
 from kvchat.app.core.errors import UsageError, report
 from kvchat.model.config import ModelConfig, load_config
 from kvchat.model.errors import ConfigError, KVChatError, ModelLoadError
 from kvchat.model.facts import model_facts
 from kvchat.model.kv_math import (
     BudgetError,
+    KVQuant,
     attention_table,
     context_that_fits,
     dtype_bytes_of,
@@ -47,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--live", action="store_true",
                    help="load the model, generate a few tokens, and compare the cache's"
                    " measured bytes with the formula")
+    add_kv_arguments(p, start=False)
     p.add_argument("--hosts", type=int, default=None, metavar="N",
                    help="split the layers across N pipeline ranks: bytes per rank")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -83,6 +86,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--hosts must be >= 1, got {args.hosts}")
     if args.live and not model:
         raise UsageError("--live needs --model DIR (it runs the model)")
+    kv_quant_from_args(args)
 
 
 def _dtype_bytes(args: argparse.Namespace, cfg: ModelConfig) -> tuple[int, str]:
@@ -122,6 +126,7 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
     kinds = kv_bytes_by_kind(cfg, context, dtype_bytes)
     facts = model_facts(source) if args.model else None
     weights = facts.weight_bytes if facts else None
+    q = kv_quant_from_args(args)
     out: dict[str, Any] = {
         "source": str(source),
         "model_type": cfg.model_type,
@@ -154,7 +159,10 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
         "budget_bytes": budget,
         "budget_tokens": None if budget is None else context_that_fits(
             cfg, budget, dtype_bytes, weights or 0),
-        "live": _live(source, cfg) if args.live else None,
+        "kv_bits": q.bits if q else dtype_bytes * 8,
+        "kv_group_size": q.group_for(hd) if q else None,
+        "quantized": _quantized(cfg, q, dtype_bytes, context, budget, weights),
+        "live": _live(source, cfg, q) if args.live else None,
         "ranks": _ranks(args, source, cfg, dtype_bytes, context),
     }
     return out
@@ -172,17 +180,45 @@ def _ranks(args: argparse.Namespace, source: Path, cfg: ModelConfig, dtype_bytes
     return split_table(cfg, sizes, args.hosts, dtype_bytes, context)
 
 
-def _live(folder: Path, cfg: ModelConfig) -> dict[str, Any]:
-    """Greedy-generate LIVE_TOKENS tokens from BOS through make_cache and measure the
-    cache from its arrays (resident slices' nbytes) next to the formula."""
+def _quantized(cfg: ModelConfig, q: KVQuant | None, dtype_bytes: int, context: int,
+               budget: int | None, weights: int | None) -> dict[str, Any] | None:
+    """--kv-bits: the same figures with K/V stored in q.bits bits (scales and biases at
+    the float dtype, head_dim padded to the group), and the saving against the float."""
+    if q is None:
+        return None
+    hd = cfg.head_dim
+    at_context = kv_bytes_at(cfg, context, dtype_bytes, q=q)
+    return {
+        "bits": q.bits,
+        "group_size": q.group_for(hd),
+        "padded_head_dim": q.padded_dim(hd),
+        "scale_bytes": dtype_bytes,
+        "bytes_per_token": kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                              hd, dtype_bytes, q),
+        "bytes_at_context": at_context,
+        "saving_vs_float": kv_bytes_at(cfg, context, dtype_bytes) / at_context,
+        "table": [
+            {"name": r.name, "kv_heads": r.kv_heads, "bytes_per_token": r.bytes_per_token,
+             "bytes_at_context": r.bytes_at_context}
+            for r in attention_table(cfg, dtype_bytes, context, q)
+        ],
+        "budget_tokens": None if budget is None else context_that_fits(
+            cfg, budget, dtype_bytes, weights or 0, q),
+    }
 
-    from kvchat.model.cache import cache_stats, make_cache
+
+def _live(folder: Path, cfg: ModelConfig, q: KVQuant | None = None) -> dict[str, Any]:
+    """Greedy-generate LIVE_TOKENS tokens from BOS through make_cache and measure the
+    cache from its arrays (resident slices' nbytes, every part of a quantized buffer)
+    next to the formula."""
+
+    from kvchat.model.cache import cache_stats, make_cache, parts
     from kvchat.model.events import CACHE_FIELDS, stats_json
     from kvchat.model.generate import generate_step
     from kvchat.model.weights import load_model
 
     model = load_model(folder)
-    caches = make_cache(model.config)
+    caches = make_cache(model.config, kv=q)
     bos = cfg.raw.get("bos_token_id", 1)
     if isinstance(bos, list):
         bos = bos[0] if bos else 1
@@ -190,14 +226,16 @@ def _live(folder: Path, cfg: ModelConfig) -> dict[str, Any]:
     for _ in generate_step(model, [int(bos) if bos is not None else 1], caches,
                            max_tokens=LIVE_TOKENS):
         pass
-    measured = 0
+    measured = allocated = 0
     for c in caches:  # what the arrays hold: the resident slots' slices
         n = c.size()
-        measured += c.keys[..., :n, :].nbytes + c.values[..., :n, :].nbytes
+        for p in (*parts(c.keys), *parts(c.values)):
+            measured += p[..., :n, :].nbytes
+            allocated += p.nbytes
     stats = cache_stats(caches, model.config)
     tokens = stats.cache_tokens or 0
-    live_dtype = caches[0].keys.dtype
-    formula = kv_bytes_at(cfg, tokens, live_dtype.size)
+    live_dtype = parts(caches[0].keys)[-1].dtype  # a quantized cache's scales: the float
+    formula = kv_bytes_at(cfg, tokens, live_dtype.size, q=q)
     return {
         "tokens": tokens,
         "dtype": str(live_dtype).removeprefix("mlx.core."),
@@ -205,7 +243,9 @@ def _live(folder: Path, cfg: ModelConfig) -> dict[str, Any]:
         "measured_bytes": measured,
         "nbytes_sum": sum(c.nbytes for c in caches),
         "formula_bytes": formula,
-        "allocated_bytes": sum(c.keys.nbytes + c.values.nbytes for c in caches),
+        "allocated_bytes": allocated,
+        "kv_bits": q.bits if q else live_dtype.size * 8,
+        "float_bytes": stats.float_bytes,
         "cache_stats": {k: v for k, v in stats_json(stats).items() if k in CACHE_FIELDS},
         "equal": measured == formula == stats.cache_bytes == sum(c.nbytes for c in caches),
     }
@@ -237,15 +277,29 @@ def _render(o: dict[str, Any]) -> str:
             f"  per token at {o['context']:,} tokens: {o['bytes_per_token_at_context']:,.1f} B;"
             f" the sliding layers save {o['window_saving']:.3g}x over full attention"
         )
+    qd = o.get("quantized")
+    if qd:
+        pad = (f", head_dim {o['head_dim']} padded to {qd['padded_head_dim']}"
+               if qd["padded_head_dim"] != o["head_dim"] else "")
+        lines += [
+            f"K/V in {qd['bits']} bits (group {qd['group_size']}{pad}; scales and biases at"
+            f" {qd['scale_bytes']} B): {_b(qd['bytes_per_token'])} per token,"
+            f" {_b(qd['bytes_at_context'])} at {o['context']:,} tokens",
+            f"  {qd['saving_vs_float']:.3g}x smaller than the {o['dtype_bytes']} B/element cache",
+        ]
     lines += [
         "",
         f"{'attention':<18} {'KV heads':>8}  {'per token':<26} "
-        f"{'at ' + format(o['context'], ',') + ' tokens':<34} MHA / this",
+        f"{'at ' + format(o['context'], ',') + ' tokens':<34} MHA / this"
+        + (f"  {qd['bits']}-bit at {o['context']:,}" if qd else ""),
     ]
-    for r in o["table"]:
+    for i, r in enumerate(o["table"]):
         lines.append(
             f"{r['name']:<18} {r['kv_heads']:>8}  {_b(r['bytes_per_token']):<26} "
-            f"{_b(r['bytes_at_context']):<34} {r['saving_vs_mha']:g}x"
+            f"{_b(r['bytes_at_context']):<34} "
+            + (f"{format(r['saving_vs_mha'], 'g') + 'x':<12}"
+               f"{_b(qd['table'][i]['bytes_at_context'])}" if qd
+               else f"{r['saving_vs_mha']:g}x")
         )
     lines.append("")
     f = o.get("facts")
@@ -262,6 +316,10 @@ def _render(o: dict[str, Any]) -> str:
         fits = ("any context length fits (every layer slides)" if o["budget_tokens"] is None
                 else f"{o['budget_tokens']:,} tokens of KV cache fit")
         lines.append(f"budget {_b(o['budget_bytes'])}: {fits}{after}")
+        if qd:
+            fits = ("any context length" if qd["budget_tokens"] is None
+                    else f"{qd['budget_tokens']:,} tokens")
+            lines.append(f"  in {qd['bits']} bits: {fits}")
     for r in o.get("ranks") or []:
         a, b = r["layers"]
         tied = r["embedding"] and r["rank"] > 0  # the tied head: the embedding again
@@ -275,9 +333,12 @@ def _render(o: dict[str, Any]) -> str:
     live = o.get("live")
     if live:
         mark = "equal" if live["equal"] else "DIFFERENT"
+        what = (f"{live['kv_bits']}-bit, scales in {live['dtype']}" if qd
+                else f"{live['dtype']}, {live['dtype_bytes']} B/element")
         lines.append(
-            f"live ({live['tokens']} tokens, {live['dtype']}, {live['dtype_bytes']} B/element):"
+            f"live ({live['tokens']} tokens, {what}):"
             f" measured {_b(live['measured_bytes'])}, formula {_b(live['formula_bytes'])}"
             f" -> {mark}; allocated buffers {_b(live['allocated_bytes'])}"
+            + (f"; unquantized {_b(live['float_bytes'])}" if qd else "")
         )
     return "\n".join(lines).rstrip()
