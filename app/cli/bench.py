@@ -30,13 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from kvchat.app.cli.generate import add_model_argument
-from kvchat.app.core import blas
+from kvchat.app.cli.generate import add_kv_arguments, add_model_argument, kv_quant_from_args
+from kvchat.app.core import blas, kv_quality
 from kvchat.app.core.discovery import DEFAULT_MODEL
-from kvchat.app.core.errors import report
+from kvchat.app.core.errors import UsageError, report
 from kvchat.model.client import EngineClient
 from kvchat.model.events import GenParams
-from kvchat.model.kv_math import kv_bytes_per_token
+from kvchat.model.kv_math import KVQuant, kv_bytes_per_token
 
 METRICS = ("prefill_tps", "decode_tps", "ttft_s")
 
@@ -56,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode with the plain (uncompiled) step")
     p.add_argument("--keep-quantized", action="store_true",
                    help="keep quantized weights quantized (CPU default: dequantize)")
+    add_kv_arguments(p)
+    p.add_argument("--agreement-tokens", type=int, default=512, metavar="N",
+                   help="with --kv-bits: also measure greedy agreement with the float cache"
+                   " over N tokens (0 = skip); the settings screen shows the result")
     p.add_argument("--json", action="store_true")
 
 
@@ -95,13 +99,16 @@ def weights_label(bits: int | None, dequantized: bool, dtype: str) -> str:
 
 
 class _Ours:
-    def __init__(self, path: str, compiled: bool):
+    def __init__(self, path: str, compiled: bool, q: KVQuant | None = None):
         self.runner = EngineClient(path, compiled=compiled)
         self.info = self.runner.info
+        self.kv = {} if q is None else {"kv_bits": q.bits, "kv_group_size": q.group_size,
+                                        "quantized_kv_start": q.start}
 
     def once(self, ids: list[int], gen: int) -> dict[str, float]:
         self.runner.engine.reset()
-        done = self.runner.run(ids, GenParams(max_tokens=gen, temp=0.0, ignore_eos=True))
+        done = self.runner.run(ids, GenParams(max_tokens=gen, temp=0.0, ignore_eos=True,
+                                              **self.kv))
         if done.finish_reason == "error":
             raise RuntimeError(done.error)
         s = done.stats
@@ -113,7 +120,7 @@ class _Ours:
 
 
 class _MlxLm:
-    def __init__(self, path: str, dtype: str | None):
+    def __init__(self, path: str, dtype: str | None, kv: dict[str, Any] | None = None):
         import mlx.core as mx
         from mlx.utils import tree_flatten
         from mlx_lm import load
@@ -124,6 +131,7 @@ class _MlxLm:
             self.model.set_dtype(getattr(mx, dtype))
         self.dtype = float_dtype(self.model)
         self.weight_bytes = sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
+        self.kv = kv or {}  # mlx-lm's kv_bits / kv_group_size / quantized_kv_start
 
     def once(self, ids: list[int], gen: int) -> dict[str, float]:
         from mlx_lm.generate import generate_step
@@ -135,7 +143,7 @@ class _MlxLm:
         t_first = t_last = t0
         count = 0
         for tok, _ in generate_step(prompt, self.model, max_tokens=gen,
-                                    sampler=lambda x: mx.argmax(x, axis=-1)):
+                                    sampler=lambda x: mx.argmax(x, axis=-1), **self.kv):
             _ = int(tok)
             t_last = time.perf_counter()
             if count == 0:
@@ -170,20 +178,26 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt_tokens < 1 or args.gen_tokens < 2 or args.runs < 1:
         report("--prompt-tokens must be >= 1, --gen-tokens >= 2 and --runs >= 1")
         return 2
+    try:
+        q = kv_quant_from_args(args)
+    except UsageError as e:
+        report(str(e))
+        return 2
     if args.keep_quantized:
         os.environ["KVCHAT_KEEP_QUANTIZED"] = "1"
     import mlx.core as mx
 
     path = str(args.model or DEFAULT_MODEL)
-    ours = _Ours(path, compiled=not args.no_compile)
+    ours = _Ours(path, compiled=not args.no_compile, q=q)
     try:
         info = ours.info
         tokenizer = ours.runner.engine.tokenizer
         vocab = min(info["vocab_size"], tokenizer.vocab_size if tokenizer else 1 << 30)
         ids = prompt_ids(vocab, args.prompt_tokens)
         ref = None
+        ref_kv, ref_kv_note = _mlx_lm_kv(q, info["head_dim"])
         if args.against == "mlx-lm":
-            ref = _MlxLm(path, info["dtype"] if args.mlx_lm_dtype == "ours" else None)
+            ref = _MlxLm(path, info["dtype"] if args.mlx_lm_dtype == "ours" else None, ref_kv)
         # warm-up (traces the compiled step, fills allocator caches), then A B A B …
         ours.once(ids[:8], 4)
         if ref is not None:
@@ -197,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         ours.close()
 
     kv_token = kv_bytes_per_token(info["n_layers"], info["n_kv_heads"], info["head_dim"],
-                                  getattr(mx, info["dtype"]).size)
+                                  getattr(mx, info["dtype"]).size, q)
     context = args.prompt_tokens + args.gen_tokens // 2  # mean resident tokens while decoding
     bandwidth = memory_bandwidth()
     ours_bytes = info["weight_bytes"] + kv_token * context
@@ -217,6 +231,8 @@ def run(args: argparse.Namespace) -> int:
                                      info["dtype"]),
             "weight_bytes": info["weight_bytes"],
             "compiled_step": bool(a_rows[-1]["compiled_step"]),
+            "kv_bits": q.bits if q else getattr(mx, info["dtype"]).size * 8,
+            "kv_group_size": q.group_for(info["head_dim"]) if q else None,
             **_side(a_rows),
         },
         "roofline": {
@@ -254,11 +270,43 @@ def run(args: argparse.Namespace) -> int:
                 k: summary([a[k] / b[k] for a, b in zip(a_rows, b_rows, strict=True)])
                 for k in ("prefill_tps", "decode_tps")
             }
+    if ref is not None and q is not None:
+        result["mlx_lm"]["kv"] = ref_kv or None
+        if ref_kv_note:
+            result["mlx_lm"]["kv_note"] = ref_kv_note
+    if q is not None and args.agreement_tokens > 0:
+        result["kv_quality"] = _agreement(path, q, args.agreement_tokens)
     if args.json:
         print(json.dumps(result))
         return 0
     print(_render(result))
     return 0
+
+
+def _mlx_lm_kv(q: KVQuant | None, head_dim: int) -> tuple[dict[str, Any], str | None]:
+    """The same K/V quantization for mlx-lm's generate_step, where it can do it (its
+    QuantizedKVCache does not pad: head_dim must be a multiple of the group)."""
+    if q is None:
+        return {}, None
+    group = q.group_for(head_dim)
+    if head_dim % group:
+        return {}, (f"mlx-lm cannot quantize head_dim {head_dim} in groups of {group}:"
+                    " it runs a float cache")
+    return {"kv_bits": q.bits, "kv_group_size": group, "quantized_kv_start": q.start}, None
+
+
+def _agreement(path: str, q: KVQuant, n: int) -> dict[str, Any]:
+    """Greedy agreement, KL and perplexity of `q`'s cache against the float one on this
+    model (model/kv_quality.py), kept for the settings screen (app/core/kv_quality)."""
+    from kvchat.model.kv_quality import measure, texts
+    from kvchat.model.tokenizer import load_tokenizer
+    from kvchat.model.weights import load_model
+
+    model = load_model(path)
+    prompt, held_out = texts(load_tokenizer(path))
+    result = measure(model, prompt, q, n=n, held_out=held_out).to_dict()
+    kv_quality.record(path, result, how="kvchat bench")
+    return result
 
 
 def _fmt(v: float) -> str:
@@ -278,8 +326,13 @@ def _render(r: dict[str, Any]) -> str:
     for name, s in sides:
         extra = f", compiled step {'on' if s.get('compiled_step') else 'off'}" if (
             name == "kvchat") else ""
+        if name == "kvchat" and s.get("kv_group_size"):
+            extra += f", {s['kv_bits']}-bit K/V (group {s['kv_group_size']})"
+        if name == "mlx-lm" and s.get("kv"):
+            extra += f", {s['kv']['kv_bits']}-bit K/V (group {s['kv']['kv_group_size']})"
         lines.append(f"{name}: {s['weights']} weights ({s['weight_bytes']:,} bytes),"
-                     f" computes in {s['dtype']}{extra}")
+                     f" computes in {s['dtype']}{extra}" + (
+                         f" ({s['kv_note']})" if s.get("kv_note") else ""))
     lines.append(f"{'':16}{'min':>12}{'median':>12}{'max':>12}")
     for name, s in sides:
         for k in METRICS:
@@ -292,6 +345,17 @@ def _render(r: dict[str, Any]) -> str:
                          f"   pairs: {pairs}")
     elif "ratio_refused" in r:
         lines.append(f"no ratio: {r['ratio_refused']}")
+    kq = r.get("kv_quality")
+    if kq:
+        first = kq["first_divergence"]
+        lines.append(
+            f"{kq['bits']}-bit K/V (group {kq['group_size']}) against the float cache over"
+            f" {kq['tokens']} greedy tokens: {kq['forced_match']:.1%} same next token on the"
+            f" float run's ids, free-running first divergence at "
+            + ("none" if first is None else f"token {first}")
+            + f" ({kq['free_match']:.1%} equal), mean KL {kq['mean_kl']:.3g} nats"
+            + (f", perplexity {kq['ppl_float']:.3f} -> {kq['ppl_quant']:.3f}"
+               if kq["ppl_float"] else ""))
     rf = r["roofline"]
     lines.append(
         f"decode roofline: {rf['bytes_per_token']:,} bytes/token (weights + K/V of"

@@ -28,6 +28,7 @@ from kvchat import metal_kernels
 from kvchat.app.core.store import atomic_write_text
 from kvchat.model.errors import KVChatError
 from kvchat.model.events import GenParams
+from kvchat.model.kv_math import BITS, GROUP_SIZES
 from kvchat.model.sampling import SamplingParams
 
 SETTINGS_FILE = "settings.json"
@@ -49,6 +50,11 @@ class Settings:
     seed: int | None = None
     max_kv_size: int | None = None
     keep: int = 4
+    # K/V cache in 4 or 8 bits (None: the float dtype); group size None: 64 or 32 by
+    # head_dim; quantize once the cache holds quantized_kv_start tokens
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
+    quantized_kv_start: int = 0
     model_dirs: list[str] = field(default_factory=list)
     last_model: str | None = None
     kernels: str | None = None  # RMSNorm/RoPE backend (metal|fast|ops); None: the default
@@ -93,8 +99,14 @@ class Settings:
             else:
                 setattr(s, name, value)
         err = _cross_error(s)
+        if err and s.kv_bits is None and (s.kv_group_size is not None or s.quantized_kv_start):
+            # the K/V group size and start mean nothing without bits: the float defaults
+            s.warnings.append(f"{err}; using the defaults kv_group_size None,"
+                              " quantized_kv_start 0")
+            s.kv_group_size, s.quantized_kv_start = None, 0
+            err = _cross_error(s)
         if err:
-            # only max_kv_size relates fields; the unbounded default is always valid
+            # max_kv_size and keep relate; the unbounded default is always valid
             s.warnings.append(f"{err}; using the default max_kv_size None")
             s.max_kv_size = None
         return s
@@ -102,7 +114,8 @@ class Settings:
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(Settings) if f.init)
 _SAMPLING_FIELDS = {"temp", "top_p", "top_k", "min_p", "repetition_penalty", "seed"}
-_INT_FIELDS = {"top_k", "max_tokens", "keep", "seed", "max_kv_size", "kv_cache_max_mib"}
+_INT_FIELDS = {"top_k", "max_tokens", "keep", "seed", "max_kv_size", "kv_cache_max_mib",
+               "kv_bits", "kv_group_size", "quantized_kv_start"}
 
 
 def _is_int(x: Any) -> bool:
@@ -134,6 +147,15 @@ def _field_error(name: str, v: Any) -> str | None:
     elif name == "max_kv_size":
         if v is not None and (not _is_int(v) or v < 1):
             return f"max_kv_size must be empty (the model's context) or an integer >= 1 (got {v!r})"
+    elif name == "kv_bits":
+        if v is not None and v not in BITS:
+            return f"kv_bits must be empty (the float cache), 4 or 8 (got {v!r})"
+    elif name == "kv_group_size":
+        if v is not None and v not in GROUP_SIZES:
+            return f"kv_group_size must be empty (automatic), 32, 64 or 128 (got {v!r})"
+    elif name == "quantized_kv_start":
+        if not _is_int(v) or v < 0:
+            return f"quantized_kv_start must be an integer >= 0 (got {v!r})"
     elif name == "save_kv_cache":
         if not isinstance(v, bool):
             return f"save_kv_cache must be true or false (got {v!r})"

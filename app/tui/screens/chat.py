@@ -23,6 +23,7 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer, Header, LoadingIndicator, Static
 
+from kvchat.app.core.kv_quality import agreement_line
 from kvchat.app.core.settings import Settings, remember_model
 from kvchat.app.core.store import Conversation, ConversationStore, StoreError, export_markdown
 from kvchat.app.core.text import literal
@@ -503,7 +504,8 @@ class ChatScreen(InterruptKey, Screen[None]):
         self.engine.load(path)
 
     def action_settings(self) -> None:
-        self.app.push_screen(SettingsScreen(self.settings), self._apply_settings)
+        self.app.push_screen(SettingsScreen(self.settings, agreement_line(self.model_path)),
+                             self._apply_settings)
 
     def _apply_settings(self, new: Settings | None) -> None:
         if new is None:

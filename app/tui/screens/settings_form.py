@@ -1,5 +1,6 @@
-"""Ctrl+S: system prompt, sampling, limits, the cache bound, model folders, theme and
-whether the last chat comes back at start.
+"""Ctrl+S: system prompt, sampling, limits, the cache bound and its K/V bits (with the
+loaded model's measured agreement), model folders, theme and whether the last chat comes
+back at start.
 
 Save parses every field, validates with Settings.validate() and writes with
 save_settings(). A bad value shows one line naming the field as the form labels it (not
@@ -35,6 +36,9 @@ FIELDS: tuple[tuple[str, str, str], ...] = (
     ("seed", "seed (blank = random)", "opt_int"),
     ("max_kv_size", "max KV size (blank = model context)", "opt_int"),
     ("keep", "keep (sink tokens on rotation)", "int"),
+    ("kv_bits", "KV bits (blank = float, 4 or 8)", "opt_int"),
+    ("kv_group_size", "KV group size (blank = auto)", "opt_int"),
+    ("quantized_kv_start", "quantize K/V after N tokens", "int"),
 )
 # how an error names a field: the label without its hint
 LABELS = {name: label.split(" (")[0] for name, label, _ in FIELDS}
@@ -79,9 +83,10 @@ class SettingsScreen(ModalScreen[Settings | None]):
         Binding("ctrl+s", "save", "Save", id="settings.save", priority=True),
     ]
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, kv_agreement: str = "") -> None:
         super().__init__()
         self.settings = settings
+        self.kv_agreement = kv_agreement  # the loaded model's measured K/V quality
         self.model_dirs = list(settings.model_dirs)
 
     def compose(self) -> ComposeResult:
@@ -95,6 +100,9 @@ class SettingsScreen(ModalScreen[Settings | None]):
                     with Horizontal(classes="field"):
                         yield Label(label, classes="field-label")
                         yield Input(_shown(getattr(s, name)), id=name, classes="field-input")
+                if self.kv_agreement:
+                    yield Static(literal(self.kv_agreement), id="kv_agreement",
+                                 classes="field-label -wide")
                 yield Label("model folders (searched by the picker and `kvchat models`)",
                             classes="field-label -wide")
                 yield OptionList(*map(literal, self.model_dirs), id="model_dirs")

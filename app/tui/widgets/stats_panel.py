@@ -211,6 +211,7 @@ class StatsPanel(VerticalScroll):
                 _row("KV", fmt_bytes(s.cache_bytes), "bold"),
                 _row("as MHA", fmt_bytes(s.mha_bytes)),
                 _row("GQA", f"{fmt_saving(s.gqa_saving)} smaller"),
+                *quant_rows(s),
                 *([_row("windows", f"{fmt_saving(s.window_saving)} smaller")]
                   if s.sliding_layers else []),
                 _row("reused", f"{fmt_count(s.cached_tokens)} tokens this turn"),
@@ -253,6 +254,21 @@ class StatsPanel(VerticalScroll):
         if self.freed_bytes is not None:
             runtime.append(_row("swap", f"freed {fmt_bytes(self.freed_bytes)}"))
         _set(self.query_one("#runtime", Static), _lines(*runtime))
+
+
+def quant_rows(s: TurnStats) -> list[Text]:
+    """A quantized cache: its bits and group, the float bytes the same tokens would
+    take, and the saving (both from the arrays' sizes). Nothing for a float cache."""
+    if s.kv_group_size is None:
+        return []
+    ratio = s.kv_saving or 1.0
+    # a head_dim padded to the group can make the quantized cache the larger one
+    change = (f"{fmt_saving(ratio)} smaller" if ratio >= 1
+              else f"{fmt_saving(1 / ratio)} larger (padding)")
+    return [
+        _row("bits", f"{s.kv_bits}-bit K/V · group {s.kv_group_size}"),
+        _row("as float", f"{fmt_bytes(s.float_bytes)} · {change}"),
+    ]
 
 
 def rank_rows(stats: TurnStats) -> list[tuple[str, str]]:
