@@ -11,6 +11,7 @@ are padded with zeros too (q·k is unchanged) and the output's padded features d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ import mlx.core as mx
 
 from .kv_math import KVQuant, kv_quant
 
-__all__ = ["KVQuant", "Packed", "kv_quant", "quantized_attention"]
+__all__ = ["KVQuant", "Packed", "kv_quant", "packed_of", "quantized_attention"]
 
 @dataclass(frozen=True)
 class Packed:
@@ -48,8 +49,17 @@ class Packed:
         return self.group_size, self.bits, self.head_dim
 
 
+def packed_of(cache: Any, keys: Sequence[mx.array], head_dim: int) -> Packed:
+    """The layout of a quantized cache's K/V: ours knows it (`packed()`); mlx-lm's
+    QuantizedKVCache names bits and group_size, and never pads."""
+    if hasattr(cache, "packed"):
+        return cache.packed()
+    bits = cache.bits
+    return Packed(bits, cache.group_size, head_dim, keys[0].shape[-1] * 32 // bits)
+
+
 def quantized_attention(
-    q: mx.array, k: tuple[mx.array, ...], v: tuple[mx.array, ...], packed: Packed,
+    q: mx.array, k: Sequence[mx.array], v: Sequence[mx.array], packed: Packed,
     scale: float, mask: Any, softcap: float | None = None,
 ) -> mx.array:
     """softmax(q·kᵀ·scale (soft-capped), masked)·v with K/V left packed: two

@@ -24,7 +24,7 @@ from kvchat import metal_kernels
 
 from .cache import causal_mask
 from .config import FULL, LayerSpec, ModelConfig, RopeConfig
-from .kv_quant import quantized_attention
+from .kv_quant import packed_of, quantized_attention
 
 ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
     "silu": nn.silu,
@@ -264,8 +264,9 @@ class Attention(nn.Module):
             q = q * self._q_gain.astype(q.dtype)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        if isinstance(k, tuple):  # a quantized cache: attention on the packed K/V
-            out = quantized_attention(q, k, v, cache.packed(), self.scale, mask, self.softcap)
+        if isinstance(k, (tuple, list)):  # a quantized cache: attention on the packed K/V
+            out = quantized_attention(q, k, v, packed_of(cache, k, self.head_dim), self.scale,
+                                      mask, self.softcap)
         elif self.softcap is not None:
             out = softcapped_attention(q, k, v, self.scale, self.softcap, mask)
         else:
