@@ -608,11 +608,19 @@ def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, keep: int = 4,
         if kv is not None and kv.start == 0:
             caches.append(QuantizedRotatingKVCache(size, k, kv))
             continue
-        cache = RotatingKVCache(size, k)
-        if kv is not None:
-            cache.pending_quant = kv  # type: ignore[attr-defined]
-        caches.append(cache)
+        caches.append(RotatingKVCache(size, k))
+    plan_quantization(caches, kv)
     return caches
+
+
+def plan_quantization(caches: list[Any], kv: KVQuant | None) -> None:
+    """Mark the float caches to be quantized once they hold kv.start tokens (a cache read
+    back from a file has no such mark: the engine marks it again)."""
+    if kv is None:
+        return
+    for c in caches:
+        if type(c) in QUANTIZED:
+            c.pending_quant = kv
 
 
 def maybe_quantize(caches: list[Any]) -> bool:

@@ -32,7 +32,14 @@ from mlx.utils import tree_flatten
 from kvchat import metal_kernels
 
 from . import pipeline
-from .cache import cache_stats, can_trim_to, layer_stats, trim_to, why_not_trimmable
+from .cache import (
+    cache_stats,
+    can_trim_to,
+    layer_stats,
+    plan_quantization,
+    trim_to,
+    why_not_trimmable,
+)
 from .cache_file import load_cache, savable, save_cache
 from .chat_template import TemplateCancelled
 from .errors import KVChatError, error_line
@@ -412,6 +419,8 @@ class Engine:
         if self._cache is None:
             self._cache = _make_cache(self.model, params)
             self._cache_key = key
+        else:  # a restored float cache waiting for --quantized-kv-start
+            plan_quantization(self._cache, params.kv_quant())
         # at least one token must run through the model to give the next logits
         shared = common_prefix_len(self._cache_ids, ids)
         keep_n = min(shared, len(ids) - 1)

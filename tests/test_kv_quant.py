@@ -313,3 +313,34 @@ def test_compiled_step_layout_includes_the_quantization() -> None:
         model(mx.array([[1, 2, 3]]), cache=cs)
     la, lb = CompiledStep(model, a).layout, CompiledStep(model, b).layout
     assert la != lb and la[0][1].bits == 8 and lb[0][1].bits == 4
+
+
+def test_engine_saves_a_quantized_cache_and_reopens_warm(tmp_path: Path) -> None:
+    """Through the real Engine on the shipped model: an 8-bit chat's cache saves beside
+    the chat and a new engine continues from it without prefilling the history again,
+    giving the ids the uninterrupted engine gives."""
+    from kvchat.model.client import EngineClient
+    from kvchat.model.events import CacheRestored, CacheSaved, GenParams, Started
+
+    params = GenParams(max_tokens=12, temp=0.0, kv_bits=8)
+    chat = [{"role": "user", "content": "Tell me about the cache."}]
+    path = tmp_path / "chat.kv.safetensors"
+    with EngineClient(str(MINI), timeout=60) as a:
+        done = a.run(chat, params)
+        a.engine.save_cache(path)
+        saved = a.wait(CacheSaved)
+        assert isinstance(saved, CacheSaved) and saved.error is None, saved
+        follow = chat + [{"role": "assistant", "content": done.text},
+                         {"role": "user", "content": "And then?"}]
+        straight = a.run(follow, params)
+    loaded, _ = load_cache(path)
+    assert all(type(x) is QuantizedRotatingKVCache for x in loaded)
+    with EngineClient(str(MINI), timeout=60) as b:
+        b.engine.restore_cache(path)
+        ev = b.wait(CacheRestored)
+        assert isinstance(ev, CacheRestored) and ev.error is None and ev.tokens > 0
+        again = b.run(follow, params)
+        started = [e for e in b.events if isinstance(e, Started)][-1]
+        assert started.cached_tokens >= ev.tokens - 1 and started.reprefill_reason is None
+        assert again.ids == straight.ids
+        assert again.stats.kv_bits == 8 and again.stats.kv_saving > 1
