@@ -1,4 +1,4 @@
-"""Decode tok/s against context length, full cache vs rotating cache, as a PNG.
+"""Decode tok/s against context length, as a PNG of two panels.
 
     python -m kvchat.app.cli.bench_plot [--model DIR] [--out assets/decode_vs_context.png]
 
@@ -8,6 +8,12 @@ the compiled step (`model.generate.generate_step`); the median of `--runs` is pl
 tokens (4 sinks), so its per-token cost stops growing once the window is full.
 Points run interleaved (full, rotating, full, rotating, …) so machine noise hits both.
 Without --model a random model of the shipped model's shape with an 8k context is used.
+
+The second panel: the K/V cache stored in floats, 8 bits and 4 bits (model/kv_quant.py)
+on a random model of a 135M-class shape (SmolLM-135M: 30 layers, hidden 576, 9/3 heads,
+head_dim 64), at `--quant-contexts` cached tokens. The caches are filled with random K/V
+of that length (what decode reads does not depend on the values), then `--gen` tokens
+are decoded with the compiled step; float, 8-bit and 4-bit run interleaved.
 """
 
 from __future__ import annotations
@@ -23,10 +29,20 @@ import mlx.core as mx
 
 from kvchat.model.config import ModelConfig
 from kvchat.model.generate import generate_step
+from kvchat.model.kv_math import KVQuant
 from kvchat.model.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTEXTS = (128, 512, 1024, 2048, 4096, 8192)
+QUANT_CONTEXTS = (512, 4096, 16384)
+# SmolLM-135M's shape (a 135M-class llama with GQA); the weights are random
+SHAPE_135M = {
+    "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536,
+    "vocab_size": 49152, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+}
+KV_KINDS: dict[str, KVQuant | None] = {"float": None, "8-bit": KVQuant(8), "4-bit": KVQuant(4)}
 
 
 def random_model(context: int) -> Transformer:
@@ -66,14 +82,78 @@ def measure(model: Any, contexts: list[int], window: int, gen: int,
     return out
 
 
+def model_135m(context: int) -> Transformer:
+    mx.random.seed(0)
+    model = Transformer(ModelConfig.from_dict({**SHAPE_135M,
+                                               "max_position_embeddings": context}))
+    mx.eval(model.parameters())
+    return model
+
+
+def filled_caches(model: Any, tokens: int, room: int, kv: KVQuant | None) -> list[Any]:
+    """Caches holding `tokens` random K/V (room for `room` more, so none rotates)."""
+    extra = {} if kv is None else {"kv": kv}
+    caches = model.make_cache(max_kv_size=tokens + room, keep=4, **extra)
+    cfg = model.config
+    key = mx.random.key(1)
+    for c in caches:
+        for start in range(0, tokens, 4096):  # chunks: bounded temporaries
+            n = min(4096, tokens - start)
+            key, k1 = mx.random.split(key)
+            x = mx.random.normal((1, cfg.num_key_value_heads, n, cfg.head_dim), key=k1)
+            c.update_and_fetch(x, x)
+        mx.eval([a for a in c.state if isinstance(a, (mx.array, tuple))])
+    return caches
+
+
+def cached_decode_tps(model: Any, tokens: int, kv: KVQuant | None, gen: int) -> float:
+    caches = filled_caches(model, tokens, gen + 8, kv)
+    t_first = None
+    for i, _ in enumerate(generate_step(model, [1], caches, max_tokens=gen)):
+        if i == 0:
+            t_first = time.perf_counter()
+    assert t_first is not None
+    return (gen - 1) / (time.perf_counter() - t_first)
+
+
+def measure_quantized(contexts: list[int], gen: int, runs: int) -> dict[str, list[float]]:
+    model = model_135m(max(contexts) + gen + 16)
+    for kv in KV_KINDS.values():
+        cached_decode_tps(model, 64, kv, 4)  # warm-up: trace each kind's step
+    out: dict[str, list[float]] = {k: [] for k in KV_KINDS}
+    for ctx in contexts:
+        rows: dict[str, list[float]] = {k: [] for k in KV_KINDS}
+        for _ in range(runs):
+            for name, kv in KV_KINDS.items():
+                rows[name].append(cached_decode_tps(model, ctx, kv, gen))
+        for k in out:
+            out[k].append(statistics.median(rows[k]))
+    return out
+
+
 def plot(contexts: list[int], res: dict[str, list[float]], window: int, title: str,
-         path: Path) -> None:
+         path: Path, quant: tuple[list[int], dict[str, list[float]], str] | None = None,
+         ) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if quant is None:
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    else:
+        fig, (ax, qax) = plt.subplots(1, 2, figsize=(13, 4.4), dpi=110)
+        qctx, qres, qtitle = quant
+        for (name, values), mark in zip(qres.items(), "o^v", strict=False):
+            qax.plot(qctx, values, f"{mark}-", label=f"{name} K/V cache")
+        qax.set_xscale("log", base=2)
+        qax.set_xticks(qctx, [f"{c:,}" for c in qctx])
+        qax.set_xlabel("cached tokens")
+        qax.set_ylabel("decode tokens / s")
+        qax.set_ylim(bottom=0)
+        qax.set_title(qtitle, fontsize=10)
+        qax.grid(alpha=0.3)
+        qax.legend()
     ax.plot(contexts, res["full"], "o-", label="full cache (every token kept)")
     ax.plot(contexts, res["rotating"], "s-", label=f"rotating cache ({window} tokens, 4 sinks)")
     ax.set_xscale("log", base=2)
@@ -95,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--quant-contexts", type=int, nargs="*", default=list(QUANT_CONTEXTS),
+                   help="cached tokens for the float / 8-bit / 4-bit panel (none: no panel)")
+    p.add_argument("--quant-gen", type=int, default=16)
     p.add_argument("--out", default=str(ROOT / "assets" / "decode_vs_context.png"))
     a = p.parse_args(argv)
     if a.model:
@@ -108,7 +191,15 @@ def main(argv: list[str] | None = None) -> int:
 
     title = (f"{name}, float32, {mx.default_device()}, BLAS {blas.active_blas()['name']}\n"
              f"median of {a.runs} runs × {a.gen} decoded tokens per point")
-    plot(a.contexts, res, a.window, title, Path(a.out))
+    quant = None
+    if a.quant_contexts:
+        qres = measure_quantized(a.quant_contexts, a.quant_gen, a.runs)
+        qtitle = (f"random 135M-class llama (SmolLM-135M shape), float32\n"
+                  f"median of {a.runs} runs × {a.quant_gen} decoded tokens per point")
+        quant = (a.quant_contexts, qres, qtitle)
+        print(json.dumps({"model": "random 135M-class", "cached_tokens": a.quant_contexts,
+                          **qres}))
+    plot(a.contexts, res, a.window, title, Path(a.out), quant)
     print(json.dumps({"model": name, "contexts": a.contexts, "window": a.window, **res}))
     print(f"wrote {a.out}")
     return 0
