@@ -163,3 +163,35 @@ def test_budget_with_sliding_layers(tmp_path: Path, capsys: pytest.CaptureFixtur
     f.write_text(json.dumps({**GEMMA3_1B, "model_type": "mistral"}))  # every layer slides
     rc, out, _ = run(["--config", str(f), "--budget", "64MiB"], capsys)
     assert rc == 0 and "any context length fits" in out
+
+
+def test_llama_70b_quantized_kv(llama70b: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--kv-bits: per token and at a context, by hand: head_dim 128 in groups of 64,
+    4 bits -> 64 packed bytes + 2 groups × (scale + bias) × 2 B = 72 B per head row."""
+    rc, out, _ = run(["--config", str(llama70b), "--json", "--kv-bits", "4",
+                      "--context", "131072"], capsys)
+    o = json.loads(out)
+    q = o["quantized"]
+    assert rc == 0 and (o["kv_bits"], o["kv_group_size"]) == (4, 64)
+    assert q["bytes_per_token"] == 2 * 80 * 8 * (128 * 4 // 8 + 2 * 2 * 2) == 92_160
+    assert q["bytes_at_context"] == 92_160 * 131_072
+    assert q["saving_vs_float"] == 327_680 / 92_160
+    mha = next(r for r in q["table"] if r["name"] == "MHA")
+    assert mha["bytes_per_token"] == 92_160 * 8
+    rc, text, _ = run(["--config", str(llama70b), "--kv-bits", "8"], capsys)
+    # 8 bits: 128 packed bytes + 8 B of scales/biases per row
+    assert rc == 0 and f"{2 * 80 * 8 * (128 + 8):,} B" in text and "smaller than" in text
+    with pytest.raises(SystemExit) as e:  # argparse's usage error: exit 2
+        run(["--config", str(llama70b), "--kv-bits", "3"], capsys)
+    assert e.value.code == 2
+    assert run(["--config", str(llama70b), "--kv-group-size", "64"], capsys)[0] == 2
+
+
+def test_live_quantized_bytes_equal_the_formula(capsys: pytest.CaptureFixture[str]) -> None:
+    mini = Path(__file__).resolve().parents[1] / "assets" / "kvchat-mini"
+    rc, out, _ = run(["--model", str(mini), "--live", "--kv-bits", "4", "--json"], capsys)
+    live = json.loads(out)["live"]
+    # 4 layers × 2 KV heads, head_dim 24 padded to 32: 16 packed bytes + 2 × 4 B (float32)
+    assert rc == 0 and live["equal"] and live["kv_bits"] == 4
+    assert live["measured_bytes"] == 2 * 4 * 2 * (16 + 8) * live["tokens"]
+    assert live["float_bytes"] == 2 * 4 * 2 * 24 * 4 * live["tokens"]

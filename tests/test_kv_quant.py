@@ -344,3 +344,31 @@ def test_engine_saves_a_quantized_cache_and_reopens_warm(tmp_path: Path) -> None
         assert started.cached_tokens >= ev.tokens - 1 and started.reprefill_reason is None
         assert again.ids == straight.ids
         assert again.stats.kv_bits == 8 and again.stats.kv_saving > 1
+
+
+def test_settings_entries_for_kv_bits() -> None:
+    from kvchat.app.core.settings import Settings, SettingsError
+
+    s = Settings.from_dict({"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 256})
+    assert not s.warnings
+    assert s.gen_params().kv_quant() == KVQuant(8, 32, 256)
+    bad = Settings.from_dict({"kv_bits": 5})
+    assert bad.kv_bits is None and "kv_bits" in bad.warnings[0]
+    orphan = Settings.from_dict({"quantized_kv_start": 100})  # without bits: the defaults
+    assert (orphan.quantized_kv_start, orphan.kv_group_size) == (0, None) and orphan.warnings
+    with pytest.raises(SettingsError, match="kv_group_size"):
+        Settings(kv_bits=4, kv_group_size=16).validate()
+
+
+def test_agreement_line_reads_what_bench_recorded(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvchat.app.core import kv_quality
+
+    monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path))
+    assert "not measured" in kv_quality.agreement_line(str(MINI))
+    kv_quality.record(MINI, {"bits": 8, "group_size": 32, "tokens": 512,
+                             "first_divergence": 285, "forced_match": 0.994,
+                             "free_match": 0.62, "mean_kl": 7.8e-5}, how="kvchat bench")
+    line = kv_quality.agreement_line(str(MINI))
+    assert "8-bit 99.4% of 512 tokens" in line and "token 285" in line
+    assert "not measured" in kv_quality.agreement_line(str(tmp_path))  # another model

@@ -131,6 +131,20 @@ def measure_quantized(contexts: list[int], gen: int, runs: int) -> dict[str, lis
     return out
 
 
+def _panel(ax: Any, xs: list[int], series: list[tuple[str, list[float], str]],
+           xlabel: str, title: str) -> None:
+    for label, values, style in series:
+        ax.plot(xs, values, style, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [f"{c:,}" for c in xs])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("decode tokens / s")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
 def plot(contexts: list[int], res: dict[str, list[float]], window: int, title: str,
          path: Path, quant: tuple[list[int], dict[str, list[float]], str] | None = None,
          ) -> None:
@@ -144,26 +158,12 @@ def plot(contexts: list[int], res: dict[str, list[float]], window: int, title: s
     else:
         fig, (ax, qax) = plt.subplots(1, 2, figsize=(13, 4.4), dpi=110)
         qctx, qres, qtitle = quant
-        for (name, values), mark in zip(qres.items(), "o^v", strict=False):
-            qax.plot(qctx, values, f"{mark}-", label=f"{name} K/V cache")
-        qax.set_xscale("log", base=2)
-        qax.set_xticks(qctx, [f"{c:,}" for c in qctx])
-        qax.set_xlabel("cached tokens")
-        qax.set_ylabel("decode tokens / s")
-        qax.set_ylim(bottom=0)
-        qax.set_title(qtitle, fontsize=10)
-        qax.grid(alpha=0.3)
-        qax.legend()
-    ax.plot(contexts, res["full"], "o-", label="full cache (every token kept)")
-    ax.plot(contexts, res["rotating"], "s-", label=f"rotating cache ({window} tokens, 4 sinks)")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(contexts, [f"{c:,}" for c in contexts])
-    ax.set_xlabel("context length (tokens in the prompt)")
-    ax.set_ylabel("decode tokens / s")
-    ax.set_ylim(bottom=0)
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend()
+        _panel(qax, qctx, [(f"{name} K/V cache", values, f"{mark}-")
+                           for (name, values), mark in zip(qres.items(), "o^v", strict=False)],
+               "cached tokens", qtitle)
+    _panel(ax, contexts, [("full cache (every token kept)", res["full"], "o-"),
+                          (f"rotating cache ({window} tokens, 4 sinks)", res["rotating"], "s-")],
+           "context length (tokens in the prompt)", title)
     fig.tight_layout()
     fig.savefig(path)
 
