@@ -372,3 +372,16 @@ def test_agreement_line_reads_what_bench_recorded(tmp_path: Path,
     line = kv_quality.agreement_line(str(MINI))
     assert "8-bit 99.4% of 512 tokens" in line and "token 285" in line
     assert "not measured" in kv_quality.agreement_line(str(tmp_path))  # another model
+
+
+def test_side_panel_rows_for_a_quantized_cache() -> None:
+    from kvchat.app.tui.widgets.stats_panel import quant_rows
+    from kvchat.model.events import TurnStats
+
+    assert quant_rows(TurnStats(kv_bits=32, cache_bytes=10, float_bytes=10)) == []
+    rows = [r.plain for r in quant_rows(TurnStats(
+        kv_bits=8, kv_group_size=32, cache_bytes=640, float_bytes=1536, kv_saving=2.4))]
+    assert "8-bit K/V · group 32" in rows[0] and "2.4× smaller" in rows[1]
+    padded = [r.plain for r in quant_rows(TurnStats(
+        kv_bits=8, kv_group_size=32, cache_bytes=1600, float_bytes=1280, kv_saving=0.8))]
+    assert "1.2× larger (padding)" in padded[1]
