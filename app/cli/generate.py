@@ -134,6 +134,7 @@ def _prompt(args: argparse.Namespace) -> tuple[Any, GenParams]:
     """The prompt and parameters from the flags; UsageError on any bad value."""
     if args.keep is not None and args.max_kv_size is None:
         raise UsageError("--keep applies to a bounded cache; give --max-kv-size too")
+    kv_quant_from_args(args)  # the K/V flags' errors in the flags' own words
     params = params_from_args(args)
     try:
         params.validate()
