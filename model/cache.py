@@ -180,6 +180,16 @@ class _Buffers:
     def _advance(self, offset: int) -> None:
         self.offset = offset
 
+    def layout_packed(self) -> Packed | None:
+        """A quantized cache's layout (bits, group, head_dims) for the compiled step's
+        trace key and its in-trace writes; None for floats."""
+        return self.packed() if self.quant is not None else None
+
+    def commit_one(self, keys: Buf, values: Buf) -> None:
+        """Take the buffers the compiled step wrote one token into."""
+        self.keys, self.values = keys, values
+        self._advance(self.offset + 1)
+
     def quantized(self, q: KVQuant) -> _Buffers:
         """This cache, its buffers quantized (mlx-lm's `to_quantized`): the class of the
         same kind in `QUANTIZED`, every slot encoded once, offsets and bounds kept."""
@@ -268,6 +278,18 @@ class KVCache(_Buffers):
         n = max(0, min(self.offset, n))
         self.offset -= n
         return n
+
+    # ---- one token at a time, for the compiled step (model/generate.py) ---------------
+    def slot_layout(self) -> tuple[Any, ...]:
+        """What a trace needs to know about this cache's slots: position p lives in p."""
+        return ("full", self.layout_packed())
+
+    def next_slot(self) -> tuple[int, int, int, int]:
+        """Make room for one more token; (offset, slot, resident length after the write,
+        lowest valid position)."""
+        o = self.offset
+        self.grow_to(o + 1)
+        return o, self.slot_for(o), o + 1, 0
 
     @property
     def state(self) -> tuple[Any, ...]:
@@ -473,6 +495,19 @@ class RotatingKVCache(_Buffers):
         self._lo = self._ring_lo(offset)
         self.offset = offset
 
+    # ---- one token at a time, for the compiled step (model/generate.py) ---------------
+    def slot_layout(self) -> tuple[Any, ...]:
+        """What a trace needs to know about this cache's slots: `keep` sinks, then a ring."""
+        return ("ring", self.layout_packed(), self.max_size, self.keep)
+
+    def next_slot(self) -> tuple[int, int, int, int]:
+        """Make room for one more token; (offset, slot, resident length after the write,
+        lowest valid ring position after it)."""
+        o = self.offset
+        length = min(o + 1, self.max_size)
+        self.grow_to(length)
+        return o, self.slot_for(o), length, self._ring_lo(o + 1)
+
     # ---- protocol -------------------------------------------------------------------
     def size(self) -> int:
         """Resident tokens."""
@@ -658,8 +693,9 @@ def _layer_bytes(c: Any, tokens: int, heads_factor: float = 1) -> int:
 
 def layer_stats(caches: list[Any], cfg: ModelConfig) -> list[dict[str, Any]]:
     """Per-layer view for the UI: the cache's own stats() plus the layer index, its
-    attention kind (sliding / global, NoPE) and window, the MHA-equivalent bytes (same
-    storage, every head) and, quantized or not, the bits, group size and float bytes."""
+    attention kind (sliding / global, NoPE) and window, its bytes per token, the
+    MHA-equivalent bytes (same storage, every head) and, quantized or not, the bits,
+    group size and float bytes. `cache_stats` sums these rows."""
     out = []
     for i, c in enumerate(caches):
         s = dict(c.stats())
@@ -669,6 +705,7 @@ def layer_stats(caches: list[Any], cfg: ModelConfig) -> list[dict[str, Any]]:
         if i < len(cfg.layers):
             s["attention"] = _attention_name(cfg.layers[i])
             s["window"] = cfg.layers[i].window
+        s["bytes_per_token"] = _layer_bytes(c, 1)
         s["mha_bytes"] = _layer_bytes(c, s["cache_tokens"], cfg.gqa_groups)
         s.setdefault("kv_bits", None)
         s.setdefault("kv_group_size", None)
@@ -701,28 +738,26 @@ def cache_stats(caches: list[Any], cfg: ModelConfig) -> TurnStats:
             gqa_saving=saving, evicted_tokens=0, keep=0, wrapped=False, sliding_layers=0,
             sliding_bytes=0, window_saving=1.0, float_bytes=0, kv_saving=1.0,
         )
-    layers = layer_stats(caches, cfg)
-    ref = layers[_reference_layer(cfg, len(caches))]
-    cache_bytes = sum(s["cache_bytes"] for s in layers)
-    float_bytes = sum(s["float_bytes"] for s in layers)
-    sliding = [s for s in layers if s.get("window") is not None]
-    no_window_bytes = sum(
-        _layer_bytes(c, max(s["cache_tokens"], ref["cache_tokens"]))
-        for c, s in zip(caches, layers, strict=True)
-    )
-    capacity = ref["cache_capacity"]
+    rows = layer_stats(caches, cfg)
+    ref = rows[_reference_layer(cfg, len(rows))]
+    sliding = [r for r in rows if r.get("window") is not None]
+    cache_bytes = sum(r["cache_bytes"] for r in rows)
+    float_bytes = sum(r["float_bytes"] for r in rows)
+    # what the sliding layers would hold if they kept every token the global ones do
+    no_window_bytes = sum(r["bytes_per_token"] * max(r["cache_tokens"], ref["cache_tokens"])
+                          for r in rows)
     return TurnStats(
         cache_offset=ref["cache_offset"],
         cache_tokens=ref["cache_tokens"],
-        cache_capacity=cfg.max_position_embeddings if capacity is None else capacity,
+        cache_capacity=ref["cache_capacity"],
         cache_bytes=cache_bytes,
-        mha_bytes=sum(s["mha_bytes"] for s in layers),
+        mha_bytes=sum(r["mha_bytes"] for r in rows),
         gqa_saving=saving,
         evicted_tokens=ref["evicted_tokens"],
         keep=ref["keep"],
         wrapped=ref["wrapped"],
         sliding_layers=len(sliding),
-        sliding_bytes=sum(s["cache_bytes"] for s in sliding),
+        sliding_bytes=sum(r["cache_bytes"] for r in sliding),
         window_saving=no_window_bytes / cache_bytes if cache_bytes else 1.0,
         kv_bits=ref["kv_bits"],
         kv_group_size=ref["kv_group_size"],

@@ -11,12 +11,15 @@ position, the slot to write and the mask's bounds enter as one int32 array, K/V 
 written with `mx.slice_update` into buffers of fixed capacity (grown outside the trace,
 a whole step at a time), and attention reads the whole buffer under a mask.
 
-The caches stay the source of truth. Before each step an adapter per cache kind
-(`_FullSlots`, `_RingSlots`) grows the buffers if needed and computes the int32 row;
-inside the trace, proxies with the caches' own duck-typed interface (`offset`,
-`update_and_fetch`, `make_mask`) stand in for them, so the model code is unchanged; after
-it, the new buffers and offsets are written back to the real caches. A cache kind
-without an adapter runs the plain (uncompiled) step.
+The caches stay the source of truth. Before each step each cache plans its own write
+(`next_slot`: grow the buffers if needed, then the int32 row of offset, slot, length and
+lowest valid position; `slot_layout` names its kind and bounds); inside the trace,
+proxies with the caches' own duck-typed interface (`offset`, `update_and_fetch`,
+`make_mask`) stand in for them, so the model code is unchanged; after
+it, `commit_one` hands each cache its new buffers. A cache kind without these methods
+runs the plain (uncompiled) step. A quantized cache's buffers travel as their parts
+(packed, scales, biases) and its layout (bits, group) is in `slot_layout`: the trace
+quantizes the new token's row and writes each part with `slice_update`.
 """
 
 from __future__ import annotations
@@ -32,8 +35,6 @@ from kvchat import metal_kernels
 
 from .cache import (
     Buf,
-    KVCache,
-    RotatingKVCache,
     map_parts,
     maybe_quantize,
     parts,
@@ -61,67 +62,15 @@ class Progress:
     compiled: bool = False  # whether the compiled step served this call
 
 
-# ---- cache adapters (host side: growth, the int32 row, write-back) ----------------------
-class _Slots:
-    """What both adapters share: the cache grows and places slots itself (`grow_to`,
-    `slot_for`); the adapter adds the int32 row and hands the traced buffers back."""
-
-    kind = ""
-
-    def __init__(self, cache: Any):
-        self.cache = cache
-        # a quantized cache's layout (bits, group, head_dims): part of every trace's key
-        self.packed: Packed | None = cache.packed() if cache.quant is not None else None
-
-    def static(self) -> tuple[Any, ...]:
-        return (self.kind, self.packed)
-
-    def buffers(self) -> list[mx.array]:
-        return [*parts(self.cache.keys), *parts(self.cache.values)]
-
-    def commit(self, keys: Buf, values: Buf) -> None:
-        c = self.cache
-        c.keys, c.values = keys, values
-        c._advance(c.offset + 1)
-
-
-class _FullSlots(_Slots):
-    """An unbounded cache (`KVCache`): position p lives in slot p."""
-
-    kind = "full"
-
-    def row(self) -> list[int]:
-        c = self.cache
-        o = c.offset
-        c.grow_to(o + 1)
-        return [o, c.slot_for(o), o + 1, 0]  # offset, slot, resident length, lowest valid
-
-
-class _RingSlots(_Slots):
-    """A bounded cache (`RotatingKVCache`): `keep` sinks, then a ring of max_size − keep."""
-
-    kind = "ring"
-
-    def static(self) -> tuple[Any, ...]:
-        return (self.kind, self.packed, self.cache.max_size, self.cache.keep)
-
-    def row(self) -> list[int]:
-        c = self.cache
-        o = c.offset
-        length = min(o + 1, c.max_size)
-        c.grow_to(length)
-        # lowest ring position still resident after this write
-        return [o, c.slot_for(o), length, c._ring_lo(o + 1)]
-
-
-def _adapter(cache: Any) -> _Slots | None:
-    if getattr(cache, "keys", None) is None or isinstance(cache.offset, mx.array):
-        return None
-    if isinstance(cache, RotatingKVCache):
-        return _RingSlots(cache)
-    if isinstance(cache, KVCache):
-        return _FullSlots(cache)
-    return None
+# ---- which caches the compiled step can drive -------------------------------------------
+def _steppable(cache: Any) -> bool:
+    """A cache that plans its own single-token writes (slot_layout / next_slot /
+    commit_one: model/cache.py's KVCache and RotatingKVCache) and holds concrete buffers."""
+    return (
+        getattr(cache, "keys", None) is not None
+        and not isinstance(cache.offset, mx.array)
+        and all(hasattr(cache, m) for m in ("slot_layout", "next_slot", "commit_one"))
+    )
 
 
 # ---- trace side -------------------------------------------------------------------------
@@ -193,17 +142,15 @@ def _unflatten(n: int, arrays: Sequence[mx.array]) -> Buf:
 class CompiledStep:
     """`step(y (1,) ids) -> logits (1, V)` for one token, through `mx.compile`.
 
-    One instance per cache list; `supported` is False when some cache has no adapter
-    (call the model directly then)."""
+    One instance per cache list; `supported` is False when some cache cannot plan its
+    single-token writes (call the model directly then)."""
 
     def __init__(self, model: Any, caches: Sequence[Any]):
         self.model = model
         self.caches = list(caches)
-        adapters = [_adapter(c) for c in self.caches]
-        self.supported = all(a is not None for a in adapters)
-        self.adapters: list[Any] = adapters
-        # each adapter's kind and bounds: fixed for its cache, part of every trace's key
-        self.layout = tuple(a.static() for a in adapters) if self.supported else ()
+        self.supported = all(_steppable(c) for c in self.caches)
+        # each cache's kind and bounds: fixed for the cache, part of every trace's key
+        self.layout = tuple(c.slot_layout() for c in self.caches) if self.supported else ()
         # traces live with the model (its weights are constants in them), so a new
         # cache list, e.g. every new chat, reuses them instead of tracing again
         self._fns: dict[tuple[Any, ...], Any] = model.__dict__.setdefault(
@@ -234,14 +181,14 @@ class CompiledStep:
         rows: list[list[int]] = []
         index: dict[tuple[Any, ...], int] = {}
         groups, buffers = [], []
-        for a, static in zip(self.adapters, self.layout, strict=True):
-            r = a.row()
+        for c, static in zip(self.caches, self.layout, strict=True):
+            r = list(c.next_slot())
             key = (*static, *r)
             g = index.setdefault(key, len(rows))
             if g == len(rows):
                 rows.append(r)
             groups.append(g)
-            buffers += a.buffers()
+            buffers += [*parts(c.keys), *parts(c.values)]
         layout = self.layout
         # the kernel backend can be switched at run time: a trace keeps the one it saw
         fkey = (layout, tuple(groups), metal_kernels.backend())
@@ -254,9 +201,9 @@ class CompiledStep:
         # writes in place (holding them would copy every buffer every token)
         del buffers
         at = 1
-        for a, static in zip(self.adapters, layout, strict=True):
+        for c, static in zip(self.caches, layout, strict=True):
             n = _n_parts(static)
-            a.commit(_unflatten(n, out[at : at + n]), _unflatten(n, out[at + n : at + 2 * n]))
+            c.commit_one(_unflatten(n, out[at : at + n]), _unflatten(n, out[at + n : at + 2 * n]))
             at += 2 * n
         return out[0]
 
