@@ -180,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quant-gen", type=int, default=16)
     p.add_argument("--out", default=str(ROOT / "assets" / "decode_vs_context.png"))
     a = p.parse_args(argv)
+    if argv is None:  # run as a script: on the fast BLAS, as `kvchat` runs
+        from kvchat.app.core import blas
+
+        blas.reexec_with_fast_blas("kvchat.app.cli.bench_plot")
     if a.model:
         from kvchat.model.weights import load_model
 

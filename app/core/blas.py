@@ -93,8 +93,9 @@ def find_fast_blas() -> tuple[Path, Path | None] | None:
     return (lib, shim) if shim is not None else None
 
 
-def reexec_with_fast_blas() -> None:
-    """On Linux, re-exec once with a fast BLAS preloaded (KVCHAT_NO_OPENBLAS=1: never)."""
+def reexec_with_fast_blas(module: str = "kvchat.app") -> None:
+    """On Linux, re-exec `python -m module` once with a fast BLAS preloaded
+    (KVCHAT_NO_OPENBLAS=1: never)."""
     preload = os.environ.get("LD_PRELOAD", "")
     if (
         sys.platform != "linux"
@@ -112,7 +113,7 @@ def reexec_with_fast_blas() -> None:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
             p for p in (str(lib_dir), os.environ.get("LD_LIBRARY_PATH", "")) if p)
     try:
-        os.execve(sys.executable, [sys.executable, "-m", "kvchat.app", *sys.argv[1:]], env)
+        os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
     except OSError:
         pass  # run on the slower BLAS rather than not at all
 
