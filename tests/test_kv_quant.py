@@ -358,6 +358,9 @@ def test_settings_entries_for_kv_bits() -> None:
     assert (orphan.quantized_kv_start, orphan.kv_group_size) == (0, None) and orphan.warnings
     with pytest.raises(SettingsError, match="kv_group_size"):
         Settings(kv_bits=4, kv_group_size=16).validate()
+    with pytest.raises(SettingsError) as e:  # the form focuses the bits field
+        Settings(quantized_kv_start=64).validate()
+    assert e.value.field == "kv_bits"
 
 
 def test_agreement_line_reads_what_bench_recorded(tmp_path: Path,

@@ -81,8 +81,8 @@ class Settings:
             if err:
                 raise SettingsError(err, name)
         err = _cross_error(self)
-        if err:  # with every field valid alone, only the window against keep is left
-            raise SettingsError(err, "max_kv_size")
+        if err:  # with every field valid alone: K/V options without bits, or window vs keep
+            raise SettingsError(err, "kv_bits" if _kv_orphan(self) else "max_kv_size")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,7 +104,7 @@ class Settings:
             else:
                 setattr(s, name, value)
         err = _cross_error(s)
-        if err and s.kv_bits is None and (s.kv_group_size is not None or s.quantized_kv_start):
+        if err and _kv_orphan(s):
             # the K/V group size and start mean nothing without bits: the float defaults
             s.warnings.append(f"{err}; using the defaults kv_group_size None,"
                               " quantized_kv_start 0")
@@ -187,6 +187,11 @@ def _field_error(name: str, v: Any) -> str | None:
         if not isinstance(v, list) or not all(isinstance(d, str) for d in v):
             return f"model_dirs must be a list of folder paths (got {v!r})"
     return None
+
+
+def _kv_orphan(s: Settings) -> bool:
+    """A K/V group size or start without K/V bits (they mean nothing then)."""
+    return s.kv_bits is None and (s.kv_group_size is not None or bool(s.quantized_kv_start))
 
 
 def _cross_error(s: Settings) -> str | None:
