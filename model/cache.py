@@ -204,6 +204,12 @@ class _Buffers:
         return obj
 
 
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> _Buffers:
+        """mlx-lm's name for `quantized` (its maybe_quantize_kv_cache calls it on any cache
+        that is not its own QuantizedKVCache, ours already quantized included)."""
+        return self if self.quant is not None else self.quantized(KVQuant(bits, group_size))
+
+
 class _Quantized(_Buffers):
     """Mixin for the quantized classes: K/V encoded on write (the head_dim comes from the
     first chunk), `bits` / `group_size` as mlx-lm's QuantizedKVCache names them."""

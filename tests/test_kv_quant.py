@@ -388,3 +388,21 @@ def test_side_panel_rows_for_a_quantized_cache() -> None:
     padded = [r.plain for r in quant_rows(TurnStats(
         kv_bits=8, kv_group_size=32, cache_bytes=1600, float_bytes=1280, kv_saving=0.8))]
     assert "1.2× larger (padding)" in padded[1]
+
+
+def test_mlx_lm_generate_quantizes_our_rotating_cache() -> None:
+    """mlx-lm's own generate_step with kv_bits converts our rotating caches through
+    `to_quantized` (its RotatingKVCache raises NYI there) and decodes the ids ours does."""
+    from mlx_lm.generate import generate_step as mlx_generate_step
+
+    model = model_of(cfg(head_dim=32))
+    prompt = [1, 5, 9, 13, 2, 7, 11]
+    ours = list(generate_step(model, prompt, make_cache(model.config, max_kv_size=16,
+                                                        kv=KVQuant(8, 32)), max_tokens=30))
+    caches = make_cache(model.config, max_kv_size=16)
+    theirs = [int(t) for t, _ in mlx_generate_step(
+        mx.array(prompt), model, prompt_cache=caches, max_tokens=30, kv_bits=8,
+        kv_group_size=32, quantized_kv_start=0, sampler=lambda x: mx.argmax(x, axis=-1))]
+    assert all(type(c) is QuantizedRotatingKVCache for c in caches)
+    assert caches[0].offset >= len(prompt) + 29 and caches[0].size() == 16  # rotated
+    assert theirs == ours
