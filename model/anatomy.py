@@ -137,13 +137,22 @@ def relative_demo(cfg: ModelConfig, model: Any = None) -> dict[str, Any] | None:
 
 
 def activation_minimum(name: str) -> dict[str, Any]:
-    """The minimum of the model's gate activation (SiLU's ≈ −0.278 at x ≈ −1.278), found
-    on a 1e-4 grid of the same function the MLP calls."""
+    """The minimum of the model's gate activation (SiLU's ≈ −0.278 at x ≈ −1.278), of the
+    same function the MLP calls: a grid brackets it, then bisection on the sign of its
+    derivative (the values alone are too flat there for float32 to place it)."""
     fn: Callable[[mx.array], mx.array] = ACTIVATIONS[name]
-    xs = mx.linspace(-6.0, 0.0, 60001)
-    ys = fn(xs)
-    i = int(mx.argmin(ys).item())
-    return {"activation": name, "x": float(xs[i].item()), "y": float(ys[i].item())}
+    slope = mx.grad(lambda x: fn(x).sum())
+    xs = mx.linspace(-6.0, 0.0, 6001)
+    i = int(mx.argmin(fn(xs)).item())
+    lo, hi = float(xs[max(i - 1, 0)].item()), float(xs[min(i + 1, 6000)].item())
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if slope(mx.array([mid])).item() < 0:
+            lo = mid
+        else:
+            hi = mid
+    x = (lo + hi) / 2
+    return {"activation": name, "x": x, "y": float(fn(mx.array([x])).item())}
 
 
 def cache_figures(layers: int, heads: int, kv_heads: int, head_dim: int, dtype_bytes: int,
