@@ -37,10 +37,12 @@ from .cache_file import load_cache, savable, save_cache
 from .chat_template import TemplateCancelled
 from .errors import KVChatError, error_line
 from .events import (
+    AttentionView,
     CacheRestored,
     CacheSaved,
     Done,
     Event,
+    Explained,
     GenParams,
     KernelsSwitched,
     Loaded,
@@ -56,12 +58,14 @@ from .events import (
 )
 from .facts import model_name
 from .generate import PREFILL_CHUNK, Progress, generate_step
+from .kv_math import dtype_bytes_of
 from .sampling import Sampler
 from .tokenizer import Tokenizer, load_tokenizer
 from .transformer import Transformer
 from .weights import parameter_count, weight_bytes
 
 STATS_INTERVAL_S = 0.1  # ~10 stats events a second, never one per token
+ATTENTION_INTERVAL_S = 0.25  # the attention view's refresh while a reply streams
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -192,6 +196,8 @@ class Engine:
         self._cache: list[Any] | None = None
         self._cache_key: tuple[int | None, int] | None = None
         self._cache_ids: list[int] = []  # ids whose K/V the cache holds, in order
+        # (layer, KV group) the attention view watches; None: closed, nothing computed
+        self._watch: tuple[int, int | None] | None = None
         self._thread = threading.Thread(target=self._run, name="kvchat-engine", daemon=True)
         self._thread.start()
         _live_engines.add(self)
@@ -234,6 +240,20 @@ class Engine:
         reports KernelsSwitched. The switch happens where the model runs: on this
         engine's thread, in this engine's process."""
         self._jobs.put(("kernels", backend))
+
+    def explain(self) -> None:
+        """The loaded model's anatomy at the cache's current context, computed where the
+        model runs (after queued work); reports Explained."""
+        self._jobs.put(("explain", None))
+
+    def watch_attention(self, layer: int | None, group: int | None = None) -> None:
+        """Start (a layer, and a KV group or None for all heads) or stop (None) the
+        attention view: while set, AttentionView events follow the newest token, a few
+        a second during a reply, and one now (after queued work)."""
+        with self._lock:
+            self._watch = None if layer is None else (layer, group)
+        if layer is not None:
+            self._jobs.put(("attention", None))
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (idempotent); its MLX state is released there."""
@@ -284,6 +304,12 @@ class Engine:
                     elif kind == "kernels":
                         message = metal_kernels.switch_backend(arg)
                         self._emit(KernelsSwitched(metal_kernels.backend(), message))
+                    elif kind == "explain":
+                        self._explain()
+                    elif kind == "attention" and self._cache_ids:
+                        self._attention(self._cache_ids[-1])
+                    elif kind == "attention":
+                        self._attention(None)
                 except Exception as e:  # no job may end the engine thread: report it
                     self._job_failed(kind, arg, e)
                 finally:
@@ -333,6 +359,40 @@ class Engine:
         freed = max(0, before - mx.get_active_memory())
         self.model_info = info
         self._emit(Loaded(dict(self.model_info), freed))
+
+    def _explain(self) -> None:
+        from .anatomy import explain
+
+        if self.model is None:
+            return
+        info = self.model_info
+        stats = cache_stats(self._cache, self.model.config) if self._cache else None
+        self._emit(Explained(explain(
+            self.model.config, dtype_bytes=dtype_bytes_of(info.get("dtype")) or 4,
+            context=(stats.cache_tokens or 0) if stats else 0, model=self.model,
+            name=str(info.get("name", "")), path=str(info.get("path", "")))))
+
+    def _attention(self, token: int | None) -> None:
+        """One AttentionView of the newest cached token (id `token`) for the watched layer.
+        A failure is the view's note: it must never cost the cache (see _job_failed)."""
+        from .attention_view import attention_view
+
+        watch = self._watch
+        if watch is None or self.model is None:
+            return
+        layer, group = watch
+        empty = AttentionView(layer, group, self.model.config.num_hidden_layers,
+                              self.model.config.num_key_value_heads)
+        if hasattr(self.model, "pipeline_stats"):
+            empty.note = "not available for a model split across hosts"
+        elif not self._cache or token is None:
+            empty.note = "the cache is empty: send a message"
+        else:
+            try:
+                empty = attention_view(self.model, self._cache, layer, group, token)
+            except Exception as e:
+                empty.note = f"cannot compute the attention view: {error_line(e)}"
+        self._emit(empty)
 
     def _cache_identity(self) -> dict[str, str]:
         """What a saved cache must match to be reused: the model and the cache bound."""
@@ -521,7 +581,7 @@ class Engine:
         eos = set(tok.end_ids)  # EOS, and BOS: a base model starting a new document
         reason_done = "length"
         t_first = t_last = None
-        last_stats = self.clock()
+        last_stats = last_view = self.clock()
         try:
             for token in steps:
                 now = self.clock()
@@ -549,6 +609,9 @@ class Engine:
                     last_stats = now
                     self._decode_stats(stats, generated, t_first, t_last)
                     self._emit(Stats(self._stats_now(stats)))
+                if self._watch is not None and now - last_view >= ATTENTION_INTERVAL_S:
+                    last_view = now  # the newest token in the cache: the last one fed
+                    self._attention(generated[progress.fed - 1] if progress.fed else todo[-1])
         finally:
             steps.close()  # waits for the in-flight step before the cache is touched
         self._cache_ids.extend(todo[: progress.prefilled])

@@ -106,6 +106,12 @@ class EngineProcess:
     def set_kernels(self, backend: str) -> None:
         self._send(("set_kernels", (backend,)))
 
+    def explain(self) -> None:
+        self._send(("explain", ()))
+
+    def watch_attention(self, layer: int | None, group: int | None = None) -> None:
+        self._send(("watch_attention", (layer, group)))
+
     def cache_stats(self) -> TurnStats:
         return self._snapshot.cache
 
