@@ -42,6 +42,10 @@ ACTIONS: tuple[Action, ...] = (
     Action("interrupt", "ctrl+c", "", "stop the reply; twice: quit",
            "Stop the reply, or quit when pressed twice"),
     Action("layers", "ctrl+l", "Layers", "per-layer KV cache view", "Layer cache view"),
+    Action("anatomy", "f3", "", "the model's anatomy: its block explained with its own numbers",
+           "Model anatomy (explain)"),
+    Action("attention", "f4", "", "where the newest token's attention goes in the cache",
+           "Attention view"),
     Action("help", "f1", "Help", "this help", "Keys (help)", scope="app"),
     # the palette already has Textual's own "Quit"
     Action("quit", "ctrl+q", "Quit", "quit kvchat", scope="app"),
