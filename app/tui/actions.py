@@ -42,7 +42,7 @@ ACTIONS: tuple[Action, ...] = (
     Action("interrupt", "ctrl+c", "", "stop the reply; twice: quit",
            "Stop the reply, or quit when pressed twice"),
     Action("layers", "ctrl+l", "Layers", "per-layer KV cache view", "Layer cache view"),
-    Action("anatomy", "f3", "", "the model's anatomy: its block explained with its own numbers",
+    Action("anatomy", "f3", "", "anatomy: the model's block with its own numbers",
            "Model anatomy (explain)"),
     Action("attention", "f4", "", "where the newest token's attention goes in the cache",
            "Attention view"),
