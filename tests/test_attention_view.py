@@ -164,3 +164,40 @@ def test_engine_sends_views_only_while_watched(stories260k: Path) -> None:
     finally:
         engine.close()
     mx.clear_cache()
+
+
+def test_engine_process_forwards_explain_and_views(stories260k: Path) -> None:
+    """The chat's engine runs in a child process: both requests cross the pipe and the
+    events come back (the anatomy computed there, on the child's kernels)."""
+    from kvchat.model.engine_process import EngineProcess
+    from kvchat.model.events import Done, Explained, GenParams, Loaded
+
+    events: list[Event] = []
+    got = threading.Condition()
+
+    def on_event(ev: Event) -> None:
+        with got:
+            events.append(ev)
+            got.notify_all()
+
+    def wait(kind: type) -> Any:
+        with got:
+            assert got.wait_for(lambda: any(isinstance(e, kind) for e in events), 60)
+            return [e for e in events if isinstance(e, kind)][-1]
+
+    engine = EngineProcess(on_event, str(stories260k))
+    try:
+        wait(Loaded)
+        engine.submit(PROMPT, GenParams(max_tokens=8, max_kv_size=MAX_KV, keep=KEEP))
+        wait(Done)
+        engine.explain()
+        data = wait(Explained).data
+        assert data["block"]["attention"]["kv_heads"] == 4
+        assert data["worked"]["rope_relative"]["equal"]
+        assert data["what_if"][1]["context"] == len(PROMPT) + 7  # the cache's tokens now
+        engine.watch_attention(4, 0)
+        view = wait(AttentionView)
+        assert (view.layer, view.group, view.note) == (4, 0, None)
+        assert view.sink_share + view.recent_share + view.rest_share == pytest.approx(1.0)
+    finally:
+        engine.close()
