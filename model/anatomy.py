@@ -91,47 +91,39 @@ def _first_rope_layer(cfg: ModelConfig) -> int | None:
 
 
 def relative_demo(cfg: ModelConfig, model: Any = None) -> dict[str, Any] | None:
-    """q·k after RoPE at positions (2, 5) and (102, 105): equal, since the score depends
-    only on the gap. With a loaded model, q and k are its own (the first RoPE layer's
-    projections of one token's embedding, through `Attention.rotated_qkv`); otherwise
-    seeded vectors rotated by the config's schedule."""
+    """q·k after RoPE at positions (2, 5) and (102, 105) of one sequence: equal, since the
+    score depends only on the gap. The token is rotated at every position 0..105 in one
+    call, as the model does for a sequence that long (so longrope and dynamic NTK use one
+    schedule for both pairs). With a loaded model, q and k are its own (the first RoPE
+    layer's projections of one token's embedding, through `Attention.rotated_qkv`);
+    otherwise seeded vectors rotated by the config's schedule."""
     layer = _first_rope_layer(cfg)
     if layer is None:
         return None
+    T = max(p for pair in QK_POSITIONS for p in pair) + 1
     blocks = getattr(getattr(model, "model", None), "layers", None)
     if blocks is not None and hasattr(blocks[layer], "self_attn"):
         bos = cfg.raw.get("bos_token_id", 1)
         token = int(bos[0] if isinstance(bos, list) and bos else bos if bos is not None else 1)
-        x = blocks[layer].attention_input(model.embed(mx.array([[token]])), None)
-        attn = blocks[layer].self_attn
-
-        def rotated(p: int) -> tuple[mx.array, mx.array]:
-            q, k, _ = attn.rotated_qkv(x, p)
-            return q[0, 0, 0].astype(mx.float32), k[0, 0, 0].astype(mx.float32)
-
+        x = blocks[layer].attention_input(model.embed(mx.array([[token] * T])), None)
+        q, k, _ = blocks[layer].self_attn.rotated_qkv(x, 0)
+        exact = q.dtype == mx.float32
+        q, k = q[0, 0].astype(mx.float32), k[0, 0].astype(mx.float32)  # head 0, KV head 0
         source = f"layer {layer}'s own q (head 0) and k (KV head 0) of token {token}"
-        dtype = str(attn.q_proj.weight.dtype if hasattr(attn, "q_proj") else mx.float32)
     else:
         spec = cfg.layers[layer]
         assert spec.rope is not None
-        dims = spec.rope.rotary_dims(cfg.head_dim)
-        r = RoPE(dims, spec.rope)
+        r = RoPE(spec.rope.rotary_dims(cfg.head_dim), spec.rope)
         q0, k0 = mx.random.normal((2, 1, 1, 1, cfg.head_dim), key=mx.random.key(0))
-
-        def rotated(p: int) -> tuple[mx.array, mx.array]:
-            return r.rotate(q0, offset=p)[0, 0, 0], r.rotate(k0, offset=p)[0, 0, 0]
-
+        ones = mx.ones((1, 1, T, 1))
+        q, k = r.rotate(q0 * ones)[0, 0], r.rotate(k0 * ones)[0, 0]
+        exact = True
         source = "seeded random q and k through the model's RoPE schedule"
-        dtype = "float32"
-    rows = []
-    for qp, kp in QK_POSITIONS:
-        q, _ = rotated(qp)
-        _, k = rotated(kp)
-        rows.append({"q_pos": qp, "k_pos": kp, "dot": float((q * k).sum().item())})
+    rows = [{"q_pos": qp, "k_pos": kp, "dot": float((q[qp] * k[kp]).sum().item())}
+            for qp, kp in QK_POSITIONS]
     diff = abs(rows[0]["dot"] - rows[1]["dot"])
     # float32 rotation at position ~100 loses ~1e-5 of the angle; half precision far more
-    rtol = 1e-4 if "float32" in dtype else 1e-2
-    tol = rtol * max(1.0, abs(rows[0]["dot"]))
+    tol = (1e-4 if exact else 1e-2) * max(1.0, abs(rows[0]["dot"]))
     return {"layer": layer, "source": source, "pairs": rows, "difference": diff,
             "tolerance": tol, "equal": diff <= tol}
 

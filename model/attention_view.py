@@ -129,14 +129,14 @@ def attention_view(model: Any, caches: list[Any], layer: int, group: int | None,
         elif sw.visible[s] and kinds[b] == "empty":
             kinds[b] = "held"
     t = sw.query_position
-    write = t + 1 if t + 1 < capacity else keep + (t + 1 - keep) % max(1, capacity - keep)
     return AttentionView(
         layer=layer, group=group, n_layers=len(caches), n_groups=n_groups,
         heads=[int(i) for i in range(cfg.num_attention_heads)
                if group is None or i // per == group],
         position=t, tokens=int(sw.visible.sum()), capacity=capacity, keep=keep,
         evicted=int(stats.get("evicted_tokens") or 0), window=cfg.layers[layer].window,
-        write_slot=int(write), slots_per_bin=per_bin, bins=weight.tolist(), bin_kinds=kinds,
+        write_slot=int(cache.write_slot()), slots_per_bin=per_bin, bins=weight.tolist(),
+        bin_kinds=kinds,
         sink_share=sink, recent_share=recent, rest_share=rest, recent=RECENT,
         top=[(int(sw.positions[i]), float(w[i])) for i in np.argsort(-w)[:5] if w[i] > 0],
     )

@@ -125,6 +125,10 @@ class KVCache(_Buffers):
         """Absolute position and residency of every written slot (slot p holds p)."""
         return mx.arange(self.offset), mx.ones((self.offset,), dtype=mx.bool_)
 
+    def write_slot(self) -> int:
+        """The slot the next token will be written to."""
+        return self.offset
+
     def can_trim_to(self, n: int) -> bool:
         return 0 <= n <= self.offset
 
@@ -264,6 +268,10 @@ class RotatingKVCache(_Buffers):
     def slot_positions(self) -> tuple[mx.array, mx.array]:
         """Absolute position and residency of every written slot, as they stand now."""
         return self._key_positions(0)
+
+    def write_slot(self) -> int:
+        """The slot the next token will be written to (past the end: the oldest ring entry)."""
+        return self._slot(self.offset)
 
     # ---- writes ---------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:

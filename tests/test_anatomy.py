@@ -188,6 +188,12 @@ def test_cache_figures(mini: dict[str, Any], mini_config: dict[str, Any]) -> Non
      ["offset RMSNorm", "sandwich norms", "GeGLU", "soft-capped: 50",
       "sliding-window attention on 1 of 2 layers"]),
     ({"model_type": "phi3", "num_hidden_layers": 2}, ["fused projections"]),
+    # a schedule that changes with the sequence's length: one sequence, one schedule
+    ({"model_type": "phi3", "num_hidden_layers": 2, "partial_rotary_factor": 0.5,
+      "original_max_position_embeddings": 32, "max_position_embeddings": 128,
+      "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 4,
+                       "long_factor": [2.0] * 4}},
+     ["longrope RoPE scaling", "partial rotary: 8 of 16 dims"]),
     ({"model_type": "olmo2", "num_hidden_layers": 2}, ["post-norm", "q/k RMSNorm over"]),
 ])
 def test_family_differences_are_named(family: dict[str, Any], expected: list[str]) -> None:
