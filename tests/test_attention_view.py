@@ -63,13 +63,21 @@ def stories_run(stories260k: Path) -> tuple[Any, list[Any], list[int]]:
     return _run(stories260k, PROMPT, 90, max_kv_size=MAX_KV, keep=KEEP)
 
 
-def test_rotating_cache_matches_transformers(stories260k: Path, stories_run: Any) -> None:
+@pytest.fixture(scope="module")
+def stories_ref(stories260k: Path, stories_run: Any) -> list[np.ndarray]:
+    """transformers over the same ids, the rotation (4 sinks + a 60-token ring) as a mask."""
+    ring = MAX_KV - KEEP
+    return _hf_last_row_attention(stories260k, stories_run[2],
+                                  lambda t, j: j < KEEP or t - j < ring)
+
+
+def test_rotating_cache_matches_transformers(stories_run: Any, stories_ref: Any) -> None:
     model, caches, ids = stories_run
     T = len(ids)
     assert T > MAX_KV + 20  # rotation evicted tokens
     assert caches[0].stats()["evicted_tokens"] == T - MAX_KV
     ring = MAX_KV - KEEP
-    ref = _hf_last_row_attention(stories260k, ids, lambda t, j: j < KEEP or t - j < ring)
+    ref = stories_ref
     for layer in range(len(caches)):
         sw = newest_token_attention(model, caches, layer, ids[-1])
         assert sw.query_position == T - 1
@@ -80,11 +88,11 @@ def test_rotating_cache_matches_transformers(stories260k: Path, stories_run: Any
         np.testing.assert_allclose(sw.weights.sum(axis=1), 1.0, atol=1e-5)
 
 
-def test_view_shares_match_the_reference(stories260k: Path, stories_run: Any) -> None:
+def test_view_shares_match_the_reference(stories_run: Any, stories_ref: Any) -> None:
     model, caches, ids = stories_run
     T = len(ids)
     ring = MAX_KV - KEEP
-    ref = _hf_last_row_attention(stories260k, ids, lambda t, j: j < KEEP or t - j < ring)
+    ref = stories_ref
     cfg = model.config
     per = cfg.num_attention_heads // cfg.num_key_value_heads
     for layer, group in ((0, None), (3, 1)):
