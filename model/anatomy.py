@@ -165,13 +165,21 @@ def cache_figures(layers: int, heads: int, kv_heads: int, head_dim: int, dtype_b
 # ---- annotations (from the config) ----------------------------------------------------------
 # how this block differs from Llama's (pre-RMSNorm, SwiGLU, RoPE, GQA): one row per quirk
 DIFFERENCES: tuple[tuple[Callable[[ModelConfig], bool], Callable[[ModelConfig], str]], ...] = (
+    (lambda c: c.norm == "layer",
+     lambda c: "LayerNorm (mean subtracted, with a bias) instead of RMSNorm (2017)"),
+    (lambda c: c.block == "post_ln",
+     lambda c: "post-LN: LayerNorm of each residual sum, after the branch (2017)"),
+    (lambda c: not c.gated_mlp,
+     lambda c: f"plain FFN: down({c.activation}(up(x))), no gate (2017)"),
+    (lambda c: c.positions == "sinusoidal",
+     lambda c: "sinusoidal positions added to the embeddings, no RoPE (2017)"),
     (lambda c: c.norm == "offset",
      lambda c: "offset RMSNorm: the checkpoint stores w − 1, the gain is (1 + w) (Gemma)"),
     (lambda c: c.block == "sandwich",
      lambda c: "sandwich norms: each branch normed on the way in and on the way out (4 norms)"),
     (lambda c: c.block == "post",
      lambda c: "post-norm: no norm on the way in, each branch's output normed before the add"),
-    (lambda c: c.activation != "silu",
+    (lambda c: c.gated_mlp and c.activation != "silu",
      lambda c: f"GeGLU: the gate path uses {c.activation}, not SiLU"),
     (lambda c: c.fused_proj,
      lambda c: "fused projections: one qkv_proj and one gate_up_proj matmul (Phi-3)"),
@@ -193,7 +201,7 @@ DIFFERENCES: tuple[tuple[Callable[[ModelConfig], bool], Callable[[ModelConfig], 
     (lambda c: any(s.window is not None for s in c.layers),
      lambda c: f"sliding-window attention on {sum(s.window is not None for s in c.layers)}"
                f" of {len(c.layers)} layers"),
-    (lambda c: any(s.rope is None for s in c.layers),
+    (lambda c: c.positions == "rope" and any(s.rope is None for s in c.layers),
      lambda c: f"no RoPE (NoPE) on {sum(s.rope is None for s in c.layers)} layers"),
     (lambda c: c.rope.type != "default", lambda c: f"{c.rope.type} RoPE scaling"),
     (lambda c: c.rope.partial_rotary_factor < 1,
@@ -204,11 +212,13 @@ PIPELINES = {
     "pre": ["x", "norm", "RoPE", "attention", "+", "norm", "FFN", "+"],
     "sandwich": ["x", "norm", "RoPE", "attention", "norm", "+", "norm", "FFN", "norm", "+"],
     "post": ["x", "RoPE", "attention", "norm", "+", "FFN", "norm", "+"],
+    "post_ln": ["x + sinusoid", "attention", "+", "LayerNorm", "FFN", "+", "LayerNorm"],
 }
 PLACEMENTS = {
     "pre": "pre-norm: normed on the way into each branch, the residual stays un-normed",
     "sandwich": "sandwich: normed on the way into and out of each branch",
     "post": "post-norm: each branch's output normed before the residual add",
+    "post_ln": "post-LN (2017): the residual sum itself is normed after each branch",
 }
 
 
@@ -223,11 +233,26 @@ def _rope_factors(rope: RopeConfig) -> dict[str, Any]:
     return {k: getattr(rope, k) for k in keys}
 
 
+def _gated_ffn(cfg: ModelConfig) -> dict[str, str]:
+    d, f, act = cfg.hidden_size, cfg.intermediate_size, cfg.activation
+    return {"gate": f"gate_proj {d} → {f}, then {act} (the gate path only)",
+            "value": f"up_proj {d} → {f} (no activation)",
+            "output": f"down_proj {f} → {d} of {act}(gate) ⊙ up"}
+
+
+def _plain_ffn(cfg: ModelConfig) -> dict[str, str]:
+    d, f, act = cfg.hidden_size, cfg.intermediate_size, cfg.activation
+    return {"gate": "none (2017: no gated path)",
+            "value": f"up_proj {d} → {f}, then {act}",
+            "output": f"down_proj {f} → {d}"}
+
+
 def annotate(cfg: ModelConfig) -> dict[str, Any]:
     """Each stage of the block, from the resolved config."""
     h, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     kind = attention_kind(h, kv)
-    ffn = "SwiGLU" if cfg.activation == "silu" else "GeGLU"
+    ffn = ("SwiGLU" if cfg.activation == "silu" else "GeGLU") if cfg.gated_mlp else (
+        "ReLU FFN" if cfg.activation == "relu" else f"{cfg.activation} FFN")
     ropes = sorted({(s.rope.theta, s.rope.type) for s in cfg.layers if s.rope is not None})
     windows: dict[str, dict[str, Any]] = {}
     for i, s in enumerate(cfg.layers):
@@ -239,22 +264,19 @@ def annotate(cfg: ModelConfig) -> dict[str, Any]:
         "pipeline": PIPELINES[cfg.block],
         "differences_from_llama": [text(cfg) for when, text in DIFFERENCES if when(cfg)],
         "norm": {
-            "kind": "offset RMSNorm" if cfg.norm == "offset" else "RMSNorm",
-            "gain": "(1 + w)" if cfg.norm == "offset" else "w",
+            "kind": {"offset": "offset RMSNorm", "layer": "LayerNorm"}.get(cfg.norm, "RMSNorm"),
+            "gain": {"offset": "(1 + w)", "layer": "w, bias b"}.get(cfg.norm, "w"),
             "eps": cfg.rms_norm_eps, "placement": cfg.block, "why": PLACEMENTS[cfg.block],
             "qk_norm": cfg.qk_norm,
         },
         "ffn": {
             "kind": ffn, "activation": cfg.activation, "hidden": cfg.hidden_size,
             "intermediate": cfg.intermediate_size, "fused": cfg.fused_proj,
-            "gate": f"gate_proj {cfg.hidden_size} → {cfg.intermediate_size}, then"
-                    f" {cfg.activation} (the gate path only)",
-            "value": f"up_proj {cfg.hidden_size} → {cfg.intermediate_size} (no activation)",
-            "output": f"down_proj {cfg.intermediate_size} → {cfg.hidden_size} of"
-                      f" {cfg.activation}(gate) ⊙ up",
+            **(_gated_ffn(cfg) if cfg.gated_mlp else _plain_ffn(cfg)),
         },
         "positions": {
-            "kind": "RoPE", "base": cfg.rope.theta, "scaling": cfg.rope.type,
+            "kind": "RoPE" if cfg.positions == "rope" else cfg.positions,
+            "base": cfg.rope.theta, "scaling": cfg.rope.type,
             "factors": _rope_factors(cfg.rope),
             "rotary_dims": cfg.rope.rotary_dims(hd), "head_dim": hd,
             "bases": [{"base": b, "type": t} for b, t in ropes],
@@ -361,7 +383,8 @@ def text_sections(data: dict[str, Any]) -> list[tuple[str, list[str]]]:
         ("FFN", [f"  {f['kind']}" + (" (one fused gate_up_proj)" if f["fused"] else ""),
                  f"  gate:   {f['gate']}", f"  value:  {f['value']}",
                  f"  output: {f['output']}"]),
-        ("positions", [
+        ("positions", [f"  {p['kind']} positions added to the embeddings, no RoPE"]
+         if p["kind"] != "RoPE" else [
             f"  RoPE base {p['base']:g}, scaling {p['scaling']}"
             + (f" {p['factors']}" if p["factors"] else ""),
             f"  rotates {p['rotary_dims']} of head_dim {p['head_dim']}"]

@@ -68,7 +68,7 @@ def newest_token_attention(model: Any, caches: list[Any], layer: int, token: int
     at `layer`, over that layer's cache slots."""
     cfg = model.config
     cache = caches[layer]
-    h = model.embed(mx.array([[token]]))
+    h = model.embed(mx.array([[token]]), cache.offset - 1)
     h, pending = model.run_layers(h, [_ReadOnly(c) for c in caches[:layer]], range(layer))
     block = model.model.layers[layer]
     attn = block.self_attn

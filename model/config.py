@@ -23,7 +23,7 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_KINDS = (FULL, SLIDING)
 
 # activation names in config.json -> the function mlx computes (layers.ACTIVATIONS)
-ACTIVATION_NAMES = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu")
+ACTIVATION_NAMES = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu", "relu")
 
 
 # ---- which layers slide: one rule per family, used when config.json has no layer_types
@@ -83,10 +83,14 @@ class Family:
     # which layers slide when config.json has no `layer_types`; None: the family has
     # no sliding attention (a sliding_window key is ignored, as transformers does)
     layer_rule: LayerRule | None = _all_layers
-    norm: str = "rms"  # "rms": x̂·w | "offset": x̂·(1 + w) (Gemma)
+    norm: str = "rms"  # "rms": x̂·w | "offset": x̂·(1 + w) (Gemma) | "layer": LayerNorm
     activation_key: str = "hidden_act"  # config key naming the MLP's gate activation
     activation_aliases: dict[str, str] = field(default_factory=dict)
-    block: str = "pre"  # "pre" | "sandwich" (4 norms) | "post" (norms after each branch)
+    # "pre" | "sandwich" (4 norms) | "post" (norms after each branch) | "post_ln" (2017:
+    # LayerNorm of the residual sum after each branch)
+    block: str = "pre"
+    gated_mlp: bool = True  # False: the 2017 FFN, down(act(up(x)))
+    positions: str = "rope"  # "rope" | "sinusoidal" (2017: added to the embeddings)
     qk_norm: str | None = None  # None | "head" (per head) | "proj" (over the projection)
     fused_proj: bool = False  # one qkv_proj and one gate_up_proj (Phi-3)
     embed_scale_sqrt_hidden: bool = False  # Gemma: embeddings × √hidden_size
@@ -151,6 +155,12 @@ FAMILIES: dict[str, Family] = {
     ),
     "olmo2": Family(layer_rule=None, block="post", qk_norm="proj", defaults={"rms_norm_eps": 1e-5}),
     "granite": Family(layer_rule=None, multipliers=True),
+    # the 2017 block, for `python -m kvchat.model.training train --block 2017` only:
+    # post-LayerNorm, ReLU FFN, sinusoidal positions (MHA is the config's kv heads)
+    "kvchat2017": Family(
+        layer_rule=None, norm="layer", block="post_ln", gated_mlp=False,
+        positions="sinusoidal", defaults={"hidden_act": "relu"},
+    ),
 }
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
@@ -307,6 +317,8 @@ class ModelConfig:
     block: str = "pre"
     qk_norm: str | None = None
     fused_proj: bool = False
+    gated_mlp: bool = True
+    positions: str = "rope"
     embed_scale: float = 1.0
     residual_scale: float = 1.0
     attn_scale: float | None = None  # None: head_dim ** -0.5
@@ -458,7 +470,7 @@ def _layer_specs(
     if window is None:
         kinds = [FULL] * n  # no window: a "sliding" layer sees everything (as transformers)
     local = _local_rope(cfg, fam) if fam.local_rope else rope
-    rope_on = _no_rope_layers(cfg, n) if fam.nope else [1] * n
+    rope_on = _no_rope_layers(cfg, n) if fam.nope else [int(fam.positions == "rope")] * n
     specs = tuple(
         LayerSpec(
             kind=k,
@@ -481,7 +493,7 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
         )
     out: dict[str, Any] = {
         "norm": fam.norm, "activation": act, "block": fam.block, "qk_norm": fam.qk_norm,
-        "fused_proj": fam.fused_proj,
+        "fused_proj": fam.fused_proj, "gated_mlp": fam.gated_mlp, "positions": fam.positions,
     }
     if fam.embed_scale_sqrt_hidden:
         out["embed_scale"] = hidden**0.5

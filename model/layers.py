@@ -30,6 +30,7 @@ ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
     "gelu_pytorch_tanh": nn.gelu_approx,  # 0.5x(1 + tanh(√(2/π)(x + 0.044715x³)))
     "gelu_new": nn.gelu_approx,
     "gelu": nn.gelu,  # exact (erf)
+    "relu": nn.relu,  # the 2017 FFN
 }
 
 
@@ -65,7 +66,22 @@ class OffsetRMSNorm(RMSNorm):
         return 1.0 + self.weight
 
 
-NORMS: dict[str, type[RMSNorm]] = {"rms": RMSNorm, "offset": OffsetRMSNorm}
+class LayerNorm(RMSNorm):
+    """The 2017 norm: (x − mean) / std · weight + bias (training's `--block 2017`)."""
+
+    def __init__(self, dims: int, eps: float = 1e-6):
+        super().__init__(dims, eps)
+        self.bias = mx.zeros((dims,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.layer_norm(x, self.weight, self.bias, self.eps)
+
+    def add_and_norm(self, x: mx.array, residual: mx.array) -> tuple[mx.array, mx.array]:
+        h = x + residual
+        return h, self(h)
+
+
+NORMS: dict[str, type[RMSNorm]] = {"rms": RMSNorm, "offset": OffsetRMSNorm, "layer": LayerNorm}
 
 
 def make_norm(cfg: ModelConfig, dims: int) -> RMSNorm:
@@ -314,6 +330,16 @@ class MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+class DenseMLP(MLP):
+    """The 2017 FFN: down(act(up(x))), no gate (training's `--block 2017`)."""
+
+    def _projections(self, cfg: ModelConfig) -> None:
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
 class FusedMLP(MLP):
     """Phi-3: gate and up from one `gate_up_proj` matmul (gate first, as the checkpoint)."""
 
@@ -337,7 +363,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
         self.self_attn = (FusedAttention if cfg.fused_proj else Attention)(cfg, spec)
-        self.mlp = (FusedMLP if cfg.fused_proj else MLP)(cfg)
+        self.mlp = (FusedMLP if cfg.fused_proj else MLP if cfg.gated_mlp else DenseMLP)(cfg)
 
     def deferred(
         self, x: mx.array, pending: mx.array | None, mask: Any = None, cache: Any = None
@@ -416,10 +442,19 @@ class PostNormBlock(Block):
         return h + self.post_feedforward_layernorm(self.mlp(h))
 
 
+class PostLNBlock(PostNormBlock):
+    """The 2017 block: LayerNorm of each residual sum, LN(x + attn(x)), LN(h + mlp(h))."""
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        h = self.post_attention_layernorm(x + self.self_attn(x, mask, cache))
+        return self.post_feedforward_layernorm(h + self.mlp(h))
+
+
 BLOCKS: dict[str, type[Block]] = {
     "pre": PreNormBlock,
     "sandwich": SandwichBlock,
     "post": PostNormBlock,
+    "post_ln": PostLNBlock,
 }
 
 

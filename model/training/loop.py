@@ -32,9 +32,22 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 
 
-def model_config(preset: str, vocab_size: int, seq_len: int) -> dict[str, Any]:
-    """An HF llama config.json dict (what the export writes, minus quantization)."""
+BLOCKS = ("2024", "2017")
+
+
+def model_config(preset: str, vocab_size: int, seq_len: int,
+                 block: str = "2024") -> dict[str, Any]:
+    """An HF llama config.json dict (what the export writes, minus quantization).
+
+    block "2017": the same model with the 2017 block (post-LayerNorm, ReLU FFN, sinusoidal
+    positions, MHA: kv heads = query heads); its FFN is 1.5× wider, so its two matrices
+    hold as many weights as SwiGLU's three."""
     p = PRESETS[preset]
+    if block == "2017":
+        return {**model_config(preset, vocab_size, seq_len), "model_type": "kvchat2017",
+                "architectures": ["kvchat2017"], "hidden_act": "relu",
+                "num_key_value_heads": p["num_attention_heads"],
+                "intermediate_size": p["intermediate_size"] * 3 // 2}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -81,6 +94,7 @@ class TrainArgs:
     weight_decay: float = 0.01
     clip: float = 1.0
     seed: int = 0
+    block: str = "2024"  # "2017": the 2017 block (see model_config)
     ckpt_every: int = 100
     eval_every: int = 500
     log_every: int = 10
@@ -145,7 +159,7 @@ def train(a: TrainArgs, resume: bool = False, stop_after: int | None = None) -> 
         cfg = meta["config"]
     else:
         sp = load_sp(data / "tokenizer.model")
-        cfg = model_config(a.preset, sp.get_piece_size(), a.seq_len)
+        cfg = model_config(a.preset, sp.get_piece_size(), a.seq_len, a.block)
         cfg["eos_token_id"] = sp.piece_to_id(EOS_TEXT)
     rows_ids, rows_mask = pack_rows(data / "train_tokens.npz", a.seq_len, a.seed)
     val_ids, val_mask = pack_rows(data / "val_tokens.npz", a.seq_len, None)
