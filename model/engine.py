@@ -367,7 +367,9 @@ class Engine:
         stats = cache_stats(self._cache, self.model.config) if self._cache else None
         self._emit(Explained(explain(
             self.model.config, dtype_bytes=dtype_bytes_of(info.get("dtype")) or 4,
-            context=(stats.cache_tokens or 0) if stats else 0, model=self.model,
+            context=(stats.cache_tokens or 0) if stats else 0,
+            # a split model's rank holds only its layers: seeded q and k show RoPE then
+            model=None if hasattr(self.model, "pipeline_stats") else self.model,
             name=str(info.get("name", "")), path=str(info.get("path", "")))))
 
     def _attention(self, token: int | None) -> None:
