@@ -121,13 +121,11 @@ def attention_view(model: Any, caches: list[Any], layer: int, group: int | None,
     bins = -(-capacity // per_bin)
     weight = np.zeros(bins)
     np.add.at(weight, np.arange(len(w)) // per_bin, np.where(sw.visible, w, 0.0))
-    kinds = ["empty"] * bins
-    for s in range(len(w)):  # a bin is "sink" if it holds a sink, else "held" if resident
-        b = s // per_bin
-        if sw.visible[s] and sw.positions[s] < keep:
-            kinds[b] = "sink"
-        elif sw.visible[s] and kinds[b] == "empty":
-            kinds[b] = "held"
+    # a bin is "sink" if it holds a sink, else "held" if it holds a visible key
+    code = np.where(sw.visible & (sw.positions < keep), 2, sw.visible.astype(int))
+    codes = np.zeros(bins, dtype=int)
+    np.maximum.at(codes, np.arange(len(w)) // per_bin, code)
+    kinds = [("empty", "held", "sink")[c] for c in codes]
     t = sw.query_position
     return AttentionView(
         layer=layer, group=group, n_layers=len(caches), n_groups=n_groups,

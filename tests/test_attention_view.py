@@ -209,3 +209,19 @@ def test_engine_process_forwards_explain_and_views(stories260k: Path) -> None:
         assert view.sink_share + view.recent_share + view.rest_share == pytest.approx(1.0)
     finally:
         engine.close()
+
+
+def test_bins_cover_a_long_cache() -> None:
+    """A 1024-slot cache (the shipped model's context) is sent as 512 bins of 2 slots."""
+    mini = Path(__file__).resolve().parents[1] / "assets" / "kvchat-mini"
+    model, caches, ids = _run(mini, [1, 40, 41, 42, 43, 44, 45], 6)
+    view = attention_view(model, caches, 1, None, ids[-1])
+    sw = newest_token_attention(model, caches, 1, ids[-1])
+    assert (view.capacity, view.slots_per_bin, len(view.bins)) == (1024, 2, 512)
+    w = np.zeros(1024)
+    w[: sw.weights.shape[1]] = sw.weights.mean(axis=0)
+    np.testing.assert_allclose(view.bins, w.reshape(512, 2).sum(axis=1), atol=1e-6)
+    n = len(ids)
+    assert view.bin_kinds[:2] == ["sink", "sink"] and view.bin_kinds[2] == "held"
+    assert set(view.bin_kinds[(n + 1) // 2 :]) == {"empty"} and view.write_slot == n
+    assert view.recent_share == pytest.approx(1.0 - view.sink_share, abs=1e-6)
