@@ -431,7 +431,8 @@ def text_sections(data: dict[str, Any]) -> list[tuple[str, list[str]]]:
         f" {c70['head_dim']} × {c70['dtype_bytes']} B = {c70['bytes_per_token']:,} B/token",
         *(f"    at {r['context']:,} tokens: {human_bytes(r['bytes'])}"
           f" (MHA {human_bytes(r['mha_bytes'])})" for r in c70["at"]),
-        "    same wiring, G = " + ", ".join(f"{r['G']} ({r['name']})" for r in c70["wiring"]),
+        "    the same wiring at G = " + ", ".join(
+            f"{r['G']} ({r['name']}: {r['bytes_per_token']:,} B/token)" for r in c70["wiring"]),
         f"  this model: 2 × {cm['layers']} × {cm['kv_heads']} × {cm['head_dim']} ×"
         f" {cm['dtype_bytes']} B = {cm['bytes_per_token']:,} B/token",
         f"    at {cm['at'][0]['context']:,} tokens: {human_bytes(cm['bytes_at_context'])},"

@@ -241,10 +241,10 @@ class Engine:
         engine's thread, in this engine's process."""
         self._jobs.put(("kernels", backend))
 
-    def explain(self) -> None:
-        """The loaded model's anatomy at the cache's current context, computed where the
-        model runs (after queued work); reports Explained."""
-        self._jobs.put(("explain", None))
+    def explain(self, gap: int = 3) -> None:
+        """The loaded model's anatomy at the cache's current context (RoPE dials at this
+        token gap), computed where the model runs (after queued work); reports Explained."""
+        self._jobs.put(("explain", gap))
 
     def watch_attention(self, layer: int | None, group: int | None = None) -> None:
         """Start (a layer, and a KV group or None for all heads) or stop (None) the
@@ -305,7 +305,7 @@ class Engine:
                         message = metal_kernels.switch_backend(arg)
                         self._emit(KernelsSwitched(metal_kernels.backend(), message))
                     elif kind == "explain":
-                        self._explain()
+                        self._explain(arg)
                     elif kind == "attention" and self._cache_ids:
                         self._attention(self._cache_ids[-1])
                     elif kind == "attention":
@@ -358,7 +358,7 @@ class Engine:
         self.model_info = info
         self._emit(Loaded(dict(self.model_info), freed))
 
-    def _explain(self) -> None:
+    def _explain(self, gap: int) -> None:
         from .anatomy import explain
 
         if self.model is None:
@@ -369,7 +369,7 @@ class Engine:
             self.model.config, dtype_bytes=dtype_bytes_of(info.get("dtype")) or 4,
             context=(stats.cache_tokens or 0) if stats else 0,
             # a split model's rank holds only its layers: seeded q and k show RoPE then
-            model=None if hasattr(self.model, "pipeline_stats") else self.model,
+            model=None if hasattr(self.model, "pipeline_stats") else self.model, gap=gap,
             name=str(info.get("name", "")), path=str(info.get("path", "")))))
 
     def _attention(self, token: int | None) -> None:

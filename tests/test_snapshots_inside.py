@@ -113,6 +113,11 @@ def test_reachable_from_palette_help_and_layer_view() -> None:
             assert isinstance(app.screen, HelpScreen)
             helps = [what for _, what in app.screen.rows]
             assert any("anatomy" in h for h in helps) and any("attention" in h for h in helps)
+            await pilot.press("escape", "f3")  # Anatomy: → asks for the dials at gap 4
+            await wait_for(pilot, lambda: isinstance(app.screen, AnatomyScreen)
+                           and app.screen.data is not None)
+            await pilot.press("right")
+            await wait_for(pilot, lambda: app.screen.data["worked"]["rope_seed"]["gap"] == 4)  # type: ignore[attr-defined]
             await pilot.press("escape")
             app.chat.input.load_text("Tell me about caches.")
             await pilot.press("enter")  # a turn fills the cache: the layer view has rows

@@ -15,7 +15,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from kvchat.app.core.text import literal
-from kvchat.model.anatomy import text_sections
+from kvchat.model.anatomy import DEFAULT_GAP, text_sections
 from kvchat.model.events import Explained
 
 
@@ -36,13 +36,16 @@ class AnatomyScreen(ModalScreen[None]):
         Binding("escape,q,f3", "dismiss", "Close", id="anatomy.close"),
         Binding("r", "refresh_data", "Refresh", id="anatomy.refresh"),
         Binding("a", "attention", "Attention view", id="anatomy.attention"),
+        Binding("plus,right", "gap(1)", "Gap +", id="anatomy.gap_up", priority=True),
+        Binding("minus,left", "gap(-1)", "Gap −", id="anatomy.gap_down", priority=True),
     ]
 
-    def __init__(self, request: Callable[[], None],
+    def __init__(self, request: Callable[[int], None],
                  open_attention: Callable[[], None] | None = None) -> None:
         super().__init__()
-        self.request = request  # asks the engine for an Explained event
+        self.request = request  # asks the engine for an Explained event, at a RoPE gap
         self.open_attention = open_attention
+        self.gap = DEFAULT_GAP
         self.data: dict[str, Any] | None = None
 
     def compose(self) -> ComposeResult:
@@ -50,14 +53,18 @@ class AnatomyScreen(ModalScreen[None]):
             yield Static("Anatomy of the loaded model", classes="dialog-title")
             with VerticalScroll(id="anatomy-body"):
                 yield Static("Asking the engine…", id="anatomy-text")
-            yield Static("↑/↓ scroll · r refresh (the cache figures follow the chat)"
-                         " · a attention view · Esc close", classes="dialog-hint")
+            yield Static("↑/↓ scroll · ←/→ RoPE gap · r refresh (the cache figures follow"
+                         " the chat) · a attention view · Esc close", classes="dialog-hint")
 
     def on_mount(self) -> None:
-        self.request()
+        self.request(self.gap)
 
     def action_refresh_data(self) -> None:
-        self.request()
+        self.request(self.gap)
+
+    def action_gap(self, step: int) -> None:
+        self.gap = max(0, self.gap + step)
+        self.request(self.gap)
 
     def action_attention(self) -> None:
         if self.open_attention is not None:
