@@ -112,7 +112,7 @@ def test_training_switch_and_table(tmp_path: Path) -> None:
     assert c24["num_key_value_heads"] == 2
     metas = {}
     for block in ("2024", "2017"):
-        args = L.TrainArgs(data=str(data), run=str(tmp_path / block), steps=30, preset="tiny",
+        args = L.TrainArgs(data=str(data), run=str(tmp_path / block), steps=20, preset="tiny",
                            batch=4, seq_len=64, warmup=3, eval_every=0, log_every=10,
                            block=block)
         metas[block] = L.train(args)
