@@ -163,6 +163,17 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 
+def as_2017_block(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The same model (a config.json dict) with the 2017 block: the `kvchat2017` family
+    (post-LayerNorm, ReLU FFN, sinusoidal positions), MHA (K/V heads = query heads) and
+    an FFN 1.5x wider, so its two matrices hold as many weights as SwiGLU's three."""
+    heads = int(cfg["num_attention_heads"])
+    return {**cfg, "model_type": "kvchat2017", "architectures": ["kvchat2017"],
+            "hidden_act": "relu", "num_key_value_heads": heads,
+            "intermediate_size": int(cfg["intermediate_size"]) * 3 // 2,
+            "rope_scaling": None, "rope_parameters": None, "layer_types": None}
+
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 

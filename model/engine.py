@@ -241,10 +241,11 @@ class Engine:
         engine's thread, in this engine's process."""
         self._jobs.put(("kernels", backend))
 
-    def explain(self, gap: int = 3) -> None:
+    def explain(self, gap: int = 3, block: str = "model") -> None:
         """The loaded model's anatomy at the cache's current context (RoPE dials at this
-        token gap), computed where the model runs (after queued work); reports Explained."""
-        self._jobs.put(("explain", gap))
+        token gap), computed where the model runs (after queued work); reports Explained.
+        block "2017": the same model as a 2017 block (config.as_2017_block)."""
+        self._jobs.put(("explain", (gap, block)))
 
     def watch_attention(self, layer: int | None, group: int | None = None) -> None:
         """Start (a layer, and a KV group or None for all heads) or stop (None) the
@@ -305,7 +306,7 @@ class Engine:
                         message = metal_kernels.switch_backend(arg)
                         self._emit(KernelsSwitched(metal_kernels.backend(), message))
                     elif kind == "explain":
-                        self._explain(arg)
+                        self._explain(*arg)
                     elif kind == "attention" and self._cache_ids:
                         self._attention(self._cache_ids[-1])
                     elif kind == "attention":
@@ -358,18 +359,23 @@ class Engine:
         self.model_info = info
         self._emit(Loaded(dict(self.model_info), freed))
 
-    def _explain(self, gap: int) -> None:
+    def _explain(self, gap: int, block: str) -> None:
         from .anatomy import explain
+        from .config import ModelConfig, as_2017_block
 
         if self.model is None:
             return
         info = self.model_info
-        stats = cache_stats(self._cache, self.model.config) if self._cache else None
+        cfg = self.model.config
+        stats = cache_stats(self._cache, cfg) if self._cache else None
+        if block == "2017":
+            cfg = ModelConfig.from_dict(as_2017_block(cfg.raw))
         self._emit(Explained(explain(
-            self.model.config, dtype_bytes=dtype_bytes_of(info.get("dtype")) or 4,
+            cfg, dtype_bytes=dtype_bytes_of(info.get("dtype")) or 4,
             context=(stats.cache_tokens or 0) if stats else 0,
             # a split model's rank holds only its layers: seeded q and k show RoPE then
-            model=None if hasattr(self.model, "pipeline_stats") else self.model, gap=gap,
+            model=None if hasattr(self.model, "pipeline_stats") or block == "2017"
+            else self.model, gap=gap,
             name=str(info.get("name", "")), path=str(info.get("path", "")))))
 
     def _attention(self, token: int | None) -> None:

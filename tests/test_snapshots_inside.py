@@ -118,6 +118,9 @@ def test_reachable_from_palette_help_and_layer_view() -> None:
                            and app.screen.data is not None)
             await pilot.press("right")
             await wait_for(pilot, lambda: app.screen.data["worked"]["rope_seed"]["gap"] == 4)  # type: ignore[attr-defined]
+            await pilot.press("t")  # the same model as a 2017 block: MHA, post-LN
+            await wait_for(pilot, lambda: app.screen.data["block"]["norm"]["kind"] == "LayerNorm")  # type: ignore[attr-defined]
+            assert app.screen.data["block"]["attention"]["kind"] == "MHA"  # type: ignore[attr-defined]
             await pilot.press("escape")
             app.chat.input.load_text("Tell me about caches.")
             await pilot.press("enter")  # a turn fills the cache: the layer view has rows

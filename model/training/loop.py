@@ -19,7 +19,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..config import ModelConfig
+from ..config import ModelConfig, as_2017_block
 from ..transformer import Transformer
 from .data import BOS_ID, EOS_TEXT, TrainError, batch_rows, load_sp, log, pack_rows
 
@@ -39,15 +39,10 @@ def model_config(preset: str, vocab_size: int, seq_len: int,
                  block: str = "2024") -> dict[str, Any]:
     """An HF llama config.json dict (what the export writes, minus quantization).
 
-    block "2017": the same model with the 2017 block (post-LayerNorm, ReLU FFN, sinusoidal
-    positions, MHA: kv heads = query heads); its FFN is 1.5× wider, so its two matrices
-    hold as many weights as SwiGLU's three."""
+    block "2017": the same model with the 2017 block (config.as_2017_block)."""
     p = PRESETS[preset]
     if block == "2017":
-        return {**model_config(preset, vocab_size, seq_len), "model_type": "kvchat2017",
-                "architectures": ["kvchat2017"], "hidden_act": "relu",
-                "num_key_value_heads": p["num_attention_heads"],
-                "intermediate_size": p["intermediate_size"] * 3 // 2}
+        return as_2017_block(model_config(preset, vocab_size, seq_len))
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

@@ -38,33 +38,46 @@ class AnatomyScreen(ModalScreen[None]):
         Binding("a", "attention", "Attention view", id="anatomy.attention"),
         Binding("plus,right", "gap(1)", "Gap +", id="anatomy.gap_up", priority=True),
         Binding("minus,left", "gap(-1)", "Gap −", id="anatomy.gap_down", priority=True),
+        Binding("t", "toggle_block", "2017 / this model", id="anatomy.toggle"),
     ]
 
-    def __init__(self, request: Callable[[int], None],
+    def __init__(self, request: Callable[[int, str], None],
                  open_attention: Callable[[], None] | None = None) -> None:
         super().__init__()
         self.request = request  # asks the engine for an Explained event, at a RoPE gap
         self.open_attention = open_attention
         self.gap = DEFAULT_GAP
+        self.block = "model"  # or "2017": the same model with the 2017 block
         self.data: dict[str, Any] | None = None
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog", classes="dialog -anatomy"):
-            yield Static("Anatomy of the loaded model", classes="dialog-title")
+            yield Static("Anatomy of the loaded model", id="anatomy-title",
+                         classes="dialog-title")
             with VerticalScroll(id="anatomy-body"):
                 yield Static("Asking the engine…", id="anatomy-text")
-            yield Static("↑/↓ scroll · ←/→ RoPE gap · r refresh (the cache figures follow"
-                         " the chat) · a attention view · Esc close", classes="dialog-hint")
+            yield Static("↑/↓ scroll · t the same model as a 2017 block · ←/→ RoPE gap"
+                         " · r refresh (the cache figures follow the chat) · a attention view"
+                         " · Esc close", classes="dialog-hint")
 
     def on_mount(self) -> None:
-        self.request(self.gap)
+        self.action_refresh_data()
 
     def action_refresh_data(self) -> None:
-        self.request(self.gap)
+        self.request(self.gap, self.block)
 
     def action_gap(self, step: int) -> None:
         self.gap = max(0, self.gap + step)
-        self.request(self.gap)
+        self.action_refresh_data()
+
+    def action_toggle_block(self) -> None:
+        """Morph: the loaded model's block <-> the same sizes with the 2017 block (post-
+        LayerNorm, ReLU FFN, sinusoidal positions, MHA), its cache figures beside."""
+        self.block = "2017" if self.block == "model" else "model"
+        self.query_one("#anatomy-title", Static).update(
+            "Anatomy of the loaded model" if self.block == "model"
+            else "The loaded model as a 2017 block (t: back)")
+        self.action_refresh_data()
 
     def action_attention(self) -> None:
         if self.open_attention is not None:
