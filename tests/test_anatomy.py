@@ -223,3 +223,18 @@ def test_explain_numbers_do_not_depend_on_the_backend() -> None:
     assert (ops["kernels"], fast["kernels"]) == ("ops", "fast")
     np.testing.assert_allclose(ops["worked"]["norms"]["rmsnorm"]["y"],
                                fast["worked"]["norms"]["rmsnorm"]["y"], rtol=1e-6)
+
+
+def test_explain_as_a_2017_block() -> None:
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert main(["explain", "--model", str(MINI), "--block", "2017", "--json"]) == 0
+    data = json.loads(buf.getvalue())
+    c = json.loads((MINI / "config.json").read_text())
+    a = data["block"]["attention"]
+    assert (a["kind"], a["kv_heads"]) == ("MHA", c["num_attention_heads"])
+    assert data["block"]["norm"]["kind"] == "LayerNorm"
+    assert data["block"]["ffn"]["intermediate"] == c["intermediate_size"] * 3 // 2
+    dtype_bytes = data["worked"]["cache_model"]["dtype_bytes"]
+    assert data["worked"]["cache_model"]["bytes_per_token"] == (
+        2 * c["num_hidden_layers"] * c["num_attention_heads"] * c["head_dim"] * dtype_bytes)

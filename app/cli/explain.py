@@ -24,13 +24,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="context for the cache figures (default: the model's maximum)")
     p.add_argument("--gap", type=int, default=3, metavar="N",
                    help="token gap for the RoPE dial table's cos(gap·θ) column (default 3)")
+    p.add_argument("--block", choices=("model", "2017"), default="model",
+                   help="2017: the same model with the 2017 block (post-LayerNorm, ReLU FFN,"
+                   " sinusoidal positions, MHA), for comparison")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def explain_folder(folder: str | Path, context: int | None = None, gap: int = 3
-                   ) -> dict[str, Any]:
-    """Load the model (its q and k show RoPE's relative property) and explain it."""
+def explain_folder(folder: str | Path, context: int | None = None, gap: int = 3,
+                   block: str = "model") -> dict[str, Any]:
+    """Load the model (its q and k show RoPE's relative property) and explain it, or the
+    same model with the 2017 block."""
     from kvchat.model.anatomy import explain
+    from kvchat.model.config import ModelConfig, as_2017_block
     from kvchat.model.facts import check_model_folder, model_name
     from kvchat.model.weights import load_model
 
@@ -39,7 +44,10 @@ def explain_folder(folder: str | Path, context: int | None = None, gap: int = 3
         raise ModelLoadError(f"model folder not found: {path}")
     facts = check_model_folder(path)
     model = load_model(path)
-    return explain(model.config, dtype_bytes=facts.kv_dtype_bytes, context=context,
+    cfg = model.config
+    if block == "2017":
+        cfg, model = ModelConfig.from_dict(as_2017_block(cfg.raw)), None
+    return explain(cfg, dtype_bytes=facts.kv_dtype_bytes, context=context,
                    model=model, gap=gap, name=model_name(path), path=str(path.resolve()))
 
 
@@ -49,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--context must be >= 0, got {args.context}")
         if args.gap < 0:
             raise UsageError(f"--gap must be >= 0, got {args.gap}")
-        out = explain_folder(args.model or DEFAULT_MODEL, args.context, args.gap)
+        out = explain_folder(args.model or DEFAULT_MODEL, args.context, args.gap, args.block)
     except KVChatError as e:
         report(str(e))
         if args.json:
