@@ -218,7 +218,10 @@ async def test_picker_esc_stops_a_stalled_pull_at_once_and_quit_is_not_held(
             picker.query_one("#path", Input).value = REPO
             await pilot.press("enter")
             box = picker.query_one("#pull-progress", Static)
-            await wait_for(pilot, lambda: "model.safetensors" in str(box.render()), timeout=30)
+            await wait_for(pilot, lambda: any(p.startswith("/cdn/") for _, p, _ in hub.requests),
+                           timeout=30)
+            await pilot.pause(0.5)  # the server now holds the body
+            assert picker.pulling is not None and "✓" not in str(box.render())
             pulls = [t for t in threading.enumerate() if t.name == "kvchat-pull"]
             assert pulls and all(t.daemon for t in pulls)
             t0 = time.monotonic()
