@@ -26,13 +26,14 @@ from typing import Any
 import platformdirs
 
 from kvchat.model.errors import KVChatError
-from kvchat.model.files import read_regular_text
+from kvchat.model.files import BadJSONFile, load_json
 
 SCHEMA_VERSION = 1
 TITLE_MAX = 50
 ROLES = ("system", "user", "assistant")
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 CACHE_SUFFIX = ".kv.safetensors"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _STALE_TMP_S = 3600.0  # leftover temp files older than this came from a crashed save
 
 
@@ -46,6 +47,9 @@ def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
     flush + fsync, os.replace, then fsync the folder so the rename itself is durable.
     The file is private (0600, as mkstemp makes it) unless `mode` says otherwise."""
     path = Path(path)
+    # text the app read may hold lone surrogates (valid JSON escapes, not UTF-8): a save
+    # replaces them rather than failing, so nothing else in the file is lost
+    text = _SURROGATE.sub("\ufffd", text)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -231,13 +235,11 @@ class ConversationStore:
 
     def _read(self, path: Path) -> Conversation:
         try:
-            data = json.loads(read_regular_text(path))
-        except KVChatError as e:  # a FIFO (would block forever), a device, a huge file
-            raise StoreError(f"cannot read {path.name}: {e}") from None
-        except OSError as e:
-            raise StoreError(f"cannot read {path.name}: {e.strerror or e}") from None
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-            raise StoreError(f"corrupt conversation file {path.name}: {e}") from None
+            data = load_json(path)
+        except FileNotFoundError:
+            raise StoreError(f"no saved conversation {path.stem!r}") from None
+        except BadJSONFile as e:  # a FIFO, a huge or deep file, bad UTF-8 or JSON
+            raise StoreError(f"skipped {e}") from None
         try:
             conv = Conversation.from_dict(data)
         except StoreError as e:
