@@ -34,6 +34,7 @@ from kvchat import metal_kernels
 from . import pipeline
 from .cache import cache_stats, can_trim_to, layer_stats, trim_to, why_not_trimmable
 from .cache_file import load_cache, savable, save_cache
+from .cache_integrity import check_layers, model_fingerprint
 from .chat_template import TemplateCancelled
 from .errors import KVChatError, error_line
 from .events import (
@@ -337,8 +338,11 @@ class Engine:
     def _cache_identity(self) -> dict[str, str]:
         """What a saved cache must match to be reused: the model and the cache bound."""
         keys = ("path", "architecture", "parameters", "n_layers", "n_kv_heads", "head_dim")
+        identity = {k: self.model_info.get(k) for k in keys}
+        # the weights, config and tokenizer as they are on disk now (cached per folder)
+        identity["fingerprint"] = model_fingerprint(str(self.model_info.get("path") or ""))
         return {
-            "kvchat_model": json.dumps({k: self.model_info.get(k) for k in keys}),
+            "kvchat_model": json.dumps(identity),
             "kvchat_bound": json.dumps(list(self._cache_key or ())),
         }
 
@@ -353,8 +357,9 @@ class Engine:
         meta = {**self._cache_identity(), "kvchat_ids": json.dumps(self._cache_ids)}
         try:
             written = save_cache(path, cache, meta)
-        except (OSError, KVChatError) as e:
-            self._emit(CacheSaved(str(path), error=f"K/V cache not saved: {e}"))
+        except Exception as e:  # a full disk raises from MLX: one notice, the cache stays
+            self._emit(CacheSaved(str(path), error=f"K/V cache not saved to {path.name}:"
+                                  f" {error_line(e)}; it stays in memory"))
             return
         self._emit(CacheSaved(str(path), len(self._cache_ids), written))
 
@@ -365,10 +370,14 @@ class Engine:
             caches, meta = load_cache(path)
             if meta.get("kvchat_model") != self._cache_identity()["kvchat_model"]:
                 raise KVChatError("it was saved with another model")
-            ids = [int(i) for i in json.loads(meta["kvchat_ids"])]
+            ids = json.loads(meta["kvchat_ids"])
             bound = json.loads(meta["kvchat_bound"])
-            if len(caches) != self.model.config.num_hidden_layers or len(bound) != 2:
-                raise KVChatError("its layers do not match the model")
+            if not isinstance(ids, list) or not isinstance(bound, list) or len(bound) != 2:
+                raise KVChatError("its token ids or bound are malformed")
+            cfg = self.model.config
+            check_layers(caches, ids, self.model.make_cache(max_kv_size=bound[0], keep=bound[1]),
+                         n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                         dtype=self.model_info.get("dtype"), vocab_size=cfg.vocab_size)
         except (KVChatError, ValueError, KeyError, TypeError) as e:
             self._emit(CacheRestored(str(path), 0, f"K/V cache not restored: {e}"))
             return
@@ -381,6 +390,10 @@ class Engine:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         if all(isinstance(x, int) for x in prompt):
+            vocab = self.model.config.vocab_size if self.model is not None else None
+            bad = [x for x in prompt if vocab is not None and not 0 <= x < vocab]  # type: ignore
+            if bad:  # an embedding lookup out of range reads past the table (a crash)
+                raise KVChatError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
             return list(prompt)  # type: ignore[arg-type]
         # a cancel stops a slow template at once (rendering is bounded in time anyway)
         return self.tokenizer.encode_chat(list(prompt), should_stop=should_stop)  # type: ignore[arg-type]
