@@ -7,6 +7,11 @@ A save writes a temp file in the same folder, fsyncs it and renames it over the 
 file, so a crash at any point leaves either the old or the new conversation on disk,
 never a torn one. A corrupt file is skipped when listing
 (reported in `ConversationStore.skipped`), never fatal.
+
+One writer per chat: a store holds an advisory lock (flock on `.<id>.lock`) for each chat
+it saves or claims, and the kernel drops it when the process ends, however it ends. A
+second kvchat on the same folder cannot claim an open chat: it opens a copy (and says
+so), and its save of the original is refused in one line rather than overwriting turns.
 """
 
 from __future__ import annotations
@@ -18,12 +23,18 @@ import re
 import secrets
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import platformdirs
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; one window per data folder
+    fcntl = None  # type: ignore[assignment]
 
 from kvchat.model.errors import KVChatError
 from kvchat.model.files import BadJSONFile, load_json
@@ -39,6 +50,10 @@ _STALE_TMP_S = 3600.0  # leftover temp files older than this came from a crashed
 
 class StoreError(KVChatError):
     """A conversation that cannot be read, written or found."""
+
+
+class ChatBusy(StoreError):
+    """Another kvchat process has this chat open (holds its lock)."""
 
 
 def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
@@ -121,6 +136,13 @@ class Conversation:
             self.title = derive_title(self.messages)
         return msg
 
+    def copy(self) -> Conversation:
+        """The same chat under a new id (for a window that cannot have the original)."""
+        title = self.title or derive_title(self.messages)
+        return Conversation(title=f"{title} (copy)", model=self.model,
+                            system_prompt=self.system_prompt,
+                            messages=[dict(m) for m in self.messages])
+
     def chat_messages(self) -> list[dict[str, str]]:
         """What Engine.submit wants: system prompt first (when set), role/content only."""
         out = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
@@ -202,7 +224,48 @@ class ConversationStore:
         # (file, reason) for each file the last list() could not read
         self.skipped: list[tuple[Path, str]] = []
         # ids whose newer copy was rescued from a killed save's temp file at start-up
+        self._held: dict[str, int] = {}  # chat id -> descriptor holding its lock
+        # a store that goes away (a temporary one, say) lets its chats go with it
+        weakref.finalize(self, _close_all, self._held)
         self.recovered: list[str] = self._recover_temps()
+
+    # ---- one writer per chat ---------------------------------------------------------
+    def claim(self, conv_id: str) -> bool:
+        """Hold the chat's advisory lock for this store (idempotent): True, or False when
+        another process (or another store) holds it. Without flock (Windows) always True."""
+        if conv_id in self._held:
+            return True
+        if fcntl is None:
+            return True
+        lock = self.path_for(conv_id).with_name(f".{conv_id}.lock")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+                         | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        except OSError:
+            return True  # a read-only folder: nothing can be saved anyway; saves will say
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self._held[conv_id] = fd
+        return True
+
+    def release(self, conv_id: str) -> None:
+        """Let another window have the chat (this one moved to another chat)."""
+        fd = self._held.pop(conv_id, None)
+        if fd is not None:
+            os.close(fd)  # closing the descriptor drops the flock
+
+    def busy(self, conv_id: str) -> bool:
+        """Whether another process holds the chat (without keeping it)."""
+        if conv_id in self._held:
+            return False
+        if not self.claim(conv_id):
+            return True
+        self.release(conv_id)
+        return False
 
     def path_for(self, conv_id: str) -> Path:
         # ids become file names: refuse anything that could leave the folder
@@ -224,6 +287,9 @@ class ConversationStore:
     def save(self, conv: Conversation) -> Path:
         """Write atomically; fills an empty title from the first user message."""
         path = self.path_for(conv.id)
+        if not self.claim(conv.id):
+            raise ChatBusy(f"“{conv.title or derive_title(conv.messages)}” is open in another"
+                           " kvchat window; not saved here (start a new chat or reopen it)")
         if not conv.title:
             conv.title = derive_title(conv.messages)
         text = json.dumps(conv.to_dict(), ensure_ascii=False, indent=1)
@@ -277,6 +343,11 @@ class ConversationStore:
 
     def delete(self, conv_id: str) -> bool:
         """Remove a conversation (and its K/V cache); False when there was none."""
+        if not self.claim(conv_id):
+            raise ChatBusy(f"chat {conv_id} is open in another kvchat window; not deleted")
+        with contextlib.suppress(OSError):
+            self.path_for(conv_id).with_name(f".{conv_id}.lock").unlink()
+        self.release(conv_id)
         with contextlib.suppress(OSError):
             self.cache_path(conv_id).unlink()
         try:
@@ -301,8 +372,8 @@ class ConversationStore:
                 conv_id = tmp.name[1:].split(".json.", 1)[0]
                 target = self.path_for(conv_id)
                 conv = self._read(tmp)  # a torn (partial) file raises: left alone
-                if conv.id != conv_id:
-                    continue
+                if conv.id != conv_id or self.busy(conv_id):
+                    continue  # a chat open elsewhere: its temp file may be a live save
                 if target.exists() and target.stat().st_mtime >= tmp.stat().st_mtime:
                     tmp.unlink()  # an older save's leftover
                     continue
@@ -319,6 +390,13 @@ class ConversationStore:
                 with contextlib.suppress(OSError):
                     if now - tmp.stat().st_mtime > _STALE_TMP_S:
                         tmp.unlink()
+
+
+def _close_all(held: dict[str, int]) -> None:
+    for fd in held.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    held.clear()
 
 
 def _fmt_time(ts: float) -> str:

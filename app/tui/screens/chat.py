@@ -478,6 +478,7 @@ class ChatScreen(InterruptKey, Screen[None]):
             return
         self._end_edit()
         self._restored_tokens = 0
+        self.store.release(self.conversation.id)
         self.conversation = Conversation(
             system_prompt=self.settings.system_prompt, model=self.model_path
         )
@@ -537,7 +538,8 @@ class ChatScreen(InterruptKey, Screen[None]):
             return False
         self._end_edit()
         self._restored_tokens = 0  # set again if this chat's cache comes back
-        self.conversation = conv
+        opened = self._claim(conv)
+        self.conversation = opened
         self.panel.clear_cache_stats()  # the figures were the previous chat's
         await self.transcript.remove_children()
         widgets = [
@@ -551,8 +553,21 @@ class ChatScreen(InterruptKey, Screen[None]):
         cache = self.store.cache_path(conv_id)
         if self.engine is not None and self.settings.save_kv_cache and cache.is_file():
             self.engine.restore_cache(cache)
-        self.notify(f"Opened “{conv.title or 'New chat'}”", title="History")
+        if opened is conv:
+            self.notify(f"Opened “{conv.title or 'New chat'}”", title="History")
         return True
+
+    def _claim(self, conv: Conversation) -> Conversation:
+        """One writer per chat: this window holds `conv`, or gets a copy of it (and says
+        so) when another kvchat window has it open."""
+        previous = self.conversation.id
+        if previous != conv.id:
+            self.store.release(previous)
+        if self.store.claim(conv.id):
+            return conv
+        self.notify(f"“{conv.title or 'New chat'}” is open in another kvchat window; this is"
+                    " a copy, saved as a chat of its own", severity="warning", title="History")
+        return conv.copy()
 
     def action_export(self) -> Path | None:
         conv = self.conversation
