@@ -74,6 +74,22 @@ def read_regular_text(path: str | os.PathLike[str], limit: int = MAX_TEXT_BYTES)
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
+def shown_path(path: str | os.PathLike[str]) -> str:
+    """A path as text: bytes that are not UTF-8 (kept by Python as lone surrogates)
+    become U+FFFD, so printing or rendering it never fails."""
+    return os.fsencode(path).decode("utf-8", "replace")
+
+
+def mlx_path(path: str | os.PathLike[str]) -> str:
+    """`path` for MLX, which takes UTF-8 strings only (a name that is not valid UTF-8
+    failed with "std::bad_cast"): ModelLoadError naming it instead."""
+    s = str(path)
+    if _SURROGATE.search(s):
+        raise ModelLoadError(f"{shown_path(s)}: the path is not valid UTF-8, which MLX cannot"
+                             " open; rename the folder (or link to it under a UTF-8 name)")
+    return s
+
+
 # the safetensors format's own limit on the JSON header
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 DTYPE_BYTES = {

@@ -36,6 +36,8 @@ def test_a_second_store_cannot_save_or_delete_a_held_chat(tmp_path: Path) -> Non
     a, b = ConversationStore(tmp_path), ConversationStore(tmp_path)
     conv = _chat("mine")
     a.save(conv)
+    assert not b.busy(conv.id)  # a plain save holds the lock only while it writes
+    assert a.claim(conv.id)  # a window claims the chat it shows
     assert b.busy(conv.id) and not b.claim(conv.id)
     theirs = b.load(conv.id)
     theirs.add_message("user", "from the other window")
@@ -45,8 +47,8 @@ def test_a_second_store_cannot_save_or_delete_a_held_chat(tmp_path: Path) -> Non
         b.delete(conv.id)
     assert [m["content"] for m in a.load(conv.id).messages] == ["mine", "ok"]
     a.release(conv.id)  # the first window moved on
-    assert b.claim(conv.id)
     b.save(theirs)
+    assert not a.busy(conv.id)
     assert a.load(conv.id).messages[-1]["content"] == "from the other window"
 
 
@@ -76,6 +78,7 @@ async def test_second_window_opens_a_copy_and_no_turn_is_lost(env: Path) -> None
     root = env / "data" / "chats"
     other = ConversationStore(root)  # the first window, holding its chat
     conv = _chat("first window's words")
+    other.claim(conv.id)
     other.save(conv)
     save_session(root.parent / "session.json", SessionState(last_chat=conv.id))
 

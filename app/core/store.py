@@ -8,10 +8,11 @@ file, so a crash at any point leaves either the old or the new conversation on d
 never a torn one. A corrupt file is skipped when listing
 (reported in `ConversationStore.skipped`), never fatal.
 
-One writer per chat: a store holds an advisory lock (flock on `.<id>.lock`) for each chat
-it saves or claims, and the kernel drops it when the process ends, however it ends. A
-second kvchat on the same folder cannot claim an open chat: it opens a copy (and says
-so), and its save of the original is refused in one line rather than overwriting turns.
+One writer per chat: a window claims the chat it shows (an advisory flock on
+`.<id>.lock`, which the kernel drops when the process ends, however it ends); any other
+save takes the lock only while it writes. A second kvchat on the same folder cannot claim
+an open chat: it opens a copy (and says so), and a save of the original is refused in one
+line rather than overwriting turns.
 """
 
 from __future__ import annotations
@@ -287,6 +288,7 @@ class ConversationStore:
     def save(self, conv: Conversation) -> Path:
         """Write atomically; fills an empty title from the first user message."""
         path = self.path_for(conv.id)
+        held = conv.id in self._held  # a window's open chat stays held after the save
         if not self.claim(conv.id):
             raise ChatBusy(f"“{conv.title or derive_title(conv.messages)}” is open in another"
                            " kvchat window; not saved here (start a new chat or reopen it)")
@@ -297,6 +299,9 @@ class ConversationStore:
             atomic_write_text(path, text + "\n")
         except OSError as e:
             raise StoreError(f"cannot save conversation to {path}: {e.strerror or e}") from None
+        finally:
+            if not held:
+                self.release(conv.id)
         return path
 
     def _read(self, path: Path) -> Conversation:

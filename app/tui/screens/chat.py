@@ -25,7 +25,7 @@ from textual.widgets import Footer, Header, LoadingIndicator, Static
 
 from kvchat.app.core.settings import Settings, remember_model
 from kvchat.app.core.store import Conversation, ConversationStore, StoreError, export_markdown
-from kvchat.app.core.text import literal
+from kvchat.app.core.text import clipboard_text, literal
 from kvchat.app.tui.actions import bindings
 from kvchat.app.tui.bridge import Bridge, EngineEvent, TextReady
 from kvchat.app.tui.interrupt import InterruptKey
@@ -327,6 +327,7 @@ class ChatScreen(InterruptKey, Screen[None]):
 
     def _save_chat(self) -> bool:
         try:
+            self.store.claim(self.conversation.id)  # this window's chat: held until it moves on
             self.store.save(self.conversation)
         except StoreError as e:
             self.notify(str(e), severity="error", title="Chat not saved")
@@ -603,8 +604,9 @@ class ChatScreen(InterruptKey, Screen[None]):
         if target is None or not target.content:
             self.notify("No reply to copy yet.", severity="warning")
             return
-        self.app.copy_to_clipboard(target.content)
-        self.notify(f"Copied the reply ({len(target.content)} characters).", title="Clipboard")
+        text = clipboard_text(target.content)  # never a terminal sequence on the clipboard
+        self.app.copy_to_clipboard(text)
+        self.notify(f"Copied the reply ({len(text)} characters).", title="Clipboard")
 
 
 def _slug(text: str) -> str:
