@@ -259,6 +259,10 @@ class ConversationStore:
         if fd is not None:
             os.close(fd)  # closing the descriptor drops the flock
 
+    def close(self) -> None:
+        """Release every chat this store holds."""
+        _close_all(self._held)
+
     def busy(self, conv_id: str) -> bool:
         """Whether another process holds the chat (without keeping it)."""
         if conv_id in self._held:

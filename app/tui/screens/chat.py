@@ -162,6 +162,7 @@ class ChatScreen(InterruptKey, Screen[None]):
 
     def on_unmount(self) -> None:
         self.close_engine()
+        self.store.close()  # the chat is free for another window (process exit does it too)
 
     def close_engine(self) -> None:
         self.bridge.closed = True
