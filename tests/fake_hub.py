@@ -17,7 +17,8 @@ Hostile modes (tests/test_hostile_hub.py), each off by default: `etag` and `sha`
 the ETag / commit the hub announces (path-shaped ones), `cdn_url` sends the LFS redirect
 to another server, `stall_after` holds a CDN response after that many bytes, `cut_always`
 drops every CDN response after that many bytes and ignores Range, `endless` sends a CDN
-body with no Content-Length that never ends, `corrupt` flips a byte of what the CDN sends.
+body with no Content-Length that never ends, `corrupt` flips a byte of what the CDN sends,
+`info` replaces the model-info body.
 
 Run standalone for a demo: python -m tests.fake_hub REPO_ID FOLDER [--throttle BPS]
 """
@@ -73,6 +74,7 @@ class FakeHub:
     cut_always: int | None = None
     endless: bool = False
     corrupt: bool = False
+    info: object = None  # the model-info body to send instead (any JSON value)
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
     _server: ThreadingHTTPServer | None = None
 
@@ -154,6 +156,10 @@ class FakeHub:
         rev = rest[3] if len(rest) >= 4 and rest[2] == "revision" else "main"
         repo = self._repo(h, repo_id, rev, method)
         if repo is None:
+            return
+        if self.info is not None:
+            self._send(h, 200, json.dumps(self.info).encode(), method,
+                       {"Content-Type": "application/json"})
             return
         siblings = []
         for name, data in repo.files.items():

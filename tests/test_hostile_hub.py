@@ -230,3 +230,34 @@ async def test_picker_esc_stops_a_stalled_pull_at_once_and_quit_is_not_held(
             assert "download stopped" in str(box.render())
             assert time.monotonic() - t0 < 2
             assert picker.pulling is None and app.screen is picker  # still choosing
+
+
+@pytest.mark.parametrize("info", [{"sha": "0" * 40}, [1, 2], 5, {"id": REPO, "siblings": 3}])
+def test_model_info_of_another_shape_is_one_line_naming_the_hub(
+        cache: Path, monkeypatch: pytest.MonkeyPatch, info: object) -> None:
+    with FakeHub({REPO: FakeRepo.from_folder(MINI)}, info=info) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        url = hub.url
+        with pytest.raises(PullError) as e:
+            pull(REPO)
+    msg = str(e.value)
+    assert url in msg and "\n" not in msg, msg
+
+
+def test_hostfile_fields_of_the_wrong_type_name_the_host(tmp_path: Path) -> None:
+    import json
+
+    from kvchat.app.core.hosts import HostsError, read_hostfile
+
+    f = tmp_path / "hosts.json"
+    for hosts, want in (
+        ([{"ssh": "a", "ips": ["1"]}, {"ssh": "b", "ips": 5}], r"host 1 \(b\) needs \"ips\""),
+        ([{"ssh": "a", "ips": ["1"]}, {"ssh": "b", "ips": ["2"], "model": 3}],
+         r"host 1 \(b\): \"model\" is not a path"),
+    ):
+        f.write_text(json.dumps({"hosts": hosts}))
+        with pytest.raises(HostsError, match=want):
+            read_hostfile(f)
+    f.write_text("[" * 10_000)
+    with pytest.raises(HostsError, match="hosts.json: nested deeper"):
+        read_hostfile(f)

@@ -115,14 +115,21 @@ def read_hostfile(path: str | Path) -> dict[str, Any]:
     if len(hosts) < 2:
         raise HostsError(f"hostfile {p} lists {len(hosts)} host; a split needs two or more")
     for i, h in enumerate(hosts):
-        if not h.get("ips"):
-            raise HostsError(f"hostfile {p}: host {i} ({h['ssh']}) needs \"ips\" for the"
-                             " ring backend")
+        ips, ssh, model = h.get("ips"), h.get("ssh"), h.get("model")
+        if not isinstance(ssh, str):
+            raise HostsError(f"hostfile {p}: host {i}'s \"ssh\" is not a host name")
+        if not ips or not isinstance(ips, list) or not all(isinstance(a, str) for a in ips):
+            raise HostsError(f"hostfile {p}: host {i} ({ssh}) needs \"ips\" (a list of"
+                             " addresses) for the ring backend")
+        if model is not None and not isinstance(model, str):
+            raise HostsError(f"hostfile {p}: host {i} ({ssh}): \"model\" is not a path")
     backend = data.get("backend", "ring") if isinstance(data, dict) else "ring"
     if backend not in ("", "ring"):
         raise HostsError(f"kvchat --hosts starts the ring backend; for {backend!r} use"
                          " mlx.launch -- kvchat generate")
     envs = data.get("envs", []) if isinstance(data, dict) else []
+    if not isinstance(envs, list):
+        raise HostsError(f"hostfile {p}: \"envs\" is not a list of NAME=value strings")
     return {"hosts": hosts, "envs": [str(e) for e in envs]}
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvchat.app.core.discovery import hf_cache_dir
-from kvchat.model.errors import KVChatError
+from kvchat.model.errors import KVChatError, one_line
 from kvchat.model.files import PICKLE_PATTERNS
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -422,8 +422,12 @@ def _pull(
     # the environment as it is now (and returned from the cache if it is set)
     constants.HF_HUB_OFFLINE = False
     ep = endpoint()
-    info = HfApi(endpoint=ep).model_info(repo_id, revision=revision, files_metadata=True,
-                                         timeout=READ_TIMEOUT_S)
+    try:
+        info = HfApi(endpoint=ep).model_info(repo_id, revision=revision, files_metadata=True,
+                                             timeout=READ_TIMEOUT_S)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a body of another shape
+        raise PullError(f"{ep} answered about {repo_id} in a form kvchat cannot read"
+                        f" ({type(e).__name__}: {one_line(e, 80)})") from None
     if not info.sha:
         raise PullError(f"{ep} did not say which commit {repo_id}@{revision} is")
     sha = check_commit(info.sha, ep)
