@@ -81,6 +81,14 @@ def _float_dtype(model: Transformer) -> mx.Dtype:
                 if mx.issubdtype(a.dtype, mx.floating))
 
 
+class PartialReply(Exception):
+    """A turn that failed after some of its reply was shown: that text and its ids."""
+
+    def __init__(self, error: BaseException, text: str, ids: list[int]) -> None:
+        super().__init__(str(error))
+        self.error, self.text, self.ids = error, text, list(ids)
+
+
 def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
     cfg = model.config
     quant = getattr(model, "quantization", None)
@@ -475,6 +483,12 @@ class Engine:
             self._generate(turn, prompt_ids, params, t_submit, context_room)
         except TemplateCancelled:
             self._emit(Done("cancelled", "", [], prompt_ids))
+        except PartialReply as p:
+            if os.environ.get("KVCHAT_DEBUG") == "1":
+                traceback.print_exception(p.error)
+            self._drop_cache()  # it may hold a half-written step
+            # the reply so far is kept (the client marks it), with its ids for --json
+            self._emit(Done("error", p.text, p.ids, prompt_ids, error=error_line(p.error)))
         except KVChatError as e:
             self._emit(Done("error", "", [], prompt_ids, error=str(e)))
         except Exception as e:
@@ -562,6 +576,8 @@ class Engine:
                     last_stats = now
                     self._decode_stats(stats, generated, t_first, t_last)
                     self._emit(Stats(self._stats_now(stats)))
+        except Exception as e:  # a pipeline rank died, MLX failed: keep what was shown
+            raise PartialReply(e, stops.text[: stops.emitted], generated) from e
         finally:
             steps.close()  # waits for the in-flight step before the cache is touched
         self._cache_ids.extend(todo[: progress.prefilled])

@@ -101,3 +101,4 @@ async def test_second_window_opens_a_copy_and_no_turn_is_lost(env: Path) -> None
     copy = ConversationStore(root).load(mine.id)
     assert [m["content"] for m in copy.messages][:3] == [
         "first window's words", "ok", "second window's words"]
+

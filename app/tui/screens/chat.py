@@ -315,9 +315,10 @@ class ChatScreen(InterruptKey, Screen[None]):
         conv = self.conversation
         if ev.finish_reason == "error":
             self.notify(ev.error or "generation failed", severity="error", title="Error")
-            if ev.text:
+            if ev.text:  # the reply so far (a rank died mid-reply): kept, marked, saved
                 await reply.finish(ev.text, stopped=True, note="error")
                 conv.add_message("assistant", ev.text, stopped=True)
+                self._autosave()
             else:
                 await reply.remove()
             return
