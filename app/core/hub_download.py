@@ -348,7 +348,8 @@ def _one_line(e: BaseException, repo_id: str) -> str:
         first = str(e).strip().splitlines()[0] if str(e).strip() else name
         return f"{endpoint()} answered with an error: {first}"
     if isinstance(e, OSError):
-        return f"cannot write the download: {e.strerror or e}"
+        where = f" {e.filename}" if e.filename else ""
+        return f"cannot write the download{where}: {e.strerror or e}"
     return f"{name}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
 
 
