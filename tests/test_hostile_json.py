@@ -155,3 +155,33 @@ def test_loader_contract(tmp_path: Path) -> None:
     p.write_text("x" * 100)
     with pytest.raises(BadJSONFile, match="over the 10-byte limit"):
         load_json(p, limit=10)
+
+
+def test_history_names_a_skipped_chat_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    import asyncio
+
+    from kvchat.app.tui.app import KVChatApp
+    from kvchat.app.tui.screens import HistoryScreen
+    from tests.scripted_engine import ScriptedEngine, record_notifications, wait_for
+
+    monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
+    root = tmp_path / "data" / "chats"
+    root.mkdir(parents=True)
+    (root / "20260101-000000-abcdef.json").write_text("[" * 100_000)
+
+    async def run() -> None:
+        app = KVChatApp("/models/m", Settings(),
+                        engine_factory=lambda cb, p: ScriptedEngine(cb, p))
+        seen = record_notifications(app)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: bool(app.chat.model_info))
+            await pilot.press("f2")
+            await wait_for(pilot, lambda: isinstance(app.screen, HistoryScreen))
+            await pilot.pause()
+        msgs = [m for m, sev in seen if sev == "warning"]
+        assert any("20260101-000000-abcdef.json: nested deeper than 64 levels" in m
+                   for m in msgs), msgs
+
+    asyncio.run(run())
