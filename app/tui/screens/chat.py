@@ -539,6 +539,12 @@ class ChatScreen(InterruptKey, Screen[None]):
         except StoreError as e:
             self.notify(str(e), severity="error")
             return False
+        await self.show_conversation(conv)
+        return True
+
+    async def show_conversation(self, conv: Conversation) -> None:
+        """Make `conv` (already read from the store) the open chat."""
+        conv_id = conv.id
         self._end_edit()
         self._restored_tokens = 0  # set again if this chat's cache comes back
         opened = self._claim(conv)
@@ -558,7 +564,6 @@ class ChatScreen(InterruptKey, Screen[None]):
             self.engine.restore_cache(cache)
         if opened is conv:
             self.notify(f"Opened “{conv.title or 'New chat'}”", title="History")
-        return True
 
     def _claim(self, conv: Conversation) -> Conversation:
         """One writer per chat: this window holds `conv`, or gets a copy of it (and says
