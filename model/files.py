@@ -72,7 +72,14 @@ def read_regular_text(path: str | os.PathLike[str], limit: int = MAX_TEXT_BYTES)
         return f.read(limit + 1).decode("utf-8")
 
 
+# lone surrogates: valid in JSON escapes and in Python (bytes of a file name that are not
+# UTF-8), never encodable as UTF-8
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def replace_surrogates(text: str) -> str:
+    """`text` with every lone surrogate as U+FFFD: printable and writable as UTF-8."""
+    return _SURROGATE.sub("\ufffd", text)
 
 def shown_path(path: str | os.PathLike[str]) -> str:
     """A path as text: bytes that are not UTF-8 (kept by Python as lone surrogates)

@@ -38,14 +38,13 @@ except ImportError:  # Windows: no advisory locks; one window per data folder
     fcntl = None  # type: ignore[assignment]
 
 from kvchat.model.errors import KVChatError
-from kvchat.model.files import BadJSONFile, load_json
+from kvchat.model.files import BadJSONFile, load_json, replace_surrogates
 
 SCHEMA_VERSION = 1
 TITLE_MAX = 50
 ROLES = ("system", "user", "assistant")
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 CACHE_SUFFIX = ".kv.safetensors"
-_SURROGATE = re.compile("[\ud800-\udfff]")
 _STALE_TMP_S = 3600.0  # leftover temp files older than this came from a crashed save
 
 
@@ -65,7 +64,7 @@ def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
     path = Path(path)
     # text the app read may hold lone surrogates (valid JSON escapes, not UTF-8): a save
     # replaces them rather than failing, so nothing else in the file is lost
-    text = _SURROGATE.sub("\ufffd", text)
+    text = replace_surrogates(text)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -29,11 +29,12 @@ from typing import Any
 
 from rich.text import Text
 
+from kvchat.model.files import replace_surrogates
+
 # C0 (minus \t and \n), DEL and C1: the Unicode "Cc" category
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 # bidi embeddings/overrides/isolates and marks, zero-width characters, the BOM
 _INVISIBLE = re.compile("[\u061c\u200b-\u200f\u202a-\u202e\u2060-\u2069\ufeff]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _symbol(m: re.Match[str]) -> str:
@@ -48,7 +49,7 @@ def _symbol(m: re.Match[str]) -> str:
 def visible(text: object) -> str:
     """`text` with control characters (except newline and tab) made visible."""
     s = text if isinstance(text, str) else str(text)
-    s = _SURROGATE.sub("\ufffd", s.replace("\r\n", "\n"))
+    s = replace_surrogates(s.replace("\r\n", "\n"))
     return _CONTROL.sub(_symbol, s)
 
 
@@ -61,7 +62,7 @@ def visible_name(text: object) -> str:
 def clipboard_text(text: str) -> str:
     """What Ctrl+Y copies: the text as shown, control characters (ESC, BEL, ...) removed,
     so a paste can never replay a terminal sequence; newlines and tabs stay."""
-    return _CONTROL.sub("", _SURROGATE.sub("\ufffd", text.replace("\r\n", "\n")))
+    return _CONTROL.sub("", replace_surrogates(text.replace("\r\n", "\n")))
 
 
 def literal(text: object, style: str = "") -> Text:
