@@ -56,6 +56,20 @@ def test_listing_shows_odd_names_and_never_breaks(tmp_path: Path) -> None:
     assert "\u202e" not in table and "\u200b" not in table
 
 
+def test_models_json_with_a_non_utf8_name_is_valid_utf8_json(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    shutil.copytree(MINI, tmp_path / "models" / os.fsdecode(b"m\xffx"))
+    r = subprocess.run([sys.executable, "-m", "kvchat.app", "models", "--json", "--dir",
+                        str(tmp_path / "models")], capture_output=True, cwd=REPO_ROOT,
+                       env={**os.environ, "KVCHAT_CONFIG_DIR": str(tmp_path / "c")}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    names = [m["name"] for m in json.loads(r.stdout.decode("utf-8"))["models"]]
+    assert "m\ufffdx" in names
+
+
 def test_folder_name_that_is_not_utf8_is_one_line_not_bad_cast(tmp_path: Path) -> None:
     folder = tmp_path / os.fsdecode(b"m\xffodel")
     shutil.copytree(MINI, folder)

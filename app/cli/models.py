@@ -15,6 +15,7 @@ from pathlib import Path
 from kvchat.app.core.discovery import ModelRow, default_model_dirs, human_bytes, model_rows
 from kvchat.app.core.settings import load_settings
 from kvchat.app.core.text import visible_name
+from kvchat.model.files import replace_surrogates
 
 COLUMNS = ("NAME", "ARCH", "BITS", "DTYPE", "MEMORY", "SOURCE", "PATH")
 
@@ -79,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     looked_in = [str(root) for root, _ in default_model_dirs(extra)]
     if getattr(args, "json", False):
         out = {"models": [r.to_dict() for r in rows], "looked_in": looked_in}
-        print(json.dumps(out, indent=2))
+        # a folder name that is not UTF-8 cannot be JSON text: U+FFFD, as on screen
+        print(replace_surrogates(json.dumps(out, indent=2, ensure_ascii=False)))
         return 0
     if not rows:
         print("no local models found; looked in: " + ", ".join(looked_in))
