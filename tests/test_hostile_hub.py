@@ -82,7 +82,7 @@ def test_path_shaped_commit_is_refused(cache: Path, tmp_path: Path,
     assert _files_outside(tmp_path, cache) == [target / "config.json"]
 
 
-@pytest.mark.parametrize("revision", ["../../x", "/etc/x", "a/../../x", "..", "main/", "a\\b",
+@pytest.mark.parametrize("revision", ["../../x", "/etc/x", "a/../../x", "..", "main/", "a\\b", "main\n",
                                       ".hidden", "x.lock", "a//b", "a\x00b"])
 def test_revision_traversal_is_refused_before_any_request(
         cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, revision: str) -> None:
@@ -261,3 +261,16 @@ def test_hostfile_fields_of_the_wrong_type_name_the_host(tmp_path: Path) -> None
     f.write_text("[" * 10_000)
     with pytest.raises(HostsError, match="hosts.json: nested deeper"):
         read_hostfile(f)
+
+
+def test_free_space_counts_only_what_is_not_cached(cache: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    with FakeHub({REPO: FakeRepo.from_folder(MINI)}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        pull(REPO)  # everything cached; now a disk with room for the small files only
+        real = shutil.disk_usage
+        monkeypatch.setattr(hub_download.shutil, "disk_usage",
+                            lambda p: real(p)._replace(free=len(WEIGHTS) // 2))
+        pull(REPO)

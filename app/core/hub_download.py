@@ -108,7 +108,7 @@ def check_revision(revision: str) -> str:
     no backslash, control character, leading dot or '.lock' end."""
     parts = revision.split("/")
     if (not revision or len(revision) > 255 or revision.endswith(".lock")
-            or not all(_REF_PART.match(p) and ".." not in p for p in parts)):
+            or not all(_REF_PART.fullmatch(p) and ".." not in p for p in parts)):
         raise PullError(f"not a valid revision name: {revision!r:.80}"
                         " (a branch, tag or commit, without '..' or absolute paths)")
     return revision
@@ -117,7 +117,7 @@ def check_revision(revision: str) -> str:
 def blob_name(etag: str) -> str:
     """The ETag when it is a plain hex digest (what the Hub sends: a git sha1 or the LFS
     sha256), else a sha256 of it: never a path."""
-    if HEX_DIGEST.match(etag):
+    if HEX_DIGEST.fullmatch(etag):
         return etag
     return hashlib.sha256(etag.encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -443,7 +443,10 @@ def _pull(
     folder = repo_folder(repo_id, cache)
     blobs = inside(cache, folder / "blobs")
     snapshot = inside(cache, folder / "snapshots" / sha)
-    _check_space(blobs, progress.bytes_total)
+    # what is not in the cache yet (an LFS blob is named by its sha256, which the listing
+    # gives; small files are counted whole)
+    _check_space(blobs, sum(s.size or 0 for s in files if not (
+        s.lfs and HEX_DIGEST.fullmatch(s.lfs.sha256 or "") and (blobs / s.lfs.sha256).is_file())))
     blobs.mkdir(parents=True, exist_ok=True)
     snapshot.mkdir(parents=True, exist_ok=True)
     headers = build_hf_headers()
