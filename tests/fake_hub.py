@@ -18,7 +18,8 @@ the ETag / commit the hub announces (path-shaped ones), `cdn_url` sends the LFS 
 to another server, `stall_after` holds a CDN response after that many bytes, `cut_always`
 drops every CDN response after that many bytes and ignores Range, `endless` sends a CDN
 body with no Content-Length that never ends, `corrupt` flips a byte of what the CDN sends,
-`info` replaces the model-info body.
+`info` replaces the model-info body, `bad_range` answers a Range with 206 from half the
+offset asked.
 
 Run standalone for a demo: python -m tests.fake_hub REPO_ID FOLDER [--throttle BPS]
 """
@@ -75,6 +76,7 @@ class FakeHub:
     endless: bool = False
     corrupt: bool = False
     info: object = None  # the model-info body to send instead (any JSON value)
+    bad_range: bool = False  # answer a Range request with 206 from half the offset asked
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
     _server: ThreadingHTTPServer | None = None
 
@@ -232,7 +234,7 @@ class FakeHub:
         start = 0
         rng = h.headers.get("Range")
         if ranged and rng and rng.startswith("bytes=") and rng.endswith("-"):
-            start = int(rng[len("bytes="):-1])
+            start = int(rng[len("bytes="):-1]) // (2 if self.bad_range else 1)
             if start >= len(body):
                 h.send_response(416)
                 h.send_header("Content-Range", f"bytes */{len(body)}")

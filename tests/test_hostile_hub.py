@@ -274,3 +274,23 @@ def test_free_space_counts_only_what_is_not_cached(cache: Path,
         monkeypatch.setattr(hub_download.shutil, "disk_usage",
                             lambda p: real(p)._replace(free=len(WEIGHTS) // 2))
         pull(REPO)
+
+
+def test_a_range_answer_for_other_bytes_starts_over(cache: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 206 whose Content-Range is not the part asked for is never appended."""
+    with FakeHub({REPO: FakeRepo.from_folder(MINI)}, cut_after=100_000, bad_range=True) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        snap = pull(REPO)
+        ranges = [h.get("Range") for m, p, h in hub.requests if p.startswith("/cdn/")]
+    assert any(r and r != "bytes=0-" for r in ranges)  # it did ask for the rest
+    assert (snap / "model.safetensors").read_bytes() == WEIGHTS
+
+
+def test_an_empty_file_in_the_repo_is_fetched(cache: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = FakeRepo({**FakeRepo.from_folder(MINI).files, "added_tokens.json": b""})
+    with FakeHub({REPO: repo}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        snap = pull(REPO)
+    assert (snap / "added_tokens.json").read_bytes() == b""

@@ -228,8 +228,9 @@ def _fetch(url: str, part: Path, name: str, size: int, headers: dict[str, str],
     from huggingface_hub.utils import get_session, hf_raise_for_status
 
     timeout = httpx2.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
+    part.touch()  # an empty file is complete as it is
     first = True
-    while (have := part.stat().st_size if part.exists() else 0) < size:
+    while (have := part.stat().st_size) < size:
         if not first:  # the last response ended short, cleanly or not
             retries.spend(name, "the server's responses end early")
         first = False
@@ -240,8 +241,13 @@ def _fetch(url: str, part: Path, name: str, size: int, headers: dict[str, str],
             with get_session().stream("GET", url, headers=h, follow_redirects=True,
                                       timeout=timeout) as r:
                 hf_raise_for_status(r)
-                resumed = r.status_code == 206 and _range_start(r) == have
-                if not resumed and have:  # 200 (or an odd range): the server restarted it
+                if r.status_code == 206 and _range_start(r) != have:  # not the part we asked
+                    progress.received(-have)
+                    part.unlink()  # start over; the next attempt asks for all of it
+                    part.touch()
+                    continue
+                resumed = r.status_code == 206
+                if not resumed and have:  # 200: the server sends it all again
                     progress.received(-have)
                     have = 0
                 with open(part, "ab" if resumed else "wb") as f:
@@ -264,8 +270,6 @@ def _fetch(url: str, part: Path, name: str, size: int, headers: dict[str, str],
         except Exception as e:
             if type(e).__name__ not in TRANSIENT:
                 raise
-    if part.stat().st_size != size:  # unreachable by the loop above; kept as a guard
-        raise PullError(f"{name}: got {part.stat().st_size:,} bytes, expected {size:,}")
 
 
 def _range_start(r: Any) -> int | None:
