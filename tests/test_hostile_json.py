@@ -185,3 +185,25 @@ def test_history_names_a_skipped_chat_file(tmp_path: Path, monkeypatch: pytest.M
                    for m in msgs), msgs
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", "deep nesting", "lone surrogate"])
+def test_every_command_starts_with_a_bad_settings_file(tmp_path: Path, kind: str) -> None:
+    """A FIFO (it used to hang every command), 100,000 levels (a RecursionError before
+    anything started) or a lone surrogate: one warning naming the file, exit 0."""
+    import subprocess
+    import sys
+
+    from .conftest import REPO_ROOT
+
+    cfg = tmp_path / "config"
+    cfg.mkdir()
+    BAD[kind](cfg / "settings.json", {"temp": 0.5})
+    r = subprocess.run([sys.executable, "-m", "kvchat.app", "models"], capture_output=True,
+                       text=True, cwd=REPO_ROOT, timeout=60,
+                       env={**os.environ, "KVCHAT_CONFIG_DIR": str(cfg),
+                            "KVCHAT_DATA_DIR": str(tmp_path / "data")})
+    assert r.returncode == 0, r.stderr
+    warn = [ln for ln in r.stderr.splitlines() if "settings.json" in ln]
+    assert len(warn) == 1 and "using default settings" in warn[0], r.stderr
+    assert "Traceback" not in r.stderr
