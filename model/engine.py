@@ -381,9 +381,13 @@ class Engine:
             if not isinstance(ids, list) or not isinstance(bound, list) or len(bound) != 2:
                 raise KVChatError("its token ids or bound are malformed")
             cfg = self.model.config
-            check_layers(caches, ids, self.model.make_cache(max_kv_size=bound[0], keep=bound[1]),
-                         n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                         dtype=self.model_info.get("dtype"), vocab_size=cfg.vocab_size)
+            try:
+                check_layers(caches, ids,
+                             self.model.make_cache(max_kv_size=bound[0], keep=bound[1]),
+                             n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                             dtype=self.model_info.get("dtype"), vocab_size=cfg.vocab_size)
+            except KVChatError as e:
+                raise KVChatError(f"{path.name}: {e}") from None
         except (KVChatError, ValueError, KeyError, TypeError) as e:
             self._emit(CacheRestored(str(path), 0, f"K/V cache not restored: {e}"))
             return

@@ -149,6 +149,7 @@ def test_damaged_cache_is_refused_in_one_line_and_reply_is_cold(
     DAMAGE[damage](path)
     ev, ids, cached = _restore_then_reply(saved, path)
     assert ev.error and ev.error.startswith("K/V cache not restored: ") and "\n" not in ev.error
+    assert path.name in ev.error  # names the file
     assert ev.tokens == 0 and cached == 0
     assert ids == saved["cold"]
 
