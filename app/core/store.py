@@ -223,10 +223,10 @@ class ConversationStore:
         self.root = Path(root).expanduser() if root is not None else default_root()
         # (file, reason) for each file the last list() could not read
         self.skipped: list[tuple[Path, str]] = []
-        # ids whose newer copy was rescued from a killed save's temp file at start-up
         self._held: dict[str, int] = {}  # chat id -> descriptor holding its lock
         # a store that goes away (a temporary one, say) lets its chats go with it
         weakref.finalize(self, _close_all, self._held)
+        # ids whose newer copy was rescued from a killed save's temp file at start-up
         self.recovered: list[str] = self._recover_temps()
 
     # ---- one writer per chat ---------------------------------------------------------
