@@ -551,6 +551,7 @@ class Engine:
         reason_done = "length"
         t_first = t_last = None
         last_stats = self.clock()
+        failure: Exception | None = None
         try:
             for token in steps:
                 now = self.clock()
@@ -579,9 +580,14 @@ class Engine:
                     self._decode_stats(stats, generated, t_first, t_last)
                     self._emit(Stats(self._stats_now(stats)))
         except Exception as e:  # a pipeline rank died, MLX failed: keep what was shown
-            raise PartialReply(e, stops.text[: stops.emitted], generated) from e
+            failure = e
         finally:
-            steps.close()  # waits for the in-flight step before the cache is touched
+            try:
+                steps.close()  # waits for the in-flight step before the cache is touched
+            except Exception as e:  # the in-flight step failed: as above
+                failure = failure or e
+        if failure is not None:
+            raise PartialReply(failure, stops.text[: stops.emitted], generated) from failure
         self._cache_ids.extend(todo[: progress.prefilled])
         if progress.prefilled < len(todo):  # cancelled during prefill
             self._emit(Done("cancelled", "", [], prompt_ids, self._stats_now(stats)))
