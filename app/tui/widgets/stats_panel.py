@@ -26,6 +26,7 @@ from kvchat.app.tui.widgets.format import (
     fmt_saving,
     fmt_seconds,
 )
+from kvchat.model import threads
 from kvchat.model.events import CACHE_FIELDS, TURN_FIELDS, TurnStats
 
 REFRESH_S = 0.1
@@ -247,6 +248,7 @@ class StatsPanel(VerticalScroll):
             _row("kernels", str(s.kernels_backend or "–")),
             _row("device", str(s.device or "–")),
             _row("BLAS", blas.short_label(), "" if blas.active_blas()["fast"] else "yellow"),
+            _row("threads", threads.policy().short_label()),
             _row("active", fmt_bytes(s.active_memory)),
             _row("peak", fmt_bytes(s.peak_memory)),
         ]
