@@ -15,8 +15,9 @@ columns of the largest weight) and on how many cores are free right now: below
 `MIN_WORK_PER_THREAD`, capped at the cores this process may run on minus the other
 programs running at this instant (`/proc/loadavg`'s runnable count, read per call: a
 second thread on a core another program holds waits a whole time slice, measured at
-4-10x slower than one thread on this project's shared 2-core machine). `KVCHAT_THREADS` (or the settings entry `threads`) fixes the count
-for every call instead ("auto" keeps the table).
+4-10x slower than one thread on this project's shared 2-core machine).
+`KVCHAT_THREADS` (or the settings entry `threads`) fixes the count for every call
+instead ("auto" keeps the table).
 
 The count is set with OpenBLAS's own runtime call, `openblas_set_num_threads`, found in
 the library the CLI preloaded (app/core/blas.py passes its path to `bind`); with any

@@ -27,7 +27,6 @@ import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from kvchat.app.core import blas

@@ -26,8 +26,8 @@ import platformdirs
 
 from kvchat import metal_kernels
 from kvchat.app.core.store import atomic_write_text
-from kvchat.model.errors import KVChatError
 from kvchat.model import threads
+from kvchat.model.errors import KVChatError
 from kvchat.model.events import GenParams
 from kvchat.model.sampling import SamplingParams
 
