@@ -35,11 +35,12 @@ ENV = "KVCHAT_THREADS"
 LIB_ENV = "KVCHAT_BLAS_LIB"  # the bound library's path, handed to the engine's child process
 _SOURCE_ENV = "KVCHAT_THREADS_FROM"  # so the child's label names the parent's source
 AUTO = "auto"
-# multiply-adds of one matmul below which a second thread costs more than it saves;
-# measured (README, "Thread policy"): 256 prompt tokens × 135M-class MLP (576 × 1536) ≈
-# 2.3e8 pays on 2 cores, kvchat-mini's 512-token chunk (192 × 3072 lm_head ≈ 3e8) is
-# around the break-even, decode steps (≤ 3e7) never pay.
-MIN_WORK_PER_THREAD = 2.0e8
+# multiply-adds of one matmul that pay for one more thread. From the matmul timings in
+# README "Thread policy" (2 cores): a decode step (1 × 576 × 1536 = 8.8e5) gains nothing
+# from a second thread even on free cores, and on busy ones every shape up to 4.5e8 ran
+# 3-10x slower with two; 1e8 keeps kvchat-mini and stories260K on one thread for every
+# call and lets a 135M-class model's prefill chunks of >= 174 tokens use free cores.
+MIN_WORK_PER_THREAD = 1.0e8
 
 
 class ThreadsError(ValueError):
