@@ -48,11 +48,16 @@ def _lines(*rows: Text) -> Text:
 
 
 def _set(widget: Static, text: Text) -> None:
-    """Update without a screen re-layout unless the number of lines changed (a layout
-    pass costs far more than the repaint, and this runs 10 times a second)."""
+    """Update only when the text changed (while decoding, the model and runtime sections
+    never do), and without a screen re-layout unless the number of lines changed (a
+    layout pass costs far more than the repaint, and this runs 10 times a second)."""
+    key = (text.plain, tuple(text.spans), str(text.style))  # Text == compares plain only
+    if key == getattr(widget, "_kv_text", None):
+        return
     lines = len(text.plain.split("\n"))
     widget.update(text, layout=lines != getattr(widget, "_kv_lines", None))
     widget._kv_lines = lines  # type: ignore[attr-defined]
+    widget._kv_text = key  # type: ignore[attr-defined]
 
 
 def decode_elapsed(stats: TurnStats) -> float | None:
