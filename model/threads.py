@@ -111,7 +111,7 @@ class Policy:
         """For the side panel's narrow column."""
         if self.fixed is not None:
             return f"{self.fixed} fixed"
-        return f"auto · 1 decode, ≤{self.cores} prefill" if self.cores > 1 else "auto · 1"
+        return f"auto · 1–{self.cores} by shape" if self.cores > 1 else "auto · 1"
 
 
 class _Blas:

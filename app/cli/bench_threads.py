@@ -24,6 +24,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -170,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         result["models"][name] = measure(model, cores, a.loads, a.runs, a.prompt_tokens,
                                          a.gen_tokens)
         del model
+        one = {**result, "models": {name: result["models"][name]}}
+        print("\n".join(render(one).splitlines()[2:-1]), file=sys.stderr, flush=True)
     print(json.dumps(result) if a.json else render(result))
     return 0
 
