@@ -183,3 +183,34 @@ def test_version_names_the_policy(capsys: pytest.CaptureFixture[str],
         main(["--version"])
     assert e.value.code == 0
     assert "threads: 1 fixed (KVCHAT_THREADS)" in capsys.readouterr().out
+
+
+def test_thread_table_columns_and_auto_vs_best(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread-policy table (app/cli/bench_threads.py): one column per fixed count and
+    auto, medians per cell, and auto ÷ the best fixed column; no timing involved."""
+    from types import SimpleNamespace
+
+    from kvchat.app.cli import bench_threads as bt
+
+    assert bt.settings(2) == ["1", "2", "auto"]
+    assert bt.settings(8) == ["1", "2", "8", "auto"]
+    speeds = {"1": (100.0, 50.0), "2": (180.0, 40.0), "auto": (170.0, 49.0)}
+    using: list[str] = []
+    monkeypatch.setattr(bt, "_use", using.append)
+    monkeypatch.setattr(bt, "once", lambda _m, prompt, _g: speeds[using[-1]]
+                        if len(prompt) > 16 else (1.0, 1.0))
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=64))
+    rows = bt.measure(model, 2, ["none"], runs=3, prompt_tokens=32, gen=4)
+    assert [(r["load"], r["metric"]) for r in rows] == [("none", "prefill_tps"),
+                                                        ("none", "decode_tps")]
+    assert rows[0]["median"] == {"1": 100.0, "2": 180.0, "auto": 170.0}
+    assert rows[0]["auto_vs_best"] == pytest.approx(170 / 180)
+    assert rows[1]["auto_vs_best"] == pytest.approx(49 / 50)
+    # every setting timed once per round, rotating which goes first
+    timed = using[3:]  # after one warm-up each
+    assert sorted(timed) == sorted(["1", "2", "auto"] * 3) and timed[:3] != timed[3:6]
+    text = bt.render({"policy": "auto", "cores": 2, "blas": "OpenBLAS", "prompt_tokens": 32,
+                      "gen_tokens": 4, "runs": 3, "settings": bt.settings(2),
+                      "models": {"mini": rows}})
+    assert "auto÷best" in text and "1 thr" in text and "0.94" in text and "0.98" in text
+    assert "one core busy (yes > /dev/null)" in text

@@ -3,7 +3,7 @@ threads and under the automatic policy, on the machine as it is and with one cor
 busy by `yes > /dev/null` beside it.
 
     python -m kvchat.app.cli.bench_threads [--models mini stories 135m] [--runs 3]
-        [--prompt-tokens 256] [--gen-tokens 48] [--loads none busy] [--json]
+        [--prompt-tokens 256] [--gen-tokens 48] [--loads none busy] [--matmuls] [--json]
 
 Runs through kvchat's own decode loop (`model.generate.generate_step`) with OpenBLAS
 preloaded the way `kvchat` does it (this module re-executes itself once with it). Each
@@ -128,6 +128,47 @@ def measure(model: Any, cores: int, kinds: list[str], runs: int, prompt_tokens: 
     return rows
 
 
+MATMULS = ((1, 192, 512), (1, 576, 1536), (128, 576, 1536), (256, 576, 1536),
+           (512, 192, 512), (512, 576, 1536))  # (tokens, rows, cols): the models' shapes
+
+
+def matmuls(cores: int, rounds: int = 3) -> list[dict[str, Any]]:
+    """Microseconds per fp32 matmul of each shape at each fixed thread count (best of
+    `rounds`): where a second thread starts to pay (model/threads.py's threshold)."""
+    import mlx.core as mx
+
+    from kvchat.model import threads
+
+    out = []
+    for m, k, n in MATMULS:
+        a, b = mx.random.normal((m, k)), mx.random.normal((k, n))
+        mx.eval(a, b)
+        reps = max(5, int(2e9 / (m * k * n)))
+        best: dict[int, float] = {}
+        for _ in range(rounds):
+            for t in sorted({1, 2, cores}):
+                threads.set_threads(t)
+                mx.eval(a @ b)
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    mx.eval(a @ b)
+                best[t] = min(best.get(t, 1e9), (time.perf_counter() - t0) / reps * 1e6)
+        out.append({"shape": [m, k, n], "work": m * k * n, "us": best,
+                    "auto": threads.policy().threads_for(m, k, n)})
+    return out
+
+
+def render_matmuls(rows: list[dict[str, Any]], load: str) -> str:
+    cols = sorted(rows[0]["us"])
+    lines = [f"matmul µs ({LOADS[load]}):  tokens × rows × cols" + "".join(
+        f"{str(c) + ' thr':>10}" for c in cols) + f"{'auto (free cores)':>19}"]
+    for r in rows:
+        m, k, n = r["shape"]
+        lines.append(f"{m:>6} × {k:>4} × {n:>4} ({r['work']:.1e})" + "".join(
+            f"{r['us'][c]:>10,.0f}" for c in cols) + f"{r['auto']:>19}")
+    return "\n".join(lines)
+
+
 def render(result: dict[str, Any]) -> str:
     cols = result["settings"]
     head = (f"{'model':<9}{'load':<6}{'metric':<13}" + "".join(f"{c + ' thr':>11}" for c in cols)
@@ -149,13 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvchat.app.cli.bench_threads",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", choices=["mini", "stories", "135m"],
+    p.add_argument("--models", nargs="*", choices=["mini", "stories", "135m"],
                    default=["mini", "stories", "135m"])
     p.add_argument("--stories", default=STORIES, metavar="DIR")
     p.add_argument("--loads", nargs="+", choices=list(LOADS), default=list(LOADS))
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--gen-tokens", type=int, default=48)
+    p.add_argument("--matmuls", action="store_true",
+                   help="also time single matmuls of the models' shapes per thread count")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     from kvchat.model import threads
@@ -166,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         "cores": cores, "blas": blas.describe(), "policy": policy,
         "settings": settings(cores), "prompt_tokens": a.prompt_tokens,
         "gen_tokens": a.gen_tokens, "runs": a.runs, "loads": LOADS, "models": {}}
+    if a.matmuls:
+        result["matmuls"] = {}
+        for kind in a.loads:
+            with load(kind):
+                result["matmuls"][kind] = matmuls(cores)
+            print(render_matmuls(result["matmuls"][kind], kind), file=sys.stderr, flush=True)
     for name in a.models:
         model = _load(name, a.stories)
         result["models"][name] = measure(model, cores, a.loads, a.runs, a.prompt_tokens,
@@ -173,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         del model
         one = {**result, "models": {name: result["models"][name]}}
         print("\n".join(render(one).splitlines()[2:-1]), file=sys.stderr, flush=True)
-    print(json.dumps(result) if a.json else render(result))
+    text = render(result) if a.models else ""
+    for kind, rows in result.get("matmuls", {}).items():
+        text += "\n" + render_matmuls(rows, kind)
+    print(json.dumps(result) if a.json else text.strip())
     return 0
 
 
