@@ -5,9 +5,9 @@ decode step multiplies a single row by matrices of a few hundred columns; split 
 ways, each half is microseconds of work and the threads spend longer waking and
 synchronising than computing, and on a core shared with anything else (the chat's UI
 process, a browser, a build) one of them waits for a time slice while the other spins.
-Measured (README, "Thread policy"): one thread decodes faster for every model here,
-idle or busy; a prefill chunk of hundreds of tokens through a large model is the one
-shape where a second thread pays.
+Measured (README, "Fast by default"): one thread decodes as fast or faster for every
+model here; a prefill chunk of hundreds of tokens through a large model on free cores is
+the one shape where a second thread can pay.
 
 The policy is a table keyed on the work of the call's largest matmul (tokens × rows ×
 columns of the largest weight) and on how many cores are free right now: below
@@ -35,11 +35,12 @@ ENV = "KVCHAT_THREADS"
 LIB_ENV = "KVCHAT_BLAS_LIB"  # the bound library's path, handed to the engine's child process
 _SOURCE_ENV = "KVCHAT_THREADS_FROM"  # so the child's label names the parent's source
 AUTO = "auto"
-# multiply-adds of one matmul that pay for one more thread. From the matmul timings in
-# README "Thread policy" (2 cores): a decode step (1 × 576 × 1536 = 8.8e5) gains nothing
-# from a second thread even on free cores, and on busy ones every shape up to 4.5e8 ran
-# 3-10x slower with two; 1e8 keeps kvchat-mini and stories260K on one thread for every
-# call and lets a 135M-class model's prefill chunks of >= 174 tokens use free cores.
+# multiply-adds of one matmul per thread. From the matmul timings in README ("Fast by
+# default", 2 cores): a decode step (1 × 576 × 1536 = 8.8e5) gains little from a second
+# thread even on free cores, and on busy ones every shape up to 4.5e8 ran 3-10x slower
+# with two. 1e8 (a few ms per thread, OpenBLAS's own order of magnitude; no idle machine
+# was available to measure the crossover) keeps kvchat-mini and stories260K on one
+# thread for every call; a 135M-class model's chunks of >= 227 tokens (2e8) may use two.
 MIN_WORK_PER_THREAD = 1.0e8
 
 
