@@ -26,6 +26,7 @@ import platformdirs
 
 from kvchat import metal_kernels
 from kvchat.app.core.store import atomic_write_text
+from kvchat.model import threads
 from kvchat.model.errors import KVChatError
 from kvchat.model.events import GenParams
 from kvchat.model.files import BadJSONFile, load_json
@@ -58,6 +59,7 @@ class Settings:
     model_dirs: list[str] = field(default_factory=list)
     last_model: str | None = None
     kernels: str | None = None  # RMSNorm/RoPE backend (metal|fast|ops); None: the default
+    threads: str | int = "auto"  # OpenBLAS threads: "auto" (model/threads.py) or a count
     # warm chats: save each chat's K/V cache beside it, unless larger than the cap (MiB)
     save_kv_cache: bool = True
     kv_cache_max_mib: int = 256
@@ -156,6 +158,11 @@ def _field_error(name: str, v: Any) -> str | None:
         if v is not None and v not in metal_kernels.available_backends():
             return (f"kernels must be empty (the default) or one of "
                     f"{', '.join(metal_kernels.available_backends())} here (got {v!r})")
+    elif name == "threads":
+        try:
+            threads.parse(v)
+        except threads.ThreadsError as e:
+            return str(e)
     elif name == "theme":
         if v is not None and not isinstance(v, str):
             return f"theme must be a theme name (got {v!r})"

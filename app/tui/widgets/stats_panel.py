@@ -26,6 +26,7 @@ from kvchat.app.tui.widgets.format import (
     fmt_saving,
     fmt_seconds,
 )
+from kvchat.model import threads
 from kvchat.model.events import CACHE_FIELDS, TURN_FIELDS, TurnStats
 
 REFRESH_S = 0.1
@@ -47,11 +48,16 @@ def _lines(*rows: Text) -> Text:
 
 
 def _set(widget: Static, text: Text) -> None:
-    """Update without a screen re-layout unless the number of lines changed (a layout
-    pass costs far more than the repaint, and this runs 10 times a second)."""
+    """Update only when the text changed (while decoding, the model and runtime sections
+    never do), and without a screen re-layout unless the number of lines changed (a
+    layout pass costs far more than the repaint, and this runs 10 times a second)."""
+    key = (text.plain, tuple(text.spans), str(text.style))  # Text == compares plain only
+    if key == getattr(widget, "_kv_text", None):
+        return
     lines = len(text.plain.split("\n"))
     widget.update(text, layout=lines != getattr(widget, "_kv_lines", None))
     widget._kv_lines = lines  # type: ignore[attr-defined]
+    widget._kv_text = key  # type: ignore[attr-defined]
 
 
 def decode_elapsed(stats: TurnStats) -> float | None:
@@ -247,6 +253,7 @@ class StatsPanel(VerticalScroll):
             _row("kernels", str(s.kernels_backend or "–")),
             _row("device", str(s.device or "–")),
             _row("BLAS", blas.short_label(), "" if blas.active_blas()["fast"] else "yellow"),
+            _row("threads", threads.policy().short_label()),
             _row("active", fmt_bytes(s.active_memory)),
             _row("peak", fmt_bytes(s.peak_memory)),
         ]
