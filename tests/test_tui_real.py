@@ -30,13 +30,9 @@ from kvchat.app.tui.widgets import ChatMessage
 from kvchat.app.tui.widgets.format import human_bytes
 from kvchat.model.engine_process import EngineProcess
 from kvchat.model.events import CacheRestored, Done, Event, GenParams, Loaded, Started
+from tests.conftest import STORIES260K as STORIES
 from tests.scripted_engine import async_test, record_notifications, wait_for
 
-STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
-pytestmark = pytest.mark.skipif(
-    not (STORIES / "config.json").is_file(),
-    reason=f"real model absent: {STORIES} (see DESIGN.md, Tests)",
-)
 SIZE = (120, 40)
 PROMPT = "Once upon a time"
 
