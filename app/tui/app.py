@@ -15,14 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from textual.app import App, SystemCommand
+from textual.content import Content
 from textual.screen import Screen
 
 from kvchat import metal_kernels
 from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.settings import Settings, load_settings
 from kvchat.app.core.store import ConversationStore
-from kvchat.app.core.text import SafeNotify
+from kvchat.app.core.text import SafeNotify, visible
 from kvchat.app.tui.actions import bindings, help_rows, palette
+from kvchat.app.tui.readable import readable_variables
 from kvchat.app.tui.screens import ChatScreen, HelpScreen
 from kvchat.model.events import EngineFactory, EngineLike, Event
 
@@ -72,6 +74,19 @@ class KVChatApp(SafeNotify, App[int]):
             engine_factory or _default_engine,
             model_path,
         )
+
+    def get_css_variables(self) -> dict[str, str]:
+        # every text colour at 4.5:1 or better, whichever theme is active
+        self.theme_variables = readable_variables(super().get_css_variables())
+        return self.theme_variables
+
+    def format_title(self, title: str, sub_title: str) -> Content:
+        # literal text (as SafeNotify's); the model's name in $text-muted where Textual
+        # dims it, which falls below 4.5:1 on a light theme's header
+        if not sub_title:
+            return Content(visible(title))
+        return Content.assemble(Content(visible(title)), (" — ", "$text-muted"),
+                                Content(visible(sub_title)).stylize("$text-muted"))
 
     def get_default_screen(self) -> Screen[Any]:
         return self.chat

@@ -21,7 +21,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.screen import Screen
-from textual.widgets import Footer, Header, LoadingIndicator, Static
+from textual.widgets import Header, LoadingIndicator, Static
 
 from kvchat.app.core.settings import Settings, remember_model
 from kvchat.app.core.store import Conversation, ConversationStore, StoreError, export_markdown
@@ -42,7 +42,14 @@ from kvchat.app.tui.session import (
 )
 from kvchat.app.tui.turn import FINISH_PHASE, Phase, step
 from kvchat.app.tui.turn_notices import on_turn_event
-from kvchat.app.tui.widgets import ChatInput, ChatMessage, StatsPanel, Transcript
+from kvchat.app.tui.widgets import (
+    ActionFooter,
+    ChatInput,
+    ChatMessage,
+    StatsPanel,
+    StatusLine,
+    Transcript,
+)
 from kvchat.app.tui.widgets.format import fmt_bytes
 from kvchat.model.errors import KVChatError
 from kvchat.model.events import (
@@ -62,6 +69,9 @@ from kvchat.model.events import (
     TurnStats,
 )
 
+# narrower than this, the side panel starts hidden (a status line under the chat instead):
+# at 80 columns it would leave the chat about 40
+PANEL_MIN_COLUMNS = 100
 TEXT_FLUSH_HZ = 15  # streamed text reaches the transcript at most this often
 FINISH_NOTES = {"length": "max tokens reached", "stop": "stop string", "eos": ""}
 # what the input box's border says in each phase
@@ -80,6 +90,9 @@ class ChatScreen(InterruptKey, Screen[None]):
     and the store; everything about the chat flow lives here."""
 
     BINDINGS = bindings("chat")
+    # -narrow / -wide follow the terminal's width; kvchat.tcss shows the panel or the
+    # status line from them unless the panel key chose (-panel-shown / -panel-hidden)
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (PANEL_MIN_COLUMNS, "-wide")]
 
     phase: reactive[Phase] = reactive(Phase.IDLE, bindings=True, init=False)
 
@@ -124,15 +137,17 @@ class ChatScreen(InterruptKey, Screen[None]):
     # ---- layout ---------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield Header()
+        panel = StatsPanel(id="stats")
         with Horizontal(id="main"):
             with Vertical(id="chat"):
                 yield Transcript(id="transcript")
+                yield StatusLine(panel, id="status-line")
                 with Horizontal(id="loading"):
                     yield LoadingIndicator()
                     yield Static("", id="loading-label", markup=False)
                 yield ChatInput(id="input")
-            yield StatsPanel(id="stats")
-        yield Footer(compact=True)
+            yield panel
+        yield ActionFooter(compact=True)
 
     @property
     def transcript(self) -> Transcript:
@@ -148,6 +163,7 @@ class ChatScreen(InterruptKey, Screen[None]):
 
     def on_mount(self) -> None:
         self.sub_title = "no model"
+        self.panel.set_bound(self.settings.max_kv_size, self.settings.keep)
         self.input.focus()
         for w in self.settings.warnings:
             self.notify(w, severity="warning", title="Settings")
@@ -509,6 +525,7 @@ class ChatScreen(InterruptKey, Screen[None]):
         if new is None:
             return
         self.settings = new
+        self.panel.set_bound(new.max_kv_size, new.keep)
         use_saved_theme(self)  # after the swap: the theme hook saves into these settings
         # the open chat follows the new system prompt from its next turn
         self.conversation.system_prompt = new.system_prompt
@@ -570,6 +587,13 @@ class ChatScreen(InterruptKey, Screen[None]):
             return path
         self.notify(f"Cannot write {name} to the data folder or here.", severity="error")
         return None
+
+    def action_toggle_panel(self) -> None:
+        """Hide or show the stats panel; the choice holds until the next press, whatever
+        the width does meanwhile."""
+        shown = not self.panel.display
+        self.set_class(shown, "-panel-shown")
+        self.set_class(not shown, "-panel-hidden")
 
     def action_layers(self) -> None:
         self.app.push_screen(LayerCacheScreen(self._layer_rows))

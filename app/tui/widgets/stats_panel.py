@@ -78,7 +78,8 @@ class ContextGauge(Static):
         bar = Text("█" * full, style="bold")
         bar.append("░" * (self.BAR_W - full), style="dim")
         bar.append(f" {frac * 100:3.0f}%")
-        _set(self, _lines(bar, Text(f"{tokens:,} / {capacity:,} tokens", style="dim")))
+        # not dim: a dimmed gauge colour falls below 4.5:1 in a light theme
+        _set(self, _lines(bar, Text(f"{tokens:,} / {capacity:,} tokens")))
 
 
 class StatsPanel(VerticalScroll):
@@ -96,6 +97,10 @@ class StatsPanel(VerticalScroll):
         self._last_point: tuple[int, float] | None = None  # (generated, decode span)
         self._spark: deque[float] = deque(maxlen=SPARK_POINTS)
         self.prefill: tuple[int, int, float] | None = None  # (done, total, tok/s) while slow
+        # the configured cache bound (Settings' max KV size and keep): what the first turn
+        # will build, shown before it does (None: the model's context)
+        self.max_kv_size: int | None = None
+        self.keep = 0
 
     def compose(self) -> ComposeResult:
         yield Static("Speed", classes="section")
@@ -167,6 +172,15 @@ class StatsPanel(VerticalScroll):
         self._dirty = True
         self._render_now()
 
+    def set_bound(self, max_kv_size: int | None, keep: int) -> None:
+        self.max_kv_size, self.keep = max_kv_size, keep if max_kv_size else 0
+        self._dirty = True
+
+    def capacity(self) -> int | None:
+        """The context bound: the cache's own once a turn has built it, else the
+        configured max KV size, else the model's context."""
+        return self.stats.cache_capacity or self.max_kv_size or self.info.get("context")
+
     def clear_cache_stats(self) -> None:
         """New chat: the cache is empty again. The GQA factor stays: it is the model's."""
         gone = [f for f in (*CACHE_FIELDS, "cached_tokens") if f != "gqa_saving"]
@@ -200,7 +214,7 @@ class StatsPanel(VerticalScroll):
         spark = self.query_one("#spark", Sparkline)
         spark.data = list(self._spark)  # empty: a flat baseline, not a full block
 
-        tokens, cap = s.cache_tokens, s.cache_capacity or info.get("context")
+        tokens, cap = s.cache_tokens, self.capacity()
         gauge = self.query_one("#gauge", ContextGauge)
         gauge.set_fill(tokens or 0, cap or 0)
 
@@ -214,7 +228,8 @@ class StatsPanel(VerticalScroll):
                 *([_row("windows", f"{fmt_saving(s.window_saving)} smaller")]
                   if s.sliding_layers else []),
                 _row("reused", f"{fmt_count(s.cached_tokens)} tokens this turn"),
-                _row("window", f"{fmt_count(cap)} · keep {fmt_count(s.keep)}"),
+                _row("window", f"{fmt_count(cap)} · keep "
+                     f"{fmt_count(self.keep if s.keep is None else s.keep)}"),
                 _row(
                     "evicted",
                     f"{fmt_count(s.evicted_tokens)} · "
@@ -246,7 +261,8 @@ class StatsPanel(VerticalScroll):
         runtime = [
             _row("kernels", str(s.kernels_backend or "–")),
             _row("device", str(s.device or "–")),
-            _row("BLAS", blas.short_label(), "" if blas.active_blas()["fast"] else "yellow"),
+            # the slow one in bold (a named colour such as yellow is unreadable on light themes)
+            _row("BLAS", blas.short_label(), "" if blas.active_blas()["fast"] else "bold"),
             _row("active", fmt_bytes(s.active_memory)),
             _row("peak", fmt_bytes(s.peak_memory)),
         ]
