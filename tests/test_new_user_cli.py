@@ -98,8 +98,9 @@ def test_overflow_refuse_finishes_with_context_full_not_length() -> None:
 def test_empty_prompt_is_refused() -> None:
     for extra in (["--raw"], []):
         r = kvchat("generate", "--model", str(STORIES260K), "--prompt", "  ", *extra)
-        assert r.returncode == 1
-        assert r.stderr.strip().endswith("empty prompt: type a message first")
+        assert r.returncode == 2  # a usage error (issue 21), in the command line's words
+        assert r.stderr.strip() == ("kvchat: error: the prompt is empty: give --prompt TEXT"
+                                    " or pipe text on stdin")
 
 
 # ---- 3. one set of numbers ------------------------------------------------------------
@@ -123,7 +124,8 @@ def test_models_inspect_and_the_loaded_model_agree(tmp_path: Path) -> None:
     assert live["live"]["dtype_bytes"] == live["dtype_bytes"]  # --live agrees with its headline
     text = kvchat("inspect", "--model", str(MINI), env=env).stdout
     if facts.dtype_differs:
-        assert f"note: the files hold {facts.file_dtype}; kvchat computes and caches in" in text
+        assert (f"note: the files' float tensors (scales, norms) are {facts.file_dtype};"
+                " kvchat computes and caches in") in text
     check_model_folder(MINI)
 
 
