@@ -21,7 +21,7 @@ from textual.screen import Screen
 from kvchat import metal_kernels
 from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.settings import Settings, load_settings
-from kvchat.app.core.store import ConversationStore
+from kvchat.app.core.store import ConversationStore, StoreError, write_near_data
 from kvchat.app.core.text import SafeNotify, visible
 from kvchat.app.tui.actions import bindings, help_rows, palette
 from kvchat.app.tui.readable import readable_variables
@@ -50,6 +50,9 @@ def in_process_engine(on_event: Callable[[Event], None], model_path: str | None)
     from kvchat.model.engine import Engine  # imports MLX; kept out of module import time
 
     return Engine(on_event, model_path)
+
+
+TEXTUAL_COMMANDS_KEPT = ("Theme", "Quit")
 
 
 class KVChatApp(SafeNotify, App[int]):
@@ -101,13 +104,32 @@ class KVChatApp(SafeNotify, App[int]):
         self.push_screen(HelpScreen(help_rows(self.get_key_display)))
 
     def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
+        # of Textual's own: only those that work here (its "Keys" duplicated F1's help,
+        # "Maximize" blew the input box up to the whole screen, its "Screenshot" failed
+        # without ~/Downloads)
+        yield from (c for c in super().get_system_commands(screen)
+                    if c.title in TEXTUAL_COMMANDS_KEPT)
+        yield SystemCommand("Screenshot", "Save an SVG of the screen in kvchat's data folder",
+                            lambda: self.set_timer(0.1, self.take_screenshot))
         scopes = [("app", self)] + ([("chat", self.chat)] if screen is self.chat else [])
         for scope, target in scopes:
             for a in palette(scope):
                 yield SystemCommand(a.palette, a.help, partial(self.run_action, a.name, target))
         switch = self.chat.switch_kernels  # the engine switches where the model runs
         yield from (SystemCommand(*c) for c in metal_kernels.switch_commands(switch))
+
+
+    def take_screenshot(self) -> Path | None:
+        """An SVG of the screen in <data dir>/screenshots (else the current folder); the
+        path is shown."""
+        try:
+            path = write_near_data(self.chat.store, "screenshots", lambda folder: Path(
+                self.save_screenshot(path=str(folder))))
+        except StoreError as e:
+            self.notify(str(e), severity="error", title="No screenshot")
+            return None
+        self.notify(str(path), title="Screenshot saved")
+        return path
 
 
 def default_model_path(settings: Settings) -> str | None:

@@ -24,7 +24,13 @@ from textual.screen import Screen
 from textual.widgets import Header, LoadingIndicator, Static
 
 from kvchat.app.core.settings import Settings, remember_model
-from kvchat.app.core.store import Conversation, ConversationStore, StoreError, export_markdown
+from kvchat.app.core.store import (
+    Conversation,
+    ConversationStore,
+    StoreError,
+    export_markdown,
+    write_near_data,
+)
 from kvchat.app.core.text import literal
 from kvchat.app.tui.actions import bindings
 from kvchat.app.tui.bridge import Bridge, EngineEvent, TextReady
@@ -241,7 +247,7 @@ class ChatScreen(InterruptKey, Screen[None]):
             self.notify(ev.reprefill_reason, title="Cache")
         if self._restored_tokens:  # the first turn of a chat reopened with its cache
             self.notify(
-                f"{ev.cached_tokens:,} tokens from the saved cache;"
+                f"{self.panel.held(ev.cached_tokens):,} tokens from the saved cache;"
                 f" {ev.reprefilled_tokens:,} re-prefilled.",
                 title="Reopened warm",
             )
@@ -564,7 +570,9 @@ class ChatScreen(InterruptKey, Screen[None]):
         if widgets:
             await self.transcript.mount_all(widgets)
         self.transcript.follow()
-        self.input.sent_history.extend(m["content"] for m in conv.messages if m["role"] == "user")
+        for m in conv.messages:  # its messages become the newest history, never twice
+            if m["role"] == "user":
+                self.input.remember(m["content"])
         cache = self.store.cache_path(conv_id)
         if self.engine is not None and self.settings.save_kv_cache and cache.is_file():
             self.engine.restore_cache(cache)
@@ -577,16 +585,14 @@ class ChatScreen(InterruptKey, Screen[None]):
             self.notify("Nothing to export yet.", severity="warning")
             return None
         name = f"{_slug(conv.title) or 'chat'}-{conv.id}.md"
-        for folder in (self.store.root.parent / "exports", Path.cwd()):
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-                path = export_markdown(conv, folder / name)
-            except (OSError, StoreError):
-                continue
-            self.notify(str(path), title="Exported")
-            return path
-        self.notify(f"Cannot write {name} to the data folder or here.", severity="error")
-        return None
+        try:
+            path = write_near_data(self.store, "exports",
+                                   lambda folder: export_markdown(conv, folder / name))
+        except StoreError as e:
+            self.notify(f"{name}: {e}", severity="error", title="Not exported")
+            return None
+        self.notify(str(path), title="Exported")
+        return path
 
     def action_toggle_panel(self) -> None:
         """Hide or show the stats panel; the choice holds until the next press, whatever
@@ -613,7 +619,9 @@ class ChatScreen(InterruptKey, Screen[None]):
             self.notify("No reply to copy yet.", severity="warning")
             return
         self.app.copy_to_clipboard(target.content)
-        self.notify(f"Copied the reply ({len(target.content)} characters).", title="Clipboard")
+        # OSC 52 is write-only: whether the terminal took it cannot be known, so say how
+        self.notify(f"Sent the reply ({len(target.content):,} characters) to the terminal's"
+                    " clipboard (OSC 52). In tmux: set -g set-clipboard on.", title="Copy")
 
 
 def _slug(text: str) -> str:

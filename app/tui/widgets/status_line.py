@@ -11,11 +11,12 @@ from kvchat.app.tui.widgets.stats_panel import REFRESH_S, StatsPanel
 from kvchat.model.events import TurnStats
 
 
-def status_text(stats: TurnStats, bound: int | None) -> str:
-    """e.g. "41.3 tok/s · ctx 52/64 · KV 20.0 KiB · GQA 2× smaller" (55 columns)."""
+def status_text(stats: TurnStats, bound: int | None, full: bool = False) -> str:
+    """e.g. "41.3 tok/s · ctx 52/64 · KV 20.0 KiB · GQA 2× smaller" (55 columns); "full"
+    after the context once the chat has outgrown the window."""
     return " · ".join((
         fmt_rate(stats.decode_tps),
-        f"ctx {fmt_count(stats.cache_tokens or 0)}/{fmt_count(bound)}",
+        f"ctx {fmt_count(stats.cache_tokens or 0)}/{fmt_count(bound)}{' full' if full else ''}",
         f"KV {fmt_bytes(stats.cache_bytes or 0)}",
         f"GQA {fmt_saving(stats.gqa_saving)} smaller",
     ))
@@ -36,7 +37,8 @@ class StatusLine(Static):
     def follow(self) -> None:
         if not self.display:
             return
-        text = status_text(self.panel.stats, self.panel.capacity())
+        panel = self.panel
+        text = status_text(panel.stats, panel.capacity(), panel.overflowed)
         if text != self._shown:
             self._shown = text
             self.update(text)
