@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from markdown_it import MarkdownIt
 from textual import events
 from textual.binding import Binding
@@ -16,8 +18,18 @@ ROLE_TITLES = {"user": "you", "assistant": "assistant", "system": "system"}
 
 
 def _typed_text() -> MarkdownIt:
-    """Markdown as typed in a chat box: a newline is a line break, not a space."""
-    return MarkdownIt("gfm-like", {"breaks": True})
+    """Markdown as typed in a chat box: a newline is a line break, not a space (markdown-it's
+    "breaks" option only changes its HTML renderer; Textual reads the tokens)."""
+    md = MarkdownIt("gfm-like")
+
+    def hard_breaks(state: Any) -> None:
+        for token in state.tokens:
+            for child in token.children or ():
+                if child.type == "softbreak":
+                    child.type = "hardbreak"
+
+    md.core.ruler.push("typed_line_breaks", hard_breaks)
+    return md
 
 
 class ChatMessage(Vertical):
