@@ -44,7 +44,7 @@ ACTIONS: tuple[Action, ...] = (
     Action("layers", "ctrl+l", "Layers", "per-layer KV cache view", "Layer cache view"),
     # below PANEL_MIN_COLUMNS the panel starts hidden and a status line replaces it
     Action("toggle_panel", "f3,ctrl+g", "Panel",
-           "hide / show the stats panel (hidden: a status line under the chat)",
+           "hide / show the stats panel (a status line instead)",
            "Hide or show the stats panel"),
     Action("help", "f1", "Help", "this help", "Keys (help)", scope="app"),
     # the palette already has Textual's own "Quit"

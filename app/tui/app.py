@@ -53,6 +53,8 @@ def in_process_engine(on_event: Callable[[Event], None], model_path: str | None)
 
 
 TEXTUAL_COMMANDS_KEPT = ("Theme", "Quit")
+# columns: narrower, the side panel would leave the chat about 40 (at 80)
+NARROW_BELOW = 100
 
 
 class KVChatApp(SafeNotify, App[int]):
@@ -61,6 +63,10 @@ class KVChatApp(SafeNotify, App[int]):
     CSS_PATH = "kvchat.tcss"
     TITLE = "kvchat"
     BINDINGS = bindings("app")
+    # every screen gets -narrow or -wide from the terminal's width: kvchat.tcss hides the
+    # side panel below it (a status line instead, unless the panel key chose) and gives
+    # dialogs the whole width
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (NARROW_BELOW, "-wide")]
 
     def __init__(
         self,

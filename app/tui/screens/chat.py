@@ -75,9 +75,6 @@ from kvchat.model.events import (
     TurnStats,
 )
 
-# narrower than this, the side panel starts hidden (a status line under the chat instead):
-# at 80 columns it would leave the chat about 40
-PANEL_MIN_COLUMNS = 100
 TEXT_FLUSH_HZ = 15  # streamed text reaches the transcript at most this often
 FINISH_NOTES = {"length": "max tokens reached", "stop": "stop string", "eos": ""}
 # what the input box's border says in each phase
@@ -96,9 +93,6 @@ class ChatScreen(InterruptKey, Screen[None]):
     and the store; everything about the chat flow lives here."""
 
     BINDINGS = bindings("chat")
-    # -narrow / -wide follow the terminal's width; kvchat.tcss shows the panel or the
-    # status line from them unless the panel key chose (-panel-shown / -panel-hidden)
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (PANEL_MIN_COLUMNS, "-wide")]
 
     phase: reactive[Phase] = reactive(Phase.IDLE, bindings=True, init=False)
 
