@@ -17,7 +17,7 @@ from kvchat.app.tui.screens import HistoryScreen, ModelPickerScreen
 from kvchat.app.tui.screens.settings_form import SettingsScreen
 from kvchat.app.tui.session import SESSION_FILE
 from kvchat.app.tui.widgets.format import human_bytes
-from kvchat.model.events import Overflow, Started
+from kvchat.model.events import CacheRestored, Overflow, Started
 from tests.scripted_engine import (
     ScriptedEngine,
     async_test,
@@ -209,11 +209,14 @@ async def test_speed_resets_with_the_chat_and_peak_says_its_scope(env: Path) -> 
 @async_test
 async def test_reused_counts_only_what_the_window_holds(env: Path) -> None:
     app = make_app(max_kv_size=64)
+    seen = record_notifications(app)
     async with app.run_test(size=(120, 40)) as pilot:
         await ready(pilot)
+        app.chat.bridge(CacheRestored("chat.kv.safetensors", tokens=415))  # a reopened chat
         app.chat.bridge(Started(prompt_tokens=430, cached_tokens=415))
         await pilot.pause(0.3)
         assert "reused   64 tokens this turn" in panel_text(app, "#cache")
+        assert any(m.startswith("64 tokens from the saved cache") for m, _ in seen)
         app.chat.bridge(Started(prompt_tokens=30, cached_tokens=20))
         await pilot.pause(0.3)
         assert "reused   20 tokens this turn" in panel_text(app, "#cache")
