@@ -17,7 +17,8 @@ from kvchat.app.tui.screens import HistoryScreen, ModelPickerScreen
 from kvchat.app.tui.screens.settings_form import SettingsScreen
 from kvchat.app.tui.session import SESSION_FILE
 from kvchat.app.tui.widgets.format import human_bytes
-from kvchat.model.events import CacheRestored, Overflow, Started
+from kvchat.app.tui.widgets.status_line import status_text
+from kvchat.model.events import CacheRestored, Overflow, Started, TurnStats
 from tests.scripted_engine import (
     ScriptedEngine,
     async_test,
@@ -327,3 +328,10 @@ async def test_copy_says_it_goes_through_the_terminal(env: Path) -> None:
         await pilot.press("ctrl+y")
         note = next(m for m, _ in seen if "clipboard" in m)
         assert "OSC 52" in note and "set -g set-clipboard on" in note
+
+
+def test_status_text_by_hand() -> None:
+    s = TurnStats(decode_tps=1234.56, cache_tokens=52, cache_bytes=20 * 1024, gqa_saving=4.0)
+    assert status_text(s, 64) == "1,234.6 tok/s · ctx 52/64 · KV 20 KiB · GQA 4× smaller"
+    assert status_text(s, 64, full=True).startswith("1,234.6 tok/s · ctx 52/64 full · ")
+    assert status_text(TurnStats(), None) == "– tok/s · ctx 0/– · KV 0 B · GQA –"

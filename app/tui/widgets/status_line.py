@@ -15,10 +15,10 @@ def status_text(stats: TurnStats, bound: int | None, full: bool = False) -> str:
     """e.g. "41.3 tok/s · ctx 52/64 · KV 20.0 KiB · GQA 2× smaller" (55 columns); "full"
     after the context once the chat has outgrown the window."""
     return " · ".join((
-        fmt_rate(stats.decode_tps),
+        fmt_rate(stats.decode_tps) if stats.decode_tps is not None else "– tok/s",
         f"ctx {fmt_count(stats.cache_tokens or 0)}/{fmt_count(bound)}{' full' if full else ''}",
         f"KV {fmt_bytes(stats.cache_bytes or 0)}",
-        f"GQA {fmt_saving(stats.gqa_saving)} smaller",
+        f"GQA {fmt_saving(stats.gqa_saving)} smaller" if stats.gqa_saving else "GQA –",
     ))
 
 
