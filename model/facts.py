@@ -36,6 +36,8 @@ class ModelFacts:
     kv_dtype_bytes: int  # bytes per K/V element the cache will allocate
     weight_bytes: int  # bytes load_model() will allocate for the parameters
     device: str  # "cpu" or "gpu"
+    # quantized weights in the files, e.g. "4-bit, group 32, float16 scales" (None: none)
+    quantization: str | None = None
 
     @property
     def dtype_differs(self) -> bool:
@@ -93,7 +95,9 @@ def model_facts(folder: str | Path) -> ModelFacts:
             weight += math.prod(info.get("shape", [])) * target.size
         else:  # packed quantized weights and integer tensors stay as they are
             weight += info["data_offsets"][1] - info["data_offsets"][0]
+    scales = [i["dtype"] for n, i in kept if n.endswith(".scales") and i.get("dtype") in _FLOAT]
     return ModelFacts(
+        quantization=quantization_label(quant, scales[0]) if scales else None,
         file_dtype=dtype_name(_FLOAT[file_dtype]) if file_dtype else None,
         file_bytes=file_bytes,
         compute_dtype=dtype_name(target),
@@ -101,6 +105,15 @@ def model_facts(folder: str | Path) -> ModelFacts:
         weight_bytes=weight,
         device="cpu" if mx.default_device() == mx.cpu else "gpu",
     )
+
+
+def quantization_label(quant: dict[str, Any], scales_dtype: str) -> str:
+    """How quantized weights are stored: "4-bit, group 32, float16 scales"."""
+    parts = [f"{quant['bits']}-bit" if "bits" in quant else "quantized"]
+    if "group_size" in quant:
+        parts.append(f"group {quant['group_size']}")
+    parts.append(f"{dtype_name(_FLOAT[scales_dtype])} scales")
+    return ", ".join(parts)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests import processes
 from tests.conftest import REPO_ROOT, TinySpec, build_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="ring backend needs POSIX")
@@ -68,7 +69,7 @@ def _hostfile(tmp: Path, n: int, models: dict[int, Path] | None = None) -> Path:
 
 def _driver(hostfile: Path, model: Path, *args: str, **popen: Any) -> subprocess.Popen[str]:
     popen.setdefault("env", _env(_free_port(4)))
-    return subprocess.Popen(
+    return processes.popen(
         [sys.executable, "-m", "tests.distributed_driver", str(hostfile), str(model), *args],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, **popen,
     )
@@ -157,7 +158,7 @@ def test_plan_is_the_byte_optimal_contiguous_split(stories260k: Path) -> None:
 
 
 def test_inspect_hosts_shows_each_ranks_bytes_beside_the_totals(stories260k: Path) -> None:
-    r = subprocess.run(
+    r = processes.run(
         [sys.executable, "-m", "kvchat.app", "inspect", "--model", str(stories260k), "--hosts", "3",
          "--json"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
         env=_env(0),
@@ -171,7 +172,7 @@ def test_inspect_hosts_shows_each_ranks_bytes_beside_the_totals(stories260k: Pat
     # weights: every tensor once, plus the tied head's second copy of the embedding
     embed = 512 * 64 * 4  # vocab × hidden × fp32
     assert sum(x["weight_bytes"] for x in ranks) == d["weights_bytes"] + embed
-    text = subprocess.run(
+    text = processes.run(
         [sys.executable, "-m", "kvchat.app", "inspect", "--model", str(stories260k),
          "--hosts", "2"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, env=_env(0),
@@ -344,7 +345,7 @@ def test_rank_that_never_connects_fails_in_bounded_time(
     ring = tmp_path / "ring.json"
     ring.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
     t0 = time.monotonic()
-    r = subprocess.run(
+    r = processes.run(
         [sys.executable, "-m", "kvchat.app", "generate", "--model", str(tiny_checkpoint("llama")),
          "--prompt", "w5", "--raw"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
@@ -361,7 +362,7 @@ def test_rank_that_never_connects_fails_in_bounded_time(
 def test_mlx_launch_generate_json_rank0_alone_prints(stories260k: Path) -> None:
     want, _ = _single(stories260k, STORY, 30, None)
     port = _free_port(2)
-    r = subprocess.run(
+    r = processes.run(
         [str(MLX_LAUNCH), "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1",
          "--starting-port", str(port), sys.executable, "-m", "kvchat.app", "generate",
          "--model", str(stories260k), "--prompt", STORY, "--raw", "--max-tokens", "30",

@@ -28,6 +28,7 @@ from kvchat.app.core.store import (
     to_markdown,
 )
 from kvchat.model.errors import KVChatError
+from tests import processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -312,7 +313,7 @@ def test_sigkill_during_saves_never_corrupts(tmp_path: Path) -> None:
     rounds = mid_save = 0
     while rounds < 40 and not (rounds >= 6 and mid_save >= 2):
         rounds += 1
-        proc = subprocess.Popen(
+        proc = processes.popen(
             [sys.executable, "-c", _SAVER, str(root)],
             stdout=subprocess.PIPE,
             text=True,

@@ -22,9 +22,11 @@ import json
 import os
 import re
 import secrets
+import shutil
 import tempfile
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -366,6 +368,39 @@ class ConversationStore:
             raise StoreError(f"cannot delete conversation {conv_id!r}: {e.strerror or e}") from None
         return True
 
+    # ---- undoable delete: the chat and its K/V cache wait in <root>/.deleted ----------
+    @property
+    def trash_dir(self) -> Path:
+        return self.root / ".deleted"
+
+    def trash(self, conv_id: str) -> Conversation:
+        """Delete undoably: the chat's file and its K/V cache move (a rename, no copy) to
+        trash_dir until untrash() brings both back or empty_trash() removes them."""
+        conv = self.load(conv_id)
+        files = [self.path_for(conv_id), self.cache_path(conv_id)]
+        try:
+            self.trash_dir.mkdir(parents=True, exist_ok=True)
+            for f in files:
+                if f.exists():
+                    os.replace(f, self.trash_dir / f.name)
+        except OSError as e:
+            raise StoreError(f"cannot delete conversation {conv_id!r}: {e.strerror or e}") from None
+        return conv
+
+    def untrash(self, conv_id: str) -> None:
+        """Undo trash(): the chat and its K/V cache are back where they were."""
+        for f in (self.path_for(conv_id), self.cache_path(conv_id)):
+            held = self.trash_dir / f.name
+            try:
+                if held.exists():
+                    os.replace(held, f)
+            except OSError as e:
+                raise StoreError(f"cannot restore {f.name}: {e.strerror or e}") from None
+
+    def empty_trash(self) -> None:
+        """Make trashed chats' deletion final."""
+        shutil.rmtree(self.trash_dir, ignore_errors=True)
+
     def _recover_temps(self) -> list[str]:
         """A save killed between writing its temp file and the rename leaves the newer
         conversation in `.<id>.json.*.tmp`: put back every complete one that is newer than
@@ -405,6 +440,19 @@ def _close_all(held: dict[str, int]) -> None:
         with contextlib.suppress(OSError):
             os.close(fd)
     held.clear()
+def write_near_data(store: ConversationStore, sub: str, write: Callable[[Path], Path]) -> Path:
+    """`write(folder)` into <data dir>/<sub> (exports, screenshots), else into the current
+    folder; returns what write() returned. StoreError (one line) when neither works."""
+    last = ""
+    for folder in (store.root.parent / sub, Path.cwd()):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            return write(folder)
+        except OSError as e:
+            last = f"{folder}: {e.strerror or e}"
+        except StoreError as e:
+            last = str(e)
+    raise StoreError(f"cannot write to the data folder or the current folder ({last})")
 
 
 def _fmt_time(ts: float) -> str:

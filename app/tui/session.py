@@ -70,7 +70,9 @@ async def restore_session(app: Any) -> None:  # app: the chat screen
         else:
             await app.show_conversation(conv)
     if state.input_history:  # it holds the reopened chat's messages already: replace
-        app.input.sent_history[:] = state.input_history
+        app.input.sent_history.clear()
+        for text in state.input_history:  # an older file may hold duplicates
+            app.input.remember(text)
 
 
 def remember_session(app: Any) -> None:

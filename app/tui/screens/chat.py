@@ -21,10 +21,16 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.screen import Screen
-from textual.widgets import Footer, Header, LoadingIndicator, Static
+from textual.widgets import Header, LoadingIndicator, Static
 
 from kvchat.app.core.settings import Settings, remember_model
-from kvchat.app.core.store import Conversation, ConversationStore, StoreError, export_markdown
+from kvchat.app.core.store import (
+    Conversation,
+    ConversationStore,
+    StoreError,
+    export_markdown,
+    write_near_data,
+)
 from kvchat.app.core.text import clipboard_text, literal
 from kvchat.app.tui.actions import bindings
 from kvchat.app.tui.bridge import Bridge, EngineEvent, TextReady
@@ -42,7 +48,14 @@ from kvchat.app.tui.session import (
 )
 from kvchat.app.tui.turn import FINISH_PHASE, Phase, step
 from kvchat.app.tui.turn_notices import on_turn_event
-from kvchat.app.tui.widgets import ChatInput, ChatMessage, StatsPanel, Transcript
+from kvchat.app.tui.widgets import (
+    ActionFooter,
+    ChatInput,
+    ChatMessage,
+    StatsPanel,
+    StatusLine,
+    Transcript,
+)
 from kvchat.app.tui.widgets.format import fmt_bytes
 from kvchat.model.errors import KVChatError
 from kvchat.model.events import (
@@ -124,15 +137,17 @@ class ChatScreen(InterruptKey, Screen[None]):
     # ---- layout ---------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield Header()
+        panel = StatsPanel(id="stats")
         with Horizontal(id="main"):
             with Vertical(id="chat"):
                 yield Transcript(id="transcript")
+                yield StatusLine(panel, id="status-line")
                 with Horizontal(id="loading"):
                     yield LoadingIndicator()
                     yield Static("", id="loading-label", markup=False)
                 yield ChatInput(id="input")
-            yield StatsPanel(id="stats")
-        yield Footer(compact=True)
+            yield panel
+        yield ActionFooter(compact=True)
 
     @property
     def transcript(self) -> Transcript:
@@ -148,6 +163,7 @@ class ChatScreen(InterruptKey, Screen[None]):
 
     def on_mount(self) -> None:
         self.sub_title = "no model"
+        self.panel.set_bound(self.settings.max_kv_size, self.settings.keep)
         self.input.focus()
         for w in self.settings.warnings:
             self.notify(w, severity="warning", title="Settings")
@@ -226,7 +242,7 @@ class ChatScreen(InterruptKey, Screen[None]):
             self.notify(ev.reprefill_reason, title="Cache")
         if self._restored_tokens:  # the first turn of a chat reopened with its cache
             self.notify(
-                f"{ev.cached_tokens:,} tokens from the saved cache;"
+                f"{self.panel.held(ev.cached_tokens):,} tokens from the saved cache;"
                 f" {ev.reprefilled_tokens:,} re-prefilled.",
                 title="Reopened warm",
             )
@@ -513,6 +529,7 @@ class ChatScreen(InterruptKey, Screen[None]):
         if new is None:
             return
         self.settings = new
+        self.panel.set_bound(new.max_kv_size, new.keep)
         use_saved_theme(self)  # after the swap: the theme hook saves into these settings
         # the open chat follows the new system prompt from its next turn
         self.conversation.system_prompt = new.system_prompt
@@ -558,7 +575,9 @@ class ChatScreen(InterruptKey, Screen[None]):
         if widgets:
             await self.transcript.mount_all(widgets)
         self.transcript.follow()
-        self.input.sent_history.extend(m["content"] for m in conv.messages if m["role"] == "user")
+        for m in conv.messages:  # its messages become the newest history, never twice
+            if m["role"] == "user":
+                self.input.remember(m["content"])
         cache = self.store.cache_path(conv_id)
         if self.engine is not None and self.settings.save_kv_cache and cache.is_file():
             self.engine.restore_cache(cache)
@@ -583,16 +602,21 @@ class ChatScreen(InterruptKey, Screen[None]):
             self.notify("Nothing to export yet.", severity="warning")
             return None
         name = f"{_slug(conv.title) or 'chat'}-{conv.id}.md"
-        for folder in (self.store.root.parent / "exports", Path.cwd()):
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-                path = export_markdown(conv, folder / name)
-            except (OSError, StoreError):
-                continue
-            self.notify(str(path), title="Exported")
-            return path
-        self.notify(f"Cannot write {name} to the data folder or here.", severity="error")
-        return None
+        try:
+            path = write_near_data(self.store, "exports",
+                                   lambda folder: export_markdown(conv, folder / name))
+        except StoreError as e:
+            self.notify(f"{name}: {e}", severity="error", title="Not exported")
+            return None
+        self.notify(str(path), title="Exported")
+        return path
+
+    def action_toggle_panel(self) -> None:
+        """Hide or show the stats panel; the choice holds until the next press, whatever
+        the width does meanwhile."""
+        shown = not self.panel.display
+        self.set_class(shown, "-panel-shown")
+        self.set_class(not shown, "-panel-hidden")
 
     def action_layers(self) -> None:
         self.app.push_screen(LayerCacheScreen(self._layer_rows))
@@ -613,7 +637,9 @@ class ChatScreen(InterruptKey, Screen[None]):
             return
         text = clipboard_text(target.content)  # never a terminal sequence on the clipboard
         self.app.copy_to_clipboard(text)
-        self.notify(f"Copied the reply ({len(text)} characters).", title="Clipboard")
+        # OSC 52 is write-only: whether the terminal took it cannot be known, so say how
+        self.notify(f"Sent the reply ({len(text):,} characters) to the terminal's"
+                    " clipboard (OSC 52). In tmux: set -g set-clipboard on.", title="Copy")
 
 
 def _slug(text: str) -> str:

@@ -29,6 +29,7 @@ from kvchat.app.core.pull_progress import progress_lines
 from kvchat.app.core.text import literal
 from kvchat.app.tui.widgets.format import fmt_bytes
 from kvchat.model.errors import KVChatError
+from kvchat.model.facts import check_model_folder
 
 
 class ModelPickerScreen(ModalScreen[str | None]):
@@ -164,6 +165,10 @@ class ModelPickerScreen(ModalScreen[str | None]):
             return
         self.dismiss(str(Path(key).resolve()))
 
+    def _refuse(self, why: str) -> None:
+        self.query_one("#picker-status", Static).update(literal(f"✗ {why}"))
+        self.notify(why, severity="error", title="Cannot load")
+
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         if event.row_key.value:
             self._choose(event.row_key.value)
@@ -185,7 +190,15 @@ class ModelPickerScreen(ModalScreen[str | None]):
             return
         path = Path(value).expanduser()
         if not path.is_dir():
-            self.notify(f"not a folder: {path}", severity="error", title="Cannot load")
+            self._refuse(f"not a folder: {path}")
+            return
+        # a typed folder gets the checks the list's rows had (config.json, weights,
+        # tokenizer): a refusal is said here and the picker stays open (closed, the keys
+        # typed next went to the chat as a message)
+        try:
+            check_model_folder(path)
+        except KVChatError as e:
+            self._refuse(str(e))
             return
         self._choose(str(path))
 
