@@ -71,6 +71,54 @@ def _no_rope_layers(cfg: dict[str, Any], n: int) -> list[int]:
 
 
 @dataclass(frozen=True)
+class MoeFamily:
+    """How one family routes tokens to experts (see moe.py) and which config keys say so."""
+
+    score: str = "softmax"  # router scores: "softmax" | "sigmoid" (DeepSeek-V3)
+    # grouped top-k: experts split in n_group groups, only the topk_group best groups
+    # compete; a group's score is its best expert ("max", V2) or its best two ("top2", V3)
+    group_score: str | None = None
+    group_key: str | None = None  # config key that switches grouping on (V2: topk_method)
+    correction_bias: bool = False  # V3: e_score_correction_bias picks experts, never weighs
+    shared: str | None = None  # None | "gated" (Qwen2-MoE: sigmoid gate) | "plain" (DeepSeek)
+    expert_size_key: str = "moe_intermediate_size"
+    norm_topk_always: bool = False  # Mixtral renormalises the top-k weights unconditionally
+    # which layers are sparse: "all" | "step" (decoder_sparse_step, mlp_only_layers) |
+    # "first_dense" (first_k_dense_replace dense layers, then MoE)
+    sparse_layers: str = "all"
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The resolved mixture of one model (every sparse layer shares it)."""
+
+    experts: int
+    top_k: int
+    expert_size: int  # each routed expert's intermediate size
+    score: str
+    norm_topk: bool
+    scaling: float  # routed_scaling_factor
+    groups: int
+    topk_groups: int
+    group_score: str | None
+    correction_bias: bool
+    shared_size: int  # 0: no shared expert
+    shared_gate: bool
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): K and V come from one compressed
+    latent of `kv_lora_rank` features plus one shared RoPE key of `rope_dim`."""
+
+    q_lora_rank: int | None  # None: queries from one q_proj
+    kv_lora_rank: int
+    nope_dim: int  # per-head query/key features without RoPE
+    rope_dim: int  # per-head (queries) / shared (key) features with RoPE
+    v_dim: int  # per-head value features
+
+
+@dataclass(frozen=True)
 class Family:
     """One model type's quirks: which building blocks it uses and what transformers
     assumes when a config key is absent (`defaults`, merged under config.json)."""
@@ -96,7 +144,20 @@ class Family:
     local_rope: bool = False  # Gemma 3: sliding layers have their own RoPE base
     nope: bool = False  # SmolLM3: `no_rope_layers` turns RoPE off per layer
     rope_aliases: dict[str, str] = field(default_factory=dict)  # Phi-3: "su" -> "longrope"
+    moe: MoeFamily | None = None  # the FFN of (some) layers is a mixture of experts
+    attention: str = "gqa"  # "gqa" (MHA/GQA/MQA) | "mla" (latent, DeepSeek-V2/V3)
+    rope_traditional: bool = False  # RoPE rotates adjacent pairs (DeepSeek's interleave)
+    clip_qkv: bool = False  # OLMoE: config's clip_qkv clamps q, k and v
+    # checkpoint tensor names -> ours (substring replacements, applied in order)
+    renames: tuple[tuple[str, str], ...] = ()
     defaults: dict[str, Any] = field(default_factory=dict)
+
+    def window_used(self, cfg: dict[str, Any]) -> bool:
+        """Whether this family reads `sliding_window` at all with this config (transformers
+        ignores it otherwise, e.g. Qwen2-MoE's `sliding_window: 0` with the flag off)."""
+        return self.layer_rule is not None and (
+            self.sliding_window_flag is None or bool(cfg.get(self.sliding_window_flag, False))
+        )
 
 
 _GEMMA_DEFAULTS: dict[str, Any] = {"head_dim": 256, "rms_norm_eps": 1e-6}
@@ -151,6 +212,40 @@ FAMILIES: dict[str, Family] = {
     ),
     "olmo2": Family(layer_rule=None, block="post", qk_norm="proj", defaults={"rms_norm_eps": 1e-5}),
     "granite": Family(layer_rule=None, multipliers=True),
+    # ---- mixtures of experts (moe.py)
+    "mixtral": Family(
+        qkv_bias=False, o_bias=False,
+        moe=MoeFamily(expert_size_key="intermediate_size", norm_topk_always=True),
+        renames=((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
+                 (".w2.", ".down_proj."), (".w3.", ".up_proj.")),
+        defaults={"rope_theta": 1e6},
+    ),
+    "qwen2_moe": Family(
+        qkv_bias=True, o_bias=False, sliding_window_flag="use_sliding_window",
+        layer_rule=_from_max_window_layers,
+        moe=MoeFamily(shared="gated", sparse_layers="step"),
+    ),
+    "qwen3_moe": Family(
+        sliding_window_flag="use_sliding_window", layer_rule=_from_max_window_layers,
+        qk_norm="head", moe=MoeFamily(sparse_layers="step"),
+    ),
+    "olmoe": Family(
+        layer_rule=None, qk_norm="proj", clip_qkv=True,
+        moe=MoeFamily(expert_size_key="intermediate_size"), defaults={"rms_norm_eps": 1e-5},
+    ),
+    "deepseek_v2": Family(
+        layer_rule=None, attention="mla", rope_traditional=True,
+        moe=MoeFamily(group_score="max", group_key="topk_method", shared="plain",
+                      sparse_layers="first_dense"),
+        defaults={"topk_method": "greedy", "n_shared_experts": 2, "routed_scaling_factor": 1.0},
+    ),
+    "deepseek_v3": Family(
+        layer_rule=None, attention="mla", rope_traditional=True,
+        moe=MoeFamily(score="sigmoid", group_score="top2", correction_bias=True,
+                      shared="plain", sparse_layers="first_dense"),
+        defaults={"norm_topk_prob": True, "n_group": 8, "topk_group": 4, "n_shared_experts": 1,
+                  "routed_scaling_factor": 2.5, "first_k_dense_replace": 3},
+    ),
 }
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
@@ -278,6 +373,7 @@ class LayerSpec:
     kind: str  # FULL or SLIDING
     window: int | None  # keys a query sees (None: all of them)
     rope: RopeConfig | None  # None: a NoPE layer (no rotary embedding)
+    moe: bool = False  # the FFN is the model's mixture of experts (ModelConfig.moe)
 
 
 @dataclass(frozen=True)
@@ -313,6 +409,10 @@ class ModelConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     logits_divisor: float = 1.0
+    clip_qkv: float | None = None
+    rope_traditional: bool = False
+    moe: MoeConfig | None = None
+    mla: MlaConfig | None = None  # set: every layer is latent attention (cache kind "latent")
     layers: tuple[LayerSpec, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -326,12 +426,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        model_type = cfg.get("model_type")
-        if model_type not in FAMILIES:
-            raise ConfigError(
-                f"unknown architecture {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
-            )
-        fam = FAMILIES[model_type]
+        fam = family_of(cfg)
+        model_type = cfg["model_type"]
         cfg = {**fam.defaults, **cfg}
         try:
             hidden = int(cfg["hidden_size"])
@@ -355,14 +451,18 @@ class ModelConfig:
                 "config.json: use_bidirectional_attention is set; kvchat runs causal decoders only"
             )
         attn_bias = bool(cfg.get("attention_bias", False))
-        rope = _global_rope(cfg, fam)
-        layers, window = _layer_specs(cfg, fam, n_layers, rope)
-        for r in [rope] + [spec.rope for spec in layers if spec.rope is not None]:
-            _check_rotary(r, head_dim)
         try:
+            mla = _mla(cfg) if fam.attention == "mla" else None
+            moe, sparse = _moe(cfg, fam, n_layers)
             quirks = _quirks(cfg, fam, hidden)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"config.json has a malformed value: {e}") from None
+        if mla is not None:
+            head_dim = mla.nope_dim + mla.rope_dim
+        rope = _global_rope(cfg, fam)
+        layers, window = _layer_specs(cfg, fam, n_layers, rope, sparse)
+        for r in [rope] + [spec.rope for spec in layers if spec.rope is not None]:
+            _check_rotary(r, mla.rope_dim if mla is not None else head_dim)
         return cls(
             model_type=model_type,
             hidden_size=hidden,
@@ -383,6 +483,8 @@ class ModelConfig:
             quantization=cfg.get("quantization") or cfg.get("quantization_config"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             layers=layers,
+            moe=moe,
+            mla=mla,
             raw=cfg,
             **quirks,
         )
@@ -426,13 +528,83 @@ def _local_rope(cfg: dict[str, Any], fam: Family) -> RopeConfig:
     )
 
 
+def _positive(cfg: dict[str, Any], key: str, default: Any = None) -> int:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"config.json: {key} must be a positive integer, got {v!r:.60}")
+    return v
+
+
+def _first_key(cfg: dict[str, Any], keys: tuple[str, ...]) -> str:
+    """The first of `keys` config.json sets (families spell the expert count differently)."""
+    return next((k for k in keys if cfg.get(k) is not None), keys[0])
+
+
+def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, list[bool]]:
+    """The mixture (None: a dense family) and which layers use it."""
+    spec = fam.moe
+    if spec is None:
+        return None, [False] * n
+    experts = _positive(cfg, _first_key(cfg, ("num_local_experts", "num_experts",
+                                               "n_routed_experts")))
+    top_k = _positive(cfg, "num_experts_per_tok")
+    if top_k > experts:
+        raise ConfigError(
+            f"config.json: num_experts_per_tok ({top_k}) exceeds the {experts} experts"
+        )
+    groups, topk_groups = 1, 1
+    grouped = spec.group_score is not None and (
+        spec.group_key is None or cfg.get(spec.group_key) == "group_limited_greedy"
+    )
+    if grouped and cfg.get("n_group"):
+        groups, topk_groups = _positive(cfg, "n_group"), _positive(cfg, "topk_group")
+        if experts % groups or topk_groups > groups:
+            raise ConfigError(
+                f"config.json: n_group ({groups}) must divide the {experts} experts and be"
+                f" >= topk_group ({topk_groups})"
+            )
+    shared_size = 0
+    if spec.shared == "gated":
+        shared_size = int(cfg.get("shared_expert_intermediate_size") or 0)
+    elif spec.shared == "plain":
+        shared_size = int(cfg.get("n_shared_experts") or 0) * _positive(cfg, spec.expert_size_key)
+    moe = MoeConfig(
+        experts=experts, top_k=top_k, expert_size=_positive(cfg, spec.expert_size_key),
+        score=spec.score, norm_topk=spec.norm_topk_always or bool(cfg.get("norm_topk_prob")),
+        scaling=float(cfg.get("routed_scaling_factor") or 1.0), groups=groups,
+        topk_groups=topk_groups, group_score=spec.group_score if groups > 1 else None,
+        correction_bias=spec.correction_bias, shared_size=shared_size,
+        shared_gate=spec.shared == "gated",
+    )
+    if spec.sparse_layers == "step":
+        step = _positive(cfg, "decoder_sparse_step", 1)
+        dense = set(cfg.get("mlp_only_layers") or [])
+        sparse = [i not in dense and (i + 1) % step == 0 for i in range(n)]
+    elif spec.sparse_layers == "first_dense":
+        first = int(cfg.get("first_k_dense_replace") or 0)
+        every = int(cfg.get("moe_layer_freq") or 1)
+        sparse = [i >= first and i % every == 0 for i in range(n)]
+    else:
+        sparse = [True] * n
+    return moe, sparse
+
+
+def _mla(cfg: dict[str, Any]) -> MlaConfig:
+    q_rank = cfg.get("q_lora_rank")
+    return MlaConfig(
+        q_lora_rank=None if q_rank is None else _positive(cfg, "q_lora_rank"),
+        kv_lora_rank=_positive(cfg, "kv_lora_rank"),
+        nope_dim=_positive(cfg, "qk_nope_head_dim"),
+        rope_dim=_positive(cfg, "qk_rope_head_dim"),
+        v_dim=_positive(cfg, "v_head_dim"),
+    )
+
+
 def _layer_specs(
-    cfg: dict[str, Any], fam: Family, n: int, rope: RopeConfig
+    cfg: dict[str, Any], fam: Family, n: int, rope: RopeConfig, sparse: list[bool]
 ) -> tuple[tuple[LayerSpec, ...], int | None]:
     window = cfg.get("sliding_window")
-    if fam.layer_rule is None or (
-        fam.sliding_window_flag is not None and not cfg.get(fam.sliding_window_flag, False)
-    ):
+    if not fam.window_used(cfg):
         window = None
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -464,6 +636,7 @@ def _layer_specs(
             kind=k,
             window=window if k == SLIDING else None,
             rope=(local if k == SLIDING else rope) if rope_on[i] else None,
+            moe=sparse[i],
         )
         for i, k in enumerate(kinds)
     )
@@ -481,8 +654,12 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
         )
     out: dict[str, Any] = {
         "norm": fam.norm, "activation": act, "block": fam.block, "qk_norm": fam.qk_norm,
-        "fused_proj": fam.fused_proj,
+        "fused_proj": fam.fused_proj, "rope_traditional": fam.rope_traditional,
     }
+    if fam.rope_traditional and cfg.get("rope_interleave") is False:
+        out["rope_traditional"] = False  # DeepSeek-V3 configs may turn the interleave off
+    if fam.clip_qkv and cfg.get("clip_qkv") is not None:
+        out["clip_qkv"] = float(cfg["clip_qkv"])
     if fam.embed_scale_sqrt_hidden:
         out["embed_scale"] = hidden**0.5
     if fam.query_pre_attn_scalar:
@@ -517,5 +694,18 @@ def load_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"cannot read {p}: {e}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{p} is not a JSON object")
-    check_config(cfg)
+    fam = family_of(cfg)
+    # the family first, then its checks: keys the family ignores are not checked
+    check_config(cfg if fam.window_used(cfg) else
+                 {k: v for k, v in cfg.items() if k != "sliding_window"})
     return ModelConfig.from_dict(cfg)
+
+
+def family_of(cfg: dict[str, Any]) -> Family:
+    """The config's family row, or the one-line "unknown architecture" error."""
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILIES:
+        raise ConfigError(
+            f"unknown architecture {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    return FAMILIES[model_type]

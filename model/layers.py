@@ -4,7 +4,9 @@
 - `RoPE` (default, linear, llama3, yarn, dynamic NTK, longrope; partial rotary);
 - `Attention` (grouped-query; q/k norm per head or over the projection, soft-capping,
   any scale, NoPE) and `FusedAttention` (one `qkv_proj`, Phi-3);
-- `MLP` (gated: SwiGLU or GeGLU) and `FusedMLP` (one `gate_up_proj`, Phi-3);
+- `MLP` (gated: SwiGLU or GeGLU) and `FusedMLP` (one `gate_up_proj`, Phi-3); a layer
+  whose spec says `moe` gets `moe.MoE` (router + gathered experts) instead;
+- `mla.LatentAttention` where the config has latent attention (DeepSeek-V2/V3);
 - blocks: `PreNormBlock`, `SandwichBlock` (4 norms, Gemma 2/3), `PostNormBlock` (OLMo 2).
 
 `config.FAMILIES` picks them; `make_block` is the only place that maps a resolved
@@ -24,6 +26,7 @@ from kvchat import metal_kernels
 
 from .cache import causal_mask
 from .config import FULL, LayerSpec, ModelConfig, RopeConfig
+from .moe import MoE
 
 ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
     "silu": nn.silu,
@@ -124,9 +127,10 @@ class RoPE(nn.Module):
     and its long factors past it; dynamic NTK raises the base past the trained context.
     """
 
-    def __init__(self, dims: int, rope: RopeConfig):
+    def __init__(self, dims: int, rope: RopeConfig, traditional: bool = False):
         super().__init__()
         self.dims = dims
+        self.traditional = traditional  # adjacent pairs (DeepSeek) instead of rotate_half
         self._cfg = rope
         self.base = None if rope.type in ("llama3", "yarn", "longrope") else rope.theta
         self.scale = 1.0 / rope.factor if rope.type == "linear" else 1.0  # positions ÷ factor
@@ -161,15 +165,15 @@ class RoPE(nn.Module):
         """Q and K rotated together (one kernel launch where the backend fuses them)."""
         base, periods = self._schedule(offset + q.shape[-2])
         return metal_kernels.rope_qk(
-            q, k, self.dims, traditional=False, base=base, scale=self.scale, offset=offset,
-            freqs=periods,
+            q, k, self.dims, traditional=self.traditional, base=base, scale=self.scale,
+            offset=offset, freqs=periods,
         )
 
     def rotate(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         """One tensor rotated (tests, tools)."""
         base, periods = self._schedule(offset + x.shape[-2])
         return metal_kernels.rope(
-            x, self.dims, traditional=False, base=base, scale=self.scale, offset=offset,
+            x, self.dims, traditional=self.traditional, base=base, scale=self.scale, offset=offset,
             freqs=periods,
         )
 
@@ -215,6 +219,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else hd**-0.5
         self.softcap = cfg.attn_softcap
+        self.clip = cfg.clip_qkv
         self._projections(cfg)
         self.o_proj = nn.Linear(h * hd, d, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
@@ -226,7 +231,7 @@ class Attention(nn.Module):
         self._q_gain = None  # yarn/longrope attention factor on the rotated features
         if spec.rope is not None:
             dims = spec.rope.rotary_dims(hd)
-            self.rope = RoPE(dims, spec.rope)
+            self.rope = RoPE(dims, spec.rope, cfg.rope_traditional)
             m = spec.rope.attention_scaling
             if m != 1.0:
                 # transformers scales cos and sin by m, i.e. q and k's rotated features:
@@ -250,6 +255,8 @@ class Attention(nn.Module):
         q, k, v = self.project(x)
         if self.qk_norm == "proj":
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:  # OLMoE: after the norms, as transformers clamps
+            q, k, v = (mx.clip(t, -self.clip, self.clip) for t in (q, k, v))
         q = q.reshape(B, T, self.n_heads, -1)
         k = k.reshape(B, T, self.n_kv_heads, -1)
         if self.qk_norm == "head":
@@ -285,16 +292,18 @@ class FusedAttention(Attention):
 
 # ---- MLP --------------------------------------------------------------------------------
 class MLP(nn.Module):
-    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU with SiLU, GeGLU with GELU."""
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU with SiLU, GeGLU with GELU.
+    `size`: the intermediate size when not the config's (a shared expert)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, size: int | None = None):
         super().__init__()
         self.act = ACTIVATIONS[cfg.activation]
+        self.size = size or cfg.intermediate_size
         self._projections(cfg)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def _projections(self, cfg: ModelConfig) -> None:
-        d, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        d, f, b = cfg.hidden_size, self.size, cfg.mlp_bias
         self.gate_proj = nn.Linear(d, f, bias=b)
         self.up_proj = nn.Linear(d, f, bias=b)
 
@@ -310,7 +319,7 @@ class FusedMLP(MLP):
     """Phi-3: gate and up from one `gate_up_proj` matmul (gate first, as the checkpoint)."""
 
     def _projections(self, cfg: ModelConfig) -> None:
-        f = cfg.intermediate_size
+        f = self.size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * f, bias=cfg.mlp_bias)
 
     def gate_and_up(self, x: mx.array) -> tuple[mx.array, mx.array]:
@@ -328,8 +337,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
-        self.self_attn = (FusedAttention if cfg.fused_proj else Attention)(cfg, spec)
-        self.mlp = (FusedMLP if cfg.fused_proj else MLP)(cfg)
+        self.self_attn = make_attention(cfg, spec)
+        mlp = FusedMLP if cfg.fused_proj else MLP
+        self.mlp = MoE(cfg, ACTIVATIONS[cfg.activation], mlp) if spec.moe else mlp(cfg)
 
     def deferred(
         self, x: mx.array, pending: mx.array | None, mask: Any = None, cache: Any = None
@@ -405,6 +415,14 @@ BLOCKS: dict[str, type[Block]] = {
     "sandwich": SandwichBlock,
     "post": PostNormBlock,
 }
+
+
+def make_attention(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
+    if cfg.mla is not None:
+        from .mla import LatentAttention  # mla builds on this module's RoPE and norms
+
+        return LatentAttention(cfg, spec)
+    return (FusedAttention if cfg.fused_proj else Attention)(cfg, spec)
 
 
 def make_block(cfg: ModelConfig, spec: LayerSpec) -> Block:

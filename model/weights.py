@@ -15,15 +15,31 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .config import ModelConfig, load_config
+from .config import FAMILIES, ModelConfig, load_config
 from .errors import ModelLoadError
 from .files import safetensors_header, weight_files
+from .moe import QuantizedSwitchLinear, stack_experts
 from .transformer import Transformer
 
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
 QUANT_GROUPS = (32, 64, 128)
 # tensors some exporters write that carry no parameters
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def rename(cfg: ModelConfig, name: str) -> str:
+    """A checkpoint tensor (or module path) under our name: the family's renames
+    (e.g. Mixtral's block_sparse_moe.experts.{i}.w1 -> mlp.experts.{i}.gate_proj)."""
+    for old, new in FAMILIES[cfg.model_type].renames:
+        name = name.replace(old, new)
+    return name
+
+
+def our_names(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Checkpoint tensors as our modules name them: renamed, and transformers'
+    per-expert tensors stacked into mlx-community's `switch_mlp` layout."""
+    weights = {rename(cfg, k): v for k, v in weights.items()}
+    return stack_experts(weights) if cfg.moe is not None else weights
 
 
 def _validate_quantization(q: Any) -> dict[str, Any]:
@@ -49,9 +65,11 @@ def _apply_checkpoint_quantization(
             " (the quantization block disagrees with the tensors)"
         )
 
+    overrides = {rename(model.config, k): v for k, v in q.items()}
+
     def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
-        if path in q:
-            return q[path]
+        if path in overrides:
+            return overrides[path]
         return hasattr(module, "to_quantized") and f"{path}.scales" in weights
 
     nn.quantize(
@@ -153,6 +171,7 @@ def load_model(
         except Exception as e:  # mlx raises RuntimeError/ValueError with long texts
             raise ModelLoadError(f"cannot read {f.name}: {str(e).splitlines()[0]}") from None
     weights = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
+    weights = our_names(cfg, weights)
     if cfg.tie_word_embeddings:
         for k in [k for k in weights if k.startswith("lm_head.")]:
             del weights[k]
@@ -235,9 +254,11 @@ def dequantize_on_load(n_params: int, dtype: mx.Dtype) -> bool:
 
 def dequantize_model(model: nn.Module) -> None:
     """Replace every quantized Linear / Embedding by its float equivalent, in place."""
-    swaps = []
+    swaps: list[tuple[str, nn.Module]] = []
     for name, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if isinstance(m, QuantizedSwitchLinear):
+            swaps.append((name, m.dequantized()))
+        elif isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits,
                               mode=getattr(m, "mode", "affine")).astype(m.scales.dtype)
             if isinstance(m, nn.QuantizedLinear):
