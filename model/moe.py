@@ -62,19 +62,18 @@ def route(logits: mx.array, moe: MoeConfig, bias: mx.array | None = None
     return idx, w
 
 
-class Router(nn.Module):
-    """`gate.weight` (experts, hidden) and, for DeepSeek-V3, `gate.e_score_correction_bias`."""
+class BiasedGate(nn.Module):
+    """DeepSeek-V3's router: `gate.weight` and the `gate.e_score_correction_bias` that
+    `route` adds to the scores when choosing (other families' gate is a plain Linear,
+    which quantizes like any other)."""
 
-    def __init__(self, hidden: int, moe: MoeConfig):
+    def __init__(self, hidden: int, experts: int):
         super().__init__()
-        self.moe = moe
-        self.weight = mx.zeros((moe.experts, hidden))
-        if moe.correction_bias:
-            self.e_score_correction_bias = mx.zeros((moe.experts,))
+        self.weight = mx.zeros((experts, hidden))
+        self.e_score_correction_bias = mx.zeros((experts,))
 
-    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        logits = x @ self.weight.T
-        return route(logits, self.moe, self.get("e_score_correction_bias"))
+    def __call__(self, x: mx.array) -> mx.array:
+        return x @ self.weight.T
 
 
 # ---- experts as gathered matmuls --------------------------------------------------------
@@ -174,7 +173,9 @@ class MoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         assert moe is not None
-        self.gate = Router(cfg.hidden_size, moe)
+        self.moe = moe
+        self.gate = (BiasedGate(cfg.hidden_size, moe.experts) if moe.correction_bias
+                     else nn.Linear(cfg.hidden_size, moe.experts, bias=False))
         self.switch_mlp = SwitchGLU(cfg.hidden_size, moe.expert_size, moe.experts, act,
                                     cfg.mlp_bias)
         if moe.shared_size and moe.shared_gate:  # Qwen2-MoE
@@ -184,7 +185,7 @@ class MoE(nn.Module):
             self.shared_experts = dense_mlp(cfg, moe.shared_size)
 
     def __call__(self, x: mx.array) -> mx.array:
-        idx, w = self.gate(x)
+        idx, w = route(self.gate(x), self.moe, self.gate.get("e_score_correction_bias"))
         y = self.switch_mlp(x, idx)
         y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
         if "shared_expert" in self:

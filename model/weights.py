@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .config import FAMILIES, ModelConfig, load_config
 from .errors import ModelLoadError
 from .files import safetensors_header, weight_files
+from .mla import QuantizedMultiLinear, split_kv_b
 from .moe import QuantizedSwitchLinear, stack_experts
 from .transformer import Transformer
 
@@ -39,6 +40,8 @@ def our_names(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.ar
     """Checkpoint tensors as our modules name them: renamed, and transformers'
     per-expert tensors stacked into mlx-community's `switch_mlp` layout."""
     weights = {rename(cfg, k): v for k, v in weights.items()}
+    if cfg.mla is not None:
+        weights = split_kv_b(cfg, weights)
     return stack_experts(weights) if cfg.moe is not None else weights
 
 
@@ -256,7 +259,7 @@ def dequantize_model(model: nn.Module) -> None:
     """Replace every quantized Linear / Embedding by its float equivalent, in place."""
     swaps: list[tuple[str, nn.Module]] = []
     for name, m in model.named_modules():
-        if isinstance(m, QuantizedSwitchLinear):
+        if isinstance(m, (QuantizedSwitchLinear, QuantizedMultiLinear)):  # experts, MLA
             swaps.append((name, m.dequantized()))
         elif isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits,

@@ -53,6 +53,7 @@ class FamilySpec:
     mlx_lm: str = "agrees"
     note: str = ""
     convert_classic: bool = False  # mlx_lm.convert needs the classic RoPE spelling
+    quantize: bool = True  # also checked 4-bit (mlx_lm.convert must be able to build it)
     seed: int = 0
 
 
@@ -60,6 +61,20 @@ LONGROPE = {
     "rope_type": "longrope", "rope_theta": 10000.0,
     "short_factor": [1.0, 1.1, 1.3, 1.7], "long_factor": [1.0, 2.0, 4.0, 9.0],
     "original_max_position_embeddings": 32, "partial_rotary_factor": 0.5,
+}
+
+_MOE: dict[str, Any] = {"num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2}
+_QWEN2_MOE: dict[str, Any] = {
+    **_MOE, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+}
+_QWEN3_MOE: dict[str, Any] = {
+    **_MOE, "moe_intermediate_size": 32, "norm_topk_prob": True, "head_dim": 32,
+}
+_MLA: dict[str, Any] = {
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "num_hidden_layers": 3, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+    "v_head_dim": 16, "num_key_value_heads": 4,
 }
 
 FAMILY_SPECS: dict[str, FamilySpec] = {
@@ -142,8 +157,69 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
         "max_position_embeddings": 32,
         "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
     }, rope_form="classic", incremental_reference=True, seed=21),
+    # ---- mixtures of experts: 4 experts, top 2 (issue 22)
+    "mixtral": FamilySpec("MixtralForCausalLM", _MOE, seed=30),
+    "mixtral_classic": FamilySpec("MixtralForCausalLM", _MOE, rope_form="classic", seed=30),
+    # a shared expert behind its sigmoid gate
+    "qwen2_moe": FamilySpec("Qwen2MoeForCausalLM", _QWEN2_MOE, mlx_lm="off",
+                            note="mlx-lm ignores rope_parameters (theta 1e4 read as 1e6)",
+                            seed=31),
+    "qwen2_moe_classic": FamilySpec("Qwen2MoeForCausalLM", _QWEN2_MOE, rope_form="classic",
+                                    seed=31),
+    # layer 1 dense (mlp_only_layers)
+    "qwen2_moe_dense_layer": FamilySpec("Qwen2MoeForCausalLM", {
+        **_QWEN2_MOE, "num_hidden_layers": 3, "mlp_only_layers": [1],
+    }, mlx_lm="fails", note="mlx-lm ignores mlp_only_layers", quantize=False, seed=31),
+    # transformers 5 writes num_local_experts and rope_parameters; the classic config
+    # (Qwen3-30B-A3B's) num_experts and rope_theta
+    "qwen3_moe": FamilySpec("Qwen3MoeForCausalLM", _QWEN3_MOE, mlx_lm="fails",
+                            note="mlx-lm needs num_experts and rope_theta",
+                            convert_classic=True, seed=32),
+    "qwen3_moe_classic": FamilySpec("Qwen3MoeForCausalLM", _QWEN3_MOE, rope_form="classic",
+                                    seed=32),
+    "olmoe": FamilySpec("OlmoeForCausalLM", _MOE, seed=33),
+    "olmoe_clip": FamilySpec("OlmoeForCausalLM", {**_MOE, "clip_qkv": 2.0}, mlx_lm="off",
+                             note="mlx-lm ignores clip_qkv", quantize=False, seed=33),
+    # latent attention; V2: queries from one q_proj, softmax router limited to the best
+    # group; V3: low-rank queries, sigmoid router with its correction bias, grouped top-2
+    # yarn as DeepSeek-V2-Lite's config has it (mscale = mscale_all_dim)
+    "deepseek_v2": FamilySpec("DeepseekV2ForCausalLM", {
+        **_MLA, "q_lora_rank": None, "topk_method": "group_limited_greedy",
+        "routed_scaling_factor": 1.5, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+            "mscale_all_dim": 0.707, "original_max_position_embeddings": 16,
+            "beta_fast": 32, "beta_slow": 1},
+    }, mlx_lm="fails", note="mlx-lm needs rope_scaling", convert_classic=True, seed=34),
+    "deepseek_v2_classic": FamilySpec("DeepseekV2ForCausalLM", {
+        **_MLA, "q_lora_rank": None, "topk_method": "group_limited_greedy",
+        "routed_scaling_factor": 1.5, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+            "mscale_all_dim": 0.707, "original_max_position_embeddings": 16,
+            "beta_fast": 32, "beta_slow": 1},
+    }, rope_form="classic", seed=34),
+    "deepseek_v3": FamilySpec("DeepseekV3ForCausalLM", _MLA, seed=35),
+    # yarn as DeepSeek-V3's config spells it (mscale and mscale_all_dim), classic keys
+    "deepseek_v3_yarn": FamilySpec("DeepseekV3ForCausalLM", {**_MLA, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+        "mscale_all_dim": 0.8, "original_max_position_embeddings": 16, "beta_fast": 32,
+        "beta_slow": 1,
+    }}, rope_form="classic", seed=36),
 }
 NAMES = list(FAMILY_SPECS)
+
+
+# keys transformers 5 writes under a new name -> the one classic configs (and mlx-lm) use
+_CLASSIC_KEYS = {"qwen3_moe": {"num_local_experts": "num_experts"}}
+
+
+def _to_classic(folder: Path) -> None:
+    """config.json as pre-transformers-5 checkpoints spell it (RoPE and renamed keys)."""
+    _to_classic_rope(folder)
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    for new, old in _CLASSIC_KEYS.get(cfg["model_type"], {}).items():
+        cfg[old] = cfg.pop(new)
+    path.write_text(json.dumps(cfg, indent=2))
 
 
 def build(spec: FamilySpec, folder: Path) -> Path:
@@ -158,7 +234,7 @@ def build(spec: FamilySpec, folder: Path) -> Path:
     model.save_pretrained(str(folder), safe_serialization=True)
     _write_tokenizer(folder, cfg.vocab_size)
     if spec.rope_form == "classic":
-        _to_classic_rope(folder)
+        _to_classic(folder)
     elif spec.rope_form == "gemma3_classic":
         path = folder / "config.json"
         c = json.loads(path.read_text())
@@ -242,14 +318,53 @@ def quantized(
             root = tmp_path_factory.mktemp(f"q4_{name}")
             if FAMILY_SPECS[name].convert_classic:
                 shutil.copytree(src, root / "classic")
-                _to_classic_rope(root / "classic")
+                _to_classic(root / "classic")
                 src = root / "classic"
             convert(str(src), str(root / "q4"), quantize=True, q_bits=4, q_group_size=64)
             convert(str(root / "q4"), str(root / "deq"), dequantize=True)
+            _to_transformers_layout(root / "deq")
             built[name] = (root / "q4", root / "deq")
         return built[name]
 
     return get
+
+
+# mlx-lm's Mixtral names per expert -> transformers'
+_MIXTRAL_EXPERT = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+
+
+def _to_transformers_layout(folder: Path) -> None:
+    """mlx-lm writes experts stacked (`switch_mlp`) and DeepSeek-V3's kv_b_proj split
+    (`embed_q`, `unembed_out`); transformers reads neither. Rewrite the dequantized
+    reference folder in transformers' layout (so its logits are the true reference)."""
+    import mlx.core as mx
+
+    cfg = json.loads((folder / "config.json").read_text())
+    files = sorted(folder.glob("*.safetensors"))
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        weights.update(mx.load(str(f)))
+    out: dict[str, mx.array] = {}
+    for name, w in weights.items():
+        if ".switch_mlp." in name:
+            prefix, rest = name.split(".switch_mlp.")
+            proj, param = rest.split(".")
+            if cfg["model_type"] == "mixtral":
+                proj = _MIXTRAL_EXPERT[proj]
+            for i in range(w.shape[0]):
+                out[f"{prefix}.experts.{i}.{proj}.{param}"] = w[i]
+        elif name.endswith(".embed_q.weight"):
+            prefix = name[: -len(".embed_q.weight")]
+            wv = weights[f"{prefix}.unembed_out.weight"]  # (heads, v, rank)
+            wk = w.swapaxes(-1, -2)  # (heads, nope, rank)
+            out[f"{prefix}.kv_b_proj.weight"] = mx.concatenate([wk, wv], axis=1).reshape(
+                -1, wk.shape[-1])
+        elif not name.endswith(".unembed_out.weight"):
+            out[name] = w
+    for f in files:
+        f.unlink()
+    mx.save_safetensors(str(folder / "model.safetensors"), out, metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
 
 
 def errors(ours: Path, reference: Path, name: str) -> tuple[float, float]:
@@ -267,7 +382,8 @@ def test_family_matches_transformers(name: str, family: Callable[[str], Path]) -
     assert whole <= 1e-4 and step <= 1e-4
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if FAMILY_SPECS[n].rope_form == "parameters"])
+@pytest.mark.parametrize("name", [n for n in NAMES if FAMILY_SPECS[n].rope_form == "parameters"
+                                  and FAMILY_SPECS[n].quantize])
 def test_family_4bit_matches_transformers_on_dequantized(
     name: str, quantized: Callable[[str], tuple[Path, Path]]
 ) -> None:
