@@ -51,6 +51,15 @@ def _every_nth_global(period_key: str | None, default: int) -> LayerRule:
     return rule
 
 
+def _pattern_layers(cfg: dict[str, Any], n: int) -> list[str]:
+    """EXAONE 4: `sliding_window_pattern` "LLLG" (L slides, G is global) repeated, or an
+    int n (every n-th layer global)."""
+    pattern = cfg.get("sliding_window_pattern", 4)
+    if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
+        return [SLIDING if pattern[i % len(pattern)] == "L" else FULL for i in range(n)]
+    return _every_nth_global(None, int(pattern or 4))(cfg, n)
+
+
 def _nope_layers_slide(cfg: dict[str, Any], n: int) -> list[str]:
     """SmolLM3: with use_sliding_window, the NoPE layers slide."""
     rope_on = _no_rope_layers(cfg, n)
@@ -81,10 +90,14 @@ class MoeFamily:
     group_key: str | None = None  # config key that switches grouping on (V2: topk_method)
     correction_bias: bool = False  # V3: e_score_correction_bias picks experts, never weighs
     shared: str | None = None  # None | "gated" (Qwen2-MoE: sigmoid gate) | "plain" (DeepSeek)
+    count_key: str | None = None  # None: num_local_experts / num_experts / n_routed_experts
+    top_k_key: str = "num_experts_per_tok"
+    shared_count_key: str = "n_shared_experts"  # "plain": shared size = count × expert size
     expert_size_key: str = "moe_intermediate_size"
     norm_topk_always: bool = False  # Mixtral renormalises the top-k weights unconditionally
     # which layers are sparse: "all" | "step" (decoder_sparse_step, mlp_only_layers) |
-    # "first_dense" (first_k_dense_replace dense layers, then MoE)
+    # "first_dense" (first_k_dense_replace dense layers, then MoE) | "interval" (ERNIE:
+    # every moe_layer_interval-th from moe_layer_start_index to moe_layer_end_index)
     sparse_layers: str = "all"
 
 
@@ -123,8 +136,11 @@ class Family:
     """One model type's quirks: which building blocks it uses and what transformers
     assumes when a config key is absent (`defaults`, merged under config.json)."""
 
-    qkv_bias: bool | None = None  # None: read `attention_bias` from the config
-    o_bias: bool | None = None  # None: read `attention_bias` from the config
+    qkv_bias: bool | None = None  # None: read `bias_key` from the config
+    o_bias: bool | None = None  # None: read `o_bias_key` from the config
+    bias_key: str = "attention_bias"  # ERNIE: use_bias (attention and MLP)
+    o_bias_key: str | None = None  # None: as bias_key (Seed-OSS: attention_out_bias)
+    mlp_bias_key: str = "mlp_bias"
     tie_word_embeddings: bool = False  # default when config.json does not say
     # sliding_window applies only when this config flag is true (None: whenever set)
     sliding_window_flag: str | None = None
@@ -135,14 +151,18 @@ class Family:
     activation_key: str = "hidden_act"  # config key naming the MLP's gate activation
     activation_aliases: dict[str, str] = field(default_factory=dict)
     block: str = "pre"  # "pre" | "sandwich" (4 norms) | "post" (norms after each branch)
-    qk_norm: str | None = None  # None | "head" (per head) | "proj" (over the projection)
+    # None | "head" (per head) | "proj" (over the projection) | "head_after_rope" (Hunyuan)
+    qk_norm: str | None = None
+    qk_norm_flag: str | None = None  # qk_norm applies only when this config flag is true
     fused_proj: bool = False  # one qkv_proj and one gate_up_proj (Phi-3)
     embed_scale_sqrt_hidden: bool = False  # Gemma: embeddings × √hidden_size
     multipliers: bool = False  # Granite: embedding/attention/residual multipliers, logits_scaling
     query_pre_attn_scalar: bool = False  # Gemma 2/3: attention scale = scalar^-0.5
     softcaps: bool = False  # Gemma 2/3: attn/final logit soft-capping keys are honoured
     local_rope: bool = False  # Gemma 3: sliding layers have their own RoPE base
-    nope: bool = False  # SmolLM3: `no_rope_layers` turns RoPE off per layer
+    # layers without RoPE: None | "listed" (SmolLM3's `no_rope_layers`) | "global" (the
+    # full-attention layers of a model with sliding ones: EXAONE 4, Command R7B)
+    nope: str | None = None
     rope_aliases: dict[str, str] = field(default_factory=dict)  # Phi-3: "su" -> "longrope"
     moe: MoeFamily | None = None  # the FFN of (some) layers is a mixture of experts
     attention: str = "gqa"  # "gqa" (MHA/GQA/MQA) | "mla" (latent, DeepSeek-V2/V3)
@@ -208,9 +228,57 @@ FAMILIES: dict[str, Family] = {
     ),
     "smollm3": Family(
         tie_word_embeddings=True, sliding_window_flag="use_sliding_window",
-        layer_rule=_nope_layers_slide, nope=True, defaults={"rope_theta": 2e6},
+        layer_rule=_nope_layers_slide, nope="listed", defaults={"rope_theta": 2e6},
     ),
     "olmo2": Family(layer_rule=None, block="post", qk_norm="proj", defaults={"rms_norm_eps": 1e-5}),
+    "olmo3": Family(
+        layer_rule=_every_nth_global(None, 4), block="post", qk_norm="proj", local_rope=True,
+        defaults={"rms_norm_eps": 1e-6, "sliding_window": 4096},
+    ),
+    "exaone4": Family(
+        layer_rule=_pattern_layers, block="post", qk_norm="head", nope="global",
+        defaults={"rms_norm_eps": 1e-5, "sliding_window": 4096},
+    ),
+    "helium": Family(layer_rule=None, o_bias=False, rope_traditional=True,
+                     defaults={"rms_norm_eps": 1e-8}),
+    "seed_oss": Family(layer_rule=None, o_bias_key="attention_out_bias"),
+    "hunyuan_v1_dense": Family(
+        layer_rule=None, qk_norm="head_after_rope",
+        renames=((".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm.")),
+    ),
+    "ernie4_5": Family(
+        layer_rule=None, bias_key="use_bias", mlp_bias_key="use_bias", rope_traditional=True,
+        tie_word_embeddings=True,
+    ),
+    # transformers builds internlm3 configs as Llama
+    "internlm3": Family(layer_rule=None),
+    "ernie4_5_moe": Family(
+        layer_rule=None, bias_key="use_bias", mlp_bias_key="use_bias", rope_traditional=True,
+        tie_word_embeddings=True,
+        moe=MoeFamily(correction_bias=True, shared="plain", norm_topk_always=True,
+                      count_key="moe_num_experts", top_k_key="moe_k",
+                      shared_count_key="moe_num_shared_experts", sparse_layers="interval"),
+        renames=((".mlp.moe_statics.", ".mlp.gate."),),
+        defaults={"moe_layer_start_index": 1},
+    ),
+    "glm4_moe": Family(
+        layer_rule=None, o_bias=False, qk_norm="head", qk_norm_flag="use_qk_norm",
+        moe=MoeFamily(score="sigmoid", group_score="top2", correction_bias=True,
+                      shared="plain", sparse_layers="first_dense"),
+        defaults={"partial_rotary_factor": 0.5, "norm_topk_prob": True, "n_group": 1,
+                  "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                  "routed_scaling_factor": 1.0},
+    ),
+    "dots1": Family(
+        layer_rule=_from_max_window_layers, qk_norm="head",
+        # mlx-lm stacks dots1's experts as mlp.experts.{proj} (no switch_mlp)
+        renames=tuple((f".experts.{p}.", f".switch_mlp.{p}.")
+                      for p in ("gate_proj", "up_proj", "down_proj")),
+        moe=MoeFamily(score="sigmoid", group_score="top2", correction_bias=True,
+                      shared="plain", sparse_layers="first_dense"),
+        defaults={"norm_topk_prob": False, "first_k_dense_replace": 0,
+                  "routed_scaling_factor": 1.0},
+    ),
     "granite": Family(layer_rule=None, multipliers=True),
     # ---- mixtures of experts (moe.py)
     "mixtral": Family(
@@ -450,7 +518,7 @@ class ModelConfig:
             raise ConfigError(
                 "config.json: use_bidirectional_attention is set; kvchat runs causal decoders only"
             )
-        attn_bias = bool(cfg.get("attention_bias", False))
+        attn_bias = bool(cfg.get(fam.bias_key, False))
         try:
             mla = _mla(cfg) if fam.attention == "mla" else None
             moe, sparse = _moe(cfg, fam, n_layers)
@@ -476,8 +544,9 @@ class ModelConfig:
             rope=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", fam.tie_word_embeddings)),
             qkv_bias=attn_bias if fam.qkv_bias is None else fam.qkv_bias,
-            o_bias=attn_bias if fam.o_bias is None else fam.o_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            o_bias=bool(cfg.get(fam.o_bias_key or fam.bias_key, False))
+            if fam.o_bias is None else fam.o_bias,
+            mlp_bias=bool(cfg.get(fam.mlp_bias_key, False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             sliding_window=window,
             quantization=cfg.get("quantization") or cfg.get("quantization_config"),
@@ -545,12 +614,12 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
     spec = fam.moe
     if spec is None:
         return None, [False] * n
-    experts = _positive(cfg, _first_key(cfg, ("num_local_experts", "num_experts",
-                                               "n_routed_experts")))
-    top_k = _positive(cfg, "num_experts_per_tok")
+    experts = _positive(cfg, spec.count_key or _first_key(
+        cfg, ("num_local_experts", "num_experts", "n_routed_experts")))
+    top_k = _positive(cfg, spec.top_k_key)
     if top_k > experts:
         raise ConfigError(
-            f"config.json: num_experts_per_tok ({top_k}) exceeds the {experts} experts"
+            f"config.json: {spec.top_k_key} ({top_k}) exceeds the {experts} experts"
         )
     groups, topk_groups = 1, 1
     grouped = spec.group_score is not None and (
@@ -567,7 +636,8 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
     if spec.shared == "gated":
         shared_size = int(cfg.get("shared_expert_intermediate_size") or 0)
     elif spec.shared == "plain":
-        shared_size = int(cfg.get("n_shared_experts") or 0) * _positive(cfg, spec.expert_size_key)
+        shared_size = int(cfg.get(spec.shared_count_key) or 0) * _positive(
+            cfg, spec.expert_size_key)
     moe = MoeConfig(
         experts=experts, top_k=top_k, expert_size=_positive(cfg, spec.expert_size_key),
         score=spec.score, norm_topk=spec.norm_topk_always or bool(cfg.get("norm_topk_prob")),
@@ -584,6 +654,11 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
         first = int(cfg.get("first_k_dense_replace") or 0)
         every = int(cfg.get("moe_layer_freq") or 1)
         sparse = [i >= first and i % every == 0 for i in range(n)]
+    elif spec.sparse_layers == "interval":
+        every = _positive(cfg, "moe_layer_interval", 1)
+        start, end = int(cfg.get("moe_layer_start_index") or 0), cfg.get("moe_layer_end_index")
+        end = n - 1 if end is None or end < 0 else int(end)
+        sparse = [(i + 1) % every == 0 and start <= i <= end for i in range(n)]
     else:
         sparse = [True] * n
     return moe, sparse
@@ -630,7 +705,12 @@ def _layer_specs(
     if window is None:
         kinds = [FULL] * n  # no window: a "sliding" layer sees everything (as transformers)
     local = _local_rope(cfg, fam) if fam.local_rope else rope
-    rope_on = _no_rope_layers(cfg, n) if fam.nope else [1] * n
+    if fam.nope == "listed":
+        rope_on = _no_rope_layers(cfg, n)
+    elif fam.nope == "global" and window is not None:
+        rope_on = [int(k == SLIDING) for k in kinds]
+    else:
+        rope_on = [1] * n
     specs = tuple(
         LayerSpec(
             kind=k,
@@ -653,7 +733,9 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
             f" supported: {', '.join(ACTIVATION_NAMES)}"
         )
     out: dict[str, Any] = {
-        "norm": fam.norm, "activation": act, "block": fam.block, "qk_norm": fam.qk_norm,
+        "norm": fam.norm, "activation": act, "block": fam.block,
+        "qk_norm": fam.qk_norm if fam.qk_norm_flag is None or cfg.get(fam.qk_norm_flag)
+        else None,
         "fused_proj": fam.fused_proj, "rope_traditional": fam.rope_traditional,
     }
     if fam.rope_traditional and cfg.get("rope_interleave") is False:

@@ -224,7 +224,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * hd, d, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm is not None:
-            per_head = cfg.qk_norm == "head"
+            per_head = cfg.qk_norm != "proj"
             self.q_norm = make_norm(cfg, hd if per_head else h * hd)
             self.k_norm = make_norm(cfg, hd if per_head else kv * hd)
         self.rope = None
@@ -266,6 +266,8 @@ class Attention(nn.Module):
         offset = cache.offset if cache is not None else 0
         if self.rope is not None:
             q, k = self.rope(q, k, offset)
+        if self.qk_norm == "head_after_rope":  # Hunyuan: q/k normed once rotated
+            q, k = self.q_norm(q), self.k_norm(k)
         if self._q_gain is not None:
             q = q * self._q_gain.astype(q.dtype)
         if cache is not None:

@@ -40,6 +40,8 @@ def our_names(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.ar
     """Checkpoint tensors as our modules name them: renamed, and transformers'
     per-expert tensors stacked into mlx-community's `switch_mlp` layout."""
     weights = {rename(cfg, k): v for k, v in weights.items()}
+    for k in [k for k in weights if k.endswith(".e_score_correction_bias")]:
+        weights[k] = weights[k].reshape(-1)  # ERNIE stores it as (1, experts)
     if cfg.mla is not None:
         weights = split_kv_b(cfg, weights)
     return stack_experts(weights) if cfg.moe is not None else weights

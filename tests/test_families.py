@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,6 +70,31 @@ _QWEN2_MOE: dict[str, Any] = {
 }
 _QWEN3_MOE: dict[str, Any] = {
     **_MOE, "moe_intermediate_size": 32, "norm_topk_prob": True, "head_dim": 32,
+}
+# mlx-lm 0.32.2 cannot build these from transformers 5's config (no rope_theta): it is
+# compared on the classic twin, and converts (4-bit) a classic copy
+_NEEDS_THETA: dict[str, Any] = {
+    "mlx_lm": "fails", "note": "mlx-lm needs rope_theta", "convert_classic": True,
+}
+_MLA_ROUTER: dict[str, Any] = {
+    "num_hidden_layers": 3, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+    "n_group": 2, "topk_group": 1,
+}
+_ERNIE_MOE: dict[str, Any] = {
+    "num_hidden_layers": 3, "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32,
+    "moe_num_shared_experts": 1, "moe_layer_start_index": 1,
+}
+_GLM4_MOE: dict[str, Any] = {
+    **_MLA_ROUTER, "use_qk_norm": True, "head_dim": 32, "attention_bias": True,
+}
+_DOTS1: dict[str, Any] = {
+    **_MLA_ROUTER, "n_group": 1, "topk_group": 1, "sliding_window": WINDOW,
+    "max_window_layers": 1, "head_dim": 16,
+}
+_EXAONE4: dict[str, Any] = {  # mlx-lm reads the pattern as a string ("LG": local, global)
+    "num_hidden_layers": 4, "sliding_window": WINDOW, "sliding_window_pattern": "LG",
+    "layer_types": ["sliding_attention", "full_attention"] * 2, "head_dim": 16,
 }
 _MLA: dict[str, Any] = {
     "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -204,6 +230,38 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
         "mscale_all_dim": 0.8, "original_max_position_embeddings": 16, "beta_fast": 32,
         "beta_slow": 1,
     }}, rope_form="classic", seed=36),
+    # more MoE routers: ERNIE's softmax with a correction bias, GLM-4.5's and dots.llm1's
+    # DeepSeek-V3 router over GLM / Qwen3 attention
+    # mlx-lm drops the router's correction bias (so its 4-bit folders lack it: not tested)
+    "ernie4_5_moe": FamilySpec("Ernie4_5_MoeForCausalLM", _ERNIE_MOE, **_NEEDS_THETA,
+                               quantize=False, seed=46),
+    "ernie4_5_moe_classic": FamilySpec("Ernie4_5_MoeForCausalLM", _ERNIE_MOE, mlx_lm="off",
+                                       note="mlx-lm drops ERNIE's router correction bias",
+                                       rope_form="classic", seed=46),
+    "glm4_moe": FamilySpec("Glm4MoeForCausalLM", _GLM4_MOE, **_NEEDS_THETA, seed=47),
+    "glm4_moe_classic": FamilySpec("Glm4MoeForCausalLM", _GLM4_MOE, rope_form="classic", seed=47),
+    "dots1": FamilySpec("Dots1ForCausalLM", _DOTS1, **_NEEDS_THETA, seed=48),
+    "dots1_classic": FamilySpec("Dots1ForCausalLM", _DOTS1, rope_form="classic", mlx_lm="off",
+                                note="mlx-lm ignores dots1's sliding layers", seed=48),
+    # ---- dense rows: OLMo 3 (post-norm, sliding layers with their own RoPE), EXAONE 4
+    # (post-norm, per-head q/k norm, NoPE global layers), Helium and ERNIE 4.5
+    # (interleaved RoPE), Seed-OSS (biased q/k/v), Hunyuan (q/k norm after RoPE)
+    "olmo3": FamilySpec("Olmo3ForCausalLM", {
+        "num_hidden_layers": 4, "sliding_window": WINDOW, "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+    }, **_NEEDS_THETA, seed=40),
+    "exaone4": FamilySpec("Exaone4ForCausalLM", _EXAONE4, **_NEEDS_THETA, seed=41),
+    "exaone4_classic": FamilySpec("Exaone4ForCausalLM", _EXAONE4, rope_form="classic", seed=41),
+    "helium": FamilySpec("HeliumForCausalLM", {"head_dim": 16}, **_NEEDS_THETA, seed=42),
+    "helium_classic": FamilySpec("HeliumForCausalLM", {"head_dim": 16}, rope_form="classic",
+                                 seed=42),
+    "seed_oss": FamilySpec("SeedOssForCausalLM", {
+        "attention_bias": True, "attention_out_bias": False}, seed=43),
+    "hunyuan_v1_dense": FamilySpec("HunYuanDenseV1ForCausalLM", {"head_dim": 16}, seed=44),
+    "ernie4_5": FamilySpec("Ernie4_5ForCausalLM", {"use_bias": True}, **_NEEDS_THETA, seed=45),
+    "ernie4_5_classic": FamilySpec("Ernie4_5ForCausalLM", {"use_bias": True},
+                                   rope_form="classic", seed=45),
 }
 NAMES = list(FAMILY_SPECS)
 
@@ -213,9 +271,18 @@ _CLASSIC_KEYS = {"qwen3_moe": {"num_local_experts": "num_experts"}}
 
 
 def _to_classic(folder: Path) -> None:
-    """config.json as pre-transformers-5 checkpoints spell it (RoPE and renamed keys)."""
-    _to_classic_rope(folder)
+    """config.json as pre-transformers-5 checkpoints spell it (RoPE and renamed keys);
+    per-layer-kind RoPE (OLMo 3) as the global one plus rope_local_base_freq."""
     path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    rope = cfg.get("rope_parameters") or {}
+    if "full_attention" in rope:
+        cfg["rope_parameters"] = rope = rope["full_attention"]
+        cfg["rope_local_base_freq"] = cfg["rope_parameters"]["rope_theta"]
+    if "partial_rotary_factor" in rope:  # a top-level key in classic configs
+        cfg["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
+    path.write_text(json.dumps(cfg))
+    _to_classic_rope(folder)
     cfg = json.loads(path.read_text())
     for new, old in _CLASSIC_KEYS.get(cfg["model_type"], {}).items():
         cfg[old] = cfg.pop(new)
@@ -346,6 +413,7 @@ def _to_transformers_layout(folder: Path) -> None:
         weights.update(mx.load(str(f)))
     out: dict[str, mx.array] = {}
     for name, w in weights.items():
+        name = re.sub(r"\.experts\.(gate_proj|up_proj|down_proj)\.", r".switch_mlp.\1.", name)
         if ".switch_mlp." in name:
             prefix, rest = name.split(".switch_mlp.")
             proj, param = rest.split(".")
