@@ -23,7 +23,8 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_KINDS = (FULL, SLIDING)
 
 # activation names in config.json -> the function mlx computes (layers.ACTIVATIONS)
-ACTIVATION_NAMES = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu")
+ACTIVATION_NAMES = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu", "gelu_fast", "relu",
+                    "relu2")
 
 
 # ---- which layers slide: one rule per family, used when config.json has no layer_types
@@ -147,13 +148,22 @@ class Family:
     # which layers slide when config.json has no `layer_types`; None: the family has
     # no sliding attention (a sliding_window key is ignored, as transformers does)
     layer_rule: LayerRule | None = _all_layers
-    norm: str = "rms"  # "rms": x̂·w | "offset": x̂·(1 + w) (Gemma)
+    # "rms": x̂·w | "offset": x̂·(1 + w) (Gemma) | "layer": LayerNorm (mean removed), w and b
+    # | "layer_nobias" (Cohere) | "layer1p": w stored as w − 1 (Nemotron) | "layer_noparam"
+    norm: str = "rms"
+    eps_key: str = "rms_norm_eps"  # the config key of the norms' epsilon
+    mlp: str = "gated"  # "gated": down(act(gate)·up) | "plain": down(act(up)) (see PlainMLP)
+    head_bias: bool = False  # the LM head has a bias (Phi-2)
+    logit_scale: bool = False  # Cohere: logits × logit_scale
     activation_key: str = "hidden_act"  # config key naming the MLP's gate activation
     activation_aliases: dict[str, str] = field(default_factory=dict)
-    block: str = "pre"  # "pre" | "sandwich" (4 norms) | "post" (norms after each branch)
+    # "pre" | "sandwich" (4 norms) | "post" (norms after each branch) | "parallel"
+    # (attention and MLP read the same normed input) | "parallel2" (each its own norm)
+    block: str = "pre"
     # None | "head" (per head) | "proj" (over the projection) | "head_after_rope" (Hunyuan)
     qk_norm: str | None = None
     qk_norm_flag: str | None = None  # qk_norm applies only when this config flag is true
+    parallel_flag: str | None = None  # StableLM: this config flag makes the block "parallel"
     fused_proj: bool = False  # one qkv_proj and one gate_up_proj (Phi-3)
     embed_scale_sqrt_hidden: bool = False  # Gemma: embeddings × √hidden_size
     multipliers: bool = False  # Granite: embedding/attention/residual multipliers, logits_scaling
@@ -252,6 +262,46 @@ FAMILIES: dict[str, Family] = {
     ),
     # transformers builds internlm3 configs as Llama
     "internlm3": Family(layer_rule=None),
+    # ---- the 2017 parts: LayerNorm, ungated MLPs, parallel blocks
+    "phi": Family(
+        qkv_bias=True, o_bias=True, layer_rule=None, norm="layer", eps_key="layer_norm_eps",
+        mlp="plain", block="parallel", head_bias=True, qk_norm="head",
+        qk_norm_flag="qk_layernorm",
+        renames=((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.up_proj."),
+                 (".mlp.fc2.", ".mlp.down_proj."), ("model.final_layernorm.", "model.norm."),
+                 (".q_layernorm.", ".q_norm."), (".k_layernorm.", ".k_norm.")),
+        defaults={"mlp_bias": True, "hidden_act": "gelu_new", "partial_rotary_factor": 0.5,
+                  "layer_norm_eps": 1e-5},
+    ),
+    "starcoder2": Family(
+        bias_key="use_bias", mlp_bias_key="use_bias", tie_word_embeddings=True, norm="layer",
+        eps_key="norm_epsilon", mlp="plain",
+        renames=((".mlp.c_fc.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj.")),
+        defaults={"use_bias": True, "hidden_act": "gelu_pytorch_tanh", "norm_epsilon": 1e-5},
+    ),
+    "stablelm": Family(
+        layer_rule=None, bias_key="use_qkv_bias", o_bias=False, norm="layer",
+        eps_key="layer_norm_eps", parallel_flag="use_parallel_residual",
+        defaults={"partial_rotary_factor": 0.25, "layer_norm_eps": 1e-5},
+    ),
+    "nemotron": Family(
+        layer_rule=None, norm="layer1p", eps_key="norm_eps", mlp="plain",
+        defaults={"hidden_act": "relu2", "partial_rotary_factor": 0.5, "norm_eps": 1e-5},
+    ),
+    "cohere": Family(
+        layer_rule=None, norm="layer_nobias", eps_key="layer_norm_eps", block="parallel",
+        rope_traditional=True, logit_scale=True, tie_word_embeddings=True,
+        qk_norm="each_head", qk_norm_flag="use_qk_norm",
+        defaults={"layer_norm_eps": 1e-5, "logit_scale": 0.0625},
+    ),
+    # Command R7B: three sliding layers, then a global one without RoPE
+    "cohere2": Family(
+        layer_rule=_every_nth_global("sliding_window_pattern", 4), nope="global",
+        norm="layer_nobias", eps_key="layer_norm_eps", block="parallel",
+        rope_traditional=True, logit_scale=True, tie_word_embeddings=True,
+        defaults={"layer_norm_eps": 1e-5, "logit_scale": 0.0625, "sliding_window": 4096},
+    ),
+    "olmo": Family(layer_rule=None, norm="layer_noparam", clip_qkv=True),
     "ernie4_5_moe": Family(
         layer_rule=None, bias_key="use_bias", mlp_bias_key="use_bias", rope_traditional=True,
         tie_word_embeddings=True,
@@ -467,6 +517,8 @@ class ModelConfig:
     torch_dtype: str | None = None
     # resolved family quirks (see Family)
     norm: str = "rms"
+    mlp: str = "gated"
+    lm_head_bias: bool = False
     activation: str = "silu"
     block: str = "pre"
     qk_norm: str | None = None
@@ -540,7 +592,7 @@ class ModelConfig:
             head_dim=head_dim,
             intermediate_size=inter,
             vocab_size=vocab,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get(fam.eps_key) or 1e-6),
             rope=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", fam.tie_word_embeddings)),
             qkv_bias=attn_bias if fam.qkv_bias is None else fam.qkv_bias,
@@ -733,11 +785,15 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
             f" supported: {', '.join(ACTIVATION_NAMES)}"
         )
     out: dict[str, Any] = {
-        "norm": fam.norm, "activation": act, "block": fam.block,
+        "norm": fam.norm, "activation": act,
+        "block": "parallel" if fam.parallel_flag and cfg.get(fam.parallel_flag) else fam.block,
         "qk_norm": fam.qk_norm if fam.qk_norm_flag is None or cfg.get(fam.qk_norm_flag)
         else None,
         "fused_proj": fam.fused_proj, "rope_traditional": fam.rope_traditional,
+        "mlp": fam.mlp, "lm_head_bias": fam.head_bias,
     }
+    if fam.logit_scale:
+        out["logits_divisor"] = 1.0 / float(cfg.get("logit_scale", 1.0))
     if fam.rope_traditional and cfg.get("rope_interleave") is False:
         out["rope_traditional"] = False  # DeepSeek-V3 configs may turn the interleave off
     if fam.clip_qkv and cfg.get("clip_qkv") is not None:

@@ -30,6 +30,9 @@ from .moe import MoE
 
 ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
     "silu": nn.silu,
+    "relu": nn.relu,
+    "relu2": lambda x: mx.square(nn.relu(x)),  # Nemotron
+    "gelu_fast": nn.gelu_approx,
     "gelu_pytorch_tanh": nn.gelu_approx,  # 0.5x(1 + tanh(√(2/π)(x + 0.044715x³)))
     "gelu_new": nn.gelu_approx,
     "gelu": nn.gelu,  # exact (erf)
@@ -68,10 +71,46 @@ class OffsetRMSNorm(RMSNorm):
         return 1.0 + self.weight
 
 
-NORMS: dict[str, type[RMSNorm]] = {"rms": RMSNorm, "offset": OffsetRMSNorm}
+class LayerNorm(nn.Module):
+    """The 2017 norm, (x − mean) / std · w + b, in the variants the models still use:
+    with or without bias (Cohere: weight only), w stored as w − 1 (Nemotron's
+    LayerNorm1P), or no parameters at all (OLMo 1). `dims` may be (heads, head_dim):
+    Cohere's q/k norm has one weight row per head."""
+
+    def __init__(self, dims: int | tuple[int, ...], eps: float = 1e-5, bias: bool = True,
+                 affine: bool = True, offset: bool = False):
+        super().__init__()
+        self.eps, self._offset = eps, offset
+        if affine:
+            self.weight = mx.zeros(dims) if offset else mx.ones(dims)
+            if bias:
+                self.bias = mx.zeros(dims)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        w = self.get("weight")
+        if w is not None and self._offset:
+            w = 1.0 + w
+        if w is None or w.ndim == 1:
+            return mx.fast.layer_norm(x, w, self.get("bias"), self.eps)
+        y = mx.fast.layer_norm(x, None, None, self.eps) * w
+        return y + self.bias if "bias" in self else y
+
+    def add_and_norm(self, x: mx.array, residual: mx.array) -> tuple[mx.array, mx.array]:
+        h = x + residual
+        return h, self(h)
 
 
-def make_norm(cfg: ModelConfig, dims: int) -> RMSNorm:
+NORMS: dict[str, Callable[[Any, float], nn.Module]] = {
+    "rms": RMSNorm,
+    "offset": OffsetRMSNorm,
+    "layer": LayerNorm,
+    "layer_nobias": lambda dims, eps: LayerNorm(dims, eps, bias=False),
+    "layer1p": lambda dims, eps: LayerNorm(dims, eps, offset=True),
+    "layer_noparam": lambda dims, eps: LayerNorm(dims, eps, affine=False),
+}
+
+
+def make_norm(cfg: ModelConfig, dims: int | tuple[int, ...]) -> Any:
     return NORMS[cfg.norm](dims, cfg.rms_norm_eps)
 
 
@@ -223,7 +262,9 @@ class Attention(nn.Module):
         self._projections(cfg)
         self.o_proj = nn.Linear(h * hd, d, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm is not None:
+        if cfg.qk_norm == "each_head":  # Cohere: a weight row per head
+            self.q_norm, self.k_norm = make_norm(cfg, (h, hd)), make_norm(cfg, (kv, hd))
+        elif cfg.qk_norm is not None:
             per_head = cfg.qk_norm != "proj"
             self.q_norm = make_norm(cfg, hd if per_head else h * hd)
             self.k_norm = make_norm(cfg, hd if per_head else kv * hd)
@@ -259,7 +300,7 @@ class Attention(nn.Module):
             q, k, v = (mx.clip(t, -self.clip, self.clip) for t in (q, k, v))
         q = q.reshape(B, T, self.n_heads, -1)
         k = k.reshape(B, T, self.n_kv_heads, -1)
-        if self.qk_norm == "head":
+        if self.qk_norm in ("head", "each_head"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         v = v.reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -317,6 +358,21 @@ class MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+class PlainMLP(nn.Module):
+    """The ungated MLP, down(act(up(x))) (Phi-2's fc1/fc2, StarCoder2's c_fc/c_proj,
+    Nemotron's relu²), biases as the config says."""
+
+    def __init__(self, cfg: ModelConfig, size: int | None = None):
+        super().__init__()
+        f = size or cfg.intermediate_size
+        self.act = ACTIVATIONS[cfg.activation]
+        self.up_proj = nn.Linear(cfg.hidden_size, f, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(f, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
 class FusedMLP(MLP):
     """Phi-3: gate and up from one `gate_up_proj` matmul (gate first, as the checkpoint)."""
 
@@ -340,7 +396,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
         self.self_attn = make_attention(cfg, spec)
-        mlp = FusedMLP if cfg.fused_proj else MLP
+        mlp = PlainMLP if cfg.mlp == "plain" else FusedMLP if cfg.fused_proj else MLP
         self.mlp = MoE(cfg, ACTIVATIONS[cfg.activation], mlp) if spec.moe else mlp(cfg)
 
     def deferred(
@@ -412,10 +468,30 @@ class PostNormBlock(Block):
         return h + self.post_feedforward_layernorm(self.mlp(h))
 
 
+class ParallelBlock(Block):
+    """Phi-2, Cohere, GPT-NeoX: both branches read the same input, x + attn(n(x)) +
+    mlp(n'(x)), with n' = n (one norm) or its own post_attention_layernorm."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__(cfg, spec)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size)
+        if cfg.block == "parallel2":
+            self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        normed = self.input_layernorm(x)
+        a = self.self_attn(normed, mask, cache)
+        if "post_attention_layernorm" in self:
+            normed = self.post_attention_layernorm(x)
+        return x + a + self.mlp(normed)
+
+
 BLOCKS: dict[str, type[Block]] = {
     "pre": PreNormBlock,
     "sandwich": SandwichBlock,
     "post": PostNormBlock,
+    "parallel": ParallelBlock,
+    "parallel2": ParallelBlock,
 }
 
 

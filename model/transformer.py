@@ -54,7 +54,7 @@ class Transformer(nn.Module):
         self.model_type = cfg.model_type  # mlx-lm's tools read this
         self.model = DecoderModel(cfg)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias)
 
     @property
     def layers(self) -> list[nn.Module]:

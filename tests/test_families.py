@@ -96,6 +96,7 @@ _EXAONE4: dict[str, Any] = {  # mlx-lm reads the pattern as a string ("LG": loca
     "num_hidden_layers": 4, "sliding_window": WINDOW, "sliding_window_pattern": "LG",
     "layer_types": ["sliding_attention", "full_attention"] * 2, "head_dim": 16,
 }
+_COHERE: dict[str, Any] = {"use_qk_norm": True, "logit_scale": 0.5}
 _MLA: dict[str, Any] = {
     "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
     "num_hidden_layers": 3, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
@@ -262,6 +263,34 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
     "ernie4_5": FamilySpec("Ernie4_5ForCausalLM", {"use_bias": True}, **_NEEDS_THETA, seed=45),
     "ernie4_5_classic": FamilySpec("Ernie4_5ForCausalLM", {"use_bias": True},
                                    rope_form="classic", seed=45),
+    # ---- the 2017 parts: LayerNorm (with and without bias, 1+w, none), ungated MLPs,
+    # parallel blocks, partial rotary, Cohere's per-head q/k norm and logit scale
+    "phi": FamilySpec("PhiForCausalLM", {"num_key_value_heads": 4}, mlx_lm="off",
+                      note="mlx-lm ignores rope_parameters", seed=50),
+    "phi_classic": FamilySpec("PhiForCausalLM", {"num_key_value_heads": 4},
+                              rope_form="classic", seed=50),
+    "phi_qk_norm": FamilySpec("PhiForCausalLM", {"num_key_value_heads": 4, "qk_layernorm": True},
+                              mlx_lm="fails", note="mlx-lm has no Phi q/k layernorm",
+                              quantize=False, seed=50),
+    "starcoder2": FamilySpec("Starcoder2ForCausalLM", {"sliding_window": WINDOW}, mlx_lm="off",
+                             note="mlx-lm ignores StarCoder2's sliding_window", seed=51),
+    "stablelm": FamilySpec("StableLmForCausalLM", {"use_qkv_bias": True}, **_NEEDS_THETA,
+                           seed=52),
+    "stablelm_classic": FamilySpec("StableLmForCausalLM", {"use_qkv_bias": True},
+                                   rope_form="classic", seed=52),
+    "stablelm_parallel": FamilySpec("StableLmForCausalLM", {"use_parallel_residual": True},
+                                    **_NEEDS_THETA, seed=52),
+    "nemotron": FamilySpec("NemotronForCausalLM", {
+        "attention_bias": True, "mlp_bias": True, "head_dim": 16}, seed=53),
+    "cohere": FamilySpec("CohereForCausalLM", _COHERE, mlx_lm="off",
+                         note="mlx-lm ignores rope_parameters (theta 1e4 read as 8e6)", seed=54),
+    "cohere_classic": FamilySpec("CohereForCausalLM", _COHERE, rope_form="classic", seed=54),
+    "cohere2": FamilySpec("Cohere2ForCausalLM", {
+        "num_hidden_layers": 4, "sliding_window": WINDOW, "sliding_window_pattern": 2,
+        "logit_scale": 0.5}, mlx_lm="off",
+        note="mlx-lm reads neither rope_parameters nor layer_types", seed=55),
+    "olmo": FamilySpec("OlmoForCausalLM", {"clip_qkv": 2.0}, mlx_lm="fails",
+                       note="mlx-lm needs the hf_olmo package", quantize=False, seed=56),
 }
 NAMES = list(FAMILY_SPECS)
 
@@ -474,7 +503,8 @@ def test_mlx_lm_on_the_same_folder(name: str, family: Callable[[str], Path]) -> 
     ref = hf_logits(folder)
     ours = rel_err(ours_whole(folder), ref)
     if spec.mlx_lm == "fails":
-        with pytest.raises(Exception):  # noqa: B017 - any failure to build or run it
+        # any failure to build or run it (mlx-lm exits when a model needs a missing package)
+        with pytest.raises((Exception, SystemExit)):
             mlx_lm_load(folder)[0](mx.array(IDS))
         print(f"\n{name}: ours {ours:.1e}, mlx-lm cannot load it ({spec.note})")
         assert ours <= 1e-4
