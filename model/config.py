@@ -152,7 +152,9 @@ class Family:
     # | "layer_nobias" (Cohere) | "layer1p": w stored as w − 1 (Nemotron) | "layer_noparam"
     norm: str = "rms"
     eps_key: str = "rms_norm_eps"  # the config key of the norms' epsilon
-    mlp: str = "gated"  # "gated": down(act(gate)·up) | "plain": down(act(up)) (see PlainMLP)
+    # "gated": down(act(gate)·up) | "fused": the same from one gate_up_proj (GLM) |
+    # "plain": down(act(up)) (see PlainMLP)
+    mlp: str = "gated"
     head_bias: bool = False  # the LM head has a bias (Phi-2)
     logit_scale: bool = False  # Cohere: logits × logit_scale
     activation_key: str = "hidden_act"  # config key naming the MLP's gate activation
@@ -163,6 +165,9 @@ class Family:
     # None | "head" (per head) | "proj" (over the projection) | "head_after_rope" (Hunyuan)
     qk_norm: str | None = None
     qk_norm_flag: str | None = None  # qk_norm applies only when this config flag is true
+    # Ministral 3: queries × 1 + β·log(1 + ⌊position / original context⌋), β from the rope
+    # parameters' llama_4_scaling_beta
+    position_scaled_queries: bool = False
     parallel_flag: str | None = None  # StableLM: this config flag makes the block "parallel"
     fused_proj: bool = False  # one qkv_proj and one gate_up_proj (Phi-3)
     embed_scale_sqrt_hidden: bool = False  # Gemma: embeddings × √hidden_size
@@ -262,6 +267,7 @@ FAMILIES: dict[str, Family] = {
     ),
     # transformers builds internlm3 configs as Llama
     "internlm3": Family(layer_rule=None),
+    "ministral3": Family(qkv_bias=False, o_bias=False, position_scaled_queries=True),
     # ---- the 2017 parts: LayerNorm, ungated MLPs, parallel blocks
     "phi": Family(
         qkv_bias=True, o_bias=True, layer_rule=None, norm="layer", eps_key="layer_norm_eps",
@@ -302,6 +308,19 @@ FAMILIES: dict[str, Family] = {
         defaults={"layer_norm_eps": 1e-5, "logit_scale": 0.0625, "sliding_window": 4096},
     ),
     "olmo": Family(layer_rule=None, norm="layer_noparam", clip_qkv=True),
+    # GLM: interleaved RoPE over half of each head, one gate_up_proj
+    "glm": Family(
+        layer_rule=None, o_bias=False, mlp="fused", rope_traditional=True,
+        defaults={"partial_rotary_factor": 0.5, "head_dim": 128},
+    ),
+    # GLM-4: and each branch normed on the way out (the sandwich, under GLM's names)
+    "glm4": Family(
+        layer_rule=None, o_bias=False, mlp="fused", rope_traditional=True, block="sandwich",
+        renames=((".post_attention_layernorm.", ".pre_feedforward_layernorm."),
+                 (".post_self_attn_layernorm.", ".post_attention_layernorm."),
+                 (".post_mlp_layernorm.", ".post_feedforward_layernorm.")),
+        defaults={"partial_rotary_factor": 0.5, "head_dim": 128},
+    ),
     "ernie4_5_moe": Family(
         layer_rule=None, bias_key="use_bias", mlp_bias_key="use_bias", rope_traditional=True,
         tie_word_embeddings=True,
@@ -365,6 +384,27 @@ FAMILIES: dict[str, Family] = {
                   "routed_scaling_factor": 2.5, "first_k_dense_replace": 3},
     ),
 }
+
+# multimodal checkpoints whose language model kvchat runs (the vision tower is not loaded):
+# model_type -> what the note says is left out
+WRAPPERS: dict[str, str] = {
+    "gemma3": "the vision tower",
+    "mistral3": "the vision encoder",
+    "llama4": "the vision model",
+}
+# top-level keys of a wrapper that hold for its language model
+WRAPPER_KEYS = ("quantization", "quantization_config", "torch_dtype", "dtype",
+                "tie_word_embeddings")
+
+
+def unwrap(cfg: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """(the language model's config, the wrapper's model_type or None)."""
+    wrapper = cfg.get("model_type")
+    text = cfg.get("text_config")
+    if wrapper not in WRAPPERS or not isinstance(text, dict):
+        return cfg, None
+    return {**text, **{k: cfg[k] for k in WRAPPER_KEYS if k in cfg}}, wrapper
+
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
@@ -533,8 +573,18 @@ class ModelConfig:
     rope_traditional: bool = False
     moe: MoeConfig | None = None
     mla: MlaConfig | None = None  # set: every layer is latent attention (cache kind "latent")
+    q_position_scale: tuple[float, int] | None = None  # Ministral 3: (beta, period), see layers
+    wrapper: str | None = None  # a multimodal checkpoint's model_type (its text part runs)
     layers: tuple[LayerSpec, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def note(self) -> str | None:
+        """The one line a multimodal checkpoint gets: what is not loaded."""
+        if self.wrapper is None:
+            return None
+        return (f"{self.wrapper} checkpoint: kvchat runs its language model"
+                f" ({self.model_type}); {WRAPPERS[self.wrapper]} is not loaded")
 
     @property
     def gqa_groups(self) -> int:
@@ -546,6 +596,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        cfg, wrapper = unwrap(cfg)
         fam = family_of(cfg)
         model_type = cfg["model_type"]
         cfg = {**fam.defaults, **cfg}
@@ -606,6 +657,7 @@ class ModelConfig:
             layers=layers,
             moe=moe,
             mla=mla,
+            wrapper=wrapper,
             raw=cfg,
             **quirks,
         )
@@ -792,6 +844,10 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
         "fused_proj": fam.fused_proj, "rope_traditional": fam.rope_traditional,
         "mlp": fam.mlp, "lm_head_bias": fam.head_bias,
     }
+    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    if fam.position_scaled_queries and rope.get("llama_4_scaling_beta"):
+        out["q_position_scale"] = (float(rope["llama_4_scaling_beta"]),
+                                   int(rope["original_max_position_embeddings"]))
     if fam.logit_scale:
         out["logits_divisor"] = 1.0 / float(cfg.get("logit_scale", 1.0))
     if fam.rope_traditional and cfg.get("rope_interleave") is False:
@@ -832,10 +888,11 @@ def load_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"cannot read {p}: {e}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{p} is not a JSON object")
-    fam = family_of(cfg)
+    text, _ = unwrap(cfg)
+    fam = family_of(text)
     # the family first, then its checks: keys the family ignores are not checked
-    check_config(cfg if fam.window_used(cfg) else
-                 {k: v for k, v in cfg.items() if k != "sliding_window"})
+    check_config(text if fam.window_used(text) else
+                 {k: v for k, v in text.items() if k != "sliding_window"})
     return ModelConfig.from_dict(cfg)
 
 

@@ -105,6 +105,7 @@ def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
         "gqa_factor": cached_widths(cfg, gqa_heads(cfg)).bytes_per_token(1, 1)
         / cached_widths(cfg).bytes_per_token(1, 1),
         "context": cfg.max_position_embeddings,
+        "note": cfg.note,  # a multimodal checkpoint: what is not loaded
         "vocab_size": cfg.vocab_size,
         "tokenizer": tokenizer.kind,
         "chat_template": tokenizer.chat_template is not None,

@@ -259,6 +259,7 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else hd**-0.5
         self.softcap = cfg.attn_softcap
         self.clip = cfg.clip_qkv
+        self._pos_scale = cfg.q_position_scale
         self._projections(cfg)
         self.o_proj = nn.Linear(h * hd, d, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
@@ -309,6 +310,10 @@ class Attention(nn.Module):
             q, k = self.rope(q, k, offset)
         if self.qk_norm == "head_after_rope":  # Hunyuan: q/k normed once rotated
             q, k = self.q_norm(q), self.k_norm(k)
+        if self._pos_scale is not None:
+            beta, period = self._pos_scale
+            pos = (offset + mx.arange(T)).astype(mx.float32)
+            q = q * (1 + beta * mx.log(1 + mx.floor(pos / period)))[:, None].astype(q.dtype)
         if self._q_gain is not None:
             q = q * self._q_gain.astype(q.dtype)
         if cache is not None:
@@ -396,7 +401,8 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
         self.self_attn = make_attention(cfg, spec)
-        mlp = PlainMLP if cfg.mlp == "plain" else FusedMLP if cfg.fused_proj else MLP
+        mlp = (PlainMLP if cfg.mlp == "plain" else FusedMLP if cfg.fused_proj or cfg.mlp == "fused"
+               else MLP)
         self.mlp = MoE(cfg, ACTIVATIONS[cfg.activation], mlp) if spec.moe else mlp(cfg)
 
     def deferred(

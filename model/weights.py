@@ -28,9 +28,18 @@ QUANT_GROUPS = (32, 64, 128)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+# a multimodal checkpoint's language model, as transformers 5 and mlx-vlm name it
+WRAPPED_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                    ("language_model.lm_head.", "lm_head."))
+
+
 def rename(cfg: ModelConfig, name: str) -> str:
     """A checkpoint tensor (or module path) under our name: the family's renames
     (e.g. Mixtral's block_sparse_moe.experts.{i}.w1 -> mlp.experts.{i}.gate_proj)."""
+    if cfg.wrapper is not None:
+        for old, new in WRAPPED_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
     for old, new in FAMILIES[cfg.model_type].renames:
         name = name.replace(old, new)
     return name
@@ -40,6 +49,8 @@ def our_names(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.ar
     """Checkpoint tensors as our modules name them: renamed, and transformers'
     per-expert tensors stacked into mlx-community's `switch_mlp` layout."""
     weights = {rename(cfg, k): v for k, v in weights.items()}
+    if cfg.wrapper is not None:  # the vision tower and projector are not loaded
+        weights = {k: v for k, v in weights.items() if k.startswith(("model.", "lm_head."))}
     for k in [k for k in weights if k.endswith(".e_score_correction_bias")]:
         weights[k] = weights[k].reshape(-1)  # ERNIE stores it as (1, experts)
     if cfg.mla is not None:

@@ -97,6 +97,16 @@ _EXAONE4: dict[str, Any] = {  # mlx-lm reads the pattern as a string ("LG": loca
     "layer_types": ["sliding_attention", "full_attention"] * 2, "head_dim": 16,
 }
 _COHERE: dict[str, Any] = {"use_qk_norm": True, "logit_scale": 0.5}
+_GLM: dict[str, Any] = {"head_dim": 16, "attention_bias": True}
+_VISION: dict[str, Any] = {
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+    "image_size": 28, "patch_size": 14,
+}
+_MINISTRAL3: dict[str, Any] = {"head_dim": 16, "rope_parameters": {
+    "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 16,
+    "llama_4_scaling_beta": 0.1, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}}
 _MLA: dict[str, Any] = {
     "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
     "num_hidden_layers": 3, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
@@ -291,6 +301,28 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
         note="mlx-lm reads neither rope_parameters nor layer_types", seed=55),
     "olmo": FamilySpec("OlmoForCausalLM", {"clip_qkv": 2.0}, mlx_lm="fails",
                        note="mlx-lm needs the hf_olmo package", quantize=False, seed=56),
+    "glm": FamilySpec("GlmForCausalLM", _GLM, mlx_lm="off",
+                      note="mlx-lm rotates whole heads (GLM rotates half)", seed=57),
+    "glm_classic": FamilySpec("GlmForCausalLM", _GLM, rope_form="classic", mlx_lm="off",
+                              note="mlx-lm rotates whole heads (GLM rotates half)", seed=57),
+    "glm4": FamilySpec("Glm4ForCausalLM", _GLM, **_NEEDS_THETA, seed=58),
+    "glm4_classic": FamilySpec("Glm4ForCausalLM", _GLM, rope_form="classic", seed=58),
+    # multimodal checkpoints: the language model runs, the vision tower is left out
+    "gemma3": FamilySpec("Gemma3ForConditionalGeneration", {
+        "text_config": {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 16,
+                        "layer_types": ["sliding_attention", "full_attention"]},
+        "vision_config": _VISION, "mm_tokens_per_image": 4}, mlx_lm="fails",
+        note="mlx-lm's gemma3 assumes the 262k vocabulary", quantize=False, seed=60),
+    "mistral3": FamilySpec("Mistral3ForConditionalGeneration", {
+        "text_config": {**_MINISTRAL3, "model_type": "ministral3"},
+        "vision_config": {**_VISION, "head_dim": 16}}, mlx_lm="fails",
+        note="mlx-lm expects an lm_head the tied wrapper does not have", quantize=False,
+        seed=61),
+    # yarn and Llama-4-style query scaling by position (period 16: it bites at 40 tokens)
+    "ministral3": FamilySpec("Ministral3ForCausalLM", _MINISTRAL3, seed=62),
+    "ministral3_classic": FamilySpec("Ministral3ForCausalLM", _MINISTRAL3, rope_form="classic",
+                                     mlx_lm="fails", note="mlx-lm reads only rope_parameters",
+                                     seed=62),
 }
 NAMES = list(FAMILY_SPECS)
 
@@ -323,12 +355,17 @@ def build(spec: FamilySpec, folder: Path) -> Path:
     import transformers as tf
 
     model_cls = getattr(tf, spec.hf_class)
-    cfg = model_cls.config_class(**{**_BASE, **json.loads(json.dumps(spec.overrides))})
+    overrides = json.loads(json.dumps(spec.overrides))
+    if "text_config" in overrides:  # a multimodal wrapper around a tiny text model
+        overrides["text_config"] = {**_BASE, **overrides["text_config"]}
+        cfg = model_cls.config_class(**overrides)
+    else:
+        cfg = model_cls.config_class(**{**_BASE, **overrides})
     torch.manual_seed(spec.seed)
     model = model_cls(cfg).to(torch.float32).eval()
     _randomize(model, spec.seed)
     model.save_pretrained(str(folder), safe_serialization=True)
-    _write_tokenizer(folder, cfg.vocab_size)
+    _write_tokenizer(folder, cfg.get_text_config().vocab_size)
     if spec.rope_form == "classic":
         _to_classic(folder)
     elif spec.rope_form == "gemma3_classic":
@@ -356,9 +393,12 @@ def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
 def hf_logits(folder: Path, incremental: bool = False) -> np.ndarray:
     """transformers' logits (eager attention), whole or token by token; computed once."""
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers as tf
 
-    model = AutoModelForCausalLM.from_pretrained(
+    arch = json.loads((folder / "config.json").read_text()).get("architectures") or [""]
+    # multimodal checkpoints: their own class, run on text alone
+    auto = getattr(tf, arch[0], None) if "ForConditionalGeneration" in arch[0] else None
+    model = (auto or tf.AutoModelForCausalLM).from_pretrained(
         str(folder), dtype=torch.float32, attn_implementation="eager"
     ).eval()
     ids = torch.tensor(IDS)

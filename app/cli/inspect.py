@@ -127,6 +127,7 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "source": str(source),
         "model_type": cfg.model_type,
+        "note": cfg.note,
         "layers": L,
         "heads": h,
         "kv_heads": kv,
@@ -238,6 +239,8 @@ def _render(o: dict[str, Any]) -> str:
         f" {_b(o['bytes_per_token'])}",
         f"KV cache at {o['context']:,} tokens: {_b(o['bytes_at_context'])}",
     ]
+    if o.get("note"):
+        lines.insert(1, f"note: {o['note']}")
     if sliding:
         for k in o["layer_kinds"]:
             what = "global" if k["window"] is None else f"sliding (window {k['window']:,})"
