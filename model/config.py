@@ -168,7 +168,9 @@ class Family:
     # Ministral 3: queries × 1 + β·log(1 + ⌊position / original context⌋), β from the rope
     # parameters' llama_4_scaling_beta
     position_scaled_queries: bool = False
-    parallel_flag: str | None = None  # StableLM: this config flag makes the block "parallel"
+    # StableLM, GPT-NeoX: this config flag makes the block `parallel_block`
+    parallel_flag: str | None = None
+    parallel_block: str = "parallel"
     fused_proj: bool = False  # one qkv_proj and one gate_up_proj (Phi-3)
     embed_scale_sqrt_hidden: bool = False  # Gemma: embeddings × √hidden_size
     multipliers: bool = False  # Granite: embedding/attention/residual multipliers, logits_scaling
@@ -183,6 +185,8 @@ class Family:
     attention: str = "gqa"  # "gqa" (MHA/GQA/MQA) | "mla" (latent, DeepSeek-V2/V3)
     rope_traditional: bool = False  # RoPE rotates adjacent pairs (DeepSeek's interleave)
     clip_qkv: bool = False  # OLMoE: config's clip_qkv clamps q, k and v
+    # classic config keys -> the names transformers 5 (and kvchat) reads
+    key_aliases: dict[str, str] = field(default_factory=dict)
     # checkpoint tensor names -> ours (substring replacements, applied in order)
     renames: tuple[tuple[str, str], ...] = ()
     defaults: dict[str, Any] = field(default_factory=dict)
@@ -320,6 +324,36 @@ FAMILIES: dict[str, Family] = {
                  (".post_self_attn_layernorm.", ".post_attention_layernorm."),
                  (".post_mlp_layernorm.", ".post_feedforward_layernorm.")),
         defaults={"partial_rotary_factor": 0.5, "head_dim": 128},
+    ),
+    # GPT-NeoX / Pythia: fused per-head q|k|v (split on load), two norms in parallel
+    "gpt_neox": Family(
+        layer_rule=None, norm="layer", eps_key="layer_norm_eps", mlp="plain",
+        parallel_flag="use_parallel_residual", parallel_block="parallel2",
+        renames=(("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.", "model."),
+                 ("embed_out.", "lm_head."), ("model.final_layer_norm.", "model.norm."),
+                 (".attention.dense.", ".self_attn.o_proj."), (".attention.", ".self_attn."),
+                 (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
+                 (".mlp.dense_4h_to_h.", ".mlp.down_proj.")),
+        key_aliases={"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},
+        defaults={"attention_bias": True, "mlp_bias": True, "hidden_act": "gelu",
+                  "partial_rotary_factor": 0.25, "use_parallel_residual": True},
+    ),
+    # Granite's multipliers around a mixture stored as one fused input_linear per layer
+    "granitemoe": Family(
+        layer_rule=None, multipliers=True, moe=MoeFamily(
+            expert_size_key="intermediate_size", norm_topk_always=True),
+        renames=((".block_sparse_moe.input_linear.", ".mlp.switch_mlp.gate_up_proj."),
+                 (".block_sparse_moe.output_linear.", ".mlp.switch_mlp.down_proj."),
+                 (".block_sparse_moe.router.layer.", ".mlp.gate."),
+                 (".block_sparse_moe.", ".mlp.")),
+    ),
+    # GLM-4.7-Flash: DeepSeek-V3's latent attention and router; mlp_layer_types says which
+    "glm4_moe_lite": Family(
+        layer_rule=None, attention="mla", rope_traditional=True,
+        moe=MoeFamily(score="sigmoid", group_score="top2", correction_bias=True,
+                      shared="plain", sparse_layers="types"),
+        defaults={"norm_topk_prob": True, "n_group": 1, "topk_group": 1, "n_shared_experts": 1,
+                  "routed_scaling_factor": 1.8},
     ),
     "ernie4_5_moe": Family(
         layer_rule=None, bias_key="use_bias", mlp_bias_key="use_bias", rope_traditional=True,
@@ -599,7 +633,7 @@ class ModelConfig:
         cfg, wrapper = unwrap(cfg)
         fam = family_of(cfg)
         model_type = cfg["model_type"]
-        cfg = {**fam.defaults, **cfg}
+        cfg = {**fam.defaults, **{fam.key_aliases.get(k, k): v for k, v in cfg.items()}}
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -758,6 +792,11 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
         first = int(cfg.get("first_k_dense_replace") or 0)
         every = int(cfg.get("moe_layer_freq") or 1)
         sparse = [i >= first and i % every == 0 for i in range(n)]
+    elif spec.sparse_layers == "types":  # GLM-4.7-Flash: mlp_layer_types, else dense first
+        types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
+        if not isinstance(types, list) or len(types) != n:
+            raise ConfigError(f"config.json: mlp_layer_types must list {n} entries")
+        sparse = [t == "sparse" for t in types]
     elif spec.sparse_layers == "interval":
         every = _positive(cfg, "moe_layer_interval", 1)
         start, end = int(cfg.get("moe_layer_start_index") or 0), cfg.get("moe_layer_end_index")
@@ -838,7 +877,8 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
         )
     out: dict[str, Any] = {
         "norm": fam.norm, "activation": act,
-        "block": "parallel" if fam.parallel_flag and cfg.get(fam.parallel_flag) else fam.block,
+        "block": fam.parallel_block if fam.parallel_flag and cfg.get(fam.parallel_flag)
+        else fam.block,
         "qk_norm": fam.qk_norm if fam.qk_norm_flag is None or cfg.get(fam.qk_norm_flag)
         else None,
         "fused_proj": fam.fused_proj, "rope_traditional": fam.rope_traditional,

@@ -196,6 +196,21 @@ class MoE(nn.Module):
 
 
 # ---- checkpoint layout -------------------------------------------------------------------
+def split_gate_up(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Fused experts `P.switch_mlp.gate_up_proj.{param}` (experts, 2·size, ...), gate
+    rows first (Granite-MoE's input_linear), -> gate_proj and up_proj. Splitting rows
+    works for packed quantized weights and their scales alike."""
+    out: dict[str, mx.array] = {}
+    for name, w in weights.items():
+        if ".switch_mlp.gate_up_proj." not in name:
+            out[name] = w
+            continue
+        gate, up = mx.split(w, 2, axis=1)
+        out[name.replace(".gate_up_proj.", ".gate_proj.")] = gate
+        out[name.replace(".gate_up_proj.", ".up_proj.")] = up
+    return out
+
+
 _EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(\w+)$")
 
 

@@ -19,7 +19,7 @@ from .config import FAMILIES, ModelConfig, load_config
 from .errors import ModelLoadError
 from .files import safetensors_header, weight_files
 from .mla import QuantizedMultiLinear, split_kv_b
-from .moe import QuantizedSwitchLinear, stack_experts
+from .moe import QuantizedSwitchLinear, split_gate_up, stack_experts
 from .transformer import Transformer
 
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
@@ -55,7 +55,23 @@ def our_names(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.ar
         weights[k] = weights[k].reshape(-1)  # ERNIE stores it as (1, experts)
     if cfg.mla is not None:
         weights = split_kv_b(cfg, weights)
-    return stack_experts(weights) if cfg.moe is not None else weights
+    weights = _split_fused_qkv(cfg, weights)
+    return split_gate_up(stack_experts(weights)) if cfg.moe is not None else weights
+
+
+def _split_fused_qkv(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """GPT-NeoX's `query_key_value` holds q|k|v per head (heads, 3, head_dim) in its
+    rows: split into q_proj, k_proj, v_proj (rows, so packed quantized tensors too)."""
+    out: dict[str, mx.array] = {}
+    for name, w in weights.items():
+        if ".self_attn.query_key_value." not in name:
+            out[name] = w
+            continue
+        parts = w.reshape(cfg.num_attention_heads, 3, -1, *w.shape[1:])
+        for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+            part = parts[:, i].reshape(-1, *w.shape[1:])
+            out[name.replace(".query_key_value.", f".{proj}.")] = part
+    return out
 
 
 def _validate_quantization(q: Any) -> dict[str, Any]:
@@ -81,7 +97,8 @@ def _apply_checkpoint_quantization(
             " (the quantization block disagrees with the tensors)"
         )
 
-    overrides = {rename(model.config, k): v for k, v in q.items()}
+    # module paths: renamed as the tensors under them (the renames match "name." parts)
+    overrides = {rename(model.config, k + ".")[:-1]: v for k, v in q.items()}
 
     def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
         if path in overrides:

@@ -97,6 +97,11 @@ _EXAONE4: dict[str, Any] = {  # mlx-lm reads the pattern as a string ("LG": loca
     "layer_types": ["sliding_attention", "full_attention"] * 2, "head_dim": 16,
 }
 _COHERE: dict[str, Any] = {"use_qk_norm": True, "logit_scale": 0.5}
+_NEOX_4H = "mlx-lm assumes intermediate_size = 4 × hidden_size"
+_GRANITEMOE: dict[str, Any] = {
+    **_MOE, "embedding_multiplier": 12.0, "attention_multiplier": 0.05,
+    "residual_multiplier": 0.22, "logits_scaling": 8.0,
+}
 _GLM: dict[str, Any] = {"head_dim": 16, "attention_bias": True}
 _VISION: dict[str, Any] = {
     "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -113,6 +118,7 @@ _MLA: dict[str, Any] = {
     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
     "v_head_dim": 16, "num_key_value_heads": 4,
 }
+_GLM4_MOE_LITE: dict[str, Any] = {**_MLA, "n_group": 1, "topk_group": 1}
 
 FAMILY_SPECS: dict[str, FamilySpec] = {
     # head_dim 32 while hidden / heads = 16; layer 1 slides (max_window_layers 1)
@@ -323,12 +329,33 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
     "ministral3_classic": FamilySpec("Ministral3ForCausalLM", _MINISTRAL3, rope_form="classic",
                                      mlx_lm="fails", note="mlx-lm reads only rope_parameters",
                                      seed=62),
+    # classic GPT-NeoX configs say rotary_pct and rotary_emb_base
+    # (mlx-lm fails on all three: it assumes intermediate_size = 4 × hidden_size)
+    "gpt_neox": FamilySpec("GPTNeoXForCausalLM", {"num_key_value_heads": 4}, mlx_lm="fails",
+                           note="mlx-lm needs rotary_pct and rotary_emb_base", quantize=False,
+                           seed=63),
+    "gpt_neox_classic": FamilySpec("GPTNeoXForCausalLM", {"num_key_value_heads": 4},
+                                   rope_form="classic", mlx_lm="fails", note=_NEOX_4H, seed=63),
+    "gpt_neox_sequential": FamilySpec("GPTNeoXForCausalLM", {
+        "num_key_value_heads": 4, "use_parallel_residual": False}, rope_form="classic",
+        mlx_lm="fails", note=_NEOX_4H, seed=63),
+    "granitemoe": FamilySpec("GraniteMoeForCausalLM", _GRANITEMOE, **_NEEDS_THETA, seed=64),
+    "granitemoe_classic": FamilySpec("GraniteMoeForCausalLM", _GRANITEMOE, rope_form="classic",
+                                     seed=64),
+    "glm4_moe_lite": FamilySpec("Glm4MoeLiteForCausalLM", _GLM4_MOE_LITE, mlx_lm="off",
+                                note="mlx-lm ignores rope_parameters (theta 1e4 read as 1e6)",
+                                seed=65),
+    "glm4_moe_lite_classic": FamilySpec("Glm4MoeLiteForCausalLM", _GLM4_MOE_LITE,
+                                        rope_form="classic", seed=65),
 }
 NAMES = list(FAMILY_SPECS)
 
 
 # keys transformers 5 writes under a new name -> the one classic configs (and mlx-lm) use
-_CLASSIC_KEYS = {"qwen3_moe": {"num_local_experts": "num_experts"}}
+_CLASSIC_KEYS = {
+    "qwen3_moe": {"num_local_experts": "num_experts"},
+    "gpt_neox": {"partial_rotary_factor": "rotary_pct", "rope_theta": "rotary_emb_base"},
+}
 
 
 def _to_classic(folder: Path) -> None:
@@ -483,7 +510,14 @@ def _to_transformers_layout(folder: Path) -> None:
     out: dict[str, mx.array] = {}
     for name, w in weights.items():
         name = re.sub(r"\.experts\.(gate_proj|up_proj|down_proj)\.", r".switch_mlp.\1.", name)
-        if ".switch_mlp." in name:
+        if ".switch_mlp." in name and cfg["model_type"] == "granitemoe":  # fused, stacked
+            prefix, rest = name.split(".switch_mlp.")
+            if rest.startswith("down_proj."):
+                out[f"{prefix}.output_linear.weight"] = w
+            elif rest.startswith("gate_proj."):
+                up = weights[f"{prefix}.switch_mlp.up_proj.weight"]
+                out[f"{prefix}.input_linear.weight"] = mx.concatenate([w, up], axis=1)
+        elif ".switch_mlp." in name:
             prefix, rest = name.split(".switch_mlp.")
             proj, param = rest.split(".")
             if cfg["model_type"] == "mixtral":
