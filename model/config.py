@@ -157,6 +157,9 @@ class Family:
     mlp: str = "gated"
     head_bias: bool = False  # the LM head has a bias (Phi-2)
     logit_scale: bool = False  # Cohere: logits × logit_scale
+    embed_norm: bool = False  # nanochat: the embeddings pass through the final norm first
+    # MiniCPM3: embeddings × scale_emb, each branch × scale_depth / √layers
+    depth_scaled: bool = False
     activation_key: str = "hidden_act"  # config key naming the MLP's gate activation
     activation_aliases: dict[str, str] = field(default_factory=dict)
     # "pre" | "sandwich" (4 norms) | "post" (norms after each branch) | "parallel"
@@ -184,6 +187,7 @@ class Family:
     moe: MoeFamily | None = None  # the FFN of (some) layers is a mixture of experts
     attention: str = "gqa"  # "gqa" (MHA/GQA/MQA) | "mla" (latent, DeepSeek-V2/V3)
     rope_traditional: bool = False  # RoPE rotates adjacent pairs (DeepSeek's interleave)
+    rope_negative: bool = False  # nanochat: its rotate_half turns the other way
     clip_qkv: bool = False  # OLMoE: config's clip_qkv clamps q, k and v
     # classic config keys -> the names transformers 5 (and kvchat) reads
     key_aliases: dict[str, str] = field(default_factory=dict)
@@ -354,6 +358,40 @@ FAMILIES: dict[str, Family] = {
                       shared="plain", sparse_layers="types"),
         defaults={"norm_topk_prob": True, "n_group": 1, "topk_group": 1, "n_shared_experts": 1,
                   "routed_scaling_factor": 1.8},
+    ),
+    # EXAONE 4's attention (NoPE global layers) with DeepSeek-V3's router
+    "exaone_moe": Family(
+        layer_rule=_pattern_layers, qk_norm="head", nope="global",
+        moe=MoeFamily(score="sigmoid", group_score="top2", correction_bias=True,
+                      shared="plain", sparse_layers="types"),
+        renames=((".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),),
+        defaults={"rms_norm_eps": 1e-5, "sliding_window": 4096, "norm_topk_prob": True,
+                  "n_group": 1, "topk_group": 1, "n_shared_experts": 1},
+    ),
+    "solar_open": Family(
+        layer_rule=None, o_bias=False,
+        moe=MoeFamily(score="sigmoid", group_score="top2", correction_bias=True,
+                      shared="plain"),
+        defaults={"norm_topk_prob": True, "n_group": 1, "topk_group": 1, "n_shared_experts": 1},
+    ),
+    # Gemma-3-style per-kind RoPE (partial), sliding layers, a softmax router
+    "mellum": Family(
+        qk_norm="head", local_rope=True, moe=MoeFamily(sparse_layers="types"),
+    ),
+    # MiniCPM3: latent attention (rotate_half RoPE), depth-scaled residuals
+    "minicpm3": Family(
+        layer_rule=None, attention="mla", depth_scaled=True, tie_word_embeddings=True,
+        defaults={"q_lora_rank": 768, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
+                  "kv_lora_rank": 256, "scale_emb": 12, "scale_depth": 1.4,
+                  "dim_model_base": 256},
+    ),
+    # nanochat: parameter-free norms (one more on the embeddings), q/k normed after RoPE,
+    # relu² MLP, soft-capped logits
+    "nanochat": Family(
+        layer_rule=None, norm="rms_noparam", qk_norm="head_after_rope", mlp="plain",
+        embed_norm=True, softcaps=True, rope_negative=True,
+        renames=((".mlp.fc1.", ".mlp.up_proj."), (".mlp.fc2.", ".mlp.down_proj.")),
+        defaults={"hidden_act": "relu2"},
     ),
     "ernie4_5_moe": Family(
         layer_rule=None, bias_key="use_bias", mlp_bias_key="use_bias", rope_traditional=True,
@@ -604,7 +642,9 @@ class ModelConfig:
     final_softcap: float | None = None
     logits_divisor: float = 1.0
     clip_qkv: float | None = None
+    embed_norm: bool = False
     rope_traditional: bool = False
+    rope_negative: bool = False
     moe: MoeConfig | None = None
     mla: MlaConfig | None = None  # set: every layer is latent attention (cache kind "latent")
     q_position_scale: tuple[float, int] | None = None  # Ministral 3: (beta, period), see layers
@@ -814,7 +854,8 @@ def _mla(cfg: dict[str, Any]) -> MlaConfig:
         kv_lora_rank=_positive(cfg, "kv_lora_rank"),
         nope_dim=_positive(cfg, "qk_nope_head_dim"),
         rope_dim=_positive(cfg, "qk_rope_head_dim"),
-        v_dim=_positive(cfg, "v_head_dim"),
+        v_dim=_positive(cfg, "v_head_dim") if cfg.get("v_head_dim") is not None
+        else int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]),  # MiniCPM3's default
     )
 
 
@@ -882,8 +923,14 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
         "qk_norm": fam.qk_norm if fam.qk_norm_flag is None or cfg.get(fam.qk_norm_flag)
         else None,
         "fused_proj": fam.fused_proj, "rope_traditional": fam.rope_traditional,
-        "mlp": fam.mlp, "lm_head_bias": fam.head_bias,
+        "mlp": fam.mlp, "lm_head_bias": fam.head_bias, "embed_norm": fam.embed_norm,
+        "rope_negative": fam.rope_negative,
     }
+    if fam.depth_scaled:
+        out["embed_scale"] = float(cfg.get("scale_emb", 1.0))
+        out["residual_scale"] = float(cfg.get("scale_depth", 1.0)) / math.sqrt(
+            int(cfg["num_hidden_layers"]))
+        out["logits_divisor"] = hidden / float(cfg.get("dim_model_base") or hidden)
     rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
     if fam.position_scaled_queries and rope.get("llama_4_scaling_beta"):
         out["q_position_scale"] = (float(rope["llama_4_scaling_beta"]),

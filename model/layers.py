@@ -100,8 +100,24 @@ class LayerNorm(nn.Module):
         return h, self(h)
 
 
+class PlainRMSNorm(nn.Module):
+    """x / RMS(x) with no parameters (nanochat)."""
+
+    def __init__(self, dims: Any = None, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, None, self.eps)
+
+    def add_and_norm(self, x: mx.array, residual: mx.array) -> tuple[mx.array, mx.array]:
+        h = x + residual
+        return h, self(h)
+
+
 NORMS: dict[str, Callable[[Any, float], nn.Module]] = {
     "rms": RMSNorm,
+    "rms_noparam": PlainRMSNorm,
     "offset": OffsetRMSNorm,
     "layer": LayerNorm,
     "layer_nobias": lambda dims, eps: LayerNorm(dims, eps, bias=False),
@@ -166,7 +182,8 @@ class RoPE(nn.Module):
     and its long factors past it; dynamic NTK raises the base past the trained context.
     """
 
-    def __init__(self, dims: int, rope: RopeConfig, traditional: bool = False):
+    def __init__(self, dims: int, rope: RopeConfig, traditional: bool = False,
+                 negative: bool = False):
         super().__init__()
         self.dims = dims
         self.traditional = traditional  # adjacent pairs (DeepSeek) instead of rotate_half
@@ -174,6 +191,10 @@ class RoPE(nn.Module):
         self.base = None if rope.type in ("llama3", "yarn", "longrope") else rope.theta
         self.scale = 1.0 / rope.factor if rope.type == "linear" else 1.0  # positions ÷ factor
         self._periods = rope_periods(dims, rope)  # underscore: not a parameter
+        if negative:  # nanochat rotates the other way: negative periods, negative angles
+            periods = self._periods if self._periods is not None else _base_periods(
+                dims, rope.theta)
+            self.base, self._periods = None, -periods
         if rope.type == "longrope":
             base = _base_periods(dims, rope.theta)
             self._short = mx.array(rope.short_factor, dtype=mx.float32) * base
@@ -273,7 +294,7 @@ class Attention(nn.Module):
         self._q_gain = None  # yarn/longrope attention factor on the rotated features
         if spec.rope is not None:
             dims = spec.rope.rotary_dims(hd)
-            self.rope = RoPE(dims, spec.rope, cfg.rope_traditional)
+            self.rope = RoPE(dims, spec.rope, cfg.rope_traditional, cfg.rope_negative)
             m = spec.rope.attention_scaling
             if m != 1.0:
                 # transformers scales cos and sin by m, i.e. q and k's rotated features:

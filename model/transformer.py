@@ -67,6 +67,8 @@ class Transformer(nn.Module):
         h = self.model.embed_tokens(tokens)
         if self.config.embed_scale != 1.0:  # in the compute dtype, as the reference rounds it
             h = h * mx.array(self.config.embed_scale, dtype=h.dtype)
+        if self.config.embed_norm:  # nanochat: the final norm also normalizes the embeddings
+            h = self.model.norm(h)
         return h
 
     def run_layers(

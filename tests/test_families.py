@@ -347,6 +347,30 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
                                 seed=65),
     "glm4_moe_lite_classic": FamilySpec("Glm4MoeLiteForCausalLM", _GLM4_MOE_LITE,
                                         rope_form="classic", seed=65),
+    "exaone_moe": FamilySpec("ExaoneMoeForCausalLM", {
+        **_EXAONE4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "n_group": 2, "topk_group": 1}, mlx_lm="fails", note="mlx-lm needs is_moe_layer",
+        quantize=False, seed=66),
+    "solar_open": FamilySpec("SolarOpenForCausalLM", {
+        **_MLA_ROUTER, "num_hidden_layers": 2, "head_dim": 16}, **_NEEDS_THETA, quantize=False,
+        seed=67),
+    # (transformers' own Mellum cannot run partial rotary: full heads here)
+    "mellum": FamilySpec("MellumForCausalLM", {
+        **_MOE, "num_hidden_layers": 4, "moe_intermediate_size": 32, "head_dim": 16,
+        "sliding_window": WINDOW, "norm_topk_prob": True,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+        "rope_parameters": {"full_attention": {"rope_theta": 5e5, "rope_type": "default"},
+                            "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}},
+    }, mlx_lm="fails", note="mlx-lm needs num_experts", quantize=False, seed=68),
+    "minicpm3": FamilySpec("MiniCPM3ForCausalLM", {
+        **{k: _MLA[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+                                "qk_nope_head_dim", "v_head_dim", "num_key_value_heads")},
+        "scale_emb": 12.0, "scale_depth": 1.4}, mlx_lm="fails",
+        note="mlx-lm needs rope_scaling (longrope)", quantize=False, seed=69),
+    "nanochat": FamilySpec("NanoChatForCausalLM", {"final_logit_softcapping": 8.0},
+                           mlx_lm="fails", note="mlx-lm expects another nanochat layout",
+                           quantize=False, seed=70),
 }
 NAMES = list(FAMILY_SPECS)
 
