@@ -24,7 +24,7 @@ LAYER_KINDS = (FULL, SLIDING)
 
 # activation names in config.json -> the function mlx computes (layers.ACTIVATIONS)
 ACTIVATION_NAMES = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu", "gelu_fast", "relu",
-                    "relu2")
+                    "relu2", "xielu")
 
 
 # ---- which layers slide: one rule per family, used when config.json has no layer_types
@@ -273,8 +273,11 @@ FAMILIES: dict[str, Family] = {
         layer_rule=None, bias_key="use_bias", mlp_bias_key="use_bias", rope_traditional=True,
         tie_word_embeddings=True,
     ),
-    # transformers builds internlm3 configs as Llama
-    "internlm3": Family(layer_rule=None),
+    # transformers runs internlm3 configs as Llama (qkv_bias and bias name Llama's keys)
+    "internlm3": Family(
+        layer_rule=None, key_aliases={"qkv_bias": "attention_bias", "bias": "mlp_bias"},
+        defaults={"head_dim": 128, "rms_norm_eps": 1e-5},
+    ),
     "ministral3": Family(qkv_bias=False, o_bias=False, position_scaled_queries=True),
     # ---- the 2017 parts: LayerNorm, ungated MLPs, parallel blocks
     "phi": Family(
@@ -392,6 +395,13 @@ FAMILIES: dict[str, Family] = {
         embed_norm=True, softcaps=True, rope_negative=True,
         renames=((".mlp.fc1.", ".mlp.up_proj."), (".mlp.fc2.", ".mlp.down_proj.")),
         defaults={"hidden_act": "relu2"},
+    ),
+    # Apertus: a learned xIELU in an ungated MLP, q/k norms, Apertus' norm names
+    "apertus": Family(
+        layer_rule=None, qk_norm="head", mlp="plain",
+        renames=((".attention_layernorm.", ".input_layernorm."),
+                 (".feedforward_layernorm.", ".post_attention_layernorm.")),
+        defaults={"hidden_act": "xielu", "rms_norm_eps": 1e-5},
     ),
     "ernie4_5_moe": Family(
         layer_rule=None, bias_key="use_bias", mlp_bias_key="use_bias", rope_traditional=True,

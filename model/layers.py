@@ -384,19 +384,42 @@ class MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+class XIELU(nn.Module):
+    """Apertus' xIELU, a learned activation (per layer: alpha_p, alpha_n, beta, eps):
+    αp·x² + β·x for x > 0, else (expm1(min(x, eps)) − x)·αn + β·x, with αp = softplus(a_p)
+    and αn = β + softplus(a_n)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha_p = mx.zeros((1,))
+        self.alpha_n = mx.zeros((1,))
+        self.beta = mx.array(0.5)
+        self.eps = mx.array(-1e-6)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        ap = nn.softplus(self.alpha_p)
+        an = self.beta + nn.softplus(self.alpha_n)
+        neg = (mx.expm1(mx.minimum(x, self.eps)) - x) * an + self.beta * x
+        return mx.where(x > 0, ap * x * x + self.beta * x, neg)
+
+
 class PlainMLP(nn.Module):
     """The ungated MLP, down(act(up(x))) (Phi-2's fc1/fc2, StarCoder2's c_fc/c_proj,
-    Nemotron's relu²), biases as the config says."""
+    Nemotron's relu², Apertus' learned xIELU), biases as the config says."""
 
     def __init__(self, cfg: ModelConfig, size: int | None = None):
         super().__init__()
         f = size or cfg.intermediate_size
-        self.act = ACTIVATIONS[cfg.activation]
+        if cfg.activation == "xielu":
+            self.act_fn = XIELU()  # parameters: a module, as the checkpoint names it
+        else:
+            self.act = ACTIVATIONS[cfg.activation]
         self.up_proj = nn.Linear(cfg.hidden_size, f, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(f, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.act(self.up_proj(x)))
+        act = self.act_fn if "act_fn" in self else self.act
+        return self.down_proj(act(self.up_proj(x)))
 
 
 class FusedMLP(MLP):
