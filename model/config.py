@@ -96,6 +96,9 @@ class MoeFamily:
     shared_count_key: str = "n_shared_experts"  # "plain": shared size = count × expert size
     expert_size_key: str = "moe_intermediate_size"
     norm_topk_always: bool = False  # Mixtral renormalises the top-k weights unconditionally
+    router_bias: bool = False  # gpt-oss: the router Linear has a bias
+    expert_bias: bool = False  # gpt-oss: every expert projection has a bias
+    clamped_swiglu: bool = False  # gpt-oss: swiglu_alpha / swiglu_limit (moe.clamped_swiglu)
     # which layers are sparse: "all" | "step" (decoder_sparse_step, mlp_only_layers) |
     # "first_dense" (first_k_dense_replace dense layers, then MoE) | "interval" (ERNIE:
     # every moe_layer_interval-th from moe_layer_start_index to moe_layer_end_index)
@@ -118,6 +121,9 @@ class MoeConfig:
     correction_bias: bool
     shared_size: int  # 0: no shared expert
     shared_gate: bool
+    router_bias: bool = False
+    expert_bias: bool = False
+    clamped_swiglu: tuple[float, float] | None = None  # (alpha, limit)
 
 
 @dataclass(frozen=True)
@@ -171,6 +177,7 @@ class Family:
     # Ministral 3: queries × 1 + β·log(1 + ⌊position / original context⌋), β from the rope
     # parameters' llama_4_scaling_beta
     position_scaled_queries: bool = False
+    attention_sinks: bool = False  # gpt-oss: a learned sink logit per head (self_attn.sinks)
     # StableLM, GPT-NeoX: this config flag makes the block `parallel_block`
     parallel_flag: str | None = None
     parallel_block: str = "parallel"
@@ -403,6 +410,17 @@ FAMILIES: dict[str, Family] = {
                  (".feedforward_layernorm.", ".post_attention_layernorm.")),
         defaults={"hidden_act": "xielu", "rms_norm_eps": 1e-5},
     ),
+    # gpt-oss: attention sinks, alternating sliding layers, a biased router, biased experts
+    # with a clamped SwiGLU (experts stored fused and interleaved: unfused on load)
+    "gpt_oss": Family(
+        layer_rule=_every_nth_global(None, 2), attention_sinks=True,
+        moe=MoeFamily(expert_size_key="intermediate_size", norm_topk_always=True,
+                      router_bias=True, expert_bias=True, clamped_swiglu=True),
+        renames=((".mlp.router.", ".mlp.gate."),
+                 *((f".mlp.experts.{p}.", f".mlp.switch_mlp.{p}.")
+                   for p in ("gate_proj", "up_proj", "down_proj"))),
+        defaults={"attention_bias": True, "sliding_window": 128},
+    ),
     "ernie4_5_moe": Family(
         layer_rule=None, bias_key="use_bias", mlp_bias_key="use_bias", rope_traditional=True,
         tie_word_embeddings=True,
@@ -472,7 +490,6 @@ FAMILIES: dict[str, Family] = {
 WRAPPERS: dict[str, str] = {
     "gemma3": "the vision tower",
     "mistral3": "the vision encoder",
-    "llama4": "the vision model",
 }
 # top-level keys of a wrapper that hold for its language model
 WRAPPER_KEYS = ("quantization", "quantization_config", "torch_dtype", "dtype",
@@ -658,6 +675,7 @@ class ModelConfig:
     moe: MoeConfig | None = None
     mla: MlaConfig | None = None  # set: every layer is latent attention (cache kind "latent")
     q_position_scale: tuple[float, int] | None = None  # Ministral 3: (beta, period), see layers
+    attention_sinks: bool = False
     wrapper: str | None = None  # a multimodal checkpoint's model_type (its text part runs)
     layers: tuple[LayerSpec, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -832,7 +850,10 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
         scaling=float(cfg.get("routed_scaling_factor") or 1.0), groups=groups,
         topk_groups=topk_groups, group_score=spec.group_score if groups > 1 else None,
         correction_bias=spec.correction_bias, shared_size=shared_size,
-        shared_gate=spec.shared == "gated",
+        shared_gate=spec.shared == "gated", router_bias=spec.router_bias,
+        expert_bias=spec.expert_bias,
+        clamped_swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)))
+        if spec.clamped_swiglu else None,
     )
     if spec.sparse_layers == "step":
         step = _positive(cfg, "decoder_sparse_step", 1)
@@ -934,7 +955,7 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
         else None,
         "fused_proj": fam.fused_proj, "rope_traditional": fam.rope_traditional,
         "mlp": fam.mlp, "lm_head_bias": fam.head_bias, "embed_norm": fam.embed_norm,
-        "rope_negative": fam.rope_negative,
+        "rope_negative": fam.rope_negative, "attention_sinks": fam.attention_sinks,
     }
     if fam.depth_scaled:
         out["embed_scale"] = float(cfg.get("scale_emb", 1.0))

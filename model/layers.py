@@ -283,6 +283,8 @@ class Attention(nn.Module):
         self._pos_scale = cfg.q_position_scale
         self._projections(cfg)
         self.o_proj = nn.Linear(h * hd, d, bias=cfg.o_bias)
+        if cfg.attention_sinks:  # gpt-oss: one more logit per head that takes probability
+            self.sinks = mx.zeros((h,))
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "each_head":  # Cohere: a weight row per head
             self.q_norm, self.k_norm = make_norm(cfg, (h, hd)), make_norm(cfg, (kv, hd))
@@ -342,7 +344,8 @@ class Attention(nn.Module):
         if self.softcap is not None:
             out = softcapped_attention(q, k, v, self.scale, self.softcap, mask)
         else:
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+            out = mx.fast.scaled_dot_product_attention(
+                q, k, v, scale=self.scale, mask=mask, sinks=self.get("sinks"))
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 

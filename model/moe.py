@@ -134,16 +134,29 @@ class QuantizedSwitchLinear(nn.Module):
         return out
 
 
+def clamped_swiglu(alpha: float, limit: float) -> Any:
+    """gpt-oss: gate clamped above at `limit`, up to ±limit, (up + 1) · gate·σ(α·gate)."""
+
+    def glu(gate: mx.array, up: mx.array) -> mx.array:
+        gate = mx.minimum(gate, limit)
+        up = mx.clip(up, -limit, limit)
+        return (up + 1) * (gate * mx.sigmoid(alpha * gate))
+
+    return glu
+
+
 class SwitchGLU(nn.Module):
     """All experts' gated MLPs, down(act(gate(x)) · up(x)), for the chosen (token, expert)
-    pairs only."""
+    pairs only; `glu(gate, up)` replaces act(gate) · up where a family differs."""
 
-    def __init__(self, hidden: int, size: int, experts: int, act: Any, bias: bool = False):
+    def __init__(self, hidden: int, size: int, experts: int, act: Any, bias: bool = False,
+                 glu: Any = None):
         super().__init__()
         self.gate_proj = SwitchLinear(hidden, size, experts, bias)
         self.up_proj = SwitchLinear(hidden, size, experts, bias)
         self.down_proj = SwitchLinear(size, hidden, experts, bias)
         self.act = act
+        self._glu = glu
 
     def __call__(self, x: mx.array, idx: mx.array) -> mx.array:
         """x (..., hidden), idx (..., k) -> (..., k, hidden)."""
@@ -159,7 +172,8 @@ class SwitchGLU(nn.Module):
         else:
             gidx = idx
         sort = order is not None
-        h = self.act(self.gate_proj(x, gidx, sort)) * self.up_proj(x, gidx, sort)
+        gate, up = self.gate_proj(x, gidx, sort), self.up_proj(x, gidx, sort)
+        h = self._glu(gate, up) if self._glu is not None else self.act(gate) * up
         y = self.down_proj(h, gidx, sort)
         if order is not None:
             y = mx.unflatten(y[mx.argsort(order)], 0, idx.shape)
@@ -175,9 +189,10 @@ class MoE(nn.Module):
         assert moe is not None
         self.moe = moe
         self.gate = (BiasedGate(cfg.hidden_size, moe.experts) if moe.correction_bias
-                     else nn.Linear(cfg.hidden_size, moe.experts, bias=False))
+                     else nn.Linear(cfg.hidden_size, moe.experts, bias=moe.router_bias))
+        glu = clamped_swiglu(*moe.clamped_swiglu) if moe.clamped_swiglu else None
         self.switch_mlp = SwitchGLU(cfg.hidden_size, moe.expert_size, moe.experts, act,
-                                    cfg.mlp_bias)
+                                    cfg.mlp_bias or moe.expert_bias, glu)
         if moe.shared_size and moe.shared_gate:  # Qwen2-MoE
             self.shared_expert = dense_mlp(cfg, moe.shared_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
@@ -196,6 +211,29 @@ class MoE(nn.Module):
 
 
 # ---- checkpoint layout -------------------------------------------------------------------
+def unfuse_gpt_oss_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """transformers' gpt-oss experts: `P.experts.gate_up_proj` (experts, in, 2·size) with
+    gate and up interleaved column by column, `P.experts.down_proj` (experts, size, out),
+    and their `_bias` -> our `P.switch_mlp.{gate,up,down}_proj.{weight,bias}`."""
+    out: dict[str, mx.array] = {}
+    for name, w in weights.items():
+        if name.endswith(".experts.gate_up_proj"):
+            p = name[: -len(".experts.gate_up_proj")] + ".switch_mlp"
+            out[f"{p}.gate_proj.weight"] = mx.contiguous(w[..., ::2].swapaxes(-1, -2))
+            out[f"{p}.up_proj.weight"] = mx.contiguous(w[..., 1::2].swapaxes(-1, -2))
+        elif name.endswith(".experts.gate_up_proj_bias"):
+            p = name[: -len(".experts.gate_up_proj_bias")] + ".switch_mlp"
+            out[f"{p}.gate_proj.bias"], out[f"{p}.up_proj.bias"] = w[..., ::2], w[..., 1::2]
+        elif name.endswith(".experts.down_proj"):
+            p = name[: -len(".experts.down_proj")] + ".switch_mlp"
+            out[f"{p}.down_proj.weight"] = mx.contiguous(w.swapaxes(-1, -2))
+        elif name.endswith(".experts.down_proj_bias"):
+            out[name[: -len(".experts.down_proj_bias")] + ".switch_mlp.down_proj.bias"] = w
+        else:
+            out[name] = w
+    return out
+
+
 def split_gate_up(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """Fused experts `P.switch_mlp.gate_up_proj.{param}` (experts, 2·size, ...), gate
     rows first (Granite-MoE's input_linear), -> gate_proj and up_proj. Splitting rows

@@ -19,7 +19,7 @@ from .config import FAMILIES, ModelConfig, load_config
 from .errors import ModelLoadError
 from .files import safetensors_header, weight_files
 from .mla import QuantizedMultiLinear, split_kv_b
-from .moe import QuantizedSwitchLinear, split_gate_up, stack_experts
+from .moe import QuantizedSwitchLinear, split_gate_up, stack_experts, unfuse_gpt_oss_experts
 from .transformer import Transformer
 
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
@@ -56,7 +56,9 @@ def our_names(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.ar
     if cfg.mla is not None:
         weights = split_kv_b(cfg, weights)
     weights = _split_fused_qkv(cfg, weights)
-    return split_gate_up(stack_experts(weights)) if cfg.moe is not None else weights
+    if cfg.moe is None:
+        return weights
+    return split_gate_up(stack_experts(unfuse_gpt_oss_experts(weights)))
 
 
 def _split_fused_qkv(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -372,12 +372,23 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
     "nanochat": FamilySpec("NanoChatForCausalLM", {"final_logit_softcapping": 8.0},
                            mlx_lm="fails", note="mlx-lm expects another nanochat layout",
                            quantize=False, seed=70),
+    # sinks, sliding / global, yarn without truncation, the SwiGLU clamp at 1 (it bites)
+    "gpt_oss": FamilySpec("GptOssForCausalLM", {
+        **_MOE, "swiglu_limit": 1.0, "intermediate_size": 32, "head_dim": 16,
+        "sliding_window": WINDOW, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 1.5e5, "factor": 16.0, "beta_fast": 32.0,
+            "original_max_position_embeddings": 16, "beta_slow": 1.0, "truncate": False}},
+        mlx_lm="fails", note="mlx-lm cannot read transformers 5's stacked gpt-oss experts",
+        quantize=False, seed=73),
     # llama3-scaled RoPE (original context 32: the blend bites)
     "apertus": FamilySpec("ApertusForCausalLM", {"head_dim": 16, "rope_parameters": {
         "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}, seed=72),
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}, mlx_lm="fails",
+        note="mlx-lm needs rope_theta, post_norm, qk_norm", quantize=False, seed=72),
     "internlm3": FamilySpec("LlamaForCausalLM", {"head_dim": 16, "qkv_bias": True, "bias": True},
-                            config_class="InternLM3Config", seed=71),
+                            config_class="InternLM3Config", mlx_lm="fails",
+                            note="mlx-lm's internlm3 has no q/k/v/o or MLP biases",
+                            quantize=False, seed=71),
 }
 NAMES = list(FAMILY_SPECS)
 
@@ -730,7 +741,7 @@ GEMMA3 = {
         ({"rope_parameters": {"full_attention": {"rope_type": "ntk-by-parts"},
                               "sliding_attention": {}}}, "rope_parameters.full_attention"),
         ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "rope_type"),
-        ({"hidden_activation": "relu2"}, "hidden_activation"),
+        ({"hidden_activation": "relu3"}, "hidden_activation"),
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6,
                                                  "partial_rotary_factor": 1.5},
