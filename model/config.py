@@ -198,6 +198,8 @@ class Family:
     clip_qkv: bool = False  # OLMoE: config's clip_qkv clamps q, k and v
     # classic config keys -> the names transformers 5 (and kvchat) reads
     key_aliases: dict[str, str] = field(default_factory=dict)
+    ffn_mult: int | None = None  # GPT-J: intermediate_size absent (null) means ffn_mult × hidden
+    rotary_dim_key: str | None = None  # GPT-J: rotated features per head, as a count
     # checkpoint tensor names -> ours (substring replacements, applied in order)
     renames: tuple[tuple[str, str], ...] = ()
     defaults: dict[str, Any] = field(default_factory=dict)
@@ -420,6 +422,24 @@ FAMILIES: dict[str, Family] = {
                  *((f".mlp.experts.{p}.", f".mlp.switch_mlp.{p}.")
                    for p in ("gate_proj", "up_proj", "down_proj"))),
         defaults={"attention_bias": True, "sliding_window": 128},
+    ),
+    # GPT-J: GPT-2's key names, a parallel block, interleaved partial rotary
+    "gptj": Family(
+        layer_rule=None, qkv_bias=False, o_bias=False, norm="layer",
+        eps_key="layer_norm_eps", mlp="plain", block="parallel", head_bias=True,
+        rope_traditional=True, ffn_mult=4, rotary_dim_key="rotary_dim",
+        key_aliases={"n_embd": "hidden_size", "n_layer": "num_hidden_layers",
+                     "n_head": "num_attention_heads", "n_positions": "max_position_embeddings",
+                     "n_inner": "intermediate_size", "layer_norm_epsilon": "layer_norm_eps",
+                     "activation_function": "hidden_act"},
+        renames=(("transformer.wte.", "model.embed_tokens."), ("transformer.h.", "model.layers."),
+                 ("transformer.ln_f.", "model.norm."), (".ln_1.", ".input_layernorm."),
+                 (".attn.out_proj.", ".self_attn.o_proj."), (".attn.", ".self_attn."),
+                 (".mlp.fc_in.", ".mlp.up_proj."), (".mlp.fc_out.", ".mlp.down_proj."),
+                 # mlx-lm's GPT-J: model.wte, model.h, model.ln_f
+                 ("model.wte.", "model.embed_tokens."), ("model.h.", "model.layers."),
+                 ("model.ln_f.", "model.norm.")),
+        defaults={"mlp_bias": True, "hidden_act": "gelu_new", "layer_norm_eps": 1e-5},
     ),
     "ernie4_5_moe": Family(
         layer_rule=None, bias_key="use_bias", mlp_bias_key="use_bias", rope_traditional=True,
@@ -702,6 +722,7 @@ class ModelConfig:
         fam = family_of(cfg)
         model_type = cfg["model_type"]
         cfg = {**fam.defaults, **{fam.key_aliases.get(k, k): v for k, v in cfg.items()}}
+        cfg = _derived_keys(cfg, fam)
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -801,6 +822,20 @@ def _local_rope(cfg: dict[str, Any], fam: Family) -> RopeConfig:
     return RopeConfig.from_params(
         {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 1e4)}, cfg
     )
+
+
+def _derived_keys(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
+    """Keys a family spells as something else to derive (GPT-J: n_inner = null, rotary_dim)."""
+    try:
+        if fam.ffn_mult and cfg.get("intermediate_size") is None and "hidden_size" in cfg:
+            cfg = {**cfg, "intermediate_size": fam.ffn_mult * int(cfg["hidden_size"])}
+        if fam.rotary_dim_key and cfg.get(fam.rotary_dim_key) is not None:
+            head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) //
+                           int(cfg["num_attention_heads"]))
+            cfg = {**cfg, "partial_rotary_factor": int(cfg[fam.rotary_dim_key]) / head_dim}
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise ConfigError(f"config.json has a malformed value: {e}") from None
+    return cfg
 
 
 def _positive(cfg: dict[str, Any], key: str, default: Any = None) -> int:

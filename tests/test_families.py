@@ -380,6 +380,9 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             "original_max_position_embeddings": 16, "beta_slow": 1.0, "truncate": False}},
         mlx_lm="fails", note="mlx-lm cannot read transformers 5's stacked gpt-oss experts",
         quantize=False, seed=73),
+    # GPT-2 key names (n_embd, n_inner null: 4 × hidden), interleaved rotary over 8 of 16
+    "gptj": FamilySpec("GPTJForCausalLM", {"num_key_value_heads": 4, "rotary_dim": 8,
+                                            "n_inner": None}, seed=74),
     # llama3-scaled RoPE (original context 32: the blend bites)
     "apertus": FamilySpec("ApertusForCausalLM", {"head_dim": 16, "rope_parameters": {
         "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
@@ -552,6 +555,8 @@ def _to_transformers_layout(folder: Path) -> None:
         weights.update(mx.load(str(f)))
     out: dict[str, mx.array] = {}
     for name, w in weights.items():
+        if cfg["model_type"] == "gptj" and name.startswith("model."):  # mlx-lm: model.h.*
+            name = "transformer." + name[len("model."):]
         name = re.sub(r"\.experts\.(gate_proj|up_proj|down_proj)\.", r".switch_mlp.\1.", name)
         if ".switch_mlp." in name and cfg["model_type"] == "granitemoe":  # fused, stacked
             prefix, rest = name.split(".switch_mlp.")
