@@ -57,6 +57,7 @@ from .events import (
 )
 from .facts import model_name
 from .generate import PREFILL_CHUNK, Progress, generate_step
+from .kv_math import attention_name, cached_widths, gqa_heads, kv_saving
 from .sampling import Sampler
 from .tokenizer import Tokenizer, load_tokenizer
 from .transformer import Transformer
@@ -107,7 +108,13 @@ def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
         "n_heads": cfg.num_attention_heads,
         "n_kv_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
+        # "GQA"/"MHA"/"MQA"/"MLA", its saving over MHA, and (MLA) the GQA figure's share
+        "attention": attention_name(cfg),
+        "kv_saving": kv_saving(cfg),
+        "gqa_factor": cached_widths(cfg, gqa_heads(cfg)).bytes_per_token(1, 1)
+        / cached_widths(cfg).bytes_per_token(1, 1),
         "context": cfg.max_position_embeddings,
+        "note": cfg.note,  # a multimodal checkpoint: what is not loaded
         "vocab_size": cfg.vocab_size,
         "tokenizer": tokenizer.kind,
         "chat_template": tokenizer.chat_template is not None,

@@ -37,6 +37,10 @@ SPARK_POINTS = 48
 LABEL_W = 9
 
 
+def _times(n: int | None, factor: float | None) -> int | None:
+    return None if n is None or factor is None else round(n * factor)
+
+
 def _row(label: str, value: str | Text, style: str = "") -> Text:
     t = Text(f"{label:<{LABEL_W}}", style="dim")
     t.append(value if isinstance(value, Text) else literal(value, style=style))
@@ -181,7 +185,9 @@ class StatsPanel(VerticalScroll):
         self.info = dict(info)
         self.peak_scope = "at load"
         heads, kv = info.get("n_heads"), info.get("n_kv_heads")
-        if heads and kv:  # the new model's factor, not the previous model's
+        if info.get("kv_saving"):  # the new model's factor, not the previous model's
+            self.stats = self.stats.with_(gqa_saving=info["kv_saving"])
+        elif heads and kv:
             self.stats = self.stats.with_(gqa_saving=heads / kv)
         self._dirty = True
         self._render_now()
@@ -251,12 +257,15 @@ class StatsPanel(VerticalScroll):
         gauge.set_fill(tokens or 0, cap or 0, self.overflowed)
 
         wrapped = s.wrapped
+        latent = info.get("attention") == "MLA"  # latent attention: MHA, GQA and its own
         _set(
             self.query_one("#cache", Static),
             _lines(
                 _row("KV", fmt_bytes(s.cache_bytes), "bold"),
                 _row("as MHA", fmt_bytes(s.mha_bytes)),
-                _row("GQA", f"{fmt_saving(s.gqa_saving)} smaller"),
+                *([_row("as GQA", fmt_bytes(_times(s.cache_bytes, info.get("gqa_factor"))))]
+                  if latent else []),
+                _row("MLA" if latent else "GQA", f"{fmt_saving(s.gqa_saving)} smaller"),
                 *([_row("windows", f"{fmt_saving(s.window_saving)} smaller")]
                   if s.sliding_layers else []),
                 _row("reused", f"{fmt_count(self.held(s.cached_tokens))} tokens this turn"),
