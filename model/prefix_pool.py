@@ -10,8 +10,9 @@ tokens. The engine owns the pool on its own thread (MLX arrays never cross threa
 
 An entry whose every token the prompt repeats is moved out (the turn extends it; its
 shorter self would only be a stale copy). A partial match (a branch, a regenerated
-reply, a shared system prompt) gets a clone sharing the entry's buffers: MLX copies a
-buffer on the first write while another array still holds it, so the entry stays intact.
+reply, a shared system prompt) gets a clone: new array objects over the entry's data
+(MLX copies a buffer on the first write while another array still holds it), so the
+entry stays intact.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import mlx.core as mx
 
 from .cache import can_trim_to
 
@@ -39,10 +42,13 @@ def cache_nbytes(cache: list[Any]) -> int:
 
 
 def clone_cache(cache: list[Any]) -> list[Any] | None:
-    """New cache objects over the same buffers (None when a layer's cache cannot be
-    rebuilt from its state, e.g. an empty one)."""
+    """New cache objects over the same data (None when a layer's cache cannot be rebuilt
+    from its state, e.g. an empty one). The arrays must be new objects too: a cache
+    writes in place (`keys[..., a:b, :] = k` rebinds that very array object), and a
+    shared object would carry the clone's writes into the entry."""
     try:
-        return [type(c).from_state(c.state, c.meta_state) for c in cache]
+        return [type(c).from_state(tuple(mx.array(a) for a in c.state), c.meta_state)
+                for c in cache]
     except (AttributeError, TypeError, ValueError):
         return None
 

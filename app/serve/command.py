@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import os
+import signal
 import socket
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from kvchat.app.core.discovery import DEFAULT_MODEL
@@ -107,7 +110,14 @@ def _engine_maker(model: str, args: argparse.Namespace) -> EngineMaker:
             return Engine(on_event, model, **opts)
         from kvchat.model.engine_process import EngineProcess
 
-        return EngineProcess(on_event, model, **opts)
+        # Ctrl+C reaches the whole process group: the server shuts down and closes the
+        # engine; the engine itself must not die of it mid-turn (an ignored SIGINT is
+        # inherited, and Python keeps it ignored)
+        before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            return EngineProcess(on_event, model, **opts)
+        finally:
+            signal.signal(signal.SIGINT, before)
 
     return make
 
@@ -154,10 +164,11 @@ def run(args: argparse.Namespace) -> int:
         join_if_launched(argparse.Namespace(model=model))
     try:
         sock = _listen(args.host, args.port)
-        load_error = asyncio.run(_serve(args, model, bound, sock))
+        stopped = _Stopped()
+        load_error = asyncio.run(_serve(args, model, bound, sock, stopped))
         if load_error is not None:
             raise KVChatError(load_error)
-        return 0
+        return 130 if stopped.signal == signal.SIGINT else 0  # Ctrl+C: the CLI's 130
     finally:
         if procs:
             from kvchat.app.core.hosts import stop_ranks
@@ -165,8 +176,35 @@ def run(args: argparse.Namespace) -> int:
             stop_ranks(procs)
 
 
+class _Stopped:
+    signal: int | None = None
+
+
+def _uvicorn_server(config: Any, stopped: _Stopped) -> Any:
+    """uvicorn's Server ending on SIGINT/SIGTERM by returning rather than raising the
+    signal again afterwards (which would end this process before the engine closes)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            stopped.signal = stopped.signal or sig
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
 async def _serve(args: argparse.Namespace, model: str, bound: GenParams,
-                 sock: socket.socket) -> str | None:
+                 sock: socket.socket, stopped: _Stopped) -> str | None:
     """Serve until SIGINT/SIGTERM; the load error when the model could not load."""
     import uvicorn
 
@@ -180,18 +218,18 @@ async def _serve(args: argparse.Namespace, model: str, bound: GenParams,
     server = KVChatServer(worker, config)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    uv = uvicorn.Server(uvicorn.Config(
+    uv = _uvicorn_server(uvicorn.Config(
         server.app(), log_level="warning", access_log=False, lifespan="off",
-        timeout_graceful_shutdown=3, limit_concurrency=None))
+        timeout_graceful_shutdown=3), stopped)
     await worker.start()
     server.log.notice(f"loading {model}; listening on http://{shown}:{port}/v1")
     async def announce() -> None:
         await worker.ready.wait()
-        if worker.load_error:
-            uv.should_exit = True
-            return
-        server.log.notice(f"ready: {worker.info.get('name')} at http://{shown}:{port}/v1"
-                          " (OPENAI_BASE_URL)")
+        if not worker.load_error:
+            server.log.notice(f"ready: {worker.info.get('name')} at http://{shown}:{port}/v1"
+                              " (OPENAI_BASE_URL)")
+        await worker.failed.wait()  # no model, or the engine died: nothing left to serve
+        uv.should_exit = True
 
     watch = asyncio.create_task(announce())
     try:
@@ -200,5 +238,6 @@ async def _serve(args: argparse.Namespace, model: str, bound: GenParams,
         watch.cancel()
         worker.close()
         sys.stderr.flush()
-    return worker.load_error
+    # stopped by a signal: an engine that died of the same signal is no error
+    return None if stopped.signal else worker.load_error
 

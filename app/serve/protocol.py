@@ -128,6 +128,8 @@ def _params(body: Mapping[str, Any], limits: Limits) -> GenParams:
         "top_k": _integer(body, "top_k"),
         "min_p": _number(body, "min_p"),
         "repetition_penalty": _number(body, "repetition_penalty"),
+        # llama-server's extension: generate max_tokens whatever the model says (benchmarks)
+        "ignore_eos": _get(body, "ignore_eos", (bool,), "a boolean"),
     }
     params = GenParams(**{k: v for k, v in fields.items() if v is not None},
                        stop=_stops(body), max_kv_size=limits.max_kv_size, keep=limits.keep)

@@ -65,6 +65,7 @@ class EngineWorker:
         self.info: dict[str, Any] = {}
         self.load_error: str | None = None
         self.ready = asyncio.Event()  # set when the model loaded (or failed to)
+        self.failed = asyncio.Event()  # set when it failed to, or the engine stopped
         self.live: TurnStats = TurnStats()  # the running turn's latest numbers
         self.last: TurnStats = TurnStats()  # the last finished turn's numbers
         self.counters = dict.fromkeys(
@@ -95,7 +96,8 @@ class EngineWorker:
     def submit(self, prompt: Prompt, params: GenParams) -> Job:
         if not self.is_ready:
             raise NotReady(self.load_error or "the model is still loading")
-        if len(self.waiting) >= self.max_queue:
+        # the first waiting job is as good as running when the engine is idle
+        if len(self.waiting) + (self.current is not None) > self.max_queue:
             self.counters["rejected_busy"] += 1
             raise QueueFull(f"{len(self.waiting)} requests are already waiting")
         job = Job(prompt, params)
@@ -145,6 +147,7 @@ class EngineWorker:
         if isinstance(ev, LoadFailed):  # at start-up, or the engine process died
             self.load_error = ev.message or "the engine stopped"
             self.ready.set()
+            self.failed.set()
             return
         job = self.current
         if job is None:
@@ -165,6 +168,9 @@ class EngineWorker:
             c["cancelled"] += 1
         elif done.finish_reason == "error":
             c["errors"] += 1
+            if not getattr(self.engine, "alive", True):  # the engine process died
+                self.load_error = done.error or "the engine stopped"
+                self.failed.set()
         else:
             c["completed"] += 1
             self.last = done.stats
