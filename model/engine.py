@@ -391,7 +391,11 @@ class Engine:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         if all(isinstance(x, int) for x in prompt):
-            return list(prompt)  # type: ignore[arg-type]
+            ids = list(prompt)  # type: ignore[arg-type]
+            n = self.model.config.vocab_size if self.model is not None else None
+            if n is not None and not all(0 <= i < n for i in ids):  # MLX would read past
+                raise KVChatError(f"token ids must be in 0..{n - 1}")  # the embedding table
+            return ids
         # a cancel stops a slow template at once (rendering is bounded in time anyway)
         return self.tokenizer.encode_chat(list(prompt), should_stop=should_stop)  # type: ignore[arg-type]
 

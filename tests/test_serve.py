@@ -311,7 +311,16 @@ BAD = [
      {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
     ("template fails", "/chat/completions",
      {"messages": [{"role": "user", "content": "boom"}]}, 400, None),
+    ("tool role", "/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400,
+     "messages[0].role"),
+    ("n of 2", "/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ("NaN temperature", "/chat/completions",
+     b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400,
+     "temperature"),
+    ("nested too deep", "/chat/completions", b"[" * 40_000, 400, None),
     ("empty prompt", "/completions", {"prompt": "  "}, 400, "prompt"),
+    ("token id past the vocabulary", "/completions", {"prompt": [1, 2, 10**9]}, 400, None),
     ("body too large", "/completions", {"prompt": "x" * 60_000}, 413, None),
 ]
 
@@ -353,8 +362,30 @@ def test_api_key_and_log_lines(server: Server) -> None:
     assert done and "prompt=" in done[0] and "finish=" in done[0]
 
 
-def test_non_loopback_host_needs_a_key() -> None:
+def test_non_loopback_host_needs_a_key() -> None:  # checked before any model loads
     r = subprocess.run([sys.executable, "-m", "kvchat.app", "serve", "--host", "0.0.0.0"],
                        capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "--api-key" in r.stderr
+
+
+def test_a_crashed_engine_is_started_again(server: Server) -> None:
+    """The engine process dies (a crash in native code, say): the server answers 503
+    while it loads again, then serves as before."""
+    engine = next(int(p) for p in os.listdir("/proc") if p.isdigit()
+                  and _parent(int(p)) == server.proc.pid)
+    os.kill(engine, signal.SIGKILL)
+    s = _wait_for(lambda s: s["totals"]["engine_restarts"] == 1 and s["ready"], server)
+    assert s["ready"]
+    r = server.client().chat.completions.create(model=MODEL_ID, messages=chat_messages("hi"),
+                                                max_tokens=4)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert any("starting it again" in line for line in server.lines)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None

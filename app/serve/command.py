@@ -208,14 +208,16 @@ async def _serve(args: argparse.Namespace, model: str, bound: GenParams,
     """Serve until SIGINT/SIGTERM; the load error when the model could not load."""
     import uvicorn
 
+    from kvchat.app.serve.log import RequestLog
     from kvchat.app.serve.server import KVChatServer, ServeConfig
     from kvchat.app.serve.worker import EngineWorker
 
     config = ServeConfig(api_key=args.api_key, max_body_bytes=int(args.max_body_mb * 2**20),
                          max_kv_size=bound.max_kv_size, keep=bound.keep,
-                         json_logs=args.json_logs, local_models=_local_models(args.models_dirs))
-    worker = EngineWorker(_engine_maker(model, args), args.max_queue)
-    server = KVChatServer(worker, config)
+                         local_models=_local_models(args.models_dirs))
+    log = RequestLog(args.json_logs)
+    worker = EngineWorker(_engine_maker(model, args), args.max_queue, log.notice)
+    server = KVChatServer(worker, config, log)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     uv = _uvicorn_server(uvicorn.Config(

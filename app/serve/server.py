@@ -37,7 +37,6 @@ class ServeConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     max_kv_size: int | None = None
     keep: int = 4
-    json_logs: bool = False
     # other local models /v1/models lists (--models-dir): [{"id", "path", ...}]
     local_models: list[dict[str, Any]] = field(default_factory=list)
 
@@ -70,10 +69,10 @@ async def read_json(request: HttpRequest, limit: int) -> Any:
 class KVChatServer:
     """The routes, with the worker and the log they share."""
 
-    def __init__(self, worker: EngineWorker, config: ServeConfig):
+    def __init__(self, worker: EngineWorker, config: ServeConfig, log: RequestLog):
         self.worker = worker
         self.config = config
-        self.log = RequestLog(config.json_logs)
+        self.log = log
 
     # ---- the app -----------------------------------------------------------------------
     def app(self) -> Starlette:

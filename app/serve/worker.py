@@ -31,6 +31,10 @@ from kvchat.model.events import (
 
 EngineMaker = Callable[[Callable[[Event], None]], EngineLike]
 RETRY_AFTER_S = 1  # what a 429 asks a client to wait
+# an engine process that dies (a crash in native code) is started again, this many times
+# a minute at most; past that the server stops with the reason
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 60.0
 
 
 class QueueFull(Exception):
@@ -57,8 +61,12 @@ class Job:
 class EngineWorker:
     """The engine behind the server. Create, then `await start()` on the event loop."""
 
-    def __init__(self, make_engine: EngineMaker, max_queue: int):
+    def __init__(self, make_engine: EngineMaker, max_queue: int,
+                 notice: Callable[[str], None] = print):
         self._make_engine = make_engine
+        self._notice = notice
+        self._generation = 0  # which engine's events are current (restarts make new ones)
+        self._deaths: list[float] = []
         self.max_queue = max_queue
         self.waiting: collections.deque[Job] = collections.deque()
         self.current: Job | None = None
@@ -69,7 +77,7 @@ class EngineWorker:
         self.live: TurnStats = TurnStats()  # the running turn's latest numbers
         self.last: TurnStats = TurnStats()  # the last finished turn's numbers
         self.counters = dict.fromkeys(
-            ("requests", "completed", "cancelled", "errors", "rejected_busy",
+            ("requests", "completed", "cancelled", "errors", "rejected_busy", "engine_restarts",
              "prompt_tokens", "reused_tokens", "generated_tokens"), 0)
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -79,7 +87,7 @@ class EngineWorker:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self.engine = self._make_engine(self._from_engine)
+        self._start_engine()
         self._task = asyncio.create_task(self._serve(), name="kvchat-serve-worker")
 
     def close(self) -> None:
@@ -131,23 +139,48 @@ class EngineWorker:
             await job.finished.wait()
             self.current = None
 
-    # ---- engine events -------------------------------------------------------------
-    def _from_engine(self, ev: Event) -> None:  # the engine's thread
+    # ---- the engine -----------------------------------------------------------------
+    def _start_engine(self) -> None:
+        self._generation += 1
+        gen = self._generation
+        self.engine = self._make_engine(lambda ev: self._from_engine(ev, gen))
+
+    def _engine_died(self, why: str) -> None:
+        """Start a fresh engine (the model loads again; queued jobs wait for it), unless
+        it never loaded or keeps dying."""
+        now = time.monotonic()
+        self._deaths = [t for t in self._deaths if now - t < RESTART_WINDOW_S] + [now]
+        if not self.info or len(self._deaths) > MAX_RESTARTS:
+            self.load_error = why
+            self.ready.set()
+            self.failed.set()
+            return
+        self.counters["engine_restarts"] += 1
+        self._notice(f"the engine stopped ({why}); starting it again")
+        self.ready.clear()
+        if self.engine is not None:
+            self.engine.close(1.0)
+        self._start_engine()
+
+    def _from_engine(self, ev: Event, gen: int) -> None:  # the engine's thread
         assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(self._on_event, ev)
+            self._loop.call_soon_threadsafe(self._on_event, ev, gen)
         except RuntimeError:  # the loop closed while shutting down
             pass
 
-    def _on_event(self, ev: Event) -> None:
+    def _on_event(self, ev: Event, gen: int) -> None:
+        if gen != self._generation:  # a replaced engine's last words
+            return
         if isinstance(ev, Loaded):
+            first = not self.info
             self.info, self.load_error = ev.info, None
             self.ready.set()
+            if not first:
+                self._notice("the engine is ready again")
             return
-        if isinstance(ev, LoadFailed):  # at start-up, or the engine process died
-            self.load_error = ev.message or "the engine stopped"
-            self.ready.set()
-            self.failed.set()
+        if isinstance(ev, LoadFailed):  # at start-up, or the engine process died idle
+            self._engine_died(ev.message or "the engine stopped")
             return
         job = self.current
         if job is None:
@@ -168,9 +201,6 @@ class EngineWorker:
             c["cancelled"] += 1
         elif done.finish_reason == "error":
             c["errors"] += 1
-            if not getattr(self.engine, "alive", True):  # the engine process died
-                self.load_error = done.error or "the engine stopped"
-                self.failed.set()
         else:
             c["completed"] += 1
             self.last = done.stats
@@ -179,6 +209,8 @@ class EngineWorker:
         c["generated_tokens"] += len(done.ids)
         job.events.put_nowait(done)
         job.finished.set()
+        if done.finish_reason == "error" and not getattr(self.engine, "alive", True):
+            self._engine_died(done.error or "the engine stopped")  # it died mid-turn
 
     # ---- statistics ------------------------------------------------------------------
     def queue_stats(self) -> dict[str, Any]:
