@@ -93,8 +93,10 @@ def find_fast_blas() -> tuple[Path, Path | None] | None:
     return (lib, shim) if shim is not None else None
 
 
-def reexec_with_fast_blas() -> None:
-    """On Linux, re-exec once with a fast BLAS preloaded (KVCHAT_NO_OPENBLAS=1: never)."""
+def fast_blas_env() -> dict[str, str] | None:
+    """The environment `kvchat` runs in once its fast BLAS is preloaded (None when there
+    is nothing to do: not Linux, already preloaded, KVCHAT_NO_OPENBLAS=1, none found).
+    Benchmarks give it to the processes they compare, so both run on the same BLAS."""
     preload = os.environ.get("LD_PRELOAD", "")
     if (
         sys.platform != "linux"
@@ -102,15 +104,23 @@ def reexec_with_fast_blas() -> None:
         or os.environ.get(_REEXEC_MARK)
         or os.environ.get("KVCHAT_NO_OPENBLAS") == "1"
     ):
-        return
+        return None
     found = find_fast_blas()
     if found is None:
-        return
+        return None
     lib, lib_dir = found
     env = {**os.environ, "LD_PRELOAD": f"{lib} {preload}".strip(), _REEXEC_MARK: "1"}
     if lib_dir is not None:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
             p for p in (str(lib_dir), os.environ.get("LD_LIBRARY_PATH", "")) if p)
+    return env
+
+
+def reexec_with_fast_blas() -> None:
+    """On Linux, re-exec once with a fast BLAS preloaded (KVCHAT_NO_OPENBLAS=1: never)."""
+    env = fast_blas_env()
+    if env is None:
+        return
     try:
         os.execve(sys.executable, [sys.executable, "-m", "kvchat.app", *sys.argv[1:]], env)
     except OSError:

@@ -2,6 +2,7 @@
 against the same engine driven directly (what `kvchat generate` runs), in one run.
 
     python -m kvchat.app.serve.bench [--model DIR] [--requests 8] [--max-tokens 64]
+                                     [--clients 1,2,4] [--against mlx-lm] [--json]
 
 Every request has its own prompt and generates exactly --max-tokens tokens (ignore_eos),
 so each level does the same work; the reference runs the same requests one after another
@@ -16,6 +17,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvchat.app.core import blas
 from kvchat.app.core.discovery import DEFAULT_MODEL
 
 SUBJECTS = ("a dragon", "the sea", "a lost cat", "a red kite", "the moon", "a tall tree",
@@ -85,15 +88,18 @@ class Level:
 
 
 def bench_engine(model: str, requests: list[Any], max_tokens: int) -> Level:
-    """The same turns on the engine directly, one after another."""
+    """The same turns on the engine directly, one after another: in its own process, as
+    the server runs it (and with the same BLAS), without the HTTP layer."""
     from kvchat.model.client import EngineClient
+    from kvchat.model.engine_process import EngineProcess
     from kvchat.model.events import GenParams
 
     params = GenParams(max_tokens=max_tokens, ignore_eos=True)
     level = Level("generate (engine)", 1)
-    with EngineClient(model) as engine:
+    with EngineClient(model, engine=EngineProcess) as engine:
         engine.run(requests[0], params)  # warm-up: compile the step, as the server's is
-        t0, cpu0 = time.perf_counter(), time.process_time()
+        child = engine.engine._proc.pid  # type: ignore[attr-defined]
+        t0, cpu0 = time.perf_counter(), tree_cpu_s(child)
         for msgs in requests:
             t = time.perf_counter()
             done = engine.run(msgs, params)
@@ -102,30 +108,56 @@ def bench_engine(model: str, requests: list[Any], max_tokens: int) -> Level:
             level.tokens += len(done.ids)
             level.requests += 1
         level.wall_s = time.perf_counter() - t0
-        level.cpu_s = time.process_time() - cpu0
+        cpu1 = tree_cpu_s(child)
+        level.cpu_s = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
     return level
 
 
-class ServerProcess:
-    """`kvchat serve --port 0` in its own process group."""
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
-    def __init__(self, model: str):
+
+class ServerProcess:
+    """An OpenAI-compatible server in its own process group: `kvchat serve --port 0`, or
+    with `mlx_lm=True` mlx-lm's server on a free port."""
+
+    def __init__(self, model: str, mlx_lm: bool = False):
         self.lines: list[str] = []
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvchat.app", "serve", "--model", model, "--port", "0",
-             "--max-queue", "64"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            start_new_session=True)
+        self.name = "mlx_lm.server" if mlx_lm else "serve"
+        if mlx_lm:
+            port = free_port()
+            cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port)]
+        else:
+            cmd = [sys.executable, "-m", "kvchat.app", "serve", "--model", model, "--port", "0",
+                   "--max-queue", "64"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True)
         threading.Thread(target=self._read, daemon=True).start()
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not any("ready:" in x for x in self.lines):
+        while not (self._answers(port) if mlx_lm else any("ready:" in x for x in self.lines)):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise SystemExit("kvchat serve did not start:\n" + "\n".join(self.lines))
-            time.sleep(0.05)
-        url = next(x for x in self.lines if "ready:" in x).split(" at ")[1].split()[0]
-        parts = urlsplit(url)
-        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+                raise SystemExit(f"{self.name} did not start:\n" + "\n".join(self.lines[-20:]))
+            time.sleep(0.2)
+        if mlx_lm:
+            self.host, self.port = "127.0.0.1", port
+        else:
+            url = next(x for x in self.lines if "ready:" in x).split(" at ")[1].split()[0]
+            parts = urlsplit(url)
+            self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+
+    @staticmethod
+    def _answers(port: int) -> bool:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/v1/models")
+            ok = conn.getresponse().status == 200
+            conn.close()
+            return ok
+        except OSError:
+            return False
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
@@ -160,7 +192,7 @@ class ServerProcess:
             obj = json.loads(line[6:])
             if ttft is None and obj.get("choices") and obj["choices"][0]["delta"].get("content"):
                 ttft = time.perf_counter() - t0
-            if not obj.get("choices") and obj.get("usage"):
+            if obj.get("usage"):  # the last chunk (mlx-lm may put it on the finish chunk)
                 tokens = obj["usage"]["completion_tokens"]
         conn.close()
         return tokens, ttft or 0.0
@@ -168,7 +200,7 @@ class ServerProcess:
 
 def bench_server(server: ServerProcess, requests: list[Any], max_tokens: int,
                  clients: int) -> Level:
-    level = Level("serve", clients)
+    level = Level(server.name, clients)
     todo = list(requests)
     lock = threading.Lock()
 
@@ -206,33 +238,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=8, help="requests per level")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--clients", default="1,2,4", help="concurrency levels (comma-separated)")
+    p.add_argument("--against", choices=["mlx-lm"], default=None,
+                   help="run the same levels against mlx-lm's server too (it knows no"
+                   " ignore_eos: its replies may end early; tok/s counts what it generated)")
+    p.add_argument("--no-fast-blas", action="store_true",
+                   help="run everything on MLX's own BLAS (as KVCHAT_NO_OPENBLAS=1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    # every process this benchmark starts runs on the BLAS `kvchat` itself would use
+    if args.no_fast_blas:
+        os.environ["KVCHAT_NO_OPENBLAS"] = "1"
+    elif (env := blas.fast_blas_env()) is not None:
+        os.environ.update(env)
+    fast_blas = "LD_PRELOAD" in os.environ and "blas" in os.environ["LD_PRELOAD"]
     levels = [int(x) for x in args.clients.split(",")]
     load_before = os.getloadavg()
     reqs = prompts(args.requests)
     rows = [bench_engine(args.model, reqs, args.max_tokens).row()]
-    server = ServerProcess(args.model)
-    try:
-        server.stream(reqs[0], args.max_tokens)  # warm-up
-        for c in levels:
-            # fresh prompts per level: nothing served from an earlier level's cache
-            level_reqs = [[{"role": "user", "content": f"(level {c}) {m[0]['content']}"}]
-                          for m in reqs]
-            rows.append(bench_server(server, level_reqs, args.max_tokens, c).row())
-    finally:
-        server.stop()
+    for mlx_lm in (False, True) if args.against else (False,):
+        server = ServerProcess(args.model, mlx_lm=mlx_lm)
+        try:
+            server.stream(reqs[0], args.max_tokens)  # warm-up
+            for c in levels:
+                # fresh prompts per level: nothing served from an earlier level's cache
+                level_reqs = [[{"role": "user", "content": f"(level {c}) {m[0]['content']}"}]
+                              for m in reqs]
+                rows.append(bench_server(server, level_reqs, args.max_tokens, c).row())
+        finally:
+            server.stop()
     ref = rows[0]["tok_per_s"] or 1.0
     for r in rows:
         r["vs_generate"] = round(r["tok_per_s"] / ref, 3)
     meta = {"model": args.model, "cpus": os.cpu_count(), "loadavg_before": load_before,
-            "loadavg_after": os.getloadavg(), "max_tokens": args.max_tokens}
+            "loadavg_after": os.getloadavg(), "max_tokens": args.max_tokens,
+            "fast_blas": fast_blas}
     if args.json:
         print(json.dumps({**meta, "levels": rows}))
         return 0
     print(f"model {args.model}; {args.requests} requests x {args.max_tokens} tokens per level;"
           f" {meta['cpus']} CPUs, load average {load_before[0]:.1f} before,"
-          f" {meta['loadavg_after'][0]:.1f} after")
+          f" {meta['loadavg_after'][0]:.1f} after; "
+          f"{'preloaded fast BLAS' if fast_blas else 'MLX BLAS'}")
     cols = ("mode", "clients", "requests", "wall_s", "requests_per_s", "tok_per_s",
             "vs_generate", "latency_p50_s", "ttft_mean_s", "cpu_ms_per_token")
     print("  ".join(f"{c:>17}" if i == 0 else f"{c:>8}" for i, c in enumerate(
