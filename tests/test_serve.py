@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from kvchat.app.serve.process import ServerProcess
+
 from .conftest import REPO_ROOT
 
 openai = pytest.importorskip("openai")
@@ -56,40 +58,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-class Server:
-    def __init__(self, model: Path, *extra: str):
-        self.lines: list[str] = []
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvchat.app", "serve", "--model", str(model), "--port", "0",
-             *extra],
-            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            start_new_session=True,  # its own process group: ended as a whole
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not any("ready:" in line for line in self.lines):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("kvchat serve did not start:\n" + "\n".join(self.lines))
-            time.sleep(0.05)
-        ready = next(line for line in self.lines if "ready:" in line)
-        self.url = ready.split(" at ")[1].split()[0]  # http://127.0.0.1:PORT/v1
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode
+class Server(ServerProcess):
+    """`kvchat serve` in its own process group (ended as a whole, on failure too)."""
 
     def client(self, **kw: Any) -> Any:
         return openai.OpenAI(base_url=self.url, api_key=KEY, max_retries=0, timeout=60, **kw)
@@ -102,7 +72,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[Server]:
-    s = Server(model_dir, "--api-key", KEY, "--max-queue", "1", "--max-body-mb", "0.05")
+    s = Server(str(model_dir), "--api-key", KEY, "--max-queue", "1", "--max-body-mb", "0.05",
+               timeout_s=START_TIMEOUT_S)
     try:
         yield s
     finally:

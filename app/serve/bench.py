@@ -16,22 +16,17 @@ import argparse
 import http.client
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvchat.app.core import blas
 from kvchat.app.core.discovery import DEFAULT_MODEL
+from kvchat.app.serve.process import ServerProcess
 
 SUBJECTS = ("a dragon", "the sea", "a lost cat", "a red kite", "the moon", "a tall tree",
             "a small boat", "the rain", "a baker", "a clock", "a garden", "a train")
-START_TIMEOUT_S = 120
 
 
 def prompts(n: int) -> list[list[dict[str, str]]]:
@@ -113,89 +108,29 @@ def bench_engine(model: str, requests: list[Any], max_tokens: int) -> Level:
     return level
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ServerProcess:
-    """An OpenAI-compatible server in its own process group: `kvchat serve --port 0`, or
-    with `mlx_lm=True` mlx-lm's server on a free port."""
-
-    def __init__(self, model: str, mlx_lm: bool = False):
-        self.lines: list[str] = []
-        self.name = "mlx_lm.server" if mlx_lm else "serve"
-        if mlx_lm:
-            port = free_port()
-            cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port)]
-        else:
-            cmd = [sys.executable, "-m", "kvchat.app", "serve", "--model", model, "--port", "0",
-                   "--max-queue", "64"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True, start_new_session=True)
-        threading.Thread(target=self._read, daemon=True).start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not (self._answers(port) if mlx_lm else any("ready:" in x for x in self.lines)):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise SystemExit(f"{self.name} did not start:\n" + "\n".join(self.lines[-20:]))
-            time.sleep(0.2)
-        if mlx_lm:
-            self.host, self.port = "127.0.0.1", port
-        else:
-            url = next(x for x in self.lines if "ready:" in x).split(" at ")[1].split()[0]
-            parts = urlsplit(url)
-            self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
-
-    @staticmethod
-    def _answers(port: int) -> bool:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/v1/models")
-            ok = conn.getresponse().status == 200
-            conn.close()
-            return ok
-        except OSError:
-            return False
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-    def stream(self, messages: Any, max_tokens: int) -> tuple[int, float]:
-        """One streamed chat completion: (completion tokens, seconds to the first text)."""
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
-        body = json.dumps({"messages": messages, "max_tokens": max_tokens, "ignore_eos": True,
-                           "stream": True, "stream_options": {"include_usage": True}})
-        t0 = time.perf_counter()
-        conn.request("POST", "/v1/chat/completions", body,
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise SystemExit(f"HTTP {resp.status}: {resp.read()[:200]!r}")
-        ttft, tokens = None, 0
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            if ttft is None and obj.get("choices") and obj["choices"][0]["delta"].get("content"):
-                ttft = time.perf_counter() - t0
-            if obj.get("usage"):  # the last chunk (mlx-lm may put it on the finish chunk)
-                tokens = obj["usage"]["completion_tokens"]
-        conn.close()
-        return tokens, ttft or 0.0
+def stream(server: ServerProcess, messages: Any, max_tokens: int) -> tuple[int, float]:
+    """One streamed chat completion: (completion tokens, seconds to the first text)."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=600)
+    body = json.dumps({"messages": messages, "max_tokens": max_tokens, "ignore_eos": True,
+                       "stream": True, "stream_options": {"include_usage": True}})
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body,
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise SystemExit(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+    ttft, tokens = None, 0
+    for raw in resp:
+        line = raw.strip()
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        obj = json.loads(line[6:])
+        if ttft is None and obj.get("choices") and obj["choices"][0]["delta"].get("content"):
+            ttft = time.perf_counter() - t0
+        if obj.get("usage"):  # the last chunk (mlx-lm may put it on the finish chunk)
+            tokens = obj["usage"]["completion_tokens"]
+    conn.close()
+    return tokens, ttft or 0.0
 
 
 def bench_server(server: ServerProcess, requests: list[Any], max_tokens: int,
@@ -211,7 +146,7 @@ def bench_server(server: ServerProcess, requests: list[Any], max_tokens: int,
                     return
                 msgs = todo.pop(0)
             t = time.perf_counter()
-            tokens, ttft = server.stream(msgs, max_tokens)
+            tokens, ttft = stream(server, msgs, max_tokens)
             with lock:
                 level.latencies.append(time.perf_counter() - t)
                 level.ttfts.append(ttft)
@@ -256,9 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     reqs = prompts(args.requests)
     rows = [bench_engine(args.model, reqs, args.max_tokens).row()]
     for mlx_lm in (False, True) if args.against else (False,):
-        server = ServerProcess(args.model, mlx_lm=mlx_lm)
+        extra = () if mlx_lm else ("--max-queue", "64")
+        server = ServerProcess(args.model, *extra, mlx_lm=mlx_lm)
         try:
-            server.stream(reqs[0], args.max_tokens)  # warm-up
+            stream(server, reqs[0], args.max_tokens)  # warm-up
             for c in levels:
                 # fresh prompts per level: nothing served from an earlier level's cache
                 level_reqs = [[{"role": "user", "content": f"(level {c}) {m[0]['content']}"}]
