@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvchat.model.errors import KVChatError
-from kvchat.model.events import Done, GenParams, TurnStats, stats_json
+from kvchat.model.events import Done, GenParams, stats_json
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 16
@@ -230,10 +230,11 @@ def usage(done: Done) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def kvchat_stats(stats: TurnStats) -> dict[str, Any]:
-    """kvchat's own numbers (DESIGN.md names) riding along in every final response."""
-    out = stats_json(stats)
-    out["prefilled_tokens"] = (out["prompt_tokens"] or 0) - (out["cached_tokens"] or 0)
+def kvchat_stats(done: Done) -> dict[str, Any]:
+    """kvchat's own numbers (DESIGN.md names) riding along in every final response, and
+    the prompt tokens that ran through the model (not served from a cache)."""
+    out = stats_json(done.stats)
+    out["prefilled_tokens"] = len(done.prompt_ids) - (done.stats.cached_tokens or 0)
     return out
 
 
@@ -255,7 +256,7 @@ def completion(req: Request, done: Done) -> dict[str, Any]:
         choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": finish}
         head = _head(req, "text_completion")
     return {**head, "choices": [choice], "usage": usage(done),
-            "kvchat": kvchat_stats(done.stats)}
+            "kvchat": kvchat_stats(done)}
 
 
 def chunk(req: Request, text: str | None = None, *, first: bool = False,
@@ -277,7 +278,7 @@ def chunk(req: Request, text: str | None = None, *, first: bool = False,
     out = {**head, "choices": [choice]}
     if done is not None:
         out["usage"] = usage(done)
-        out["kvchat"] = kvchat_stats(done.stats)
+        out["kvchat"] = kvchat_stats(done)
     return out
 
 
