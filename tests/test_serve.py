@@ -73,7 +73,7 @@ class Server(ServerProcess):
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[Server]:
     s = Server(str(model_dir), "--api-key", KEY, "--max-queue", "1", "--max-body-mb", "0.05",
-               timeout_s=START_TIMEOUT_S)
+               "--allow-origin", "http://app.test", timeout_s=START_TIMEOUT_S)
     try:
         yield s
     finally:
@@ -331,6 +331,18 @@ def test_api_key_and_log_lines(server: Server) -> None:
     assert all("Traceback" not in x for x in server.lines)
     done = [x for x in server.lines if "POST /v1/chat/completions 200" in x]
     assert done and "prompt=" in done[0] and "finish=" in done[0]
+
+
+def test_cors_only_for_the_allowed_origin(server: Server) -> None:
+    def preflight(origin: str) -> Any:
+        return httpx.options(server.url + "/chat/completions", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+
+    ok = preflight("http://app.test")
+    assert ok.status_code == 200
+    assert ok.headers["access-control-allow-origin"] == "http://app.test"
+    assert "access-control-allow-origin" not in preflight("http://evil.test").headers
 
 
 def test_non_loopback_host_needs_a_key() -> None:  # checked before any model loads

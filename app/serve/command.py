@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", type=int, default=None, metavar="K",
                    help=f"sink tokens kept when the cache rotates (needs --max-kv-size;"
                    f" default {GenParams().keep})")
+    p.add_argument("--allow-origin", dest="allow_origins", action="append", default=[],
+                   metavar="ORIGIN", help="let web pages from ORIGIN call the API (CORS;"
+                   " repeatable, * = any)")
     p.add_argument("--hosts", dest="serve_hostfile", metavar="HOSTFILE",
                    help="split the model across the hosts of an mlx.launch hostfile")
     p.add_argument("--models-dir", dest="models_dirs", action="append", default=[],
@@ -214,6 +217,7 @@ async def _serve(args: argparse.Namespace, model: str, bound: GenParams,
 
     config = ServeConfig(api_key=args.api_key, max_body_bytes=int(args.max_body_mb * 2**20),
                          max_kv_size=bound.max_kv_size, keep=bound.keep,
+                         allow_origins=args.allow_origins,
                          local_models=_local_models(args.models_dirs))
     log = RequestLog(args.json_logs)
     worker = EngineWorker(_engine_maker(model, args), args.max_queue, log.notice)

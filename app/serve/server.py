@@ -17,6 +17,8 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -37,6 +39,7 @@ class ServeConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     max_kv_size: int | None = None
     keep: int = 4
+    allow_origins: list[str] = field(default_factory=list)  # CORS (--allow-origin)
     # other local models /v1/models lists (--models-dir): [{"id", "path", ...}]
     local_models: list[dict[str, Any]] = field(default_factory=list)
 
@@ -93,7 +96,13 @@ class KVChatServer:
             self._log(request.scope, e.status, error=e.message)
             return error_response(e)
 
-        return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+        middleware = []
+        if self.config.allow_origins:  # browser front-ends on other origins (off by default)
+            middleware.append(Middleware(
+                CORSMiddleware, allow_origins=self.config.allow_origins,
+                allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
+        return Starlette(routes=routes, middleware=middleware,
+                         exception_handlers={HTTPException: http_error})
 
     def _guarded(self, handler: Callable[[HttpRequest], Awaitable[Any]], auth: bool = True
                  ) -> Callable[[HttpRequest], Awaitable[Any]]:
@@ -230,14 +239,16 @@ class JobResponse:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watcher = asyncio.create_task(self._watch(receive))
         t0 = time.monotonic()
-        status, done = 500, None
+        status, done, error = 500, None, None
         try:
             reply = self._stream if self.req.stream else self._whole
             status, done = await reply(scope, send)
+        except Exception as e:  # the connection broke mid-answer, say: one line, no trace
+            error = f"{type(e).__name__}: {e}"
         finally:
             watcher.cancel()
             self.server.worker.cancel(self.job)  # no-op once done
-            self._log(scope, status, done, time.monotonic() - t0)
+            self._log(scope, status, done, time.monotonic() - t0, error)
 
     async def _watch(self, receive: Receive) -> None:
         while True:
@@ -246,8 +257,9 @@ class JobResponse:
                 self.server.worker.cancel(self.job)
                 return
 
-    def _log(self, scope: Scope, status: int, done: Done | None, secs: float) -> None:
-        fields: dict[str, Any] = {"duration_s": secs}
+    def _log(self, scope: Scope, status: int, done: Done | None, secs: float,
+             error: str | None = None) -> None:
+        fields: dict[str, Any] = {"duration_s": secs, "error": error}
         if done is not None:
             s = done.stats
             fields.update(prompt_tokens=len(done.prompt_ids), reused_tokens=s.cached_tokens or 0,
@@ -256,7 +268,7 @@ class JobResponse:
             if done.finish_reason == "error":
                 fields["error"] = done.error
             elif done.finish_reason == "cancelled":
-                fields["error"] = "client disconnected"
+                fields["error"] = error or "client disconnected"
         self.server._log(scope, status, **fields)
 
     async def _next(self) -> Any:
