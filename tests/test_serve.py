@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from kvchat.app.serve.process import ServerProcess
+from kvchat.app.serve.process import ServerProcess, free_port
 
 from .conftest import REPO_ROOT
 
@@ -331,6 +331,26 @@ def test_api_key_and_log_lines(server: Server) -> None:
     assert all("Traceback" not in x for x in server.lines)
     done = [x for x in server.lines if "POST /v1/chat/completions 200" in x]
     assert done and "prompt=" in done[0] and "finish=" in done[0]
+
+
+def test_a_model_split_across_two_local_ranks_serves_the_same_text(
+        server: Server, model_dir: Path, tmp_path: Path) -> None:
+    """--hosts: rank 1 runs the second half of the layers; the reply is the same."""
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps({"hosts": [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 2}))
+    ring = free_port()  # the ring takes this port and the next
+    split = Server(str(model_dir), "--hosts", str(hosts), "--api-key", KEY,
+                   timeout_s=START_TIMEOUT_S, env={"KVCHAT_RING_PORT": str(ring)})
+    try:
+        args = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 12,
+                "temperature": 0}
+        r = split.client().completions.create(**args)
+        ref = server.client().completions.create(**args)
+        assert r.choices[0].text == ref.choices[0].text
+        pipe = r.model_extra["kvchat"]["pipeline"]
+        assert [x["rank"] for x in pipe["ranks"]] == [0, 1]
+    finally:
+        assert split.stop() == 0, "\n".join(split.lines[-5:])
 
 
 def test_cors_only_for_the_allowed_origin(server: Server) -> None:

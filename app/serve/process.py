@@ -29,7 +29,7 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, model: str, *extra: str, mlx_lm: bool = False,
-                 timeout_s: float = START_TIMEOUT_S):
+                 timeout_s: float = START_TIMEOUT_S, env: dict[str, str] | None = None):
         self.lines: list[str] = []  # its stderr (kvchat's log), as it comes
         self.name = "mlx_lm.server" if mlx_lm else "serve"
         port = free_port() if mlx_lm else 0
@@ -38,7 +38,8 @@ class ServerProcess:
         else:
             cmd = [sys.executable, "-m", "kvchat.app", "serve", "--model", model, "--port", "0"]
         self.proc = subprocess.Popen([*cmd, *extra], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                     env={**os.environ, **(env or {})})
         threading.Thread(target=self._read, daemon=True).start()
         deadline = time.monotonic() + timeout_s
         while not (self._answers(port) if mlx_lm else self._ready_line()):
