@@ -280,8 +280,8 @@ class Engine:
                     elif kind == "kernels":
                         message = metal_kernels.switch_backend(arg)
                         self._emit(KernelsSwitched(metal_kernels.backend(), message))
-                except Exception as e:  # no job may end the engine thread: report it
-                    self._job_failed(kind, arg, e)
+                except Exception:  # no job may end the engine thread
+                    self._job_failed()
                 finally:
                     self._busy.clear()
         finally:
@@ -292,14 +292,12 @@ class Engine:
             gc.collect()
             mx.clear_streams()
 
-    def _job_failed(self, kind: str, arg: Any, e: Exception) -> None:
+    def _job_failed(self) -> None:
+        """A job other than a load or a turn (those report their own failures) raised:
+        the cache may be half-written, so the next turn starts clean."""
         if os.environ.get("KVCHAT_DEBUG") == "1":
             traceback.print_exc()
         self._drop_cache()
-        if kind == "load":
-            self._emit(LoadFailed(arg, error_line(e)))
-        elif kind == "turn":
-            self._emit(Done("error", "", [], [], error=error_line(e)))
 
     def _drop_cache(self, pool: bool = False) -> None:
         self._cache, self._cache_key, self._cache_ids = None, None, []

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from .config import load_config
-from .files import safetensors_header, weight_files
+from .files import tensor_headers
 from .weights import IGNORED_SUFFIXES, compute_dtype, dequantize_on_load
 
 # safetensors dtype names -> MLX dtypes (the floating ones the loader casts)
@@ -62,11 +62,7 @@ def model_facts(folder: str | Path) -> ModelFacts:
     folder is not loadable)."""
     folder = Path(folder).expanduser()
     cfg = load_config(folder)
-    tensors: list[tuple[str, dict[str, Any]]] = []
-    for f in weight_files(folder):
-        for name, info in safetensors_header(f).items():
-            if name != "__metadata__":
-                tensors.append((name, info))
+    tensors = list(tensor_headers(folder).items())
     file_bytes = sum(i["data_offsets"][1] - i["data_offsets"][0] for _, i in tensors)
     kept = [
         (n, i) for n, i in tensors

@@ -172,6 +172,23 @@ def weight_files(folder: Path) -> list[Path]:
     raise ModelLoadError(f"no *.safetensors weights in {folder}")
 
 
+def tensor_headers(folder: Path) -> dict[str, dict[str, Any]]:
+    """Every tensor's header entry (dtype, shape, data_offsets) across the folder's weight
+    files, checked by `safetensors_header`; the one walk over headers (nothing is read)."""
+    return {
+        name: info
+        for f in weight_files(Path(folder))
+        for name, info in safetensors_header(f).items()
+        if name != "__metadata__"
+    }
+
+
+def tensor_bytes(folder: str | os.PathLike[str]) -> dict[str, int]:
+    """Bytes of every tensor as stored, from the headers."""
+    return {name: info["data_offsets"][1] - info["data_offsets"][0]
+            for name, info in tensor_headers(Path(folder)).items()}
+
+
 def read_json_object(path: Path, error: type[KVChatError]) -> dict[str, Any]:
     """A JSON object from `path`; {} when the file is absent or not an object,
     `error` (one line) when it cannot be read or parsed."""

@@ -129,7 +129,8 @@ def test_plan_is_the_byte_optimal_contiguous_split(stories260k: Path) -> None:
     from itertools import combinations
 
     from kvchat.model.config import load_config
-    from kvchat.model.pipeline import plan, tensor_bytes
+    from kvchat.model.files import tensor_bytes
+    from kvchat.model.pipeline import plan
 
     cfg, sizes = load_config(stories260k), tensor_bytes(stories260k)
     total_layer = sum(b for k, b in sizes.items() if k.startswith("model.layers."))

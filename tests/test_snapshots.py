@@ -28,7 +28,7 @@ from tests.scripted_engine import (
 )
 
 MODEL = "/models/stories260K"
-APP_CSS = Path(__file__).resolve().parents[1] / "app" / "kvchat.tcss"
+APP_CSS = Path(__file__).resolve().parents[1] / "app" / "tui" / "kvchat.tcss"
 
 
 @pytest.fixture(autouse=True)

@@ -166,7 +166,8 @@ def _ranks(args: argparse.Namespace, source: Path, cfg: ModelConfig, dtype_bytes
     sizes, or estimated from the config's shapes when there are no weights."""
     if args.hosts is None:
         return None
-    from kvchat.model.pipeline import config_tensor_bytes, split_table, tensor_bytes
+    from kvchat.model.files import tensor_bytes
+    from kvchat.model.pipeline import config_tensor_bytes, split_table
 
     sizes = tensor_bytes(source) if args.model else config_tensor_bytes(cfg, dtype_bytes)
     return split_table(cfg, sizes, args.hosts, dtype_bytes, context)

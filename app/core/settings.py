@@ -34,7 +34,12 @@ SETTINGS_FILE = "settings.json"
 
 
 class SettingsError(KVChatError):
-    """An invalid setting; str(e) is one line naming the setting and the bad value."""
+    """An invalid setting; str(e) is one line naming the setting and the bad value,
+    `field` the setting it is about (None when it is about the file)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -68,10 +73,10 @@ class Settings:
         for name in _FIELD_NAMES:
             err = _field_error(name, getattr(self, name))
             if err:
-                raise SettingsError(err)
+                raise SettingsError(err, name)
         err = _cross_error(self)
-        if err:
-            raise SettingsError(err)
+        if err:  # with every field valid alone, only the window against keep is left
+            raise SettingsError(err, "max_kv_size")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -60,11 +60,11 @@ async def restore_session(app: Any) -> None:  # app: the chat screen
     state = load_session(session_path(app.store))
     if state.last_chat and not app.conversation.messages:
         try:
-            app.store.load(state.last_chat)
+            conv = app.store.load(state.last_chat)
         except StoreError:
             pass  # deleted or unreadable since: start with a new chat
         else:
-            await app.open_conversation(state.last_chat)
+            await app.show_conversation(conv)
     if state.input_history:  # it holds the reopened chat's messages already: replace
         app.input.sent_history[:] = state.input_history
 

@@ -535,6 +535,12 @@ class ChatScreen(InterruptKey, Screen[None]):
         except StoreError as e:
             self.notify(str(e), severity="error")
             return False
+        await self.show_conversation(conv)
+        return True
+
+    async def show_conversation(self, conv: Conversation) -> None:
+        """Make `conv` (already read from the store) the open chat."""
+        conv_id = conv.id
         self._end_edit()
         self._restored_tokens = 0  # set again if this chat's cache comes back
         self.conversation = conv
@@ -552,7 +558,6 @@ class ChatScreen(InterruptKey, Screen[None]):
         if self.engine is not None and self.settings.save_kv_cache and cache.is_file():
             self.engine.restore_cache(cache)
         self.notify(f"Opened “{conv.title or 'New chat'}”", title="History")
-        return True
 
     def action_export(self) -> Path | None:
         conv = self.conversation
