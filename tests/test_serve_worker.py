@@ -10,6 +10,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvchat.app.serve import protocol
 from kvchat.app.serve.log import RequestLog
@@ -133,3 +135,32 @@ def test_log_lines_keep_request_text_inert() -> None:
                                 prompt_tokens=4, finish_reason="eos")
     rec = json.loads(out.getvalue())
     assert rec["status"] == 200 and rec["prompt_tokens"] == 4 and rec["time"].endswith("Z")
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                 max_size=4),
+    max_leaves=12)
+FIELDS = st.sampled_from(["model", "messages", "prompt", "max_tokens", "max_completion_tokens",
+                          "temperature", "top_p", "stop", "seed", "stream", "stream_options",
+                          "n", "logprobs", "top_k", "min_p", "repetition_penalty",
+                          "ignore_eos", "echo"])
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "tool", 3]),
+                                 "content": JSON})
+
+
+@settings(max_examples=150, deadline=None)
+@given(kind=st.sampled_from(["chat", "text"]),
+       body=st.dictionaries(FIELDS, JSON | st.lists(MESSAGE, max_size=3), max_size=6) | JSON)
+def test_any_json_body_is_a_request_or_a_4xx(kind: str, body: Any) -> None:
+    """Whatever a client sends, parse() answers with a checked request or an ApiError
+    with a 4xx status, never another exception (which would be a 500)."""
+    try:
+        req = protocol.parse(kind, body, LIMITS)
+    except protocol.ApiError as e:
+        assert 400 <= e.status < 500 and e.message
+        return
+    assert 1 <= req.params.max_tokens <= LIMITS.capacity
+    req.params.validate()
