@@ -296,14 +296,18 @@ class JobResponse:
             return ApiError(400, msg, code="invalid_prompt")
         return ApiError(500, msg, type="server_error")
 
+    async def _refuse(self, done: Done, scope: Scope, send: Send) -> int:
+        """Answer a failed or cancelled job with an error object; its status."""
+        err = self._failure(done) if done.finish_reason == "error" else \
+            ApiError(499, "client disconnected", code="cancelled")
+        await error_response(err)(scope, _nothing, send)
+        return err.status
+
     async def _whole(self, scope: Scope, send: Send) -> tuple[int, Done]:
         while not isinstance(done := await self._next(), Done):
             pass
         if done.finish_reason in ("error", "cancelled"):
-            err = self._failure(done) if done.finish_reason == "error" else \
-                ApiError(499, "client disconnected", code="cancelled")
-            await error_response(err)(scope, _nothing, send)
-            return err.status, done
+            return await self._refuse(done, scope, send), done
         await JSONResponse(protocol.completion(self.req, done))(scope, _nothing, send)
         return 200, done
 
@@ -312,10 +316,7 @@ class JobResponse:
         while not isinstance(ev, (Started, Done)):
             ev = await self._next()
         if isinstance(ev, Done):  # refused before it started: a plain error answer
-            err = self._failure(ev) if ev.finish_reason == "error" else \
-                ApiError(499, "client disconnected", code="cancelled")
-            await error_response(err)(scope, _nothing, send)
-            return err.status, ev
+            return await self._refuse(ev, scope, send), ev
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
