@@ -58,21 +58,13 @@ from .events import (
 from .facts import model_name
 from .generate import PREFILL_CHUNK, Progress, generate_step
 from .kv_math import attention_name, cached_widths, gqa_heads, kv_saving
+from .prefix_pool import PrefixPool, common_prefix_len
 from .sampling import Sampler
 from .tokenizer import Tokenizer, load_tokenizer
 from .transformer import Transformer
 from .weights import parameter_count, weight_bytes
 
 STATS_INTERVAL_S = 0.1  # ~10 stats events a second, never one per token
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _float_dtype(model: Transformer) -> mx.Dtype:
@@ -190,6 +182,7 @@ class Engine:
         reuse_prefix: bool = True,
         tokenizer: str = "auto",
         compiled: bool = True,
+        prefix_pool_bytes: int = 0,
     ):
         self._on_event = on_event
         self._jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
@@ -208,6 +201,9 @@ class Engine:
         self._cache: list[Any] | None = None
         self._cache_key: tuple[int | None, int] | None = None
         self._cache_ids: list[int] = []  # ids whose K/V the cache holds, in order
+        # a server's idle caches of other conversations (model/prefix_pool.py); the chat has
+        # one conversation and no pool
+        self._pool = PrefixPool(prefix_pool_bytes) if prefix_pool_bytes > 0 else None
         self._thread = threading.Thread(target=self._run, name="kvchat-engine", daemon=True)
         self._thread.start()
         _live_engines.add(self)
@@ -292,7 +288,7 @@ class Engine:
                     elif kind == "turn":
                         self._turn(*arg)
                     elif kind == "reset":
-                        self._drop_cache()
+                        self._drop_cache(pool=True)
                     elif kind == "save":
                         self._save_cache(*arg)
                     elif kind == "restore":
@@ -308,7 +304,7 @@ class Engine:
             # MLX's thread-local streams must be destroyed by their own thread before it
             # exits, else the process aborts at exit ("terminate called ...").
             self.model = self.tokenizer = None
-            self._drop_cache()
+            self._drop_cache(pool=True)
             gc.collect()
             mx.clear_streams()
 
@@ -319,8 +315,22 @@ class Engine:
             traceback.print_exc()
         self._drop_cache()
 
-    def _drop_cache(self) -> None:
+    def _drop_cache(self, pool: bool = False) -> None:
         self._cache, self._cache_key, self._cache_ids = None, None, []
+        if pool and self._pool is not None:
+            self._pool.clear()
+
+    def _swap_from_pool(self, ids: list[int], key: tuple[int | None, int]) -> None:
+        """Make the pooled cache sharing the longest prefix with `ids` the current one;
+        the current one goes back to the pool."""
+        assert self._pool is not None
+        if self._cache is not None and self._cache_key is not None:
+            self._pool.put(self._cache_ids, self._cache, self._cache_key)
+        self._drop_cache()
+        found = self._pool.take(ids, key)
+        if found is not None:
+            self._cache_ids, self._cache = found
+            self._cache_key = key
 
     def _open(self, path: str) -> tuple[Any, Tokenizer, dict[str, Any]]:
         """Model, tokenizer and model info of a folder (engine thread)."""
@@ -340,7 +350,7 @@ class Engine:
             return
         before = mx.get_active_memory()
         self.model, self.tokenizer = model, tokenizer
-        self._drop_cache()
+        self._drop_cache(pool=True)
         del model
         gc.collect()
         mx.clear_cache()
@@ -421,6 +431,8 @@ class Engine:
         assert self.model is not None
         key = (params.max_kv_size, params.keep)
         reason = None
+        if self._pool is not None and self.reuse_prefix:
+            self._swap_from_pool(ids, key)
         if self._cache is not None and key != self._cache_key:
             reason = "cache bound changed"
             self._drop_cache()
@@ -466,6 +478,8 @@ class Engine:
             s = s.merged(cache_stats(self._cache, self.model.config))
         if hasattr(self.model, "pipeline_stats"):  # per-rank bytes and time split
             s = s.with_(pipeline=self.model.pipeline_stats(self._cache))
+        if self._pool is not None:
+            s = s.with_(prefix_pool=self._pool.stats())
         return s.merged(self._runtime_stats())
 
     def _turn(self, turn: int, prompt: Prompt, params: GenParams, t_submit: float) -> None:
