@@ -21,7 +21,15 @@ import mlx.core as mx
 from kvchat import metal_kernels
 
 from .config import ModelConfig, RopeConfig
-from .kv_math import human_bytes, kv_bytes_at, kv_bytes_by_kind, kv_bytes_per_token
+from .kv_math import (
+    attention_name,
+    attention_table,
+    cached_widths,
+    human_bytes,
+    kv_bytes_at,
+    kv_bytes_by_kind,
+    kv_bytes_per_token,
+)
 from .layers import ACTIVATIONS, RoPE
 
 # ---- the design's worked examples ---------------------------------------------------------
@@ -35,7 +43,14 @@ LLAMA_70B = {"layers": 80, "heads": 64, "kv_heads": 8, "head_dim": 128, "dtype_b
 CONTEXTS_70B = (8192, 131072)
 RECENT = 64  # the attention view's "last 64 tokens" (model/attention_view.py)
 
-ATTENTION_NAMES = {"MHA": "multi-head", "GQA": "grouped-query", "MQA": "multi-query"}
+ATTENTION_NAMES = {"MHA": "multi-head", "GQA": "grouped-query", "MQA": "multi-query",
+                   "MLA": "multi-head latent"}
+NORM_NAMES = {  # config.Family.norm -> (name, gain)
+    "rms": ("RMSNorm", "w"), "rms_noparam": ("RMSNorm without a gain", "none"),
+    "offset": ("offset RMSNorm", "(1 + w)"), "layer": ("LayerNorm", "w, bias b"),
+    "layer_nobias": ("LayerNorm without bias", "w"), "layer1p": ("LayerNorm1P", "(1 + w), b"),
+    "layer_noparam": ("LayerNorm without parameters", "none"),
+}
 
 
 def attention_kind(heads: int, kv_heads: int) -> str:
@@ -169,7 +184,7 @@ DIFFERENCES: tuple[tuple[Callable[[ModelConfig], bool], Callable[[ModelConfig], 
      lambda c: "LayerNorm (mean subtracted, with a bias) instead of RMSNorm (2017)"),
     (lambda c: c.block == "post_ln",
      lambda c: "post-LN: LayerNorm of each residual sum, after the branch (2017)"),
-    (lambda c: not c.gated_mlp,
+    (lambda c: c.mlp == "plain",
      lambda c: f"plain FFN: down({c.activation}(up(x))), no gate (2017)"),
     (lambda c: c.positions == "sinusoidal",
      lambda c: "sinusoidal positions added to the embeddings, no RoPE (2017)"),
@@ -179,7 +194,7 @@ DIFFERENCES: tuple[tuple[Callable[[ModelConfig], bool], Callable[[ModelConfig], 
      lambda c: "sandwich norms: each branch normed on the way in and on the way out (4 norms)"),
     (lambda c: c.block == "post",
      lambda c: "post-norm: no norm on the way in, each branch's output normed before the add"),
-    (lambda c: c.gated_mlp and c.activation != "silu",
+    (lambda c: c.mlp != "plain" and c.activation != "silu",
      lambda c: f"GeGLU: the gate path uses {c.activation}, not SiLU"),
     (lambda c: c.fused_proj,
      lambda c: "fused projections: one qkv_proj and one gate_up_proj matmul (Phi-3)"),
@@ -213,12 +228,16 @@ PIPELINES = {
     "sandwich": ["x", "norm", "RoPE", "attention", "norm", "+", "norm", "FFN", "norm", "+"],
     "post": ["x", "RoPE", "attention", "norm", "+", "FFN", "norm", "+"],
     "post_ln": ["x + sinusoid", "attention", "+", "LayerNorm", "FFN", "+", "LayerNorm"],
+    "parallel": ["x", "norm", "RoPE", "attention ∥ FFN", "+"],
+    "parallel2": ["x", "norm ∥ norm", "RoPE", "attention ∥ FFN", "+"],
 }
 PLACEMENTS = {
     "pre": "pre-norm: normed on the way into each branch, the residual stays un-normed",
     "sandwich": "sandwich: normed on the way into and out of each branch",
     "post": "post-norm: each branch's output normed before the residual add",
     "post_ln": "post-LN (2017): the residual sum itself is normed after each branch",
+    "parallel": "parallel: attention and FFN read the same normed input, both added at once",
+    "parallel2": "parallel: attention and FFN each read their own norm of x, added at once",
 }
 
 
@@ -250,8 +269,8 @@ def _plain_ffn(cfg: ModelConfig) -> dict[str, str]:
 def annotate(cfg: ModelConfig) -> dict[str, Any]:
     """Each stage of the block, from the resolved config."""
     h, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    kind = attention_kind(h, kv)
-    ffn = ("SwiGLU" if cfg.activation == "silu" else "GeGLU") if cfg.gated_mlp else (
+    kind = attention_name(cfg)  # MLA for latent attention, else named by G
+    ffn = ("SwiGLU" if cfg.activation == "silu" else "GeGLU") if cfg.mlp != "plain" else (
         "ReLU FFN" if cfg.activation == "relu" else f"{cfg.activation} FFN")
     ropes = sorted({(s.rope.theta, s.rope.type) for s in cfg.layers if s.rope is not None})
     windows: dict[str, dict[str, Any]] = {}
@@ -264,15 +283,15 @@ def annotate(cfg: ModelConfig) -> dict[str, Any]:
         "pipeline": PIPELINES[cfg.block],
         "differences_from_llama": [text(cfg) for when, text in DIFFERENCES if when(cfg)],
         "norm": {
-            "kind": {"offset": "offset RMSNorm", "layer": "LayerNorm"}.get(cfg.norm, "RMSNorm"),
-            "gain": {"offset": "(1 + w)", "layer": "w, bias b"}.get(cfg.norm, "w"),
+            "kind": NORM_NAMES.get(cfg.norm, (cfg.norm, "w"))[0],
+            "gain": NORM_NAMES.get(cfg.norm, (cfg.norm, "w"))[1],
             "eps": cfg.rms_norm_eps, "placement": cfg.block, "why": PLACEMENTS[cfg.block],
             "qk_norm": cfg.qk_norm,
         },
         "ffn": {
             "kind": ffn, "activation": cfg.activation, "hidden": cfg.hidden_size,
             "intermediate": cfg.intermediate_size, "fused": cfg.fused_proj,
-            **(_gated_ffn(cfg) if cfg.gated_mlp else _plain_ffn(cfg)),
+            **(_gated_ffn(cfg) if cfg.mlp != "plain" else _plain_ffn(cfg)),
         },
         "positions": {
             "kind": "RoPE" if cfg.positions == "rope" else cfg.positions,
@@ -291,17 +310,19 @@ def annotate(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def what_if(cfg: ModelConfig, dtype_bytes: int, context: int) -> list[dict[str, Any]]:
-    """The same model with MHA (G = query heads), its own G and MQA (G = 1): bytes per
-    token, at `context` and at the model's maximum (sliding windows counted)."""
-    h, kv, top = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.max_position_embeddings
+    """The same model with MHA (G = query heads), its own G and MQA (G = 1) — for latent
+    attention MHA, GQA and its latent — in bytes per token, at `context` and at the
+    model's maximum (sliding windows counted): kv_math's attention table."""
+    top = cfg.max_position_embeddings
     rows = []
-    for g in dict.fromkeys((h, kv, 1)):  # MHA or MQA may be the model itself
+    for now, most in zip(attention_table(cfg, dtype_bytes, context),
+                         attention_table(cfg, dtype_bytes, top), strict=True):
+        own = now.name.endswith("(this model)")
         rows.append({
-            "name": attention_kind(h, g), "G": g, "this_model": g == kv,
-            "bytes_per_token": kv_bytes_per_token(cfg.num_hidden_layers, g, cfg.head_dim,
-                                                  dtype_bytes),
-            "context": context, "bytes_at_context": kv_bytes_at(cfg, context, dtype_bytes, g),
-            "max_context": top, "bytes_at_max": kv_bytes_at(cfg, top, dtype_bytes, g),
+            "name": now.name.removesuffix(" (this model)"), "G": now.kv_heads,
+            "this_model": own, "bytes_per_token": now.bytes_per_token,
+            "context": context, "bytes_at_context": now.bytes_at_context,
+            "max_context": top, "bytes_at_max": most.bytes_at_context,
         })
     return rows
 
@@ -339,6 +360,9 @@ def explain(cfg: ModelConfig, *, dtype_bytes: int, context: int | None = None,
                 **cache_figures(cfg.num_hidden_layers, cfg.num_attention_heads,
                                 cfg.num_key_value_heads, cfg.head_dim, dtype_bytes,
                                 (ctx, top)),
+                # what this model's cache holds per token (latent attention: its latent)
+                "bytes_per_token": cached_widths(cfg).bytes_per_token(cfg.num_hidden_layers,
+                                                                      dtype_bytes),
                 "layer_kinds": [{"kind": r.kind, "layers": r.layers, "window": r.window,
                                  "tokens": r.tokens, "bytes": r.bytes} for r in kinds],
                 "bytes_at_context": kv_bytes_at(cfg, ctx, dtype_bytes),
@@ -433,8 +457,8 @@ def text_sections(data: dict[str, Any]) -> list[tuple[str, list[str]]]:
           f" (MHA {human_bytes(r['mha_bytes'])})" for r in c70["at"]),
         "    the same wiring at G = " + ", ".join(
             f"{r['G']} ({r['name']}: {r['bytes_per_token']:,} B/token)" for r in c70["wiring"]),
-        f"  this model: 2 × {cm['layers']} × {cm['kv_heads']} × {cm['head_dim']} ×"
-        f" {cm['dtype_bytes']} B = {cm['bytes_per_token']:,} B/token",
+        f"  this model ({cm['layers']} layers, G = {cm['kv_heads']}, head_dim {cm['head_dim']},"
+        f" {cm['dtype_bytes']} B): {cm['bytes_per_token']:,} B/token",
         f"    at {cm['at'][0]['context']:,} tokens: {human_bytes(cm['bytes_at_context'])},"
         f" at {cm['at'][1]['context']:,}: {human_bytes(cm['bytes_at_max'])}",
     ]))

@@ -83,7 +83,11 @@ def newest_token_attention(model: Any, caches: list[Any], layer: int, token: int
     if attn.softcap is not None:
         scores = mx.tanh(scores / attn.softcap) * attn.softcap
     scores = mx.where(vis, scores, mx.array(-mx.inf, mx.float32))
-    w = mx.softmax(scores, axis=-1).reshape(H, S)
+    sinks = attn.get("sinks") if hasattr(attn, "get") else None
+    if sinks is not None:  # gpt-oss: a learned logit per head takes its share, then drops
+        sink = sinks.astype(mx.float32).reshape(1, kv, H // kv, 1, 1)
+        scores = mx.concatenate([scores, sink], axis=-1)
+    w = mx.softmax(scores, axis=-1)[..., :S].reshape(H, S)
     mx.eval(w, pos, vis)
     return SlotWeights(np.array(w), np.array(pos), np.array(vis), cache.offset - 1)
 

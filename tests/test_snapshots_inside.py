@@ -1,4 +1,4 @@
-"""SVG snapshots of the Anatomy screen (F3) and the attention view (F4) at 80×24 and
+"""SVG snapshots of the Anatomy screen (F4) and the attention view (F5) at 80×24 and
 160×48, reached the way a user does (keys, the palette), data through the engine.
 
 The Anatomy data is the scripted engine's real `explain()` of its config (kernels pinned to
@@ -65,7 +65,7 @@ def test_anatomy_screen(snap_compare: Any, size: tuple[int, int]) -> None:
 
     async def run_before(pilot: Any) -> None:
         await settle(pilot)
-        await pilot.press("f3")
+        await pilot.press("f4")
         await wait_for(pilot, lambda: isinstance(app.screen, AnatomyScreen)
                        and app.screen.data is not None)
         await pilot.pause()
@@ -79,7 +79,7 @@ def test_attention_view(snap_compare: Any, size: tuple[int, int]) -> None:
 
     async def run_before(pilot: Any) -> None:
         await settle(pilot)
-        await pilot.press("f4")
+        await pilot.press("f5")
         await wait_for(pilot, lambda: isinstance(app.screen, AttentionScreen))
         await pilot.press("right", "g", "g")  # layer 2, KV group 2
         screen = app.screen
@@ -113,7 +113,7 @@ def test_reachable_from_palette_help_and_layer_view() -> None:
             assert isinstance(app.screen, HelpScreen)
             helps = [what for _, what in app.screen.rows]
             assert any("anatomy" in h for h in helps) and any("attention" in h for h in helps)
-            await pilot.press("escape", "f3")  # Anatomy: → asks for the dials at gap 4
+            await pilot.press("escape", "f4")  # Anatomy: → asks for the dials at gap 4
             await wait_for(pilot, lambda: isinstance(app.screen, AnatomyScreen)
                            and app.screen.data is not None)
             await pilot.press("right")

@@ -1,4 +1,4 @@
-"""F3: the loaded model's anatomy — its decoder block stage by stage, annotated from its
+"""F4: the loaded model's anatomy — its decoder block stage by stage, annotated from its
 config, with the design's worked numbers computed by the engine's kernels and the cache
 it implies against MHA and MQA (model/anatomy.py's data, as `kvchat explain` prints it)."""
 
@@ -33,7 +33,7 @@ def sections_text(data: dict[str, Any]) -> Text:
 
 class AnatomyScreen(ModalScreen[None]):
     BINDINGS = [
-        Binding("escape,q,f3", "dismiss", "Close", id="anatomy.close"),
+        Binding("escape,q,f4", "dismiss", "Close", id="anatomy.close"),
         Binding("r", "refresh_data", "Refresh", id="anatomy.refresh"),
         Binding("a", "attention", "Attention view", id="anatomy.attention"),
         Binding("plus,right", "gap(1)", "Gap +", id="anatomy.gap_up", priority=True),

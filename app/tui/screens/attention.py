@@ -1,4 +1,4 @@
-"""F4 (or `a` in the layer view): where the newest token's attention goes in the KV cache.
+"""F5 (or `a` in the layer view): where the newest token's attention goes in the KV cache.
 
 A strip over the chosen layer's cache slots, left to right in slot order: the sink slots
 (kept forever), the rotating window, empty slots, and the slot the next token overwrites;
@@ -101,7 +101,7 @@ def summary(view: AttentionView) -> Text:
 
 class AttentionScreen(ModalScreen[None]):
     BINDINGS = [
-        Binding("escape,q,f4", "dismiss", "Close", id="attention.close"),
+        Binding("escape,q,f5", "dismiss", "Close", id="attention.close"),
         Binding("left,minus", "layer(-1)", "Layer −", id="attention.prev"),
         Binding("right,plus", "layer(1)", "Layer +", id="attention.next"),
         Binding("g", "group", "Head group", id="attention.group"),
