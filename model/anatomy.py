@@ -185,7 +185,13 @@ DIFFERENCES: tuple[tuple[Callable[[ModelConfig], bool], Callable[[ModelConfig], 
     (lambda c: c.block == "post_ln",
      lambda c: "post-LN: LayerNorm of each residual sum, after the branch (2017)"),
     (lambda c: c.mlp == "plain",
-     lambda c: f"plain FFN: down({c.activation}(up(x))), no gate (2017)"),
+     lambda c: f"plain FFN: down({c.activation}(up(x))), no gate (as in 2017)"),
+    (lambda c: c.moe is not None,
+     lambda c: "mixture of experts: a router sends each token to a few FFNs"),
+    (lambda c: c.mla is not None,
+     lambda c: "latent attention (MLA): the cache holds one compressed latent per token"),
+    (lambda c: c.attention_sinks,
+     lambda c: "attention sinks: a learned logit per head takes a share of attention"),
     (lambda c: c.positions == "sinusoidal",
      lambda c: "sinusoidal positions added to the embeddings, no RoPE (2017)"),
     (lambda c: c.norm == "offset",
@@ -353,8 +359,9 @@ def explain(cfg: ModelConfig, *, dtype_bytes: int, context: int | None = None,
             "rope_model": model_dials,
             "rope_relative": relative_demo(cfg, model),
             "silu_minimum": silu,
+            # a learned activation (xIELU) has no fixed curve to minimise
             "activation_minimum": silu if cfg.activation == "silu"
-            else activation_minimum(cfg.activation),
+            else activation_minimum(cfg.activation) if cfg.activation in ACTIVATIONS else None,
             "cache_70b": cache_figures(**LLAMA_70B, contexts=CONTEXTS_70B),
             "cache_model": {
                 **cache_figures(cfg.num_hidden_layers, cfg.num_attention_heads,
@@ -446,7 +453,7 @@ def text_sections(data: dict[str, Any]) -> list[tuple[str, list[str]]]:
     out.append(("worked: RoPE dials", rope_lines))
     s, am = w["silu_minimum"], w["activation_minimum"]
     act = [f"  SiLU(x) = x·σ(x): minimum {s['y']:.4f} at x = {s['x']:.4f}"]
-    if am["activation"] != "silu":
+    if am is not None and am["activation"] != "silu":
         act.append(f"  {am['activation']}: minimum {am['y']:.4f} at x = {am['x']:.4f}")
     out.append(("worked: the gate activation", act))
     c70, cm = w["cache_70b"], w["cache_model"]
