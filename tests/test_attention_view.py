@@ -112,13 +112,17 @@ def test_view_shares_match_the_reference(stories_run: Any, stories_ref: Any) -> 
         assert view.write_slot == KEEP + (oldest - KEEP) % ring
 
 
-def test_gemma2_softcap_and_window_match_transformers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_softcap_sinks_and_window_match_transformers(tmp_path: Path, name: str) -> None:
+    """Gemma 2: soft-capping and its query_pre_attn_scalar scale; gpt-oss: a learned sink
+    logit per head (it takes a share, then is dropped); both: sliding and global layers."""
     from tests.test_families import FAMILY_SPECS, IDS, WINDOW, build
 
-    folder = build(FAMILY_SPECS["gemma2"], tmp_path / "gemma2")
+    folder = build(FAMILY_SPECS[name], tmp_path / name)
     prompt = [int(i) for i in IDS[0, :20]]
     model, caches, ids = _run(folder, prompt, 12)
-    assert len(ids) > WINDOW and model.config.attn_softcap is not None
+    assert len(ids) > WINDOW
+    assert model.config.attn_softcap is not None or model.config.attention_sinks
     ref = _hf_last_row_attention(folder, ids)
     kinds = set()
     for layer in range(len(caches)):
