@@ -164,3 +164,16 @@ def test_any_json_body_is_a_request_or_a_4xx(kind: str, body: Any) -> None:
         return
     assert 1 <= req.params.max_tokens <= LIMITS.capacity
     req.params.validate()
+
+
+def test_uvicorn_warnings_are_log_lines_too() -> None:
+    import logging
+
+    from kvchat.app.serve.log import route_uvicorn_logs
+
+    out = io.StringIO()
+    route_uvicorn_logs(RequestLog(True, out))
+    logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
+    logging.getLogger("uvicorn.error").info("not shown")
+    rec = json.loads(out.getvalue())
+    assert rec["event"] == "warning: Invalid HTTP request received."

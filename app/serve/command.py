@@ -211,7 +211,7 @@ async def _serve(args: argparse.Namespace, model: str, bound: GenParams,
     """Serve until SIGINT/SIGTERM; the load error when the model could not load."""
     import uvicorn
 
-    from kvchat.app.serve.log import RequestLog
+    from kvchat.app.serve.log import RequestLog, route_uvicorn_logs
     from kvchat.app.serve.server import KVChatServer, ServeConfig
     from kvchat.app.serve.worker import EngineWorker
 
@@ -225,8 +225,9 @@ async def _serve(args: argparse.Namespace, model: str, bound: GenParams,
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     uv = _uvicorn_server(uvicorn.Config(
-        server.app(), log_level="warning", access_log=False, lifespan="off",
+        server.app(), log_config=None, access_log=False, lifespan="off",
         timeout_graceful_shutdown=3), stopped)
+    route_uvicorn_logs(log)
     await worker.start()
     server.log.notice(f"loading {model}; listening on http://{shown}:{port}/v1")
     async def announce() -> None:
