@@ -115,7 +115,13 @@ def test_chat_greedy_equals_generate_with_usage(server: Server, model_dir: Path)
     assert r.usage.total_tokens == len(ref["prompt_ids"]) + len(ref["ids"])
     k = r.model_extra["kvchat"]
     assert k["prompt_tokens"] == len(ref["prompt_ids"]) and k["generated_tokens"] == len(ref["ids"])
-    assert k["cache_bytes"] > 0 and k["mha_bytes"] == 4 * k["cache_bytes"]  # 8 heads, 2 KV
+    # DESIGN.md by hand: 2 x layers x kv_heads x tokens x head_dim x dtype bytes; MHA: heads
+    info = c.models.list().data[0].model_extra["kvchat"]
+    per = 2 * info["n_layers"] * info["head_dim"] * {"float32": 4, "float16": 2,
+                                                     "bfloat16": 2}[info["dtype"]]
+    assert k["cache_tokens"] == len(ref["prompt_ids"]) + len(ref["ids"]) - 1
+    assert k["cache_bytes"] == per * info["n_kv_heads"] * k["cache_tokens"]
+    assert k["mha_bytes"] == per * info["n_heads"] * k["cache_tokens"]
 
     # streamed: the same text in pieces, the finish chunk, then the usage chunk
     chunks = list(c.chat.completions.create(model=MODEL_ID,
