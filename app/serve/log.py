@@ -40,6 +40,8 @@ class RequestLog:
     def _text(f: dict[str, Any]) -> str:
         parts = [f["time"], f.get("client", "-"), f.get("method", "-"), f.get("path", "-"),
                  str(f.get("status", "-"))]
+        if "model" in f:
+            parts.append(f"model={f['model']}")
         if "prompt_tokens" in f:
             parts += [f"prompt={f['prompt_tokens']}", f"reused={f.get('reused_tokens', 0)}",
                       f"generated={f.get('generated_tokens', 0)}",
