@@ -102,15 +102,18 @@ def _main(argv: list[str]) -> int:
     from kvchat import metal_kernels
     from kvchat.app.core import hosts
     from kvchat.app.core.settings import load_settings
+    from kvchat.model import threads
     from kvchat.model.errors import KVChatError
 
     try:
         args = build_parser().parse_args(argv)
     except UsageError as e:
         return _usage_error(str(e), argv)
-    try:  # KVCHAT_KERNELS (an unusable value is a usage error), else the settings entry
-        metal_kernels.configure(load_settings().kernels)
-    except metal_kernels.KernelError as e:
+    try:  # KVCHAT_KERNELS / KVCHAT_THREADS (an unusable value is a usage error), else the
+        settings = load_settings()  # settings entries
+        metal_kernels.configure(settings.kernels)
+        threads.configure(settings.threads, blas.active_blas()["path"])
+    except (metal_kernels.KernelError, threads.ThreadsError) as e:
         return _usage_error(str(e), argv)
     try:
         if args.hostfile is not None:

@@ -123,7 +123,9 @@ class TurnStats:
 
     def merged(self, newer: TurnStats) -> TurnStats:
         """These stats updated by every field `newer` knows."""
-        known = {k: v for k, v in dataclasses.asdict(newer).items() if v is not None}
+        # shallow: asdict() deep-copies every field, ~6 ms per Stats event in the UI
+        known = {f.name: v for f in dataclasses.fields(newer)
+                 if (v := getattr(newer, f.name)) is not None}
         return dataclasses.replace(self, **known)
 
 
