@@ -28,7 +28,7 @@ import mlx.core as mx
 from .config import LayerSpec, ModelConfig
 from .errors import KVChatError
 from .events import TurnStats
-from .kv_math import kv_bytes
+from .kv_math import cached_widths, kv_bytes, kv_saving
 from .kv_quant import KVQuant, Packed
 
 # a K or V buffer: floats, or the parts of a quantized one
@@ -277,6 +277,14 @@ class KVCache(_Buffers):
     def size(self) -> int:
         return self.offset
 
+    def slot_positions(self) -> tuple[mx.array, mx.array]:
+        """Absolute position and residency of every written slot (slot p holds p)."""
+        return mx.arange(self.offset), mx.ones((self.offset,), dtype=mx.bool_)
+
+    def write_slot(self) -> int:
+        """The slot the next token will be written to."""
+        return self.offset
+
     def can_trim_to(self, n: int) -> bool:
         return 0 <= n <= self.offset
 
@@ -459,6 +467,14 @@ class RotatingKVCache(_Buffers):
         if W is not None:
             mask = mask & (t - p < W)
         return mask
+
+    def slot_positions(self) -> tuple[mx.array, mx.array]:
+        """Absolute position and residency of every written slot, as they stand now."""
+        return self._key_positions(0)
+
+    def write_slot(self) -> int:
+        """The slot the next token will be written to (past the end: the oldest ring entry)."""
+        return self._slot(self.offset)
 
     # ---- writes ---------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buf, Buf]:
@@ -683,8 +699,9 @@ def pending_quantization(caches: list[Any]) -> int | None:
 
 
 # ---- statistics (metadata only) ---------------------------------------------------------
-def _attention_name(spec: LayerSpec) -> str:
-    return ("sliding" if spec.window is not None else "global") + (
+def _attention_name(cfg: ModelConfig, spec: LayerSpec) -> str:
+    kind = "sliding" if spec.window is not None else "latent" if cfg.mla else "global"
+    return kind + (
         "" if spec.rope is not None else " NoPE"
     )
 
@@ -695,6 +712,18 @@ def _layer_bytes(c: Any, tokens: int, heads_factor: float = 1) -> int:
     keys = getattr(c, "keys", None)
     return buffer_bytes(keys, tokens, heads_factor) + buffer_bytes(
         getattr(c, "values", keys), tokens, heads_factor)
+
+
+def _mha_bytes(cfg: ModelConfig, c: Any, tokens: int) -> int:
+    """What `tokens` positions of one layer would take with one K/V head per query head
+    (in the same storage: a quantized cache's packed rows, scales and biases)."""
+    keys = getattr(c, "keys", None)
+    if keys is None:
+        return 0
+    if getattr(c, "quant", None) is not None:
+        return _layer_bytes(c, tokens, cfg.num_attention_heads / parts(keys)[0].shape[1])
+    w = cached_widths(cfg, cfg.num_attention_heads)
+    return keys.shape[0] * tokens * w.bytes_per_token(1, keys.dtype.size)
 
 
 def layer_stats(caches: list[Any], cfg: ModelConfig) -> list[dict[str, Any]]:
@@ -709,10 +738,10 @@ def layer_stats(caches: list[Any], cfg: ModelConfig) -> list[dict[str, Any]]:
             s["cache_capacity"] = cfg.max_position_embeddings
         s["layer"] = i
         if i < len(cfg.layers):
-            s["attention"] = _attention_name(cfg.layers[i])
+            s["attention"] = _attention_name(cfg, cfg.layers[i])
             s["window"] = cfg.layers[i].window
         s["bytes_per_token"] = _layer_bytes(c, 1)
-        s["mha_bytes"] = _layer_bytes(c, s["cache_tokens"], cfg.gqa_groups)
+        s["mha_bytes"] = _mha_bytes(cfg, c, s["cache_tokens"])
         s.setdefault("kv_bits", None)
         s.setdefault("kv_group_size", None)
         s.setdefault("float_bytes", s["cache_bytes"])
@@ -737,7 +766,7 @@ def cache_stats(caches: list[Any], cfg: ModelConfig) -> TurnStats:
     the sliding layers held every token the global ones do (1.0 without sliding layers),
     and `kv_saving` how much smaller it is than unquantized (1.0 for a float cache).
     """
-    saving = cfg.num_attention_heads / cfg.num_key_value_heads
+    saving = kv_saving(cfg)
     if not caches:
         return TurnStats(
             cache_offset=0, cache_tokens=0, cache_capacity=0, cache_bytes=0, mha_bytes=0,

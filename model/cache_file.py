@@ -8,7 +8,8 @@ QuantizedKVCache); kvchat's quantized rotating cache loads with our loader only.
 loader reads the same file into our classes through `from_state(state)`, then restores
 each layer's `extras` (what mlx-lm's state has no place for: a trimmed ring's lowest
 valid position, a padded head_dim) from the metadata. Writes are atomic: a temporary
-file in the same folder, renamed over the old one.
+file in the same folder, renamed over the old one. A checksum of the arrays and the header
+(cache_integrity.py) is sealed into the header and verified before anything is trusted.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from .cache import (
     QuantizedRotatingKVCache,
     RotatingKVCache,
 )
+from .cache_integrity import CHECKSUM_KEY, seal, verify
+from .errors import one_line
 
 CLASSES: dict[str, type] = {
     c.__name__: c
@@ -85,7 +88,7 @@ def save_cache(path: str | Path, caches: list[Any], metadata: dict[str, str]) ->
     }
     extras = [{name: getattr(c, name) for name in c.extras} for c in caches]
     meta = {**metadata, EXTRAS_KEY: json.dumps(extras)}
-    header = dict(tree_flatten([meta, names, scalars]))
+    header = seal(arrays, dict(tree_flatten([meta, names, scalars])), f"0.{CHECKSUM_KEY}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{secrets.token_hex(3)}.tmp.safetensors")
     try:
@@ -104,7 +107,9 @@ def load_cache(path: str | Path) -> tuple[list[Any], dict[str, str]]:
     path = Path(path)
     try:
         arrays, header = mx.load(str(path), return_metadata=True)
+        verify(arrays, header)  # before any of it is trusted (cache_integrity.py)
         meta, names, scalars = tree_unflatten(list(header.items()))
+        meta.pop(CHECKSUM_KEY, None)
         if LEGACY_KEY in meta:  # (offset, keep, max_size, idx, lo): lo was the extra
             legacy = json.loads(meta.pop(LEGACY_KEY))
             extras = [{"_lo": int(m[4])} if len(m) == 5 else {} for m in legacy]
@@ -120,6 +125,9 @@ def load_cache(path: str | Path) -> tuple[list[Any], dict[str, str]]:
                     raise ValueError(f"unexpected {attr!r} for {name}")
                 setattr(cache, attr, value)
             caches.append(cache)
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError, AssertionError) as e:
-        raise CacheError(f"unreadable K/V cache file {path.name}: {e}") from None
+    except CacheError as e:
+        raise CacheError(f"K/V cache file {path.name}: {e}") from None
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, IndexError,
+            AssertionError) as e:
+        raise CacheError(f"unreadable K/V cache file {path.name}: {one_line(e)}") from None
     return caches, meta

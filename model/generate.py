@@ -33,6 +33,7 @@ import mlx.core as mx
 
 from kvchat import metal_kernels
 
+from . import threads
 from .cache import (
     Buf,
     map_parts,
@@ -253,12 +254,14 @@ def generate_step(
         raise ValueError("generate_step needs at least one prompt token")
     t0 = clock()
     logits = None
+    shape = threads.matmul_shape(model)
     for i in range(0, len(prompt), prefill_chunk):
         if cancelled is not None and cancelled():
             return
         chunk = prompt[i : i + prefill_chunk]
         if isinstance(caches, list):  # --quantized-kv-start reached: quantize from here
             maybe_quantize(caches)
+        threads.apply(len(chunk), *shape)  # OpenBLAS threads for this chunk's size
         logits = model(mx.array([chunk]), cache=caches, logits_to_keep=1)[:, -1, :]
         last = i + prefill_chunk >= len(prompt)
         mx.eval(logits if last else [c.state for c in caches])
@@ -271,6 +274,7 @@ def generate_step(
     pending = pending_quantization(caches) if isinstance(caches, list) else None
     if pending is not None and maybe_quantize(caches):  # type: ignore[arg-type]
         pending = pending_quantization(caches)
+    threads.apply(1, *shape)
     step = decode_step(model, caches, compiled)
     prog.compiled = isinstance(step, CompiledStep)
     y = sample(logits)

@@ -94,7 +94,7 @@ def measure_model(name: str, folder: Path, n: int) -> list[dict[str, Any]]:
                 "stored_head_dim": q.padded_dim(cfg.head_dim),
                 "rotating": window == WINDOW, "window": window,
                 "float_bytes_per_token": kv_bytes_per_token(*args),
-                "bytes_per_token": kv_bytes_per_token(*args, q),
+                "bytes_per_token": kv_bytes_per_token(*args, q=q),
                 "seconds": round(time.perf_counter() - t0, 1),
                 **a.to_dict(),
             })
