@@ -406,3 +406,22 @@ def test_mlx_lm_generate_quantizes_our_rotating_cache() -> None:
     assert all(type(c) is QuantizedRotatingKVCache for c in caches)
     assert caches[0].offset >= len(prompt) + 29 and caches[0].size() == 16  # rotated
     assert theirs == ours
+
+
+def test_serve_takes_the_kv_flags_to_every_request() -> None:
+    import argparse
+
+    from kvchat.app.core.errors import UsageError
+    from kvchat.app.serve import command
+    from kvchat.app.serve.protocol import Limits, _params
+
+    p = argparse.ArgumentParser()
+    command.add_arguments(p)
+    args = p.parse_args(["--kv-bits", "8", "--kv-group-size", "32"])
+    bound = command._check(args)
+    assert (bound.kv_bits, bound.kv_group_size) == (8, 32)
+    limits = Limits(("m",), 256, None, 4, {}, command.kv_fields(args))
+    params = _params({"messages": []}, limits, 256)
+    assert params.kv_quant() == KVQuant(8, 32, 0)
+    with pytest.raises(UsageError, match="need --kv-bits"):
+        command._check(p.parse_args(["--quantized-kv-start", "64"]))

@@ -36,10 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from kvchat.app.cli.generate import add_kv_arguments, add_model_argument, kv_quant_from_args
+from kvchat.app.cli.generate import add_model_argument
 from kvchat.app.core import blas, kv_quality
 from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.errors import UsageError, report
+from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
 from kvchat.model import threads
 from kvchat.model.client import EngineClient
 from kvchat.model.events import GenParams

@@ -11,11 +11,12 @@ from typing import Any
 
 from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.errors import UsageError, debug, report
+from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
 from kvchat.app.core.text import SafeStream
 from kvchat.model.client import EngineClient
 from kvchat.model.errors import KVChatError, error_line
 from kvchat.model.events import Done, GenParams, stats_json
-from kvchat.model.kv_math import BITS, GROUP_SIZES, KVQuant, human_bytes, kv_quant
+from kvchat.model.kv_math import human_bytes
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
@@ -52,29 +53,6 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when this text appears (repeatable)")
     add_kv_arguments(p)
-
-
-def add_kv_arguments(p: argparse.ArgumentParser, start: bool = True) -> None:
-    """--kv-bits / --kv-group-size (and --quantized-kv-start where a run fills a cache)."""
-    p.add_argument("--kv-bits", type=int, choices=BITS, default=None, metavar="{4,8}",
-                   help="store the K/V cache in 4 or 8 bits (default: the float dtype)")
-    p.add_argument("--kv-group-size", type=int, choices=GROUP_SIZES, default=None,
-                   metavar="{32,64,128}", help="elements sharing a scale and bias (default:"
-                   " 64 where head_dim allows, else 32; head_dim is padded to the group)")
-    if start:
-        p.add_argument("--quantized-kv-start", type=int, default=0, metavar="N",
-                       help="keep K/V in floats until the cache holds N tokens (default 0)")
-
-
-def kv_quant_from_args(args: argparse.Namespace) -> KVQuant | None:
-    """The K/V quantization the flags ask for; UsageError when it cannot be done."""
-    start = getattr(args, "quantized_kv_start", 0) or 0
-    if args.kv_bits is None and (args.kv_group_size is not None or start):
-        raise UsageError("--kv-group-size and --quantized-kv-start need --kv-bits 4 or 8")
-    try:
-        return kv_quant(args.kv_bits, args.kv_group_size, start)
-    except KVChatError as e:
-        raise UsageError(str(e)) from None
 
 
 def chat_defaults_note() -> str:

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvchat.app.cli.generate import add_kv_arguments, kv_quant_from_args
 from kvchat.app.core.errors import UsageError, report
+from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
 from kvchat.model.config import ModelConfig, load_config
 from kvchat.model.errors import ConfigError, KVChatError, ModelLoadError
 from kvchat.model.facts import model_facts

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.errors import UsageError
+from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
 from kvchat.app.serve.worker import EngineMaker
 from kvchat.model.errors import KVChatError
 from kvchat.model.events import GenParams
@@ -44,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="allow a non-loopback --host without --api-key")
     p.add_argument("--max-kv-size", type=int, default=None, metavar="N",
                    help="bound every request's KV cache to N tokens (rotating)")
+    add_kv_arguments(p)
     p.add_argument("--keep", type=int, default=None, metavar="K",
                    help=f"sink tokens kept when the cache rotates (needs --max-kv-size;"
                    f" default {GenParams().keep})")
@@ -86,13 +88,21 @@ def _check(args: argparse.Namespace) -> GenParams:
         raise UsageError("--keep applies to a bounded cache; give --max-kv-size too")
     if args.max_queue < 0 or args.cache_pool_mb < 0 or args.max_body_mb <= 0:
         raise UsageError("--max-queue and --cache-pool-mb must be >= 0, --max-body-mb > 0")
+    kv_quant_from_args(args)  # the K/V flags' errors in the flags' own words
     bound = GenParams(max_kv_size=args.max_kv_size,
-                      keep=GenParams().keep if args.keep is None else args.keep)
+                      keep=GenParams().keep if args.keep is None else args.keep,
+                      **kv_fields(args))
     try:
         bound.validate()
     except KVChatError as e:
         raise UsageError(str(e)) from None
     return bound
+
+
+def kv_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The K/V quantization every request's cache uses (GenParams' field names)."""
+    return {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size,
+            "quantized_kv_start": args.quantized_kv_start}
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -223,7 +233,7 @@ async def _serve(args: argparse.Namespace, model: str, bound: GenParams,
     from kvchat.app.serve.worker import EngineWorker
 
     config = ServeConfig(api_key=args.api_key, max_body_bytes=int(args.max_body_mb * 2**20),
-                         max_kv_size=bound.max_kv_size, keep=bound.keep,
+                         max_kv_size=bound.max_kv_size, keep=bound.keep, kv=kv_fields(args),
                          allow_origins=args.allow_origins,
                          local_models=_local_models(model, args.models_dirs))
     log = RequestLog(args.json_logs)

@@ -53,6 +53,7 @@ class Limits:
     keep: int = GenParams().keep
     # other models a request may name (--models-dir): id or path -> (path, context)
     local: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    kv: Mapping[str, Any] = field(default_factory=dict)  # the K/V quantization (--kv-bits)
 
 
 @dataclass
@@ -140,7 +141,8 @@ def _params(body: Mapping[str, Any], limits: Limits, capacity: int) -> GenParams
         "ignore_eos": _get(body, "ignore_eos", (bool,), "a boolean"),
     }
     params = GenParams(**{k: v for k, v in fields.items() if v is not None},
-                       stop=_stops(body), max_kv_size=limits.max_kv_size, keep=limits.keep)
+                       stop=_stops(body), max_kv_size=limits.max_kv_size, keep=limits.keep,
+                       **limits.kv)
     if params.max_tokens < 1:
         raise bad(f"'max_tokens' must be at least 1, got {params.max_tokens}", "max_tokens")
     # no reply outgrows the cache bound: a longer one would only evict its own prompt

@@ -39,6 +39,7 @@ class ServeConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     max_kv_size: int | None = None
     keep: int = 4
+    kv: dict[str, Any] = field(default_factory=dict)  # --kv-bits etc., GenParams' names
     allow_origins: list[str] = field(default_factory=list)  # CORS (--allow-origin)
     # other local models /v1/models lists and a request may name (--models-dir):
     # [{"id", "path", "context", ...}]
@@ -152,7 +153,7 @@ class KVChatServer:
         local = {key: (m["path"], m["context"]) for m in self.config.local_models
                  if m["path"] != info.get("path") for key in (m["id"], m["path"])}
         return Limits(ids or ("kvchat",), capacity, self.config.max_kv_size, self.config.keep,
-                      local)
+                      local, self.config.kv)
 
     async def chat(self, request: HttpRequest) -> Any:
         return await self._complete(request, "chat")
