@@ -47,10 +47,24 @@ def clone_cache(cache: list[Any]) -> list[Any] | None:
     writes in place (`keys[..., a:b, :] = k` rebinds that very array object), and a
     shared object would carry the clone's writes into the entry."""
     try:
-        return [type(c).from_state(tuple(mx.array(a) for a in c.state), c.meta_state)
-                for c in cache]
+        out = []
+        for c in cache:
+            clone = type(c).from_state(tuple(_copy(a) for a in c.state))
+            for name in getattr(c, "extras", ()):  # what the state has no place for
+                setattr(clone, name, getattr(c, name))
+            out.append(clone)
+        return out
     except (AttributeError, TypeError, ValueError):
         return None
+
+
+def _copy(x: Any) -> Any:
+    """New array objects (a quantized buffer's parts each), scalars as they are."""
+    if isinstance(x, mx.array):
+        return mx.array(x)
+    if isinstance(x, (tuple, list)):
+        return tuple(_copy(p) for p in x)
+    return x
 
 
 @dataclass

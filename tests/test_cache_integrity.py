@@ -53,10 +53,10 @@ def _flip_bit(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def _meta_state(header: dict[str, str], fn: Callable[[list[list[str]]], None]) -> None:
-    ms = json.loads(header["0.kvchat_meta_state"])
-    fn(ms)
-    header["0.kvchat_meta_state"] = json.dumps(ms)
+def _offset_by_2(arrays: dict[str, mx.array]) -> None:
+    """Every layer's offset (the scalar after K and V in mlx-lm's state layout) + 2."""
+    for key in [k for k in arrays if k.count(".") == 1 and k.endswith(".2")]:
+        arrays[key] = arrays[key] + 2
 
 
 def _first_key(arrays: dict[str, mx.array]) -> str:
@@ -72,11 +72,6 @@ def _nan(a: mx.array) -> mx.array:
     return mx.where(mx.arange(a.shape[2])[None, None, :, None] == 1, mx.nan, a)
 
 
-def _offset_by_2(ms: list[list[str]]) -> None:
-    for layer in ms:
-        layer[0] = str(int(layer[0]) + 2)
-
-
 DAMAGE: dict[str, Callable[[Path], None]] = {
     "bit flip": _flip_bit,
     "NaN": lambda p: _rewrite(p, lambda a, h: _set(a, _nan), reseal=False),
@@ -86,9 +81,8 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
         p, lambda a, h: _set(a, lambda x: (x * 1000).astype(mx.int32)), reseal=False),
     "int32 copy, resealed": lambda p: _rewrite(
         p, lambda a, h: _set(a, lambda x: (x * 1000).astype(mx.int32)), reseal=True),
-    "offset +2": lambda p: _rewrite(p, lambda a, h: _meta_state(h, _offset_by_2), reseal=False),
-    "offset +2, resealed": lambda p: _rewrite(
-        p, lambda a, h: _meta_state(h, _offset_by_2), reseal=True),
+    "offset +2": lambda p: _rewrite(p, lambda a, h: _offset_by_2(a), reseal=False),
+    "offset +2, resealed": lambda p: _rewrite(p, lambda a, h: _offset_by_2(a), reseal=True),
     "wrong shape, resealed": lambda p: _rewrite(
         p, lambda a, h: _set(a, lambda x: x[:, :, :, :-1]), reseal=True),
     "ids changed": lambda p: _rewrite(p, lambda a, h: h.update(
