@@ -114,6 +114,11 @@ class EngineProcess:
     def busy(self) -> bool:
         return self._pending > 0
 
+    @property
+    def alive(self) -> bool:
+        """Whether the child still runs (a server stops when its engine is gone)."""
+        return self._proc.poll() is None
+
     def layer_stats(self) -> list[dict[str, Any]]:
         return self._snapshot.layers
 

@@ -109,6 +109,8 @@ class TurnStats:
     window_saving: float | None = None
     # a model split across machines (model/pipeline.py): per-rank bytes and time split
     pipeline: dict[str, Any] | None = None
+    # a server's pool of idle caches (model/prefix_pool.py): entries, bytes, budget, hits
+    prefix_pool: dict[str, Any] | None = None
     # the runtime
     compiled_step: bool | None = None  # the compiled single-token step served the decode
     peak_memory: int | None = None

@@ -54,7 +54,7 @@ class Transformer(nn.Module):
         self.model_type = cfg.model_type  # mlx-lm's tools read this
         self.model = DecoderModel(cfg)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias)
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -67,6 +67,8 @@ class Transformer(nn.Module):
         h = self.model.embed_tokens(tokens)
         if self.config.embed_scale != 1.0:  # in the compute dtype, as the reference rounds it
             h = h * mx.array(self.config.embed_scale, dtype=h.dtype)
+        if self.config.embed_norm:  # nanochat: the final norm also normalizes the embeddings
+            h = self.model.norm(h)
         return h
 
     def run_layers(

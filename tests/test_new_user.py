@@ -238,7 +238,7 @@ async def test_prefill_progress_and_overflow_notice(env: Path) -> None:
         app.chat.bridge(Overflow(447, 1024, "prompt"))
         await wait_for(pilot, lambda: any("447" in m for m in messages(seen)))
         note = next(m for m in messages(seen) if "447" in m)
-        assert "1,024-token window" in note and "--max-kv-size" in note
+        assert "1,024-token window" in note and "max KV size" in note
         assert "Settings" in note and "\n" not in note
         engine(app).resume()
         await wait_for(pilot, lambda: not app.chat.generating)

@@ -29,6 +29,7 @@ from kvchat.app.core.store import atomic_write_text
 from kvchat.model import threads
 from kvchat.model.errors import KVChatError
 from kvchat.model.events import GenParams
+from kvchat.model.files import BadJSONFile, load_json
 from kvchat.model.sampling import SamplingParams
 
 SETTINGS_FILE = "settings.json"
@@ -196,17 +197,11 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     """Settings from disk; defaults when the file is missing. Never raises."""
     p = Path(path) if path is not None else settings_path()
     try:
-        text = p.read_text(encoding="utf-8")
+        data = load_json(p)  # NaN/Infinity parse; field checks reject them
     except FileNotFoundError:
         return Settings()
-    except (OSError, UnicodeDecodeError) as e:
-        return _corrupt(p, f"cannot read {p}: {getattr(e, 'strerror', None) or e}")
-    try:
-        data = json.loads(text)  # NaN/Infinity parse; field checks reject them
-    except ValueError as e:
-        return _corrupt(p, f"{p} is not valid JSON ({e})")
-    if not isinstance(data, dict):
-        return _corrupt(p, f"{p} does not hold a JSON object")
+    except BadJSONFile as e:
+        return _corrupt(p, str(e))
     return Settings.from_dict(data)
 
 
@@ -220,12 +215,10 @@ def _corrupt(p: Path, why: str) -> Settings:
 def _on_disk(p: Path) -> tuple[bool, dict[str, Any]]:
     """(whether `p` exists and would not load cleanly, its JSON object or {})."""
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
+        data = load_json(p)
     except FileNotFoundError:
         return False, {}
-    except (OSError, ValueError):
-        return True, {}
-    if not isinstance(data, dict):
+    except BadJSONFile:
         return True, {}
     return bool(Settings.from_dict(data).warnings), data
 

@@ -101,5 +101,6 @@ def summary(rows: list[dict[str, Any]]) -> str:
         )
     mha = sum(int(r.get("mha_bytes") or 0) for r in rows)
     if total and mha:
-        text += f" · GQA saves {mha / total:.2f}x"
+        latent = any(str(r.get("attention", "")).startswith("latent") for r in rows)
+        text += f" · {'MLA' if latent else 'GQA'} saves {mha / total:.2f}x"
     return text

@@ -119,7 +119,8 @@ class SettingsScreen(ModalScreen[Settings | None]):
                 yield Button("Cancel", id="cancel")
 
     def on_mount(self) -> None:
-        self.query_one("#temp", Input).focus()
+        # the first field: a system prompt typed at once must land in the system prompt
+        self.query_one("#system_prompt", TextArea).focus()
 
     def collect(self) -> Settings:
         """The form's values as Settings (raises FormError / SettingsError, one line)."""
