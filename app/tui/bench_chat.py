@@ -174,7 +174,9 @@ def run_chat_tmux(model: str, tokens: int, size: tuple[int, int] = (120, 40),
         result = Path(tmp) / "done.json"
         cmd = shlex.join([sys.executable, "-m", "kvchat.app.tui.bench_chat", "--serve-app",
                           str(result), "--model", model, "--tokens", str(tokens)])
-        env = f"KVCHAT_CONFIG_DIR={shlex.quote(tmp)} TERM=xterm-256color"
+        # settings and saved chats in the temporary folder: the user's stay untouched
+        env = (f"KVCHAT_CONFIG_DIR={shlex.quote(tmp)} KVCHAT_DATA_DIR={shlex.quote(tmp)}"
+               " TERM=xterm-256color")
         tmux("new-session", "-d", "-s", "bench", "-x", str(size[0]), "-y", str(size[1]),
              f"env {env} {cmd} 2>{shlex.quote(tmp)}/stderr")
         try:
@@ -223,6 +225,26 @@ def main(argv: list[str] | None = None) -> int:
     threads.configure(None, blas.active_blas()["path"])
     if a.serve_app:
         return serve_app(a.model, a.tokens, a.serve_app)
+    import shutil
+    import tempfile
+
+    scratch = tempfile.mkdtemp(prefix="kvchat-bench-chat-")
+    saved = {k: os.environ.get(k) for k in ("KVCHAT_CONFIG_DIR", "KVCHAT_DATA_DIR")}
+    os.environ.update(dict.fromkeys(saved, scratch))  # the benchmark's chats: not the user's
+    try:
+        return _compare(a)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _compare(a: argparse.Namespace) -> int:
+    from kvchat.model import threads
+
     run_generate(a.model, 16)  # warm-up (page cache, imports)
     rows: dict[str, list[dict[str, Any]]] = {"generate": [], "chat": []}
     for _ in range(a.runs):  # interleaved: generate, chat, generate, chat, …
