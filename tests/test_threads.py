@@ -183,6 +183,11 @@ def test_version_names_the_policy(capsys: pytest.CaptureFixture[str],
         main(["--version"])
     assert e.value.code == 0
     assert "threads: 1 fixed (KVCHAT_THREADS)" in capsys.readouterr().out
+    monkeypatch.setenv(threads.ENV, "none")  # unusable: a usage error, exit 2, one line
+    threads._blas._set = None
+    assert main(["--version"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "threads must be 'auto'" in err[0]
 
 
 def test_thread_table_columns_and_auto_vs_best(monkeypatch: pytest.MonkeyPatch) -> None:
