@@ -169,8 +169,10 @@ class Family:
     activation_key: str = "hidden_act"  # config key naming the MLP's gate activation
     activation_aliases: dict[str, str] = field(default_factory=dict)
     # "pre" | "sandwich" (4 norms) | "post" (norms after each branch) | "parallel"
-    # (attention and MLP read the same normed input) | "parallel2" (each its own norm)
+    # (attention and MLP read the same normed input) | "parallel2" (each its own norm) |
+    # "post_ln" (2017: LayerNorm of the residual sum after each branch)
     block: str = "pre"
+    positions: str = "rope"  # "rope" | "sinusoidal" (2017: added to the embeddings)
     # None | "head" (per head) | "proj" (over the projection) | "head_after_rope" (Hunyuan)
     qk_norm: str | None = None
     qk_norm_flag: str | None = None  # qk_norm applies only when this config flag is true
@@ -503,7 +505,24 @@ FAMILIES: dict[str, Family] = {
         defaults={"norm_topk_prob": True, "n_group": 8, "topk_group": 4, "n_shared_experts": 1,
                   "routed_scaling_factor": 2.5, "first_k_dense_replace": 3},
     ),
+    # the 2017 block, for `python -m kvchat.model.training train --block 2017` and
+    # explain's comparison: post-LayerNorm, ReLU FFN, sinusoidal positions
+    "kvchat2017": Family(
+        layer_rule=None, norm="layer", mlp="plain", block="post_ln", positions="sinusoidal",
+        defaults={"hidden_act": "relu"},
+    ),
 }
+
+
+def as_2017_block(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The same model (a config.json dict) with the 2017 block: the `kvchat2017` family
+    (post-LayerNorm, ReLU FFN, sinusoidal positions), MHA (K/V heads = query heads) and
+    an FFN 1.5x wider, so its two matrices hold as many weights as SwiGLU's three."""
+    heads = int(cfg["num_attention_heads"])
+    return {**cfg, "model_type": "kvchat2017", "architectures": ["kvchat2017"],
+            "hidden_act": "relu", "num_key_value_heads": heads,
+            "intermediate_size": int(cfg["intermediate_size"]) * 3 // 2,
+            "rope_scaling": None, "rope_parameters": None, "layer_types": None}
 
 # multimodal checkpoints whose language model kvchat runs (the vision tower is not loaded):
 # model_type -> what the note says is left out
@@ -682,6 +701,7 @@ class ModelConfig:
     block: str = "pre"
     qk_norm: str | None = None
     fused_proj: bool = False
+    positions: str = "rope"
     embed_scale: float = 1.0
     residual_scale: float = 1.0
     attn_scale: float | None = None  # None: head_dim ** -0.5
@@ -960,7 +980,7 @@ def _layer_specs(
     elif fam.nope == "global" and window is not None:
         rope_on = [int(k == SLIDING) for k in kinds]
     else:
-        rope_on = [1] * n
+        rope_on = [int(fam.positions == "rope")] * n
     specs = tuple(
         LayerSpec(
             kind=k,
@@ -991,6 +1011,7 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
         "fused_proj": fam.fused_proj, "rope_traditional": fam.rope_traditional,
         "mlp": fam.mlp, "lm_head_bias": fam.head_bias, "embed_norm": fam.embed_norm,
         "rope_negative": fam.rope_negative, "attention_sinks": fam.attention_sinks,
+        "positions": fam.positions,
     }
     if fam.depth_scaled:
         out["embed_scale"] = float(cfg.get("scale_emb", 1.0))
