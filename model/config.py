@@ -199,6 +199,10 @@ class Family:
     # classic config keys -> the names transformers 5 (and kvchat) reads
     key_aliases: dict[str, str] = field(default_factory=dict)
     ffn_mult: int | None = None  # GPT-J: intermediate_size absent (null) means ffn_mult × hidden
+    learned_positions: bool = False  # GPT-2: a position embedding table (no RoPE anywhere)
+    # one fused c_attn holding q, k, v one after the other (GPT-2, StarCoder 1), split on
+    # load; "conv1d": stored (in, out) as GPT-2's Conv1D, transposed first
+    fused_qkv: str | None = None
     rotary_dim_key: str | None = None  # GPT-J: rotated features per head, as a count
     # checkpoint tensor names -> ours (substring replacements, applied in order)
     renames: tuple[tuple[str, str], ...] = ()
@@ -213,6 +217,17 @@ class Family:
 
 
 _GEMMA_DEFAULTS: dict[str, Any] = {"head_dim": 256, "rms_norm_eps": 1e-6}
+
+_GPT2_KEYS = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers",
+              "n_head": "num_attention_heads", "n_positions": "max_position_embeddings",
+              "n_inner": "intermediate_size", "layer_norm_epsilon": "layer_norm_eps",
+              "activation_function": "hidden_act"}
+_GPT2_NAMES = (("transformer.wte.", "model.embed_tokens."),
+               ("transformer.wpe.", "model.embed_positions."), ("transformer.h.", "model.layers."),
+               ("transformer.ln_f.", "model.norm."), (".ln_1.", ".input_layernorm."),
+               (".ln_2.", ".post_attention_layernorm."), (".attn.c_proj.", ".self_attn.o_proj."),
+               (".attn.c_attn.", ".self_attn.c_attn."), (".mlp.c_fc.", ".mlp.up_proj."),
+               (".mlp.c_proj.", ".mlp.down_proj."))
 
 FAMILIES: dict[str, Family] = {
     # Llama 2, 3, 3.1, 3.2, SmolLM 1/2, TinyLlama, stories260K
@@ -422,6 +437,21 @@ FAMILIES: dict[str, Family] = {
                  *((f".mlp.experts.{p}.", f".mlp.switch_mlp.{p}.")
                    for p in ("gate_proj", "up_proj", "down_proj"))),
         defaults={"attention_bias": True, "sliding_window": 128},
+    ),
+    # GPT-2 and StarCoder 1: learned positions, fused c_attn, LayerNorm, GELU MLP, tied
+    "gpt2": Family(
+        layer_rule=None, qkv_bias=True, o_bias=True, norm="layer", eps_key="layer_norm_eps",
+        mlp="plain", tie_word_embeddings=True, learned_positions=True, nope="all",
+        fused_qkv="conv1d", ffn_mult=4, key_aliases=_GPT2_KEYS, renames=_GPT2_NAMES,
+        defaults={"mlp_bias": True, "hidden_act": "gelu_new", "layer_norm_eps": 1e-5,
+                  "multi_query": False},  # MHA: one K/V head per query head
+    ),
+    "gpt_bigcode": Family(
+        layer_rule=None, qkv_bias=True, o_bias=True, norm="layer", eps_key="layer_norm_eps",
+        mlp="plain", tie_word_embeddings=True, learned_positions=True, nope="all",
+        fused_qkv="linear", ffn_mult=4, key_aliases=_GPT2_KEYS, renames=_GPT2_NAMES,
+        defaults={"mlp_bias": True, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-5,
+                  "multi_query": True},
     ),
     # GPT-J: GPT-2's key names, a parallel block, interleaved partial rotary
     "gptj": Family(
@@ -690,6 +720,7 @@ class ModelConfig:
     logits_divisor: float = 1.0
     clip_qkv: float | None = None
     embed_norm: bool = False
+    learned_positions: bool = False
     rope_traditional: bool = False
     rope_negative: bool = False
     moe: MoeConfig | None = None
@@ -829,6 +860,11 @@ def _derived_keys(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
     try:
         if fam.ffn_mult and cfg.get("intermediate_size") is None and "hidden_size" in cfg:
             cfg = {**cfg, "intermediate_size": fam.ffn_mult * int(cfg["hidden_size"])}
+        if "multi_query" in cfg:  # StarCoder 1: one K/V head
+            heads = int(cfg["num_attention_heads"])
+            cfg = {**cfg, "num_key_value_heads": 1 if cfg["multi_query"] else heads}
+        if cfg.get("scale_attn_by_inverse_layer_idx"):
+            raise ConfigError("config.json: scale_attn_by_inverse_layer_idx is not supported")
         if fam.rotary_dim_key and cfg.get(fam.rotary_dim_key) is not None:
             head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) //
                            int(cfg["num_attention_heads"]))
@@ -957,6 +993,8 @@ def _layer_specs(
     local = _local_rope(cfg, fam) if fam.local_rope else rope
     if fam.nope == "listed":
         rope_on = _no_rope_layers(cfg, n)
+    elif fam.nope == "all":
+        rope_on = [0] * n
     elif fam.nope == "global" and window is not None:
         rope_on = [int(k == SLIDING) for k in kinds]
     else:
@@ -990,6 +1028,7 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
         else None,
         "fused_proj": fam.fused_proj, "rope_traditional": fam.rope_traditional,
         "mlp": fam.mlp, "lm_head_bias": fam.head_bias, "embed_norm": fam.embed_norm,
+        "learned_positions": fam.learned_positions,
         "rope_negative": fam.rope_negative, "attention_sinks": fam.attention_sinks,
     }
     if fam.depth_scaled:

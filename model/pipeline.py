@@ -404,7 +404,7 @@ class PipelineModel(nn.Module):
         offset = local[0].offset
         mx.eval(tokens)  # the sampled token of the previous step: not our compute time
         t0 = time.perf_counter()
-        h = self.part.run_slice(self.part.embed(tokens), local)
+        h = self.part.run_slice(self.part.embed(tokens, offset), local)
         mx.eval(h)
         ctrl = [OP_FORWARD, self._cache_id, offset, B, T, keep, DTYPES.index(h.dtype),
                 *self._bound] + [0] * self._link.size

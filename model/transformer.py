@@ -20,6 +20,8 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if cfg.learned_positions:  # GPT-2: one learned vector per position
+            self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.layers = [make_block(cfg, spec) for spec in cfg.layers]
         self.norm = make_norm(cfg, cfg.hidden_size)
 
@@ -63,8 +65,11 @@ class Transformer(nn.Module):
     def make_cache(self, max_kv_size: int | None = None, keep: int = 4) -> list[Any]:
         return make_cache(self.config, max_kv_size=max_kv_size, keep=keep)
 
-    def embed(self, tokens: mx.array) -> mx.array:
+    def embed(self, tokens: mx.array, offset: int | mx.array = 0) -> mx.array:
+        """Token embeddings (plus the positions from `offset` where they are learned)."""
         h = self.model.embed_tokens(tokens)
+        if self.config.learned_positions:
+            h = h + self.model.embed_positions(offset + mx.arange(tokens.shape[1]))
         if self.config.embed_scale != 1.0:  # in the compute dtype, as the reference rounds it
             h = h * mx.array(self.config.embed_scale, dtype=h.dtype)
         if self.config.embed_norm:  # nanochat: the final norm also normalizes the embeddings
@@ -106,7 +111,8 @@ class Transformer(nn.Module):
     ) -> mx.array:
         """Logits for every position, or only the last `logits_to_keep` (as HF names it):
         prefill then skips the vocab-sized head matmul for all but the position it samples."""
-        h, pending = self.run_layers(self.embed(tokens), cache)
+        offset = cache[0].offset if cache else 0
+        h, pending = self.run_layers(self.embed(tokens, offset), cache)
         if logits_to_keep:
             h = h[:, -logits_to_keep:, :]
             pending = None if pending is None else pending[:, -logits_to_keep:, :]

@@ -383,6 +383,10 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
     # GPT-2 key names (n_embd, n_inner null: 4 × hidden), interleaved rotary over 8 of 16
     "gptj": FamilySpec("GPTJForCausalLM", {"num_key_value_heads": 4, "rotary_dim": 8,
                                             "n_inner": None}, seed=74),
+    # learned positions, fused c_attn (GPT-2: Conv1D, (in, out)); StarCoder 1: one K/V head
+    "gpt2": FamilySpec("GPT2LMHeadModel", {"n_inner": 96}, mlx_lm="fails",
+                       note="mlx-lm needs n_ctx", quantize=False, seed=75),
+    "gpt_bigcode": FamilySpec("GPTBigCodeForCausalLM", {"n_inner": 96}, seed=76),
     # llama3-scaled RoPE (original context 32: the blend bites)
     "apertus": FamilySpec("ApertusForCausalLM", {"head_dim": 16, "rope_parameters": {
         "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
@@ -906,7 +910,8 @@ def test_latent_cache_holds_the_latent_and_says_what_it_saves(
     assert out["live"]["equal"] and out["layer_kinds"][0]["kind"] == "latent"
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe_lite"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe_lite",
+                                  "gpt_oss", "gpt2"])
 def test_compiled_step_serves_moe_and_latent_models(
     name: str, family: Callable[[str], Path]
 ) -> None:
