@@ -445,9 +445,11 @@ class Block(nn.Module):
     x + pending: a block may leave its last residual add to whoever norms next (the next
     block's input norm, or the final norm), which does add and norm in one fused pass."""
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, attention: type | None = None):
         super().__init__()
-        self.self_attn = make_attention(cfg, spec)
+        # `attention`: another attention block (mla.LatentAttention), else GQA
+        attn = attention or (FusedAttention if cfg.fused_proj else Attention)
+        self.self_attn = attn(cfg, spec)
         mlp = (PlainMLP if cfg.mlp == "plain" else FusedMLP if cfg.fused_proj or cfg.mlp == "fused"
                else MLP)
         self.mlp = MoE(cfg, ACTIVATIONS[cfg.activation], mlp) if spec.moe else mlp(cfg)
@@ -461,8 +463,8 @@ class Block(nn.Module):
 class PreNormBlock(Block):
     """x + r·attn(norm(x)), then h + r·mlp(norm(h)); r = residual multiplier (Granite)."""
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
-        super().__init__(cfg, spec)
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, attention: type | None = None):
+        super().__init__(cfg, spec, attention)
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
         self._r = None if cfg.residual_scale == 1.0 else cfg.residual_scale
@@ -491,8 +493,8 @@ class PreNormBlock(Block):
 class SandwichBlock(PreNormBlock):
     """Gemma 2/3: each branch normed on the way in and on the way out (four norms)."""
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
-        super().__init__(cfg, spec)
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, attention: type | None = None):
+        super().__init__(cfg, spec, attention)
         self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
 
@@ -511,8 +513,8 @@ class SandwichBlock(PreNormBlock):
 class PostNormBlock(Block):
     """OLMo 2: no norm on the way in; each branch's output is normed before the add."""
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
-        super().__init__(cfg, spec)
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, attention: type | None = None):
+        super().__init__(cfg, spec, attention)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
 
@@ -525,8 +527,8 @@ class ParallelBlock(Block):
     """Phi-2, Cohere, GPT-NeoX: both branches read the same input, x + attn(n(x)) +
     mlp(n'(x)), with n' = n (one norm) or its own post_attention_layernorm."""
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
-        super().__init__(cfg, spec)
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, attention: type | None = None):
+        super().__init__(cfg, spec, attention)
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         if cfg.block == "parallel2":
             self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
@@ -548,13 +550,7 @@ BLOCKS: dict[str, type[Block]] = {
 }
 
 
-def make_attention(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
-    if cfg.mla is not None:
-        from .mla import LatentAttention  # mla builds on this module's RoPE and norms
-
-        return LatentAttention(cfg, spec)
-    return (FusedAttention if cfg.fused_proj else Attention)(cfg, spec)
-
-
-def make_block(cfg: ModelConfig, spec: LayerSpec) -> Block:
-    return BLOCKS[cfg.block](cfg, spec)
+def make_block(cfg: ModelConfig, spec: LayerSpec, attention: type | None = None) -> Block:
+    """The layer the config asks for; `attention` replaces the GQA block (mla.py's latent
+    attention builds on this module's RoPE and norms, so it is passed in, not imported)."""
+    return BLOCKS[cfg.block](cfg, spec, attention)

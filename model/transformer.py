@@ -12,6 +12,7 @@ import mlx.nn as nn
 from .cache import causal_mask, make_cache
 from .config import LayerSpec, ModelConfig
 from .layers import make_block, make_norm
+from .mla import attention_class
 
 
 class DecoderModel(nn.Module):
@@ -22,7 +23,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         if cfg.learned_positions:  # GPT-2: one learned vector per position
             self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-        self.layers = [make_block(cfg, spec) for spec in cfg.layers]
+        self.layers = [make_block(cfg, spec, attention_class(cfg)) for spec in cfg.layers]
         self.norm = make_norm(cfg, cfg.hidden_size)
 
 
