@@ -368,7 +368,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
         **{k: _MLA[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
                                 "qk_nope_head_dim", "v_head_dim", "num_key_value_heads")},
         "scale_emb": 12.0, "scale_depth": 1.4}, mlx_lm="fails",
-        note="mlx-lm needs rope_scaling (longrope)", quantize=False, seed=69),
+        note="mlx-lm needs rope_scaling", quantize=False, seed=69),
     "nanochat": FamilySpec("NanoChatForCausalLM", {"final_logit_softcapping": 8.0},
                            mlx_lm="fails", note="mlx-lm expects another nanochat layout",
                            quantize=False, seed=70),
