@@ -129,6 +129,25 @@ class KVCache(_Buffers):
         self.offset -= n
         return n
 
+    # ---- one token at a time, for the compiled step (model/generate.py) ---------------
+    def slot_layout(self) -> tuple[Any, ...]:
+        """What a trace needs to know about this cache's slots: position p lives in p."""
+        return ("full",)
+
+    def next_slot(self) -> tuple[int, int, int, int]:
+        """Make room for one more token; (offset, slot, resident length after the write,
+        lowest valid position)."""
+        o = self.offset
+        assert self.keys is not None and self.values is not None
+        self.keys = _grow(self.keys, self.keys, o + 1, self.step, None)
+        self.values = _grow(self.values, self.values, o + 1, self.step, None)
+        return o, o, o + 1, 0
+
+    def commit_one(self, keys: mx.array, values: mx.array) -> None:
+        """Take the buffers the step wrote the token into."""
+        self.keys, self.values = keys, values
+        self.offset += 1
+
     @property
     def meta_state(self) -> tuple[str, ...]:
         return (str(self.offset),)
@@ -303,6 +322,25 @@ class RotatingKVCache(_Buffers):
         self._lo = self._ring_lo(offset)
         self.offset = offset
 
+    # ---- one token at a time, for the compiled step (model/generate.py) ---------------
+    def slot_layout(self) -> tuple[Any, ...]:
+        """What a trace needs to know about this cache's slots: `keep` sinks, then a ring."""
+        return ("ring", self.max_size, self.keep)
+
+    def next_slot(self) -> tuple[int, int, int, int]:
+        """Make room for one more token; (offset, slot, resident length after the write,
+        lowest valid ring position after it)."""
+        o = self.offset
+        length = min(o + 1, self.max_size)
+        assert self.keys is not None and self.values is not None
+        self._reserve(length, self.keys, self.values)
+        return o, self._slot(o), length, self._ring_lo(o + 1)
+
+    def commit_one(self, keys: mx.array, values: mx.array) -> None:
+        """Take the buffers the step wrote the token into."""
+        self.keys, self.values = keys, values
+        self._advance(self.offset + 1)
+
     # ---- protocol -------------------------------------------------------------------
     def size(self) -> int:
         """Resident tokens."""
@@ -427,7 +465,8 @@ def _attention_name(cfg: ModelConfig, spec: LayerSpec) -> str:
 
 def layer_stats(caches: list[Any], cfg: ModelConfig) -> list[dict[str, Any]]:
     """Per-layer view for the UI: the cache's own stats() plus the layer index, its
-    attention kind (sliding / global, NoPE) and window, and the MHA-equivalent bytes."""
+    attention kind (sliding / global, NoPE) and window, its bytes per token and the
+    MHA-equivalent bytes. `cache_stats` sums these rows."""
     out = []
     for i, c in enumerate(caches):
         s = dict(c.stats())
@@ -437,7 +476,9 @@ def layer_stats(caches: list[Any], cfg: ModelConfig) -> list[dict[str, Any]]:
         if i < len(cfg.layers):
             s["attention"] = _attention_name(cfg, cfg.layers[i])
             s["window"] = cfg.layers[i].window
-        s["mha_bytes"] = _mha_bytes(cfg, getattr(c, "keys", None), s["cache_tokens"])
+        keys = getattr(c, "keys", None)
+        s["bytes_per_token"] = _layer_bytes(keys, 1, getattr(c, "values", None))
+        s["mha_bytes"] = _mha_bytes(cfg, keys, s["cache_tokens"])
         out.append(s)
     return out
 
@@ -465,31 +506,25 @@ def cache_stats(caches: list[Any], cfg: ModelConfig) -> TurnStats:
             gqa_saving=saving, evicted_tokens=0, keep=0, wrapped=False, sliding_layers=0,
             sliding_bytes=0, window_saving=1.0,
         )
-    ref = caches[_reference_layer(cfg, len(caches))].stats()
-    cache_bytes = mha_bytes = sliding_bytes = no_window_bytes = sliding_layers = 0
-    for i, c in enumerate(caches):
-        s = c.stats()
-        keys = getattr(c, "keys", None)
-        values = getattr(c, "values", None)
-        cache_bytes += _layer_bytes(keys, s["cache_tokens"], values)
-        mha_bytes += _mha_bytes(cfg, keys, s["cache_tokens"])
-        no_window_bytes += _layer_bytes(keys, max(s["cache_tokens"], ref["cache_tokens"]), values)
-        if i < len(cfg.layers) and cfg.layers[i].window is not None:
-            sliding_layers += 1
-            sliding_bytes += _layer_bytes(keys, s["cache_tokens"], values)
-    capacity = ref["cache_capacity"]
+    rows = layer_stats(caches, cfg)
+    ref = rows[_reference_layer(cfg, len(rows))]
+    sliding = [r for r in rows if r.get("window") is not None]
+    cache_bytes = sum(r["cache_bytes"] for r in rows)
+    # what the sliding layers would hold if they kept every token the global ones do
+    no_window_bytes = sum(r["bytes_per_token"] * max(r["cache_tokens"], ref["cache_tokens"])
+                          for r in rows)
     return TurnStats(
         cache_offset=ref["cache_offset"],
         cache_tokens=ref["cache_tokens"],
-        cache_capacity=cfg.max_position_embeddings if capacity is None else capacity,
+        cache_capacity=ref["cache_capacity"],
         cache_bytes=cache_bytes,
-        mha_bytes=mha_bytes,
+        mha_bytes=sum(r["mha_bytes"] for r in rows),
         gqa_saving=saving,
         evicted_tokens=ref["evicted_tokens"],
         keep=ref["keep"],
         wrapped=ref["wrapped"],
-        sliding_layers=sliding_layers,
-        sliding_bytes=sliding_bytes,
+        sliding_layers=len(sliding),
+        sliding_bytes=sum(r["cache_bytes"] for r in sliding),
         window_saving=no_window_bytes / cache_bytes if cache_bytes else 1.0,
     )
 

@@ -34,6 +34,7 @@ from kvchat import metal_kernels
 from . import pipeline
 from .cache import cache_stats, can_trim_to, layer_stats, trim_to, why_not_trimmable
 from .cache_file import load_cache, savable, save_cache
+from .cache_integrity import check_layers, model_fingerprint
 from .chat_template import TemplateCancelled
 from .errors import KVChatError, error_line
 from .events import (
@@ -57,6 +58,7 @@ from .events import (
 from .facts import model_name
 from .generate import PREFILL_CHUNK, Progress, generate_step
 from .kv_math import attention_name, cached_widths, gqa_heads, kv_saving
+from .prefix_pool import PrefixPool, common_prefix_len
 from .sampling import Sampler
 from .tokenizer import Tokenizer, load_tokenizer
 from .transformer import Transformer
@@ -65,20 +67,19 @@ from .weights import parameter_count, weight_bytes
 STATS_INTERVAL_S = 0.1  # ~10 stats events a second, never one per token
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _float_dtype(model: Transformer) -> mx.Dtype:
     """The compute dtype: that of the first floating parameter (norms stay float when
     the rest is quantized; a pipeline rank may lack the final norm)."""
     return next(a.dtype for _, a in tree_flatten(model.parameters())
                 if mx.issubdtype(a.dtype, mx.floating))
+
+
+class PartialReply(Exception):
+    """A turn that failed after some of its reply was shown: that text and its ids."""
+
+    def __init__(self, error: BaseException, text: str, ids: list[int]) -> None:
+        super().__init__(str(error))
+        self.error, self.text, self.ids = error, text, list(ids)
 
 
 def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
@@ -181,6 +182,7 @@ class Engine:
         reuse_prefix: bool = True,
         tokenizer: str = "auto",
         compiled: bool = True,
+        prefix_pool_bytes: int = 0,
     ):
         self._on_event = on_event
         self._jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
@@ -199,6 +201,9 @@ class Engine:
         self._cache: list[Any] | None = None
         self._cache_key: tuple[int | None, int] | None = None
         self._cache_ids: list[int] = []  # ids whose K/V the cache holds, in order
+        # a server's idle caches of other conversations (model/prefix_pool.py); the chat has
+        # one conversation and no pool
+        self._pool = PrefixPool(prefix_pool_bytes) if prefix_pool_bytes > 0 else None
         self._thread = threading.Thread(target=self._run, name="kvchat-engine", daemon=True)
         self._thread.start()
         _live_engines.add(self)
@@ -283,7 +288,7 @@ class Engine:
                     elif kind == "turn":
                         self._turn(*arg)
                     elif kind == "reset":
-                        self._drop_cache()
+                        self._drop_cache(pool=True)
                     elif kind == "save":
                         self._save_cache(*arg)
                     elif kind == "restore":
@@ -291,29 +296,41 @@ class Engine:
                     elif kind == "kernels":
                         message = metal_kernels.switch_backend(arg)
                         self._emit(KernelsSwitched(metal_kernels.backend(), message))
-                except Exception as e:  # no job may end the engine thread: report it
-                    self._job_failed(kind, arg, e)
+                except Exception:  # no job may end the engine thread
+                    self._job_failed()
                 finally:
                     self._busy.clear()
         finally:
             # MLX's thread-local streams must be destroyed by their own thread before it
             # exits, else the process aborts at exit ("terminate called ...").
             self.model = self.tokenizer = None
-            self._drop_cache()
+            self._drop_cache(pool=True)
             gc.collect()
             mx.clear_streams()
 
-    def _job_failed(self, kind: str, arg: Any, e: Exception) -> None:
+    def _job_failed(self) -> None:
+        """A job other than a load or a turn (those report their own failures) raised:
+        the cache may be half-written, so the next turn starts clean."""
         if os.environ.get("KVCHAT_DEBUG") == "1":
             traceback.print_exc()
         self._drop_cache()
-        if kind == "load":
-            self._emit(LoadFailed(arg, error_line(e)))
-        elif kind == "turn":
-            self._emit(Done("error", "", [], [], error=error_line(e)))
 
-    def _drop_cache(self) -> None:
+    def _drop_cache(self, pool: bool = False) -> None:
         self._cache, self._cache_key, self._cache_ids = None, None, []
+        if pool and self._pool is not None:
+            self._pool.clear()
+
+    def _swap_from_pool(self, ids: list[int], key: tuple[int | None, int]) -> None:
+        """Make the pooled cache sharing the longest prefix with `ids` the current one;
+        the current one goes back to the pool."""
+        assert self._pool is not None
+        if self._cache is not None and self._cache_key is not None:
+            self._pool.put(self._cache_ids, self._cache, self._cache_key)
+        self._drop_cache()
+        found = self._pool.take(ids, key)
+        if found is not None:
+            self._cache_ids, self._cache = found
+            self._cache_key = key
 
     def _open(self, path: str) -> tuple[Any, Tokenizer, dict[str, Any]]:
         """Model, tokenizer and model info of a folder (engine thread)."""
@@ -333,7 +350,7 @@ class Engine:
             return
         before = mx.get_active_memory()
         self.model, self.tokenizer = model, tokenizer
-        self._drop_cache()
+        self._drop_cache(pool=True)
         del model
         gc.collect()
         mx.clear_cache()
@@ -344,8 +361,11 @@ class Engine:
     def _cache_identity(self) -> dict[str, str]:
         """What a saved cache must match to be reused: the model and the cache bound."""
         keys = ("path", "architecture", "parameters", "n_layers", "n_kv_heads", "head_dim")
+        identity = {k: self.model_info.get(k) for k in keys}
+        # the weights, config and tokenizer as they are on disk now (cached per folder)
+        identity["fingerprint"] = model_fingerprint(str(self.model_info.get("path") or ""))
         return {
-            "kvchat_model": json.dumps({k: self.model_info.get(k) for k in keys}),
+            "kvchat_model": json.dumps(identity),
             "kvchat_bound": json.dumps(list(self._cache_key or ())),
         }
 
@@ -360,8 +380,9 @@ class Engine:
         meta = {**self._cache_identity(), "kvchat_ids": json.dumps(self._cache_ids)}
         try:
             written = save_cache(path, cache, meta)
-        except (OSError, KVChatError) as e:
-            self._emit(CacheSaved(str(path), error=f"K/V cache not saved: {e}"))
+        except Exception as e:  # a full disk raises from MLX: one notice, the cache stays
+            self._emit(CacheSaved(str(path), error=f"K/V cache not saved to {path.name}:"
+                                  f" {error_line(e)}; it stays in memory"))
             return
         self._emit(CacheSaved(str(path), len(self._cache_ids), written))
 
@@ -372,10 +393,18 @@ class Engine:
             caches, meta = load_cache(path)
             if meta.get("kvchat_model") != self._cache_identity()["kvchat_model"]:
                 raise KVChatError("it was saved with another model")
-            ids = [int(i) for i in json.loads(meta["kvchat_ids"])]
+            ids = json.loads(meta["kvchat_ids"])
             bound = json.loads(meta["kvchat_bound"])
-            if len(caches) != self.model.config.num_hidden_layers or len(bound) != 2:
-                raise KVChatError("its layers do not match the model")
+            if not isinstance(ids, list) or not isinstance(bound, list) or len(bound) != 2:
+                raise KVChatError("its token ids or bound are malformed")
+            cfg = self.model.config
+            try:
+                check_layers(caches, ids,
+                             self.model.make_cache(max_kv_size=bound[0], keep=bound[1]),
+                             n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                             dtype=self.model_info.get("dtype"), vocab_size=cfg.vocab_size)
+            except KVChatError as e:
+                raise KVChatError(f"{path.name}: {e}") from None
         except (KVChatError, ValueError, KeyError, TypeError) as e:
             self._emit(CacheRestored(str(path), 0, f"K/V cache not restored: {e}"))
             return
@@ -388,6 +417,10 @@ class Engine:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         if all(isinstance(x, int) for x in prompt):
+            vocab = self.model.config.vocab_size if self.model is not None else None
+            bad = [x for x in prompt if vocab is not None and not 0 <= x < vocab]  # type: ignore
+            if bad:  # an embedding lookup out of range reads past the table (a crash)
+                raise KVChatError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
             return list(prompt)  # type: ignore[arg-type]
         # a cancel stops a slow template at once (rendering is bounded in time anyway)
         return self.tokenizer.encode_chat(list(prompt), should_stop=should_stop)  # type: ignore[arg-type]
@@ -398,6 +431,8 @@ class Engine:
         assert self.model is not None
         key = (params.max_kv_size, params.keep)
         reason = None
+        if self._pool is not None and self.reuse_prefix:
+            self._swap_from_pool(ids, key)
         if self._cache is not None and key != self._cache_key:
             reason = "cache bound changed"
             self._drop_cache()
@@ -443,6 +478,8 @@ class Engine:
             s = s.merged(cache_stats(self._cache, self.model.config))
         if hasattr(self.model, "pipeline_stats"):  # per-rank bytes and time split
             s = s.with_(pipeline=self.model.pipeline_stats(self._cache))
+        if self._pool is not None:
+            s = s.with_(prefix_pool=self._pool.stats())
         return s.merged(self._runtime_stats())
 
     def _turn(self, turn: int, prompt: Prompt, params: GenParams, t_submit: float) -> None:
@@ -469,6 +506,12 @@ class Engine:
             self._generate(turn, prompt_ids, params, t_submit, context_room)
         except TemplateCancelled:
             self._emit(Done("cancelled", "", [], prompt_ids))
+        except PartialReply as p:
+            if os.environ.get("KVCHAT_DEBUG") == "1":
+                traceback.print_exception(p.error)
+            self._drop_cache()  # it may hold a half-written step
+            # the reply so far is kept (the client marks it), with its ids for --json
+            self._emit(Done("error", p.text, p.ids, prompt_ids, error=error_line(p.error)))
         except KVChatError as e:
             self._emit(Done("error", "", [], prompt_ids, error=str(e)))
         except Exception as e:
@@ -529,6 +572,7 @@ class Engine:
         reason_done = "length"
         t_first = t_last = None
         last_stats = self.clock()
+        failure: Exception | None = None
         try:
             for token in steps:
                 now = self.clock()
@@ -556,8 +600,15 @@ class Engine:
                     last_stats = now
                     self._decode_stats(stats, generated, t_first, t_last)
                     self._emit(Stats(self._stats_now(stats)))
+        except Exception as e:  # a pipeline rank died, MLX failed: keep what was shown
+            failure = e
         finally:
-            steps.close()  # waits for the in-flight step before the cache is touched
+            try:
+                steps.close()  # waits for the in-flight step before the cache is touched
+            except Exception as e:  # the in-flight step failed: as above
+                failure = failure or e
+        if failure is not None:
+            raise PartialReply(failure, stops.text[: stops.emitted], generated) from failure
         self._cache_ids.extend(todo[: progress.prefilled])
         if progress.prefilled < len(todo):  # cancelled during prefill
             self._emit(Done("cancelled", "", [], prompt_ids, self._stats_now(stats)))

@@ -109,6 +109,8 @@ class TurnStats:
     window_saving: float | None = None
     # a model split across machines (model/pipeline.py): per-rank bytes and time split
     pipeline: dict[str, Any] | None = None
+    # a server's pool of idle caches (model/prefix_pool.py): entries, bytes, budget, hits
+    prefix_pool: dict[str, Any] | None = None
     # the runtime
     compiled_step: bool | None = None  # the compiled single-token step served the decode
     peak_memory: int | None = None
@@ -121,7 +123,9 @@ class TurnStats:
 
     def merged(self, newer: TurnStats) -> TurnStats:
         """These stats updated by every field `newer` knows."""
-        known = {k: v for k, v in dataclasses.asdict(newer).items() if v is not None}
+        # shallow: asdict() deep-copies every field, ~6 ms per Stats event in the UI
+        known = {f.name: v for f in dataclasses.fields(newer)
+                 if (v := getattr(newer, f.name)) is not None}
         return dataclasses.replace(self, **known)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from .config import load_config
-from .files import safetensors_header, weight_files
+from .files import tensor_headers
 from .weights import IGNORED_SUFFIXES, compute_dtype, dequantize_on_load, rename
 
 # safetensors dtype names -> MLX dtypes (the floating ones the loader casts)
@@ -36,6 +36,8 @@ class ModelFacts:
     kv_dtype_bytes: int  # bytes per K/V element the cache will allocate
     weight_bytes: int  # bytes load_model() will allocate for the parameters
     device: str  # "cpu" or "gpu"
+    # quantized weights in the files, e.g. "4-bit, group 32, float16 scales" (None: none)
+    quantization: str | None = None
 
     @property
     def dtype_differs(self) -> bool:
@@ -62,11 +64,7 @@ def model_facts(folder: str | Path) -> ModelFacts:
     folder is not loadable)."""
     folder = Path(folder).expanduser()
     cfg = load_config(folder)
-    tensors: list[tuple[str, dict[str, Any]]] = []
-    for f in weight_files(folder):
-        for name, info in safetensors_header(f).items():
-            if name != "__metadata__":
-                tensors.append((name, info))
+    tensors = list(tensor_headers(folder).items())
     file_bytes = sum(i["data_offsets"][1] - i["data_offsets"][0] for _, i in tensors)
     renamed = [(rename(cfg, n), i) for n, i in tensors]
     kept = [
@@ -99,7 +97,9 @@ def model_facts(folder: str | Path) -> ModelFacts:
             weight += math.prod(info.get("shape", [])) * target.size
         else:  # packed quantized weights and integer tensors stay as they are
             weight += info["data_offsets"][1] - info["data_offsets"][0]
+    scales = [i["dtype"] for n, i in kept if n.endswith(".scales") and i.get("dtype") in _FLOAT]
     return ModelFacts(
+        quantization=quantization_label(quant, scales[0]) if scales else None,
         file_dtype=dtype_name(_FLOAT[file_dtype]) if file_dtype else None,
         file_bytes=file_bytes,
         compute_dtype=dtype_name(target),
@@ -107,6 +107,15 @@ def model_facts(folder: str | Path) -> ModelFacts:
         weight_bytes=weight,
         device="cpu" if mx.default_device() == mx.cpu else "gpu",
     )
+
+
+def quantization_label(quant: dict[str, Any], scales_dtype: str) -> str:
+    """How quantized weights are stored: "4-bit, group 32, float16 scales"."""
+    parts = [f"{quant['bits']}-bit" if "bits" in quant else "quantized"]
+    if "group_size" in quant:
+        parts.append(f"group {quant['group_size']}")
+    parts.append(f"{dtype_name(_FLOAT[scales_dtype])} scales")
+    return ", ".join(parts)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")

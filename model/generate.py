@@ -11,12 +11,13 @@ position, the slot to write and the mask's bounds enter as one int32 array, K/V 
 written with `mx.slice_update` into buffers of fixed capacity (grown outside the trace,
 a whole step at a time), and attention reads the whole buffer under a mask.
 
-The caches stay the source of truth. Before each step an adapter per cache kind
-(`_FullSlots`, `_RingSlots`) grows the buffers if needed and computes the int32 row;
-inside the trace, proxies with the caches' own duck-typed interface (`offset`,
-`update_and_fetch`, `make_mask`) stand in for them, so the model code is unchanged; after
-it, the new buffers and offsets are written back to the real caches. A cache kind
-without an adapter runs the plain (uncompiled) step.
+The caches stay the source of truth. Before each step each cache plans its own write
+(`next_slot`: grow the buffers if needed, then the int32 row of offset, slot, length and
+lowest valid position; `slot_layout` names its kind and bounds); inside the trace,
+proxies with the caches' own duck-typed interface (`offset`, `update_and_fetch`,
+`make_mask`) stand in for them, so the model code is unchanged; after
+it, `commit_one` hands each cache its new buffers. A cache kind without these methods
+runs the plain (uncompiled) step.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import Any
 import mlx.core as mx
 
 from kvchat import metal_kernels
+
+from . import threads
 
 PREFILL_CHUNK = 512
 
@@ -49,80 +52,15 @@ class Progress:
     compiled: bool = False  # whether the compiled step served this call
 
 
-# ---- cache adapters (host side: growth, the int32 row, write-back) ----------------------
-def _grow_to(buf: mx.array, size: int) -> mx.array:
-    B, H, have, D = buf.shape
-    if have >= size:
-        return buf
-    return mx.concatenate([buf, mx.zeros((B, H, size - have, D), buf.dtype)], axis=2)
-
-
-class _FullSlots:
-    """An unbounded cache (`KVCache`): position p lives in slot p."""
-
-    kind = "full"
-
-    def __init__(self, cache: Any):
-        self.cache = cache
-        self.step = getattr(cache, "step", 256)
-
-    def static(self) -> tuple[Any, ...]:
-        return (self.kind,)
-
-    def row(self) -> list[int]:
-        c = self.cache
-        o = c.offset
-        if c.keys.shape[2] < o + 1:
-            size = ((o + 1 + self.step - 1) // self.step) * self.step
-            c.keys, c.values = _grow_to(c.keys, size), _grow_to(c.values, size)
-        return [o, o, o + 1, 0]  # offset, slot, resident length, lowest valid position
-
-    def commit(self, keys: mx.array, values: mx.array) -> None:
-        c = self.cache
-        c.keys, c.values = keys, values
-        c.offset += 1
-
-
-class _RingSlots:
-    """A bounded cache (`RotatingKVCache`): `keep` sinks, then a ring of max_size − keep."""
-
-    kind = "ring"
-
-    def __init__(self, cache: Any):
-        self.cache = cache
-        self.M, self.K = cache.max_size, cache.keep
-        self.R = self.M - self.K
-        self.step = getattr(cache, "step", 256)
-
-    def static(self) -> tuple[Any, ...]:
-        return (self.kind, self.M, self.K)
-
-    def row(self) -> list[int]:
-        c, M, K, R = self.cache, self.M, self.K, self.R
-        o = c.offset
-        length = min(o + 1, M)
-        if c.keys.shape[2] < length:
-            size = min(M, ((length + self.step - 1) // self.step) * self.step)
-            c.keys, c.values = _grow_to(c.keys, size), _grow_to(c.values, size)
-        slot = o if o < M else K + (o - K) % R
-        lo = c._ring_lo(o + 1)  # lowest ring position still resident after this write
-        return [o, slot, length, lo]
-
-    def commit(self, keys: mx.array, values: mx.array) -> None:
-        c = self.cache
-        c.keys, c.values = keys, values
-        c._advance(c.offset + 1)
-
-
-def _adapter(cache: Any) -> _FullSlots | _RingSlots | None:
-    if getattr(cache, "keys", None) is None or isinstance(cache.offset, mx.array):
-        return None
-    name = type(cache).__name__
-    if name == "KVCache":
-        return _FullSlots(cache)
-    if name == "RotatingKVCache" and hasattr(cache, "_ring_lo") and hasattr(cache, "_advance"):
-        return _RingSlots(cache)
-    return None
+# ---- which caches the compiled step can drive -------------------------------------------
+def _steppable(cache: Any) -> bool:
+    """A cache that plans its own single-token writes (slot_layout / next_slot /
+    commit_one: model/cache.py's KVCache and RotatingKVCache) and holds concrete buffers."""
+    return (
+        getattr(cache, "keys", None) is not None
+        and not isinstance(cache.offset, mx.array)
+        and all(hasattr(cache, m) for m in ("slot_layout", "next_slot", "commit_one"))
+    )
 
 
 # ---- trace side -------------------------------------------------------------------------
@@ -173,17 +111,15 @@ class _TracedCache:
 class CompiledStep:
     """`step(y (1,) ids) -> logits (1, V)` for one token, through `mx.compile`.
 
-    One instance per cache list; `supported` is False when some cache has no adapter
-    (call the model directly then)."""
+    One instance per cache list; `supported` is False when some cache cannot plan its
+    single-token writes (call the model directly then)."""
 
     def __init__(self, model: Any, caches: Sequence[Any]):
         self.model = model
         self.caches = list(caches)
-        adapters = [_adapter(c) for c in self.caches]
-        self.supported = all(a is not None for a in adapters)
-        self.adapters: list[Any] = adapters
-        # each adapter's kind and bounds: fixed for its cache, part of every trace's key
-        self.layout = tuple(a.static() for a in adapters) if self.supported else ()
+        self.supported = all(_steppable(c) for c in self.caches)
+        # each cache's kind and bounds: fixed for the cache, part of every trace's key
+        self.layout = tuple(c.slot_layout() for c in self.caches) if self.supported else ()
         # traces live with the model (its weights are constants in them), so a new
         # cache list, e.g. every new chat, reuses them instead of tracing again
         self._fns: dict[tuple[Any, ...], Any] = model.__dict__.setdefault(
@@ -212,14 +148,14 @@ class CompiledStep:
         rows: list[list[int]] = []
         index: dict[tuple[Any, ...], int] = {}
         groups, buffers = [], []
-        for a, static in zip(self.adapters, self.layout, strict=True):
-            r = a.row()
+        for c, static in zip(self.caches, self.layout, strict=True):
+            r = list(c.next_slot())
             key = (*static, *r)
             g = index.setdefault(key, len(rows))
             if g == len(rows):
                 rows.append(r)
             groups.append(g)
-            buffers += [a.cache.keys, a.cache.values]
+            buffers += [c.keys, c.values]
         layout = self.layout
         # the kernel backend can be switched at run time: a trace keeps the one it saw
         fkey = (layout, tuple(groups), metal_kernels.backend())
@@ -231,8 +167,8 @@ class CompiledStep:
         # are then referenced by the graph alone, so MLX donates them and slice_update
         # writes in place (holding them would copy every buffer every token)
         del buffers
-        for i, a in enumerate(self.adapters):
-            a.commit(out[1 + 2 * i], out[2 + 2 * i])
+        for i, c in enumerate(self.caches):
+            c.commit_one(out[1 + 2 * i], out[2 + 2 * i])
         return out[0]
 
 
@@ -281,10 +217,12 @@ def generate_step(
         raise ValueError("generate_step needs at least one prompt token")
     t0 = clock()
     logits = None
+    shape = threads.matmul_shape(model)
     for i in range(0, len(prompt), prefill_chunk):
         if cancelled is not None and cancelled():
             return
         chunk = prompt[i : i + prefill_chunk]
+        threads.apply(len(chunk), *shape)  # OpenBLAS threads for this chunk's size
         logits = model(mx.array([chunk]), cache=caches, logits_to_keep=1)[:, -1, :]
         last = i + prefill_chunk >= len(prompt)
         mx.eval(logits if last else [c.state for c in caches])
@@ -294,6 +232,7 @@ def generate_step(
     prog.prefill_s = clock() - t0
     if max_tokens < 1:
         return
+    threads.apply(1, *shape)
     step = decode_step(model, caches, compiled)
     prog.compiled = isinstance(step, CompiledStep)
     y = sample(logits)

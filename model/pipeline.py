@@ -38,7 +38,7 @@ import mlx.nn as nn
 from .cache import can_trim_to, make_cache, trim_to
 from .config import ModelConfig, load_config
 from .errors import KVChatError, ModelLoadError
-from .files import safetensors_header, weight_files
+from .files import tensor_bytes
 from .layers import make_block, make_norm
 from .mla import attention_class
 from .pipeline_link import Link, PipelineError, check_same_model, current_link, gather_ints
@@ -68,17 +68,6 @@ class Slice:
     @property
     def layers(self) -> range:
         return range(self.start, self.stop)
-
-
-def tensor_bytes(folder: str | Path) -> dict[str, int]:
-    """Bytes of every tensor, from the safetensors headers (nothing is read)."""
-    sizes: dict[str, int] = {}
-    for f in weight_files(Path(folder)):
-        for name, info in safetensors_header(f).items():
-            if name != "__metadata__":
-                start, end = info["data_offsets"]
-                sizes[name] = end - start
-    return sizes
 
 
 def config_tensor_bytes(cfg: ModelConfig, dtype_bytes: int) -> dict[str, int]:

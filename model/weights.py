@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .config import FAMILIES, ModelConfig, load_config
 from .errors import ModelLoadError
-from .files import safetensors_header, weight_files
+from .files import mlx_path, safetensors_header, weight_files
 from .mla import QuantizedMultiLinear, split_kv_b
 from .moe import QuantizedSwitchLinear, split_gate_up, stack_experts, unfuse_gpt_oss_experts
 from .transformer import Transformer
@@ -146,6 +146,13 @@ def _check_tensors(
         raise ModelLoadError(f"checkpoint has unexpected tensor {extra[0]!r}{hint}")
     for name, arr in expected.items():
         got = weights[name]
+        floats = mx.issubdtype(got.dtype, mx.floating) and mx.issubdtype(arr.dtype, mx.floating)
+        if got.dtype != arr.dtype and not floats:  # int32/bool values would be used as numbers
+            want = "a float" if mx.issubdtype(arr.dtype, mx.floating) else _dtype_name(arr.dtype)
+            raise ModelLoadError(
+                f"tensor {name!r} is {_dtype_name(got.dtype)} in the checkpoint; kvchat needs"
+                f" {want} there (not a float or quantized checkpoint?)"
+            )
         if tuple(got.shape) != tuple(arr.shape):
             where = (
                 f" (quantization bits={quant['bits']} group_size={quant['group_size']}"
@@ -158,6 +165,10 @@ def _check_tensors(
                 f"tensor {name!r} has shape {tuple(got.shape)}, the config implies"
                 f" {tuple(arr.shape)}{where}"
             )
+
+
+def _dtype_name(d: mx.Dtype) -> str:
+    return str(d).removeprefix("mlx.core.")
 
 
 FINITE_CHECK_GROUP_BYTES = 1 << 28  # tensors reduced per evaluation: bounds temporaries
@@ -216,8 +227,9 @@ def load_model(
     weights: dict[str, mx.array] = {}
     for f in files:
         safetensors_header(f)
+        native = mlx_path(f)
         try:
-            weights.update(mx.load(str(f)))
+            weights.update(mx.load(native))
         except Exception as e:  # mlx raises RuntimeError/ValueError with long texts
             raise ModelLoadError(f"cannot read {f.name}: {str(e).splitlines()[0]}") from None
     weights = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests import processes
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-STORIES260K = REPO_ROOT.parent / "shared" / "models" / "stories260K"
+# the real pretrained model the tests use is part of the repository (1 MB, MIT, see its
+# PROVENANCE.md), so a fresh clone tests itself; every test module finds it here
+STORIES260K = REPO_ROOT / "tests" / "models" / "stories260K"
 
 # llama3 RoPE scaling with a short original context, so scaling changes logits at
 # 48 tokens. head_dim 32 with theta 5e5 gives wavelengths 6.3, 14.3, 32.5, 74, ...:
@@ -231,7 +235,13 @@ def copy_checkpoint(
 
 @pytest.fixture(scope="session")
 def stories260k() -> Path:
-    """The real pretrained stories260K folder (../shared/models/stories260K)."""
-    if not (STORIES260K / "config.json").is_file():
-        pytest.skip(f"real model absent: {STORIES260K} (see DESIGN.md, Tests)")
+    """The real pretrained stories260K folder (tests/models/stories260K)."""
     return STORIES260K
+
+
+@pytest.fixture(autouse=True)
+def _end_started_processes() -> Iterator[None]:
+    """Kill the process group of every child a test started (tests/processes.py), passed
+    or failed, so no child outlives its test."""
+    yield
+    processes.end_all()

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from kvchat.app.core import blas
+from tests import processes
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = ("import json, mlx.core as mx; from kvchat.app.core.blas import active_blas;"
@@ -20,8 +20,8 @@ PROBE = ("import json, mlx.core as mx; from kvchat.app.core.blas import active_b
 
 
 def _probe(env: dict[str, str]) -> dict:
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    out = processes.run([sys.executable, "-c", PROBE], env=env, cwd=REPO,
+                        capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 

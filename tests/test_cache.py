@@ -30,7 +30,7 @@ from kvchat.model.config import ModelConfig
 from kvchat.model.events import TurnStats
 from kvchat.model.transformer import Transformer
 
-STORIES = Path(__file__).resolve().parents[1].parent / "shared/models/stories260K"
+from .conftest import STORIES260K as STORIES
 
 
 def tiny_cfg(kv_heads: int = 2, window: int | None = None, layers: int = 2) -> ModelConfig:
@@ -275,8 +275,6 @@ def test_mlx_lm_generate_step_drives_our_model_and_caches() -> None:
 
 @pytest.fixture(scope="module")
 def stories() -> Path:
-    if not (STORIES / "config.json").is_file():
-        pytest.skip(f"real model absent: {STORIES}")
     return STORIES
 
 

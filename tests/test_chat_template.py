@@ -13,9 +13,8 @@ import pytest
 from kvchat.model.chat_template import PLAIN_FALLBACK, TemplateError, load_chat_template, render
 from kvchat.model.errors import KVChatError
 from kvchat.model.tokenizer import load_tokenizer
+from tests.conftest import STORIES260K as STORIES
 from tests.tokenizer_fixtures import (
-    STORIES,
-    STORIES_MISSING,
     STYLES,
     byte_level_bpe,
     chat_folder,
@@ -284,8 +283,6 @@ def test_plain_fallback_documented_example():
 
 @pytest.mark.parametrize("prefer", ["sentencepiece", "hf"])
 def test_base_model_uses_plain_fallback(prefer):
-    if not STORIES.is_dir():
-        pytest.skip(STORIES_MISSING)
     tok = load_tokenizer(STORIES, prefer=prefer)
     assert tok.chat_template is None
     turn1 = [{"role": "user", "content": "Once upon a time"}]

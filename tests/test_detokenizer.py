@@ -12,9 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvchat.model.tokenizer import StreamDetokenizer, Tokenizer, load_tokenizer
+from tests.conftest import STORIES260K as STORIES
 from tests.tokenizer_fixtures import (
-    STORIES,
-    STORIES_MISSING,
     byte_level_bpe,
     sentencepiece_byte_fallback,
     tokenizer_json_from_sentencepiece,
@@ -31,10 +30,10 @@ PROPERTY = settings(max_examples=120, deadline=None,
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tokenizer | None]:
     root = tmp_path_factory.mktemp("detok")
-    out: dict[str, Tokenizer | None] = {"stories-sp": None, "stories-hf": None}
-    if STORIES.is_dir():
-        out["stories-sp"] = load_tokenizer(STORIES, prefer="sentencepiece")
-        out["stories-hf"] = load_tokenizer(STORIES, prefer="hf")
+    out: dict[str, Tokenizer | None] = {
+        "stories-sp": load_tokenizer(STORIES, prefer="sentencepiece"),
+        "stories-hf": load_tokenizer(STORIES, prefer="hf"),
+    }
     config = {"bos_token": "<s>", "eos_token": "</s>"}
     sp_model = sentencepiece_byte_fallback(root / "sp")
     write_folder(root / "sp", tokenizer_config=config)
@@ -56,8 +55,7 @@ def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tokenizer 
 def tok(request, tokenizers) -> Tokenizer:
     found = tokenizers[request.param]
     if found is None:
-        pytest.skip(STORIES_MISSING if request.param.startswith("stories")
-                    else "transformers (test extra) is not installed")
+        pytest.skip("transformers (test extra) is not installed")
     return found
 
 
@@ -130,8 +128,6 @@ def test_emoji_and_cjk_stream_intact(tok, text):
 @pytest.mark.parametrize("kind", ["stories-sp", "stories-hf"])
 def test_leading_space_of_first_token_is_stripped(tokenizers, kind):
     tok = tokenizers[kind]
-    if tok is None:
-        pytest.skip(STORIES_MISSING)
     ids = tok.encode("Once upon a time", add_special_tokens=False)  # ▁Once ▁upon ▁a ▁time
     deltas, final = stream(tok, ids)
     assert deltas == ["Once", " upon", " a", " time"] and final == ""

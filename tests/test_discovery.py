@@ -301,13 +301,10 @@ def test_default_model_dirs_order(tmp_path: Path, isolated_home: Path) -> None:
     assert dirs[-1][0] == discovery.DEFAULT_MODEL
 
 
-def test_real_model_if_present() -> None:
-    shared = REPO.parent / "shared" / "models" / "stories260K"
-    if not shared.is_dir():
-        pytest.skip(f"real model not present at {shared}")
-    e = read_model_folder(shared, "stories260K", "configured")
+def test_real_model(stories260k: Path) -> None:
+    e = read_model_folder(stories260k, "stories260K", "configured")
     assert e is not None and e.architecture == "llama" and e.supported
-    assert e.size_bytes == (shared / "model.safetensors").stat().st_size
+    assert e.size_bytes == (stories260k / "model.safetensors").stat().st_size
 
 
 # --- human_bytes -------------------------------------------------------------------

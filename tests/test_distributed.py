@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests import processes
 from tests.conftest import REPO_ROOT, TinySpec, build_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="ring backend needs POSIX")
@@ -68,7 +69,7 @@ def _hostfile(tmp: Path, n: int, models: dict[int, Path] | None = None) -> Path:
 
 def _driver(hostfile: Path, model: Path, *args: str, **popen: Any) -> subprocess.Popen[str]:
     popen.setdefault("env", _env(_free_port(4)))
-    return subprocess.Popen(
+    return processes.popen(
         [sys.executable, "-m", "tests.distributed_driver", str(hostfile), str(model), *args],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, **popen,
     )
@@ -129,7 +130,8 @@ def test_plan_is_the_byte_optimal_contiguous_split(stories260k: Path) -> None:
     from itertools import combinations
 
     from kvchat.model.config import load_config
-    from kvchat.model.pipeline import plan, tensor_bytes
+    from kvchat.model.files import tensor_bytes
+    from kvchat.model.pipeline import plan
 
     cfg, sizes = load_config(stories260k), tensor_bytes(stories260k)
     total_layer = sum(b for k, b in sizes.items() if k.startswith("model.layers."))
@@ -156,7 +158,7 @@ def test_plan_is_the_byte_optimal_contiguous_split(stories260k: Path) -> None:
 
 
 def test_inspect_hosts_shows_each_ranks_bytes_beside_the_totals(stories260k: Path) -> None:
-    r = subprocess.run(
+    r = processes.run(
         [sys.executable, "-m", "kvchat.app", "inspect", "--model", str(stories260k), "--hosts", "3",
          "--json"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
         env=_env(0),
@@ -170,7 +172,7 @@ def test_inspect_hosts_shows_each_ranks_bytes_beside_the_totals(stories260k: Pat
     # weights: every tensor once, plus the tied head's second copy of the embedding
     embed = 512 * 64 * 4  # vocab × hidden × fp32
     assert sum(x["weight_bytes"] for x in ranks) == d["weights_bytes"] + embed
-    text = subprocess.run(
+    text = processes.run(
         [sys.executable, "-m", "kvchat.app", "inspect", "--model", str(stories260k),
          "--hosts", "2"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, env=_env(0),
@@ -260,6 +262,8 @@ def test_killed_rank_ends_the_turn_with_one_line(
     first, second, exits = _fault_mid_turn(tmp_path, ranks, victim, model, signal.SIGKILL,
                                            "--pause-at", at)
     assert first["error"].startswith(f"rank {victim} (127.0.0.1) exited")
+    if at == "token":  # the reply so far is kept, with its ids (issue 19)
+        assert first["finish_reason"] == "error" and first["ids"]
     # the other ranks exit by themselves (the killed one by the signal)
     assert all(code is not None for code in exits), exits
 
@@ -327,10 +331,11 @@ def test_mismatched_model_folders_are_refused_naming_the_rank(
     w = mx.load(str(tweaked / "model.safetensors"))
     w["model.layers.1.mlp.up_proj.weight"] = w["model.layers.1.mlp.up_proj.weight"] * 1.01
     mx.save_safetensors(str(tweaked / "model.safetensors"), w, metadata={"format": "pt"})
+    # two hosts: the model has 2 layers, and --hosts refuses more hosts than layers
     for folder, what in ((other, "config.json"), (tweaked, "weights")):
-        lines = _lines(_driver(_hostfile(tmp_path, 3, {2: folder}), base))
+        lines = _lines(_driver(_hostfile(tmp_path, 2, {1: folder}), base))
         msg = lines[0]["load_failed"]
-        assert msg.startswith("rank 2 (127.0.0.1) has a different model") and what in msg
+        assert msg.startswith("rank 1 (127.0.0.1) has a different model") and what in msg
 
 
 def test_rank_that_never_connects_fails_in_bounded_time(
@@ -340,7 +345,7 @@ def test_rank_that_never_connects_fails_in_bounded_time(
     ring = tmp_path / "ring.json"
     ring.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
     t0 = time.monotonic()
-    r = subprocess.run(
+    r = processes.run(
         [sys.executable, "-m", "kvchat.app", "generate", "--model", str(tiny_checkpoint("llama")),
          "--prompt", "w5", "--raw"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
@@ -357,7 +362,7 @@ def test_rank_that_never_connects_fails_in_bounded_time(
 def test_mlx_launch_generate_json_rank0_alone_prints(stories260k: Path) -> None:
     want, _ = _single(stories260k, STORY, 30, None)
     port = _free_port(2)
-    r = subprocess.run(
+    r = processes.run(
         [str(MLX_LAUNCH), "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1",
          "--starting-port", str(port), sys.executable, "-m", "kvchat.app", "generate",
          "--model", str(stories260k), "--prompt", STORY, "--raw", "--max-tokens", "30",

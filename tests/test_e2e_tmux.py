@@ -9,7 +9,6 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -17,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
+from tests import processes
+
+from .conftest import STORIES260K
+
 REPO = Path(__file__).resolve().parents[1]
-STORIES = REPO.parent / "shared" / "models" / "stories260K"
+STORIES = STORIES260K
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed"),
-    pytest.mark.skipif(
-        not (STORIES / "config.json").is_file(),
-        reason=f"real model absent: {STORIES} (see DESIGN.md, Tests)",
-    ),
 ]
 
 
@@ -34,7 +33,7 @@ class Tmux:
         self.socket = socket
 
     def __call__(self, *args: str, check: bool = True) -> str:
-        out = subprocess.run(
+        out = processes.run(
             ["tmux", "-L", self.socket, "-f", "/dev/null", *args],
             capture_output=True,
             text=True,
@@ -43,6 +42,14 @@ class Tmux:
         if check and out.returncode != 0:
             raise AssertionError(f"tmux {' '.join(args)} failed: {out.stderr.strip()}")
         return out.stdout
+
+    def kill_server(self) -> None:
+        """End the server and every pane's process group: the app and its engine process
+        (an app that ignores the hang-up must not outlive a failed test)."""
+        panes = self("list-panes", "-a", "-F", "#{pane_pid}", check=False).split()
+        self("kill-server", check=False)
+        for pid in panes:
+            processes.kill_process_group(int(pid))
 
     def screen(self, target: str) -> str:
         return self("capture-pane", "-p", "-t", target)
@@ -115,7 +122,7 @@ def test_chat_in_tmux(tmp_path: Path) -> None:
         assert status.exists(), "the app did not quit on Ctrl+Q"
         assert status.read_text().strip() == "0"
     finally:
-        tmux("kill-server", check=False)
+        tmux.kill_server()
 
     # the stopped turn was autosaved
     chats = list((data / "chats").glob("*.json"))

@@ -60,7 +60,7 @@ def test_pull_progress_bars_in_a_terminal(tmp_path: Path) -> None:
             done = tmux.wait_screen("pull", lambda s: "ready" in s, timeout=60)
             assert _wait_file(status, 30) == "0"
         finally:
-            tmux("kill-server", check=False)
+            tmux.kill_server()
     final = [ln for ln in done.splitlines() if ln.strip()]
     assert final[1].startswith("total 7/7 files") and "100%" in final[1]
     assert len([ln for ln in final if ln.startswith("total ")]) == 1  # redrawn, not appended
@@ -94,4 +94,4 @@ def test_footer_at_80_columns_and_ctrl_c_stops(tmp_path: Path) -> None:
         tmux("send-keys", "-t", "chat", "C-q")
         assert _wait_file(status, 30) == "0"
     finally:
-        tmux("kill-server", check=False)
+        tmux.kill_server()

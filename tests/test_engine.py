@@ -24,10 +24,6 @@ from kvchat.model.events import (
 
 from .conftest import STORIES260K
 
-pytestmark = pytest.mark.skipif(
-    not STORIES260K.is_dir(), reason=f"real model folder absent: {STORIES260K}"
-)
-
 
 def Client(**kw) -> EngineClient:  # noqa: N802 - reads as a class at the call sites
     return EngineClient(STORIES260K, timeout=60, **kw)

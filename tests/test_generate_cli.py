@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from .conftest import REPO_ROOT, STORIES260K
+from tests import processes
 
-needs_model = pytest.mark.skipif(
-    not STORIES260K.is_dir(), reason=f"real model folder absent: {STORIES260K}"
-)
+from .conftest import REPO_ROOT, STORIES260K
 
 
 def kvchat(*args: str, stdin: str | None = None, env: dict | None = None):
-    return subprocess.run(
+    return processes.run(
         [sys.executable, "-m", "kvchat.app", *args],
         input=stdin,
         capture_output=True,
@@ -28,7 +25,6 @@ def kvchat(*args: str, stdin: str | None = None, env: dict | None = None):
     )
 
 
-@needs_model
 def test_generate_json_matches_mlx_lm_greedy():
     import mlx.core as mx
     from mlx_lm import load
@@ -62,7 +58,6 @@ def test_generate_json_matches_mlx_lm_greedy():
     assert out["cache_bytes"] == 2 * 5 * 4 * out["cache_tokens"] * 8 * 4
 
 
-@needs_model
 def test_both_tokenizer_files_give_the_same_generation():
     outs = []
     for kind in ("hf", "sentencepiece"):
@@ -74,7 +69,6 @@ def test_both_tokenizer_files_give_the_same_generation():
     assert outs[0]["ids"] == outs[1]["ids"] and outs[0]["text"] == outs[1]["text"]
 
 
-@needs_model
 def test_generate_streams_text_and_reads_stdin():
     r = kvchat("generate", "--model", str(STORIES260K), "--raw", "--max-tokens", "20",
                stdin="Once upon a time")
@@ -82,7 +76,6 @@ def test_generate_streams_text_and_reads_stdin():
     assert "Lily" in r.stdout
 
 
-@needs_model
 def test_generate_chat_template_fallback_and_system():
     r = kvchat("generate", "--model", str(STORIES260K), "--system", "Be brief.",
                "--prompt", "Tell me a story.", "--max-tokens", "8", "--json")

@@ -25,20 +25,18 @@ import pytest
 from kvchat.app.cli import generate as generate_cmd
 from kvchat.app.main import main
 from kvchat.model.events import Done, TurnStats
+from tests import processes
 
 from .conftest import REPO_ROOT, STORIES260K
 
-needs_model = pytest.mark.skipif(
-    not STORIES260K.is_dir(), reason=f"real model folder absent: {STORIES260K}"
-)
 RAW_CONTROL = "".join(map(chr, [*range(0, 9), *range(11, 32), *range(0x7F, 0xA0)]))
 ENV = {**os.environ, "KVCHAT_NO_OPENBLAS": "1", "PYTHONPATH": str(REPO_ROOT)}
 
 
 def kvchat(*args: str, stdin: bytes | None = None, timeout: float = 120
            ) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([sys.executable, "-m", "kvchat.app", *args], input=stdin,
-                          capture_output=True, cwd=REPO_ROOT, env=ENV, timeout=timeout)
+    return processes.run([sys.executable, "-m", "kvchat.app", *args], input=stdin,
+                         capture_output=True, cwd=REPO_ROOT, env=ENV, timeout=timeout)
 
 
 def one_line(stderr: bytes) -> str:
@@ -101,7 +99,6 @@ def test_json_load_error_prints_one_object(tmp_path: Path, capsys: Any) -> None:
     one_line(err.encode())
 
 
-@needs_model
 def test_zero_context_config_names_the_key_not_keep(tmp_path: Path) -> None:
     folder = Path(shutil.copytree(STORIES260K, tmp_path / "m"))
     cfg = json.loads((folder / "config.json").read_text())
@@ -116,7 +113,6 @@ def test_zero_context_config_names_the_key_not_keep(tmp_path: Path) -> None:
 # ---- --json counts, text fidelity, control characters ----------------------------------
 
 
-@needs_model
 def test_turn_error_counts_agree_with_prompt_ids() -> None:
     r = kvchat("generate", "--model", str(STORIES260K), "--prompt", "Once upon a time " * 20,
                "--overflow", "refuse", "--max-kv-size", "16", "--json")
@@ -127,7 +123,6 @@ def test_turn_error_counts_agree_with_prompt_ids() -> None:
     assert obj["generated_tokens"] == len(obj["ids"]) == 0
 
 
-@needs_model
 def test_non_utf8_stdin_is_decoded_with_replacement() -> None:
     r = kvchat("generate", "--model", str(STORIES260K), "--raw", "--max-tokens", "3",
                "--temp", "0", "--json", stdin=b"Once upon a caf\xe9 \xff\xfe time")
@@ -190,8 +185,8 @@ def test_error_line_from_a_template_makes_controls_visible(
 
 
 def spawn(*args: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "kvchat.app", *args], cwd=REPO_ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return processes.popen([sys.executable, "-m", "kvchat.app", *args], cwd=REPO_ROOT, env=ENV,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def wait_for_output(p: subprocess.Popen[bytes], timeout: float = 60) -> bytes:
@@ -212,7 +207,6 @@ ENDLESS = ["--model", str(STORIES260K), "--prompt", "Once upon a time", "--max-t
            "1000000", "--max-kv-size", "64", "--temp", "0.8", "--ignore-eos"]
 
 
-@needs_model
 def test_ctrl_c_once_cancels_with_130_and_one_object() -> None:
     p = spawn("generate", *ENDLESS, "--json")
     time.sleep(3)  # loaded and generating (or still loading: the same contract holds)
@@ -225,7 +219,6 @@ def test_ctrl_c_once_cancels_with_130_and_one_object() -> None:
     assert b"Traceback" not in err and err == b"", err
 
 
-@needs_model
 def test_ctrl_c_in_plain_mode_keeps_text_and_exits_130() -> None:
     p = spawn("generate", *ENDLESS)
     wait_for_output(p)
@@ -234,7 +227,6 @@ def test_ctrl_c_in_plain_mode_keeps_text_and_exits_130() -> None:
     assert p.returncode == 130 and b"Traceback" not in err, err
 
 
-@needs_model
 def test_ctrl_c_twice_quits_within_2_s() -> None:
     p = spawn("generate", *ENDLESS)
     wait_for_output(p)
@@ -287,8 +279,8 @@ t0 = time.monotonic()
 finish(0)
 """
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=ENV,
-                       capture_output=True, timeout=60)
+    r = processes.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=ENV,
+                      capture_output=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert b"terminate called" not in r.stderr and b"Traceback" not in r.stderr
     assert time.monotonic() - t0 < 0.5 + 2.0 + 5.0  # start-up (imports) + the 2 s bound

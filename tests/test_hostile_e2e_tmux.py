@@ -54,4 +54,4 @@ def test_quit_while_the_engine_is_busy(tmp_path: Path) -> None:
         screen = tmux.screen(target)
         assert "terminate called" not in screen and "Traceback" not in screen, screen
     finally:
-        tmux("kill-server", check=False)
+        tmux.kill_server()

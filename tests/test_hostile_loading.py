@@ -28,6 +28,7 @@ from kvchat.model.errors import ConfigError, KVChatError
 from kvchat.model.events import Done, GenParams, Loaded, LoadFailed
 from kvchat.model.files import read_json_object, safetensors_header
 from kvchat.model.weights import load_model
+from tests import processes
 
 from .conftest import REPO_ROOT
 
@@ -122,8 +123,8 @@ def test_overlapping_tensor_over_8tb_claim_in_a_real_folder(llama: Path) -> None
 def run_python(code: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     """Run `code` in a fresh interpreter: a reader blocked on a FIFO is killed, never hangs
     the test run."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return processes.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=timeout)
 
 
 def test_fifo_named_model_safetensors_is_refused(llama: Path) -> None:

@@ -10,7 +10,8 @@ import pytest
 
 from kvchat.app.cli import inspect as inspect_cmd
 
-STORIES = Path(__file__).resolve().parents[1].parent / "shared/models/stories260K"
+from .conftest import STORIES260K as STORIES
+
 GiB = 1024**3
 
 LLAMA_70B = {
@@ -37,8 +38,6 @@ def llama70b(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def stories() -> Path:
-    if not (STORIES / "config.json").is_file():
-        pytest.skip(f"real model absent: {STORIES}")
     return STORIES
 
 

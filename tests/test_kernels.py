@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +33,7 @@ import pytest
 from kvchat import metal_kernels
 from kvchat.metal_kernels import KernelError
 from kvchat.model.layers import rope_periods
+from tests import processes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HIDDEN = (1, 7, 64, 576, 4096, 8193)
@@ -301,8 +301,8 @@ def test_cli_exits_2_on_an_unusable_kernels_env(value: str, needle: str) -> None
         pytest.skip("this machine has Metal")
     env = {**os.environ, "KVCHAT_KERNELS": value, "PYTHONPATH": str(REPO_ROOT),
            "KVCHAT_NO_OPENBLAS": "1"}
-    res = subprocess.run([sys.executable, "-m", "kvchat.app", "models"], env=env, cwd=REPO_ROOT,
-                         capture_output=True, text=True, timeout=120)
+    res = processes.run([sys.executable, "-m", "kvchat.app", "models"], env=env, cwd=REPO_ROOT,
+                        capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], res.stderr

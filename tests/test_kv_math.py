@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from kvchat.model.config import ModelConfig
@@ -18,7 +16,8 @@ from kvchat.model.kv_math import (
     tokens_that_fit,
 )
 
-STORIES = Path(__file__).resolve().parents[1].parent / "shared/models/stories260K"
+from .conftest import STORIES260K as STORIES
+
 GiB = 1024**3
 
 LLAMA_70B = {
@@ -86,8 +85,6 @@ def test_dtype_bytes() -> None:
 
 
 def test_weights_bytes_from_headers() -> None:
-    if not (STORIES / "config.json").is_file():
-        pytest.skip(f"real model absent: {STORIES}")
     from kvchat.model.facts import model_facts
     from kvchat.model.weights import load_model, weight_bytes
 

@@ -238,7 +238,7 @@ async def test_prefill_progress_and_overflow_notice(env: Path) -> None:
         app.chat.bridge(Overflow(447, 1024, "prompt"))
         await wait_for(pilot, lambda: any("447" in m for m in messages(seen)))
         note = next(m for m in messages(seen) if "447" in m)
-        assert "1,024-token window" in note and "--max-kv-size" in note
+        assert "1,024-token window" in note and "max KV size" in note
         assert "Settings" in note and "\n" not in note
         engine(app).resume()
         await wait_for(pilot, lambda: not app.chat.generating)
@@ -352,12 +352,17 @@ async def test_settings_errors_use_labels_and_folders_theme_restore_are_saved(
         await pilot.press("ctrl+s")
         screen = app.screen
         assert isinstance(screen, SettingsScreen)
+        screen.query_one("#top_p", Input).value = "lots"  # a parse error carries its field
+        await pilot.press("ctrl+s")
+        assert app.focused is screen.query_one("#top_p", Input)
+        screen.query_one("#top_p", Input).value = "0.95"
         screen.query_one("#max_kv_size", Input).value = "4"
         screen.query_one("#keep", Input).value = "4"
         await pilot.press("ctrl+s")
         error = str(screen.query_one("#settings-error", Static).render())
         assert error.startswith("max KV size (4) must be at least keep + 1")
         assert "max_kv_size" not in error
+        assert app.focused is screen.query_one("#max_kv_size", Input)  # the error's field
         screen.query_one("#max_kv_size", Input).value = ""
         # model folders: add (saved absolute), remove
         extra = env / "more-models"
@@ -396,6 +401,9 @@ async def test_theme_input_history_and_last_chat_come_back(env: Path) -> None:
         chat = app.chat.conversation.id
     assert load_settings().theme == "gruvbox"
     again = make_app(env, theme="gruvbox")
+    loads: list[str] = []
+    read = again.chat.store.load
+    again.chat.store.load = lambda conv_id: loads.append(conv_id) or read(conv_id)  # type: ignore
     async with again.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await wait_for(pilot, lambda: again.chat.conversation.id == chat)
@@ -405,6 +413,7 @@ async def test_theme_input_history_and_last_chat_come_back(env: Path) -> None:
         assert again.chat.input.text == "second question"
         # once each, although reopening the chat also offers its messages
         assert again.chat.input.sent_history == ["first question", "second question"]
+        assert loads == [chat]  # the last chat is read from disk once
     # turned off: a fresh chat and an empty history
     off = make_app(env, restore_session=False)
     async with off.run_test(size=SIZE) as pilot:

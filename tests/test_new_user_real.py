@@ -11,7 +11,7 @@ from kvchat.app.core.discovery import model_rows
 from kvchat.model.events import Done
 from tests.scripted_engine import async_test, wait_for
 
-from .conftest import REPO_ROOT, STORIES260K
+from .conftest import REPO_ROOT
 from .test_tui_real import (
     env,  # noqa: F401  (hermetic config, data, HF cache, HOME)
     last,
@@ -23,8 +23,7 @@ from .test_tui_real import (
 
 MINI = REPO_ROOT / "assets" / "kvchat-mini"
 SIZE = (120, 40)
-pytestmark = [pytest.mark.skipif(not STORIES260K.is_dir(), reason="stories260K absent"),
-              pytest.mark.usefixtures("env")]
+pytestmark = [pytest.mark.usefixtures("env")]
 
 
 @async_test

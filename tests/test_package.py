@@ -4,13 +4,13 @@ way, no private Textual imports, and `kvchat --version`."""
 from __future__ import annotations
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from kvchat import app as _app
+from tests import processes
 
 REPO = Path(__file__).resolve().parents[1]
 # "" in the repository layout, "kvchat." once installed under the kvchat namespace
@@ -20,8 +20,8 @@ PREFIX = _app.__name__.removesuffix("app")
 def imported_after(statement: str) -> set[str]:
     """Top-level module names imported by a fresh interpreter running `statement`."""
     code = f"import sys\n{statement}\nprint(' '.join(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                         text=True, check=True, env={"PYTHONPATH": str(REPO)})
+    out = processes.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                        text=True, check=True, env={"PYTHONPATH": str(REPO)})
     return {m.split(".")[0] for m in out.stdout.split()}
 
 
@@ -63,8 +63,8 @@ def test_imports_point_one_way_and_textual_only_public() -> None:
 def test_version() -> None:
     from kvchat.app import __version__
 
-    out = subprocess.run([sys.executable, "-m", f"{PREFIX}app", "--version"], cwd=REPO,
-                         capture_output=True, text=True, env={"PYTHONPATH": str(REPO),
+    out = processes.run([sys.executable, "-m", f"{PREFIX}app", "--version"], cwd=REPO,
+                        capture_output=True, text=True, env={"PYTHONPATH": str(REPO),
                                                               "KVCHAT_NO_OPENBLAS": "1"})
     # first line the version; then MLX, its device and the BLAS in use (diagnostics)
     lines = out.stdout.splitlines()

@@ -152,12 +152,12 @@ def test_chunked_prefill_through_cache(name: str, folder_for: Callable, referenc
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("name", NAMES)
+# a config mlx-lm cannot express at all (None) has no run to compare; its gap is
+# documented by test_mlx_lm_misreads_config (a skip here would show in every run)
+@pytest.mark.parametrize("name", [n for n in NAMES if MLX_LM_CONFIG_FIX.get(n, {}) is not None])
 def test_matches_mlx_lm(name: str, fmt: str, folder_for: Callable) -> None:
     """Same folder, same logits as mlx-lm (given a config mlx-lm reads as transformers does)."""
     fix = MLX_LM_CONFIG_FIX.get(name, {})
-    if fix is None:
-        pytest.skip(f"mlx-lm 0.32.2 cannot express {name}: {TINY_SPECS[name].note}")
     folder = folder_for(name, fmt)
     theirs = mlx_lm_logits(folder, fix or None)
     ours = ours_logits(load_model(folder))

@@ -17,6 +17,7 @@ import pytest
 
 from kvchat.app.core.hub_download import PullCancelled, PullError, pull, repo_folder
 from kvchat.model.facts import check_model_folder
+from tests import processes
 
 from .conftest import REPO_ROOT
 from .fake_hub import FakeHub, FakeRepo
@@ -26,7 +27,7 @@ REPO = "kvchat-test/mini"
 
 
 def kvchat(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return processes.run(
         [sys.executable, "-m", "kvchat.app", *args], capture_output=True, text=True, cwd=REPO_ROOT,
         env={**os.environ, **env}, timeout=120,
     )

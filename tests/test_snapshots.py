@@ -28,7 +28,7 @@ from tests.scripted_engine import (
 )
 
 MODEL = "/models/stories260K"
-APP_CSS = Path(__file__).resolve().parents[1] / "app" / "kvchat.tcss"
+APP_CSS = Path(__file__).resolve().parents[1] / "app" / "tui" / "kvchat.tcss"
 
 
 @pytest.fixture(autouse=True)
@@ -38,6 +38,10 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     # the panel's BLAS row describes the test machine; pin it
     monkeypatch.setattr("kvchat.app.core.blas.active_blas",
                         lambda: {"name": "OpenBLAS", "path": None, "fast": True})
+    # and its threads row the test machine's cores: pin a 2-core automatic policy
+    from kvchat.model import threads
+
+    monkeypatch.setattr(threads, "_policy", threads.Policy(cores=2))
     return tmp_path
 
 
@@ -97,6 +101,26 @@ def test_main_screen_after_stop(snap_compare: Any) -> None:
         await pilot.pause(0.25)
 
     assert snap_compare(app, terminal_size=(120, 36), run_before=run_before)
+
+
+@pytest.mark.parametrize("size", [(60, 20), (80, 24), (120, 40), (200, 60)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_main_screen_at_every_size(snap_compare: Any, size: tuple[int, int]) -> None:
+    """A finished reply with a 64-token bound: below 100 columns the panel is hidden and
+    the status line under the transcript carries its numbers; Help and Quit always show."""
+    def factory(on_event: Any, path: str | None) -> ScriptedEngine:
+        return ScriptedEngine(on_event, path)
+
+    app = KVChatApp(MODEL, Settings(max_kv_size=64), engine_factory=factory)
+
+    async def run_before(pilot: Any) -> None:
+        await settle(pilot)
+        app.chat.input.load_text("Tell me a story")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not app.chat.phase.generating)
+        await pilot.pause(0.25)  # the panel's and the status line's 10 Hz refresh
+
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
 
 
 class PanelApp(App[None]):

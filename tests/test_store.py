@@ -28,6 +28,7 @@ from kvchat.app.core.store import (
     to_markdown,
 )
 from kvchat.model.errors import KVChatError
+from tests import processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -256,7 +257,8 @@ def test_failed_write_keeps_old_file(
     monkeypatch.undo()
 
     assert (tmp_path / f"{c.id}.json").read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{c.id}.json"]  # temp removed
+    # temp removed (the chat's lock file, .<id>.lock, stays: it is only ever locked)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{c.id}.lock", f"{c.id}.json"]
     assert len(st.load(c.id).messages) == 4
 
 
@@ -311,7 +313,7 @@ def test_sigkill_during_saves_never_corrupts(tmp_path: Path) -> None:
     rounds = mid_save = 0
     while rounds < 40 and not (rounds >= 6 and mid_save >= 2):
         rounds += 1
-        proc = subprocess.Popen(
+        proc = processes.popen(
             [sys.executable, "-c", _SAVER, str(root)],
             stdout=subprocess.PIPE,
             text=True,

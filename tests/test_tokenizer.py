@@ -13,9 +13,8 @@ from hypothesis import strategies as st
 
 from kvchat.model.errors import KVChatError, ModelLoadError
 from kvchat.model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from tests.conftest import STORIES260K as STORIES
 from tests.tokenizer_fixtures import (
-    STORIES,
-    STORIES_MISSING,
     byte_level_bpe,
     sentencepiece_byte_fallback,
     tokenizer_json_from_sentencepiece,
@@ -24,21 +23,17 @@ from tests.tokenizer_fixtures import (
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-needs_stories = pytest.mark.skipif(not STORIES.is_dir(), reason=STORIES_MISSING)
 PROPERTY = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @pytest.fixture(scope="module")
 def stories() -> dict[str, Tokenizer]:
-    if not STORIES.is_dir():
-        pytest.skip(STORIES_MISSING)
     return {k: load_tokenizer(STORIES, prefer=k) for k in ("sentencepiece", "hf")}
 
 
 # --- stories260K: the real model's two tokenizer files -----------------------------------
 
-@needs_stories
 def test_kind_is_chosen_by_files():
     assert load_tokenizer(STORIES).kind == "hf"  # both present: tokenizer.json wins
     assert load_tokenizer(STORIES, prefer="sentencepiece").kind == "sentencepiece"
@@ -79,7 +74,6 @@ SENTENCES = [
 ]
 
 
-@needs_stories
 @pytest.mark.parametrize("text", SENTENCES)
 def test_both_files_same_ids_on_sentences(stories, text):
     assert stories["sentencepiece"].encode(text) == stories["hf"].encode(text)
@@ -146,7 +140,6 @@ def test_add_bos_follows_config_then_post_processor(tmp_path, bpe, post_processo
         assert plain == ref(text, add_special_tokens=False)["input_ids"]
 
 
-@needs_stories
 @pytest.mark.parametrize("kind", ["sentencepiece", "hf"])
 def test_stories_matches_transformers(stories, kind):
     transformers = pytest.importorskip("transformers")
@@ -228,7 +221,6 @@ def _converted(sp_folder: Path) -> Tokenizer:
     return _CONVERTED[sp_folder]
 
 
-@needs_stories
 @pytest.mark.parametrize("legacy", [True, False, None])
 def test_legacy_prefix_after_special_tokens_like_transformers(tmp_path, legacy):
     """legacy=true: a dummy "▁" after every special token; false or absent: only at the start."""

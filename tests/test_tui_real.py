@@ -30,13 +30,9 @@ from kvchat.app.tui.widgets import ChatMessage
 from kvchat.app.tui.widgets.format import human_bytes
 from kvchat.model.engine_process import EngineProcess
 from kvchat.model.events import CacheRestored, Done, Event, GenParams, Loaded, Started
+from tests.conftest import STORIES260K as STORIES
 from tests.scripted_engine import async_test, record_notifications, wait_for
 
-STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
-pytestmark = pytest.mark.skipif(
-    not (STORIES / "config.json").is_file(),
-    reason=f"real model absent: {STORIES} (see DESIGN.md, Tests)",
-)
 SIZE = (120, 40)
 PROMPT = "Once upon a time"
 
@@ -397,30 +393,3 @@ async def test_real_key_latency_while_decoding(env: Path, capsys: pytest.Capture
     out = os.environ.get("KVCHAT_LATENCY_REPORT")
     if out:
         Path(out).write_text(json.dumps(report, indent=2) + "\n")
-
-
-@pytest.mark.skipif(
-    not os.environ.get("KVCHAT_SCREENSHOT"),
-    reason="set KVCHAT_SCREENSHOT=path/to/screenshot.svg to write the README screenshot",
-)
-@async_test
-async def test_real_readme_screenshot(env: Path) -> None:
-    """Main screen mid-generation with the real model (writes $KVCHAT_SCREENSHOT)."""
-    app, seen = real_app(settings(max_tokens=60))
-    async with app.run_test(size=(120, 36)) as pilot:
-        await ready(pilot)
-        await turn(pilot, "Once upon a time, there was a little robot")
-        app.chat.settings.max_tokens = 400
-        app.chat.input.load_text("The robot went to the park")
-        press_now(app, "enter", "\r")
-        await wait_for(pilot, lambda: busy(app))
-        while busy(app) and len(replies(app)[-1].content) < 260:
-            await asyncio.sleep(0.005)
-        assert busy(app), "the reply ended before the screenshot"
-        await asyncio.sleep(0.15)  # one panel refresh
-        svg = app.export_screenshot(title="kvchat")
-        await pilot.press("escape")
-        await wait_for(pilot, lambda: not busy(app))
-    target = Path(os.environ["KVCHAT_SCREENSHOT"])
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(svg)

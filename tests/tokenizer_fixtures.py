@@ -9,9 +9,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-STORIES = Path(__file__).resolve().parents[1].parent / "shared/models/stories260K"
-STORIES_MISSING = f"real model folder {STORIES} is absent (see DESIGN.md: ../shared/models)"
-
 CORPUS = [
     "Once upon a time there was a little girl named Lily. She liked to play in the park.",
     "You are a helpful assistant. Answer the question in one short sentence.",

@@ -15,6 +15,7 @@ from kvchat.app.core.text import SafeStream
 from kvchat.model.client import EngineClient
 from kvchat.model.errors import KVChatError, error_line
 from kvchat.model.events import Done, GenParams, stats_json
+from kvchat.model.kv_math import human_bytes
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
@@ -23,13 +24,23 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     d = GenParams()
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, metavar="N")
-    p.add_argument("--temp", type=float, default=d.temp, metavar="T", help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=d.top_p, metavar="P")
-    p.add_argument("--top-k", type=int, default=d.top_k, metavar="K", help="0 = off")
-    p.add_argument("--min-p", type=float, default=d.min_p, metavar="M")
-    p.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty, metavar="R")
-    p.add_argument("--seed", type=int, default=None, metavar="S")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, metavar="N",
+                   help="generate at most N tokens (default %(default)s)")
+    p.add_argument("--temp", type=float, default=d.temp, metavar="T",
+                   help="sampling temperature; 0 = greedy (default %(default)s)")
+    p.add_argument("--top-p", type=float, default=d.top_p, metavar="P",
+                   help="sample from the most likely tokens whose probabilities add up to P;"
+                   " 1 = off (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=d.top_k, metavar="K",
+                   help="sample from the K most likely tokens; 0 = off (default %(default)s)")
+    p.add_argument("--min-p", type=float, default=d.min_p, metavar="M",
+                   help="drop tokens less likely than M x the likeliest; 0 = off"
+                   " (default %(default)s)")
+    p.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty,
+                   metavar="R", help="penalise tokens of the last"
+                   f" {d.repetition_context_size} by R; 1 = off (default %(default)s)")
+    p.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="random seed (default: a new one each run)")
     p.add_argument("--max-kv-size", type=int, default=None, metavar="N",
                    help="bound the KV cache to N tokens (rotating); default: the context length")
     p.add_argument("--keep", type=int, default=None, metavar="K",
@@ -42,19 +53,34 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop when this text appears (repeatable)")
 
 
+def chat_defaults_note() -> str:
+    """--help's epilog: the chat keeps its own sampling defaults (its settings file)."""
+    from kvchat.app.core.settings import Settings, settings_path
+
+    s = Settings()
+    return (f"These defaults are greedy and reproducible. The chat (kvchat without a command)"
+            f" has its own, in {settings_path()}: temperature {s.temp}, top-p {s.top_p},"
+            f" min-p {s.min_p}, repetition penalty {s.repetition_penalty},"
+            f" max tokens {s.max_tokens}.")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = chat_defaults_note()
     add_model_argument(p)
     p.add_argument("--prompt", metavar="TEXT", help="prompt text (default: read stdin)")
     p.add_argument("--system", metavar="TEXT", help="system prompt")
     p.add_argument("--raw", action="store_true",
                    help="skip the chat template; add BOS as the tokenizer says")
     p.add_argument("--tokenizer", choices=["auto", "sentencepiece", "hf"], default="auto",
-                   help="tokenizer file to use: auto prefers tokenizer.json over tokenizer.model")
+                   help="tokenizer file to use: auto prefers tokenizer.json over tokenizer.model"
+                   " (default %(default)s)")
     add_sampling_arguments(p)
     p.add_argument("--ignore-eos", action="store_true",
                    help="generate --max-tokens tokens: EOS (and a base model's BOS) does not"
                    " end the reply, as llama.cpp's --ignore-eos")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--quiet", action="store_true",
+                   help="no statistics line on stderr after the text")
 
 
 def params_from_args(args: argparse.Namespace) -> GenParams:
@@ -122,6 +148,8 @@ def _prompt(args: argparse.Namespace) -> tuple[Any, GenParams]:
         text = _read_stdin()
     else:
         raise UsageError("give --prompt TEXT or pipe the prompt on stdin")
+    if not text.strip():
+        raise UsageError("the prompt is empty: give --prompt TEXT or pipe text on stdin")
     if args.raw:
         return text, params
     system = _text_arg(args.system)
@@ -180,6 +208,26 @@ def run(args: argparse.Namespace) -> int:
         if streamed or tail:
             sys.stdout.write(tail + "\n")
         sys.stdout.flush()
+        if done.finish_reason == "context_full":  # --overflow refuse: say why it stopped
+            print(f"kvchat: {context_full_line(done)}", file=sys.stderr)
+        if done.finish_reason not in ("error", "cancelled") and not args.quiet:
+            print(f"kvchat: {stats_line(done)}", file=sys.stderr)
     if done.finish_reason == "error":
         report(done.error or "generation failed")
     return rc
+
+
+def context_full_line(done: Done) -> str:
+    cap = done.stats.cache_capacity
+    window = f"the {cap:,}-token cache" if cap else "the cache"
+    return (f"stopped: {window} is full (--overflow refuse); give a larger --max-kv-size"
+            " or --overflow rotate")
+
+
+def stats_line(done: Done) -> str:
+    """Plain mode's one line on stderr, as mlx_lm.generate prints it: the prompt and the
+    generation (tokens and rate), then the peak memory of the turn."""
+    s = done.stats
+    return (f"prompt {len(done.prompt_ids):,} tokens at {s.prefill_tps or 0:,.1f} tok/s"
+            f" · generated {len(done.ids):,} tokens at {s.decode_tps or 0:,.1f} tok/s"
+            f" · peak memory {human_bytes(s.peak_memory or 0)}")

@@ -174,7 +174,8 @@ def _ranks(args: argparse.Namespace, source: Path, cfg: ModelConfig, dtype_bytes
     sizes, or estimated from the config's shapes when there are no weights."""
     if args.hosts is None:
         return None
-    from kvchat.model.pipeline import config_tensor_bytes, split_table, tensor_bytes
+    from kvchat.model.files import tensor_bytes
+    from kvchat.model.pipeline import config_tensor_bytes, split_table
 
     sizes = tensor_bytes(source) if args.model else config_tensor_bytes(cfg, dtype_bytes)
     return split_table(cfg, sizes, args.hosts, dtype_bytes, context)
@@ -263,11 +264,15 @@ def _render(o: dict[str, Any]) -> str:
     lines.append("")
     f = o.get("facts")
     if f:
-        held = f["file_dtype"] or "no float"
+        # a quantized folder's float tensors are only its scales, norms and biases
+        held = (f"quantized: {f['quantization']}" if f.get("quantization")
+                else f"{f['file_dtype'] or 'no float'} tensors")
         lines.append(f"weights: {_b(f['weight_bytes'])} loaded as {f['compute_dtype']} on the"
-                     f" {f['device']} (files: {_b(f['file_bytes'])}, {held} tensors)")
+                     f" {f['device']} (files: {_b(f['file_bytes'])}, {held})")
         if f["file_dtype"] and f["file_dtype"] != f["compute_dtype"]:
-            lines.append(f"note: the files hold {f['file_dtype']}; kvchat computes and caches in"
+            what = ("the files' float tensors (scales, norms) are" if f.get("quantization")
+                    else "the files hold")
+            lines.append(f"note: {what} {f['file_dtype']}; kvchat computes and caches in"
                          f" {f['compute_dtype']} on the {f['device']}, so the figures above use"
                          f" {f['kv_dtype_bytes']} B/element")
     if o["budget_bytes"] is not None:

@@ -42,6 +42,10 @@ ACTIONS: tuple[Action, ...] = (
     Action("interrupt", "ctrl+c", "", "stop the reply; twice: quit",
            "Stop the reply, or quit when pressed twice"),
     Action("layers", "ctrl+l", "Layers", "per-layer KV cache view", "Layer cache view"),
+    # below PANEL_MIN_COLUMNS the panel starts hidden and a status line replaces it
+    Action("toggle_panel", "f3,ctrl+g", "Panel",
+           "hide / show the stats panel (a status line instead)",
+           "Hide or show the stats panel"),
     Action("help", "f1", "Help", "this help", "Keys (help)", scope="app"),
     # the palette already has Textual's own "Quit"
     Action("quit", "ctrl+q", "Quit", "quit kvchat", scope="app"),
@@ -77,6 +81,18 @@ def help_rows(key_display: Callable[[Binding], str]) -> list[tuple[str, str]]:
             keys = [key_display(Binding(k, a.name)) for k in a.keys.split(",")]
             rows.append((" / ".join(keys), a.help))
     return rows
+
+
+# first in the footer whatever has focus: a narrow terminal cuts the footer's right end
+FOOTER_FIRST = ("help", "quit")
+_FOOTER_ORDER = {name: i for i, name in enumerate(
+    [*FOOTER_FIRST, *(a.name for a in ACTIONS if a.footer and a.name not in FOOTER_FIRST)])}
+
+
+def footer_rank(action: str) -> int:
+    """Where a key goes in the footer: Help and Quit, then the table's order; keys that
+    are not in the table (a widget's own) after them."""
+    return _FOOTER_ORDER.get(action, len(_FOOTER_ORDER))
 
 
 def palette(scope: str) -> list[Action]:

@@ -9,20 +9,23 @@ worker; the only worker thread (model discovery in the picker) reads files.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from textual.app import App, SystemCommand
+from textual.content import Content
 from textual.screen import Screen
 
 from kvchat import metal_kernels
 from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.settings import Settings, load_settings
-from kvchat.app.core.store import ConversationStore
-from kvchat.app.core.text import SafeNotify
+from kvchat.app.core.store import ConversationStore, StoreError, write_near_data
+from kvchat.app.core.text import SafeNotify, visible
 from kvchat.app.tui.actions import bindings, help_rows, palette
+from kvchat.app.tui.readable import readable_variables
 from kvchat.app.tui.screens import ChatScreen, HelpScreen
 from kvchat.model.events import EngineFactory, EngineLike, Event
 
@@ -37,10 +40,40 @@ def validate_model_path(path: str | Path) -> Path:
 
 
 def _default_engine(on_event: Callable[[Event], None], model_path: str | None) -> EngineLike:
-    """The engine in a child process: the UI and the model never share an interpreter."""
+    """The engine in a child process: the UI and the model never share an interpreter;
+    then this (the UI's) process steps back so the engine wins a contended core."""
     from kvchat.model.engine_process import EngineProcess
 
-    return EngineProcess(on_event, model_path)
+    engine = EngineProcess(on_event, model_path)
+    yield_to_engine()
+    return engine
+
+
+UI_NICE = 5  # the UI process's niceness above the engine's (README, "The chat's speed")
+_ui_niced = False
+
+
+def yield_to_engine() -> None:
+    """Lower this process's priority by UI_NICE, once, after the engine's child started
+    (a child started later inherits it). Linux niceness is per thread, so every thread
+    is set; threads started later inherit it from the UI thread. The UI process runs no
+    matmuls, so it also keeps OpenBLAS to one thread."""
+    global _ui_niced
+    if _ui_niced or not hasattr(os, "setpriority"):
+        return
+    _ui_niced = True
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]  # not Linux: the calling process
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + UI_NICE)
+        except OSError:
+            pass  # a thread that ended meanwhile
+    from kvchat.model import threads
+
+    threads.set_threads(1)
 
 
 def in_process_engine(on_event: Callable[[Event], None], model_path: str | None) -> EngineLike:
@@ -50,12 +83,21 @@ def in_process_engine(on_event: Callable[[Event], None], model_path: str | None)
     return Engine(on_event, model_path)
 
 
+TEXTUAL_COMMANDS_KEPT = ("Theme", "Quit")
+# columns: narrower, the side panel would leave the chat about 40 (at 80)
+NARROW_BELOW = 100
+
+
 class KVChatApp(SafeNotify, App[int]):
     """Chat with a local model and watch the engine work."""
 
     CSS_PATH = "kvchat.tcss"
     TITLE = "kvchat"
     BINDINGS = bindings("app")
+    # every screen gets -narrow or -wide from the terminal's width: kvchat.tcss hides the
+    # side panel below it (a status line instead, unless the panel key chose) and gives
+    # dialogs the whole width
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (NARROW_BELOW, "-wide")]
 
     def __init__(
         self,
@@ -73,6 +115,19 @@ class KVChatApp(SafeNotify, App[int]):
             model_path,
         )
 
+    def get_css_variables(self) -> dict[str, str]:
+        # every text colour at 4.5:1 or better, whichever theme is active
+        self.theme_variables = readable_variables(super().get_css_variables())
+        return self.theme_variables
+
+    def format_title(self, title: str, sub_title: str) -> Content:
+        # literal text (as SafeNotify's); the model's name in $text-muted where Textual
+        # dims it, which falls below 4.5:1 on a light theme's header
+        if not sub_title:
+            return Content(visible(title))
+        return Content.assemble(Content(visible(title)), (" — ", "$text-muted"),
+                                Content(visible(sub_title)).stylize("$text-muted"))
+
     def get_default_screen(self) -> Screen[Any]:
         return self.chat
 
@@ -86,13 +141,32 @@ class KVChatApp(SafeNotify, App[int]):
         self.push_screen(HelpScreen(help_rows(self.get_key_display)))
 
     def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
+        # of Textual's own: only those that work here (its "Keys" duplicated F1's help,
+        # "Maximize" blew the input box up to the whole screen, its "Screenshot" failed
+        # without ~/Downloads)
+        yield from (c for c in super().get_system_commands(screen)
+                    if c.title in TEXTUAL_COMMANDS_KEPT)
+        yield SystemCommand("Screenshot", "Save an SVG of the screen in kvchat's data folder",
+                            lambda: self.set_timer(0.1, self.take_screenshot))
         scopes = [("app", self)] + ([("chat", self.chat)] if screen is self.chat else [])
         for scope, target in scopes:
             for a in palette(scope):
                 yield SystemCommand(a.palette, a.help, partial(self.run_action, a.name, target))
         switch = self.chat.switch_kernels  # the engine switches where the model runs
         yield from (SystemCommand(*c) for c in metal_kernels.switch_commands(switch))
+
+
+    def take_screenshot(self) -> Path | None:
+        """An SVG of the screen in <data dir>/screenshots (else the current folder); the
+        path is shown."""
+        try:
+            path = write_near_data(self.chat.store, "screenshots", lambda folder: Path(
+                self.save_screenshot(path=str(folder))))
+        except StoreError as e:
+            self.notify(str(e), severity="error", title="No screenshot")
+            return None
+        self.notify(str(path), title="Screenshot saved")
+        return path
 
 
 def default_model_path(settings: Settings) -> str | None:

@@ -19,11 +19,8 @@ def prefill_label(ev: PrefillProgress) -> str:
 
 def overflow_message(ev: Overflow) -> str:
     where = "the prompt" if ev.during == "prompt" else "the reply"
-    return (
-        f"The chat no longer fits the {ev.capacity:,}-token window: {ev.dropped:,} oldest tokens"
-        f" were dropped while reading {where} (the first few are kept). Max KV size in"
-        " Settings (Ctrl+S) or --max-kv-size sets the window."
-    )
+    return (f"The chat outgrew the {ev.capacity:,}-token window: {ev.dropped:,} oldest tokens"
+            f" dropped during {where}. Settings (Ctrl+S) › max KV size sets the window.")
 
 
 def on_turn_event(
@@ -32,8 +29,9 @@ def on_turn_event(
     reply: ChatMessage | None,
     notify: Callable[..., Any],
 ) -> None:
-    """Prefill progress in the panel and the reply's header; overflow as a warning that
-    stays on screen a while and a note on the reply."""
+    """Prefill progress in the panel and the reply's header. Overflow: one lasting line in
+    the panel for the chat, a warning toast the first time only (a small window overflows
+    every turn, and stacked toasts covered the replies), and a note on the reply."""
     if isinstance(ev, PrefillProgress):
         if ev.done >= ev.total:
             if reply is not None and reply.streaming:
@@ -45,7 +43,8 @@ def on_turn_event(
         if reply is not None:
             reply.border_subtitle = prefill_label(ev)
     else:
-        notify(overflow_message(ev), severity="warning", title="Context full", timeout=15)
+        if panel.note_overflow():
+            notify(overflow_message(ev), severity="warning", title="Context full", timeout=15)
         if reply is not None:
             reply.tooltip = overflow_message(ev)
             reply.add_class("-overflow")

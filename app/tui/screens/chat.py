@@ -21,11 +21,17 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.screen import Screen
-from textual.widgets import Footer, Header, LoadingIndicator, Static
+from textual.widgets import Header, LoadingIndicator, Static
 
 from kvchat.app.core.settings import Settings, remember_model
-from kvchat.app.core.store import Conversation, ConversationStore, StoreError, export_markdown
-from kvchat.app.core.text import literal
+from kvchat.app.core.store import (
+    Conversation,
+    ConversationStore,
+    StoreError,
+    export_markdown,
+    write_near_data,
+)
+from kvchat.app.core.text import clipboard_text, literal
 from kvchat.app.tui.actions import bindings
 from kvchat.app.tui.bridge import Bridge, EngineEvent, TextReady
 from kvchat.app.tui.interrupt import InterruptKey
@@ -42,7 +48,14 @@ from kvchat.app.tui.session import (
 )
 from kvchat.app.tui.turn import FINISH_PHASE, Phase, step
 from kvchat.app.tui.turn_notices import on_turn_event
-from kvchat.app.tui.widgets import ChatInput, ChatMessage, StatsPanel, Transcript
+from kvchat.app.tui.widgets import (
+    ActionFooter,
+    ChatInput,
+    ChatMessage,
+    StatsPanel,
+    StatusLine,
+    Transcript,
+)
 from kvchat.app.tui.widgets.format import fmt_bytes
 from kvchat.model.errors import KVChatError
 from kvchat.model.events import (
@@ -124,15 +137,17 @@ class ChatScreen(InterruptKey, Screen[None]):
     # ---- layout ---------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield Header()
+        panel = StatsPanel(id="stats")
         with Horizontal(id="main"):
             with Vertical(id="chat"):
                 yield Transcript(id="transcript")
+                yield StatusLine(panel, id="status-line")
                 with Horizontal(id="loading"):
                     yield LoadingIndicator()
                     yield Static("", id="loading-label", markup=False)
                 yield ChatInput(id="input")
-            yield StatsPanel(id="stats")
-        yield Footer(compact=True)
+            yield panel
+        yield ActionFooter(compact=True)
 
     @property
     def transcript(self) -> Transcript:
@@ -148,6 +163,7 @@ class ChatScreen(InterruptKey, Screen[None]):
 
     def on_mount(self) -> None:
         self.sub_title = "no model"
+        self.panel.set_bound(self.settings.max_kv_size, self.settings.keep)
         self.input.focus()
         for w in self.settings.warnings:
             self.notify(w, severity="warning", title="Settings")
@@ -162,6 +178,7 @@ class ChatScreen(InterruptKey, Screen[None]):
 
     def on_unmount(self) -> None:
         self.close_engine()
+        self.store.close()  # the chat is free for another window (process exit does it too)
 
     def close_engine(self) -> None:
         self.bridge.closed = True
@@ -225,7 +242,7 @@ class ChatScreen(InterruptKey, Screen[None]):
             self.notify(ev.reprefill_reason, title="Cache")
         if self._restored_tokens:  # the first turn of a chat reopened with its cache
             self.notify(
-                f"{ev.cached_tokens:,} tokens from the saved cache;"
+                f"{self.panel.held(ev.cached_tokens):,} tokens from the saved cache;"
                 f" {ev.reprefilled_tokens:,} re-prefilled.",
                 title="Reopened warm",
             )
@@ -314,9 +331,10 @@ class ChatScreen(InterruptKey, Screen[None]):
         conv = self.conversation
         if ev.finish_reason == "error":
             self.notify(ev.error or "generation failed", severity="error", title="Error")
-            if ev.text:
+            if ev.text:  # the reply so far (a rank died mid-reply): kept, marked, saved
                 await reply.finish(ev.text, stopped=True, note="error")
                 conv.add_message("assistant", ev.text, stopped=True)
+                self._autosave()
             else:
                 await reply.remove()
             return
@@ -327,6 +345,7 @@ class ChatScreen(InterruptKey, Screen[None]):
 
     def _save_chat(self) -> bool:
         try:
+            self.store.claim(self.conversation.id)  # this window's chat: held until it moves on
             self.store.save(self.conversation)
         except StoreError as e:
             self.notify(str(e), severity="error", title="Chat not saved")
@@ -478,6 +497,7 @@ class ChatScreen(InterruptKey, Screen[None]):
             return
         self._end_edit()
         self._restored_tokens = 0
+        self.store.release(self.conversation.id)
         self.conversation = Conversation(
             system_prompt=self.settings.system_prompt, model=self.model_path
         )
@@ -509,6 +529,7 @@ class ChatScreen(InterruptKey, Screen[None]):
         if new is None:
             return
         self.settings = new
+        self.panel.set_bound(new.max_kv_size, new.keep)
         use_saved_theme(self)  # after the swap: the theme hook saves into these settings
         # the open chat follows the new system prompt from its next turn
         self.conversation.system_prompt = new.system_prompt
@@ -535,9 +556,16 @@ class ChatScreen(InterruptKey, Screen[None]):
         except StoreError as e:
             self.notify(str(e), severity="error")
             return False
+        await self.show_conversation(conv)
+        return True
+
+    async def show_conversation(self, conv: Conversation) -> None:
+        """Make `conv` (already read from the store) the open chat."""
+        conv_id = conv.id
         self._end_edit()
         self._restored_tokens = 0  # set again if this chat's cache comes back
-        self.conversation = conv
+        opened = self._claim(conv)
+        self.conversation = opened
         self.panel.clear_cache_stats()  # the figures were the previous chat's
         await self.transcript.remove_children()
         widgets = [
@@ -547,12 +575,26 @@ class ChatScreen(InterruptKey, Screen[None]):
         if widgets:
             await self.transcript.mount_all(widgets)
         self.transcript.follow()
-        self.input.sent_history.extend(m["content"] for m in conv.messages if m["role"] == "user")
+        for m in conv.messages:  # its messages become the newest history, never twice
+            if m["role"] == "user":
+                self.input.remember(m["content"])
         cache = self.store.cache_path(conv_id)
         if self.engine is not None and self.settings.save_kv_cache and cache.is_file():
             self.engine.restore_cache(cache)
-        self.notify(f"Opened “{conv.title or 'New chat'}”", title="History")
-        return True
+        if opened is conv:
+            self.notify(f"Opened “{conv.title or 'New chat'}”", title="History")
+
+    def _claim(self, conv: Conversation) -> Conversation:
+        """One writer per chat: this window holds `conv`, or gets a copy of it (and says
+        so) when another kvchat window has it open."""
+        previous = self.conversation.id
+        if previous != conv.id:
+            self.store.release(previous)
+        if self.store.claim(conv.id):
+            return conv
+        self.notify(f"“{conv.title or 'New chat'}” is open in another kvchat window; this is"
+                    " a copy, saved as a chat of its own", severity="warning", title="History")
+        return conv.copy()
 
     def action_export(self) -> Path | None:
         conv = self.conversation
@@ -560,16 +602,21 @@ class ChatScreen(InterruptKey, Screen[None]):
             self.notify("Nothing to export yet.", severity="warning")
             return None
         name = f"{_slug(conv.title) or 'chat'}-{conv.id}.md"
-        for folder in (self.store.root.parent / "exports", Path.cwd()):
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-                path = export_markdown(conv, folder / name)
-            except (OSError, StoreError):
-                continue
-            self.notify(str(path), title="Exported")
-            return path
-        self.notify(f"Cannot write {name} to the data folder or here.", severity="error")
-        return None
+        try:
+            path = write_near_data(self.store, "exports",
+                                   lambda folder: export_markdown(conv, folder / name))
+        except StoreError as e:
+            self.notify(f"{name}: {e}", severity="error", title="Not exported")
+            return None
+        self.notify(str(path), title="Exported")
+        return path
+
+    def action_toggle_panel(self) -> None:
+        """Hide or show the stats panel; the choice holds until the next press, whatever
+        the width does meanwhile."""
+        shown = not self.panel.display
+        self.set_class(shown, "-panel-shown")
+        self.set_class(not shown, "-panel-hidden")
 
     def action_layers(self) -> None:
         self.app.push_screen(LayerCacheScreen(self._layer_rows))
@@ -588,8 +635,11 @@ class ChatScreen(InterruptKey, Screen[None]):
         if target is None or not target.content:
             self.notify("No reply to copy yet.", severity="warning")
             return
-        self.app.copy_to_clipboard(target.content)
-        self.notify(f"Copied the reply ({len(target.content)} characters).", title="Clipboard")
+        text = clipboard_text(target.content)  # never a terminal sequence on the clipboard
+        self.app.copy_to_clipboard(text)
+        # OSC 52 is write-only: whether the terminal took it cannot be known, so say how
+        self.notify(f"Sent the reply ({len(text):,} characters) to the terminal's"
+                    " clipboard (OSC 52). In tmux: set -g set-clipboard on.", title="Copy")
 
 
 def _slug(text: str) -> str:

@@ -36,7 +36,9 @@ class HistoryScreen(ModalScreen[str | None]):
         self.store = store
         self.current_id = current_id
         self.armed: str | None = None  # the chat a first Delete asked about
-        self.deleted: list[Conversation] = []  # Ctrl+Z restores the last one
+        # Ctrl+Z restores the last one (its file and K/V cache wait in the store's trash,
+        # emptied when this screen closes)
+        self.deleted: list[Conversation] = []
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog", classes="dialog -history"):
@@ -47,6 +49,14 @@ class HistoryScreen(ModalScreen[str | None]):
     def on_mount(self) -> None:
         self._fill(select=self.current_id)
         self.query_one("#chats", DataTable).focus()
+        if self.store.skipped:  # one line naming the first file, and why; it stays on disk
+            _, why = self.store.skipped[0]
+            more = len(self.store.skipped) - 1
+            self.notify(why + (f" (and {more} more)" if more else ""), severity="warning",
+                        title="Chat file skipped")
+
+    def on_unmount(self) -> None:
+        self.store.empty_trash()
 
     def _fill(self, select: str | None = None) -> None:
         table = self.query_one("#chats", DataTable)
@@ -108,8 +118,7 @@ class HistoryScreen(ModalScreen[str | None]):
             return
         self.armed = None
         try:
-            conv = self.store.load(conv_id)
-            self.store.delete(conv_id)
+            conv = self.store.trash(conv_id)
         except StoreError as e:
             self.notify(str(e), severity="error")
             return
@@ -127,7 +136,7 @@ class HistoryScreen(ModalScreen[str | None]):
             return
         conv = self.deleted.pop()
         try:
-            self.store.save(conv)
+            self.store.untrash(conv.id)
         except StoreError as e:
             self.deleted.append(conv)
             self.notify(str(e), severity="error")

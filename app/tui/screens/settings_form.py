@@ -42,7 +42,11 @@ _NAME_RE = re.compile(r"\b(" + "|".join(sorted(LABELS, key=len, reverse=True)) +
 
 
 class FormError(KVChatError):
-    """A field that does not parse; one line naming it."""
+    """A field that does not parse; one line naming it, `field` the field."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def _shown(value: Any) -> str:
@@ -52,12 +56,6 @@ def _shown(value: Any) -> str:
 def in_form_words(message: str) -> str:
     """'top_p must be in (0, 1]' -> 'top-p must be in (0, 1]': the form's labels."""
     return _NAME_RE.sub(lambda m: LABELS[m.group(1)], message)
-
-
-def field_of(message: str) -> str | None:
-    """The first field a validation message is about (to focus it)."""
-    m = _NAME_RE.search(message)
-    return m.group(1) if m else None
 
 
 def parse_field(name: str, kind: str, raw: str) -> Any:
@@ -70,7 +68,7 @@ def parse_field(name: str, kind: str, raw: str) -> Any:
         return int(raw)
     except ValueError:
         want = "a number" if kind == "float" else "a whole number"
-        raise FormError(f"{LABELS[name]} must be {want} (got {raw!r})") from None
+        raise FormError(f"{LABELS[name]} must be {want} (got {raw!r})", name) from None
 
 
 class SettingsScreen(ModalScreen[Settings | None]):
@@ -121,7 +119,8 @@ class SettingsScreen(ModalScreen[Settings | None]):
                 yield Button("Cancel", id="cancel")
 
     def on_mount(self) -> None:
-        self.query_one("#temp", Input).focus()
+        # the first field: a system prompt typed at once must land in the system prompt
+        self.query_one("#system_prompt", TextArea).focus()
 
     def collect(self) -> Settings:
         """The form's values as Settings (raises FormError / SettingsError, one line)."""
@@ -145,8 +144,8 @@ class SettingsScreen(ModalScreen[Settings | None]):
             # one line in the form's words; the form keeps what was typed
             text = in_form_words(str(e))
             error.update(literal(text))
-            name = field_of(str(e)) or field_of_label(str(e))
-            if name:
+            name = getattr(e, "field", None)  # FormError and SettingsError carry it
+            if name in LABELS:
                 self.query_one(f"#{name}", Input).focus()
             self.notify(text, severity="error", title="Settings not saved")
             return
@@ -197,10 +196,3 @@ class SettingsScreen(ModalScreen[Settings | None]):
         else:
             self.dismiss(None)
 
-
-def field_of_label(message: str) -> str | None:
-    """A FormError already speaks in labels: find its field the other way round."""
-    for name, label in LABELS.items():
-        if message.startswith(label + " "):
-            return name
-    return None

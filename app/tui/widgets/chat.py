@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from markdown_it import MarkdownIt
 from textual import events
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
@@ -12,6 +15,21 @@ from textual.widgets.markdown import MarkdownStream
 from kvchat.app.core.text import SafeStream, visible
 
 ROLE_TITLES = {"user": "you", "assistant": "assistant", "system": "system"}
+
+
+def _typed_text() -> MarkdownIt:
+    """Markdown as typed in a chat box: a newline is a line break, not a space (markdown-it's
+    "breaks" option only changes its HTML renderer; Textual reads the tokens)."""
+    md = MarkdownIt("gfm-like")
+
+    def hard_breaks(state: Any) -> None:
+        for token in state.tokens:
+            for child in token.children or ():
+                if child.type == "softbreak":
+                    child.type = "hardbreak"
+
+    md.core.ruler.push("typed_line_breaks", hard_breaks)
+    return md
 
 
 class ChatMessage(Vertical):
@@ -55,8 +73,11 @@ class ChatMessage(Vertical):
         self._set_subtitle()
 
     def compose(self):
-        # user text is Markdown too (code fences, lists); the system prompt stays plain
-        if self.role in ("assistant", "user"):
+        # user text is Markdown too (code fences, lists), with every newline kept as typed
+        # (Ctrl+J); the system prompt stays plain
+        if self.role == "user":
+            yield Markdown(visible(self.content), classes="body", parser_factory=_typed_text)
+        elif self.role == "assistant":
             yield Markdown(visible(self.content), classes="body")
         else:
             yield Static(visible(self.content), markup=False, classes="body")
@@ -178,7 +199,11 @@ class ChatInput(TextArea):
 
     # ---- history --------------------------------------------------------------------
     def remember(self, text: str) -> None:
-        if text.strip() and (not self.sent_history or self.sent_history[-1] != text):
+        """`text` becomes the newest entry; an earlier copy of it is dropped, so the
+        history (and session.json) never holds one message twice."""
+        if text.strip():
+            if text in self.sent_history:
+                self.sent_history.remove(text)
             self.sent_history.append(text)
         self._hist_pos = None
         self._draft = ""

@@ -26,6 +26,7 @@ from kvchat.app.tui.widgets.format import (
     fmt_saving,
     fmt_seconds,
 )
+from kvchat.model import threads
 from kvchat.model.events import CACHE_FIELDS, TURN_FIELDS, TurnStats
 
 REFRESH_S = 0.1
@@ -51,11 +52,16 @@ def _lines(*rows: Text) -> Text:
 
 
 def _set(widget: Static, text: Text) -> None:
-    """Update without a screen re-layout unless the number of lines changed (a layout
-    pass costs far more than the repaint, and this runs 10 times a second)."""
+    """Update only when the text changed (while decoding, the model and runtime sections
+    never do), and without a screen re-layout unless the number of lines changed (a
+    layout pass costs far more than the repaint, and this runs 10 times a second)."""
+    key = (text.plain, tuple(text.spans), str(text.style))  # Text == compares plain only
+    if key == getattr(widget, "_kv_text", None):
+        return
     lines = len(text.plain.split("\n"))
     widget.update(text, layout=lines != getattr(widget, "_kv_lines", None))
     widget._kv_lines = lines  # type: ignore[attr-defined]
+    widget._kv_text = key  # type: ignore[attr-defined]
 
 
 def decode_elapsed(stats: TurnStats) -> float | None:
@@ -73,7 +79,7 @@ class ContextGauge(Static):
 
     BAR_W = 18
 
-    def set_fill(self, tokens: int, capacity: int) -> None:
+    def set_fill(self, tokens: int, capacity: int, overflowed: bool = False) -> None:
         frac = tokens / capacity if capacity > 0 else 0.0
         level = context_level(tokens, capacity)
         for lvl in ("ok", "warn", "danger"):
@@ -82,7 +88,11 @@ class ContextGauge(Static):
         bar = Text("█" * full, style="bold")
         bar.append("░" * (self.BAR_W - full), style="dim")
         bar.append(f" {frac * 100:3.0f}%")
-        _set(self, _lines(bar, Text(f"{tokens:,} / {capacity:,} tokens", style="dim")))
+        # not dim: a dimmed gauge colour falls below 4.5:1 in a light theme
+        lines = [bar, Text(f"{tokens:,} / {capacity:,} tokens")]
+        if overflowed:  # this chat's one lasting context notice
+            lines.append(Text("window full: oldest tokens dropped", style="bold"))
+        _set(self, _lines(*lines))
 
 
 class StatsPanel(VerticalScroll):
@@ -100,6 +110,12 @@ class StatsPanel(VerticalScroll):
         self._last_point: tuple[int, float] | None = None  # (generated, decode span)
         self._spark: deque[float] = deque(maxlen=SPARK_POINTS)
         self.prefill: tuple[int, int, float] | None = None  # (done, total, tok/s) while slow
+        # the configured cache bound (Settings' max KV size and keep): what the first turn
+        # will build, shown before it does (None: the model's context)
+        self.max_kv_size: int | None = None
+        self.keep = 0
+        self.overflowed = False  # this chat outgrew the window (tokens were dropped)
+        self.peak_scope = "at load"  # what the "peak" memory figure covers
 
     def compose(self) -> ComposeResult:
         yield Static("Speed", classes="section")
@@ -121,10 +137,12 @@ class StatsPanel(VerticalScroll):
     # ---- feeding ----------------------------------------------------------------------
     def start_turn(self, prompt_tokens: int, cached_tokens: int) -> None:
         """A turn began: reset the per-turn speed numbers, keep cache and model."""
-        fresh = dict.fromkeys(TURN_FIELDS)
-        self.stats = self.stats.with_(
-            **{**fresh, "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens}
-        )
+        self._reset_speed()
+        self.stats = self.stats.with_(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
+        self.peak_scope = "this turn"  # the engine resets the peak counter per turn
+
+    def _reset_speed(self) -> None:
+        self.stats = self.stats.with_(**dict.fromkeys(TURN_FIELDS))
         self.decode_now = None
         self.prefill = None
         self._last_point = None
@@ -165,6 +183,7 @@ class StatsPanel(VerticalScroll):
 
     def set_model(self, info: dict[str, Any]) -> None:
         self.info = dict(info)
+        self.peak_scope = "at load"
         heads, kv = info.get("n_heads"), info.get("n_kv_heads")
         if info.get("kv_saving"):  # the new model's factor, not the previous model's
             self.stats = self.stats.with_(gqa_saving=info["kv_saving"])
@@ -173,10 +192,37 @@ class StatsPanel(VerticalScroll):
         self._dirty = True
         self._render_now()
 
+    def set_bound(self, max_kv_size: int | None, keep: int) -> None:
+        self.max_kv_size, self.keep = max_kv_size, keep if max_kv_size else 0
+        self._dirty = True
+
+    def capacity(self) -> int | None:
+        """The context bound: the cache's own once a turn has built it, else the
+        configured max KV size, else the model's context."""
+        return self.stats.cache_capacity or self.max_kv_size or self.info.get("context")
+
+    def note_overflow(self) -> bool:
+        """The chat outgrew the window; True the first time in this chat."""
+        first = not self.overflowed
+        self.overflowed = True
+        self._dirty = True
+        return first
+
+    def held(self, tokens: int | None) -> int | None:
+        """Of `tokens` reused, those the cache can hold: a rotating window keeps at most
+        its capacity, however long the prefix it continues."""
+        cap = self.capacity()
+        return tokens if tokens is None or not cap else min(tokens, cap)
+
     def clear_cache_stats(self) -> None:
-        """New chat: the cache is empty again. The GQA factor stays: it is the model's."""
-        gone = [f for f in (*CACHE_FIELDS, "cached_tokens") if f != "gqa_saving"]
+        """New chat (or another chat, or another model): the cache is empty again and the
+        speed numbers were the last chat's. The GQA factor stays: it is the model's."""
+        self._reset_speed()
+        gone = [f for f in CACHE_FIELDS if f != "gqa_saving"]
         self.stats = self.stats.with_(**dict.fromkeys(gone))
+        self.overflowed = False
+        if self.peak_scope == "this turn":
+            self.peak_scope = "last turn"
         self._dirty = True
         self._render_now()
 
@@ -206,9 +252,9 @@ class StatsPanel(VerticalScroll):
         spark = self.query_one("#spark", Sparkline)
         spark.data = list(self._spark)  # empty: a flat baseline, not a full block
 
-        tokens, cap = s.cache_tokens, s.cache_capacity or info.get("context")
+        tokens, cap = s.cache_tokens, self.capacity()
         gauge = self.query_one("#gauge", ContextGauge)
-        gauge.set_fill(tokens or 0, cap or 0)
+        gauge.set_fill(tokens or 0, cap or 0, self.overflowed)
 
         wrapped = s.wrapped
         latent = info.get("attention") == "MLA"  # latent attention: MHA, GQA and its own
@@ -222,8 +268,10 @@ class StatsPanel(VerticalScroll):
                 _row("MLA" if latent else "GQA", f"{fmt_saving(s.gqa_saving)} smaller"),
                 *([_row("windows", f"{fmt_saving(s.window_saving)} smaller")]
                   if s.sliding_layers else []),
-                _row("reused", f"{fmt_count(s.cached_tokens)} tokens this turn"),
-                _row("window", f"{fmt_count(cap)} · keep {fmt_count(s.keep)}"),
+                _row("reused", f"{fmt_count(self.held(s.cached_tokens))} tokens this turn"),
+                # before the first turn (no cache, capacity 0): the configured keep
+                _row("window", f"{fmt_count(cap)} · keep "
+                     f"{fmt_count(s.keep if s.cache_capacity else self.keep)}"),
                 _row(
                     "evicted",
                     f"{fmt_count(s.evicted_tokens)} · "
@@ -255,9 +303,12 @@ class StatsPanel(VerticalScroll):
         runtime = [
             _row("kernels", str(s.kernels_backend or "–")),
             _row("device", str(s.device or "–")),
-            _row("BLAS", blas.short_label(), "" if blas.active_blas()["fast"] else "yellow"),
+            # the slow one in bold (a named colour such as yellow is unreadable on light themes)
+            _row("BLAS", blas.short_label(), "" if blas.active_blas()["fast"] else "bold"),
+            _row("threads", threads.policy().short_label()),
             _row("active", fmt_bytes(s.active_memory)),
-            _row("peak", fmt_bytes(s.peak_memory)),
+            _row("peak", f"{fmt_bytes(s.peak_memory)} {self.peak_scope}"
+                 if s.peak_memory is not None else "–"),
         ]
         if self.freed_bytes is not None:
             runtime.append(_row("swap", f"freed {fmt_bytes(self.freed_bytes)}"))

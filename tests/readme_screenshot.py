@@ -1,0 +1,79 @@
+"""Writes the README's screenshot: the real app (real engine, in its own process) on the
+shipped model, as the Quickstart opens it, mid-reply at 120x36.
+
+    python -m tests.readme_screenshot assets/screenshot.svg
+
+Config and data go to a temporary folder, so no settings or chats of yours show up.
+(A script, not a test: a test that only runs when an environment variable is set shows
+up as a skip in every run.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from kvchat.app.core import blas
+from kvchat.app.core.settings import Settings
+from kvchat.app.tui.app import KVChatApp
+from kvchat.model.engine_process import EngineProcess
+from tests.conftest import REPO_ROOT
+from tests.scripted_engine import wait_for
+from tests.test_tui_real import busy, press_now, replies, turn
+
+MODEL = REPO_ROOT / "assets" / "kvchat-mini"
+
+
+async def screenshot() -> str:
+    s = Settings(temp=0.0, top_p=1.0, min_p=0.0, max_tokens=60, max_kv_size=256)
+    app = KVChatApp(str(MODEL), s, engine_factory=EngineProcess)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await wait_for(pilot, lambda: bool(app.chat.model_info), timeout=120)
+        await turn(pilot, "Tell me a story about a robot.")
+        app.chat.settings.max_tokens = 400
+        app.chat.input.load_text("What did the robot learn?")
+        press_now(app, "enter", "\r")
+        await wait_for(pilot, lambda: busy(app))
+        while busy(app) and len(replies(app)[-1].content) < 120:
+            await asyncio.sleep(0.005)
+        if not busy(app):
+            raise SystemExit("the reply ended before the screenshot; run it again")
+        await asyncio.sleep(0.15)  # one panel refresh
+        # the footer recomposes when the phase changes its keys: not caught half-way
+        await wait_for(pilot, lambda: len(app.screen.query("FooterKey")) > 5)
+        svg = app.export_screenshot(title="kvchat")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not busy(app))
+    return svg
+
+
+def with_fast_blas() -> None:
+    """Run as `kvchat` runs (app/core/blas.py): re-exec once with a fast BLAS preloaded,
+    so the panel's BLAS row shows what a user sees."""
+    found = blas.find_fast_blas() if sys.platform == "linux" else None
+    if found is None or "blas" in os.environ.get("LD_PRELOAD", ""):
+        return
+    lib, lib_dir = found
+    env = {**os.environ, "LD_PRELOAD": lib}
+    if lib_dir is not None:
+        env["LD_LIBRARY_PATH"] = str(lib_dir)
+    os.execve(sys.executable, [sys.executable, "-m", "tests.readme_screenshot",
+                               *sys.argv[1:]], env)
+
+
+def main() -> None:
+    with_fast_blas()
+    target = Path(sys.argv[1] if len(sys.argv) > 1 else "assets/screenshot.svg")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["KVCHAT_CONFIG_DIR"] = f"{tmp}/config"
+        os.environ["KVCHAT_DATA_DIR"] = f"{tmp}/data"
+        svg = asyncio.run(screenshot())
+    target.write_text(svg)
+    print(target)
+
+
+if __name__ == "__main__":
+    main()
