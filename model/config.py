@@ -19,8 +19,8 @@ from typing import Any
 from .config_checks import check_config
 from .errors import ConfigError
 
-FULL, SLIDING = "full_attention", "sliding_attention"
-LAYER_KINDS = (FULL, SLIDING)
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
+LAYER_KINDS = (FULL, SLIDING, CHUNKED)
 
 # activation names in config.json -> the function mlx computes (layers.ACTIVATIONS)
 ACTIVATION_NAMES = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu", "gelu_fast", "relu",
@@ -50,6 +50,14 @@ def _every_nth_global(period_key: str | None, default: int) -> LayerRule:
         return [FULL if (i + 1) % period == 0 else SLIDING for i in range(n)]
 
     return rule
+
+
+def _chunked_rope_layers(cfg: dict[str, Any], n: int) -> list[str]:
+    """Llama 4: the RoPE layers attend within chunks of attention_chunk_size, the NoPE
+    layers globally."""
+    rope_on = _no_rope_layers(cfg, n)
+    chunked = cfg.get("attention_chunk_size") is not None
+    return [CHUNKED if r and chunked else FULL for r in rope_on]
 
 
 def _pattern_layers(cfg: dict[str, Any], n: int) -> list[str]:
@@ -99,6 +107,10 @@ class MoeFamily:
     router_bias: bool = False  # gpt-oss: the router Linear has a bias
     expert_bias: bool = False  # gpt-oss: every expert projection has a bias
     clamped_swiglu: bool = False  # gpt-oss: swiglu_alpha / swiglu_limit (moe.clamped_swiglu)
+    scale_inputs: bool = False  # Llama 4: each expert's input × its weight (not its output)
+    # how transformers stores fused experts (`experts.gate_up_proj`): gate and up
+    # "interleaved" column by column (gpt-oss) or as two "halves" (Llama 4)
+    fused_experts: str = "interleaved"
     # which layers are sparse: "all" | "step" (decoder_sparse_step, mlp_only_layers) |
     # "first_dense" (first_k_dense_replace dense layers, then MoE) | "interval" (ERNIE:
     # every moe_layer_interval-th from moe_layer_start_index to moe_layer_end_index)
@@ -124,6 +136,7 @@ class MoeConfig:
     router_bias: bool = False
     expert_bias: bool = False
     clamped_swiglu: tuple[float, float] | None = None  # (alpha, limit)
+    scale_inputs: bool = False
 
 
 @dataclass(frozen=True)
@@ -178,6 +191,9 @@ class Family:
     # parameters' llama_4_scaling_beta
     position_scaled_queries: bool = False
     attention_sinks: bool = False  # gpt-oss: a learned sink logit per head (self_attn.sinks)
+    dense_size_key: str = "intermediate_size"  # Llama 4: the dense layers' intermediate_size_mlp
+    # Llama 4: NoPE layers' queries × 1 + attn_scale·log(1 + ⌊(pos + 1) / floor_scale⌋)
+    temperature_tuning: bool = False
     # StableLM, GPT-NeoX: this config flag makes the block `parallel_block`
     parallel_flag: str | None = None
     parallel_block: str = "parallel"
@@ -438,6 +454,20 @@ FAMILIES: dict[str, Family] = {
                    for p in ("gate_proj", "up_proj", "down_proj"))),
         defaults={"attention_bias": True, "sliding_window": 128},
     ),
+    # Llama 4: chunked attention on RoPE layers, NoPE global layers with temperature
+    # tuning, parameter-free q/k norm after RoPE, top-1 sigmoid router scaling the experts'
+    # inputs, a shared expert, dense layers between (intermediate_size_mlp)
+    "llama4_text": Family(
+        layer_rule=_chunked_rope_layers, nope="listed", qk_norm="plain_after_rope",
+        qk_norm_flag="use_qk_norm", rope_traditional=True, temperature_tuning=True,
+        dense_size_key="intermediate_size_mlp",
+        moe=MoeFamily(score="sigmoid", shared="plain", expert_size_key="intermediate_size",
+                      scale_inputs=True, fused_experts="halves", sparse_layers="listed"),
+        renames=((".feed_forward.router.", ".mlp.gate."),
+                 (".feed_forward.shared_expert.", ".mlp.shared_experts."),
+                 (".feed_forward.", ".mlp.")),
+        defaults={"n_shared_experts": 1, "no_rope_layer_interval": 4, "rope_theta": 5e5},
+    ),
     # GPT-2 and StarCoder 1: learned positions, fused c_attn, LayerNorm, GELU MLP, tied
     "gpt2": Family(
         layer_rule=None, qkv_bias=True, o_bias=True, norm="layer", eps_key="layer_norm_eps",
@@ -681,6 +711,7 @@ class LayerSpec:
     window: int | None  # keys a query sees (None: all of them)
     rope: RopeConfig | None  # None: a NoPE layer (no rotary embedding)
     moe: bool = False  # the FFN is the model's mixture of experts (ModelConfig.moe)
+    chunk: int | None = None  # chunked attention: keys of the query's own chunk only
 
 
 @dataclass(frozen=True)
@@ -727,6 +758,7 @@ class ModelConfig:
     mla: MlaConfig | None = None  # set: every layer is latent attention (cache kind "latent")
     q_position_scale: tuple[float, int] | None = None  # Ministral 3: (beta, period), see layers
     attention_sinks: bool = False
+    temperature: tuple[float, float] | None = None  # Llama 4: (floor_scale, attn_scale)
     wrapper: str | None = None  # a multimodal checkpoint's model_type (its text part runs)
     layers: tuple[LayerSpec, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -760,7 +792,7 @@ class ModelConfig:
             kv_heads = int(cfg.get("num_key_value_heads") or heads)
             head_dim = int(cfg.get("head_dim") or hidden // heads)
             n_layers = int(cfg["num_hidden_layers"])
-            inter = int(cfg["intermediate_size"])
+            inter = int(cfg[fam.dense_size_key])
             vocab = int(cfg["vocab_size"])
         except KeyError as e:
             raise ConfigError(f"config.json lacks required key {e.args[0]!r}") from None
@@ -924,7 +956,7 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
         shared_gate=spec.shared == "gated", router_bias=spec.router_bias,
         expert_bias=spec.expert_bias,
         clamped_swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)))
-        if spec.clamped_swiglu else None,
+        if spec.clamped_swiglu else None, scale_inputs=spec.scale_inputs,
     )
     if spec.sparse_layers == "step":
         step = _positive(cfg, "decoder_sparse_step", 1)
@@ -934,6 +966,11 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
         first = int(cfg.get("first_k_dense_replace") or 0)
         every = int(cfg.get("moe_layer_freq") or 1)
         sparse = [i >= first and i % every == 0 for i in range(n)]
+    elif spec.sparse_layers == "listed":  # Llama 4: moe_layers, else every step-th
+        step = _positive(cfg, "interleave_moe_layer_step", 1)
+        listed = cfg.get("moe_layers")
+        listed = set(range(step - 1, n, step) if listed is None else listed)
+        sparse = [i in listed for i in range(n)]
     elif spec.sparse_layers == "types":  # GLM-4.7-Flash: mlp_layer_types, else dense first
         types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
         if not isinstance(types, list) or len(types) != n:
@@ -988,8 +1025,11 @@ def _layer_specs(
         kinds = fam.layer_rule(cfg, n)
     else:
         kinds = [FULL] * n
-    if window is None:
-        kinds = [FULL] * n  # no window: a "sliding" layer sees everything (as transformers)
+    if window is None:  # no window: a "sliding" layer sees everything (as transformers)
+        kinds = [FULL if k == SLIDING else k for k in kinds]
+    chunk = cfg.get("attention_chunk_size")
+    if chunk is None:
+        kinds = [FULL if k == CHUNKED else k for k in kinds]
     local = _local_rope(cfg, fam) if fam.local_rope else rope
     if fam.nope == "listed":
         rope_on = _no_rope_layers(cfg, n)
@@ -1005,6 +1045,7 @@ def _layer_specs(
             window=window if k == SLIDING else None,
             rope=(local if k == SLIDING else rope) if rope_on[i] else None,
             moe=sparse[i],
+            chunk=int(chunk) if k == CHUNKED else None,
         )
         for i, k in enumerate(kinds)
     )
@@ -1031,6 +1072,9 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
         "learned_positions": fam.learned_positions,
         "rope_negative": fam.rope_negative, "attention_sinks": fam.attention_sinks,
     }
+    if fam.temperature_tuning and cfg.get("attn_temperature_tuning", True):
+        out["temperature"] = (float(cfg.get("floor_scale", 8192)),
+                              float(cfg.get("attn_scale", 0.1)))
     if fam.depth_scaled:
         out["embed_scale"] = float(cfg.get("scale_emb", 1.0))
         out["residual_scale"] = float(cfg.get("scale_depth", 1.0)) / math.sqrt(

@@ -281,6 +281,8 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_softcap
         self.clip = cfg.clip_qkv
         self._pos_scale = cfg.q_position_scale
+        # Llama 4's temperature tuning applies to its NoPE layers only
+        self._temperature = cfg.temperature if spec.rope is None else None
         self._projections(cfg)
         self.o_proj = nn.Linear(h * hd, d, bias=cfg.o_bias)
         if cfg.attention_sinks:  # gpt-oss: one more logit per head that takes probability
@@ -288,6 +290,10 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "each_head":  # Cohere: a weight row per head
             self.q_norm, self.k_norm = make_norm(cfg, (h, hd)), make_norm(cfg, (kv, hd))
+        elif cfg.qk_norm == "plain_after_rope":  # Llama 4: parameter-free, RoPE layers only
+            self.qk_norm = "head_after_rope" if spec.rope is not None else None
+            if self.qk_norm is not None:
+                self.q_norm = self.k_norm = PlainRMSNorm(hd, cfg.rms_norm_eps)
         elif cfg.qk_norm is not None:
             per_head = cfg.qk_norm != "proj"
             self.q_norm = make_norm(cfg, hd if per_head else h * hd)
@@ -333,6 +339,11 @@ class Attention(nn.Module):
             q, k = self.rope(q, k, offset)
         if self.qk_norm == "head_after_rope":  # Hunyuan: q/k normed once rotated
             q, k = self.q_norm(q), self.k_norm(k)
+        if self._temperature is not None:
+            floor_scale, attn_scale = self._temperature
+            pos = (offset + mx.arange(T)).astype(mx.float32)
+            t = mx.log1p(mx.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0
+            q = q * t[:, None].astype(q.dtype)
         if self._pos_scale is not None:
             beta, period = self._pos_scale
             pos = (offset + mx.arange(T)).astype(mx.float32)

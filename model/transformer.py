@@ -33,19 +33,28 @@ def layer_masks(
     """One mask per distinct window among these layers (a model with sliding and global
     layers needs two), each built from the first cache of that kind (`cache[j]` belongs
     to `specs[j]`)."""
-    masks: dict[int | None, Any] = {}
+    masks: dict[Any, Any] = {}
     for j, spec in enumerate(specs):
         w = spec.window
-        if w in masks:
+        key = mask_key(spec)
+        if key in masks:
             continue
         if cache is not None and hasattr(cache[j], "make_mask"):
             # return_array named: mlx-lm's caches require it (their helper always passes it)
-            masks[w] = cache[j].make_mask(T, window_size=w, return_array=False)
+            masks[key] = cache[j].make_mask(T, window_size=w, return_array=False)
+        elif spec.chunk is not None and T > 1:  # the query's own chunk only
+            q, k = mx.arange(T)[:, None], mx.arange(T)[None]
+            masks[key] = causal_mask(T) & (q // spec.chunk == k // spec.chunk)
         elif w is not None and T > w:
-            masks[w] = causal_mask(T, window=w)
+            masks[key] = causal_mask(T, window=w)
         else:
-            masks[w] = "causal" if T > 1 else None
+            masks[key] = "causal" if T > 1 else None
     return masks
+
+
+def mask_key(spec: LayerSpec) -> tuple[int | None, int | None]:
+    """Layers with the same window and chunk share one mask."""
+    return spec.window, spec.chunk
 
 
 class Transformer(nn.Module):
@@ -89,7 +98,8 @@ class Transformer(nn.Module):
         pending = None
         for j, i in enumerate(layers):
             c = cache[j] if cache is not None else None
-            h, pending = self.model.layers[i].deferred(h, pending, masks[cfg.layers[i].window], c)
+            h, pending = self.model.layers[i].deferred(h, pending, masks[mask_key(cfg.layers[i])],
+                                                       c)
         return h, pending
 
     def head(self, h: mx.array, pending: mx.array | None = None) -> mx.array:

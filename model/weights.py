@@ -19,7 +19,7 @@ from .config import FAMILIES, ModelConfig, load_config
 from .errors import ModelLoadError
 from .files import mlx_path, safetensors_header, weight_files
 from .mla import QuantizedMultiLinear, split_kv_b
-from .moe import QuantizedSwitchLinear, split_gate_up, stack_experts, unfuse_gpt_oss_experts
+from .moe import QuantizedSwitchLinear, split_gate_up, stack_experts, unfuse_experts
 from .transformer import Transformer
 
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
@@ -58,7 +58,8 @@ def our_names(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.ar
     weights = _split_fused_qkv(cfg, weights)
     if cfg.moe is None:
         return weights
-    return split_gate_up(stack_experts(unfuse_gpt_oss_experts(weights)))
+    fused = FAMILIES[cfg.model_type].moe.fused_experts  # type: ignore[union-attr]
+    return split_gate_up(stack_experts(unfuse_experts(weights, fused)))
 
 
 def _split_fused_qkv(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.array]:

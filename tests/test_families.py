@@ -104,6 +104,13 @@ _GRANITEMOE: dict[str, Any] = {
     "residual_multiplier": 0.22, "logits_scaling": 8.0,
 }
 _GLM: dict[str, Any] = {"head_dim": 16, "attention_bias": True}
+_LLAMA4_MLX = "mlx-lm's llama4_text is not a causal LM of its own"
+_LLAMA4: dict[str, Any] = {
+    "intermediate_size": 32, "intermediate_size_mlp": 96, "num_hidden_layers": 4,
+    "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 1,
+    "attention_chunk_size": WINDOW, "interleave_moe_layer_step": 2, "floor_scale": 8,
+    "attn_scale": 0.1,
+}
 _VISION: dict[str, Any] = {
     "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
     "image_size": 28, "patch_size": 14,
@@ -387,6 +394,13 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
     "gpt2": FamilySpec("GPT2LMHeadModel", {"n_inner": 96}, mlx_lm="fails",
                        note="mlx-lm needs n_ctx", quantize=False, seed=75),
     "gpt_bigcode": FamilySpec("GPTBigCodeForCausalLM", {"n_inner": 96}, seed=76),
+    # chunks of 16 on the RoPE layers, layer 3 NoPE + global + temperature tuning (floor
+    # 8: it bites), layers 1 and 3 MoE (top-1 sigmoid, scaled inputs, shared expert)
+    # (mlx-lm builds llama4_text only inside its multimodal llama4: it fails on both)
+    "llama4_text": FamilySpec("Llama4ForCausalLM", _LLAMA4, **_NEEDS_THETA, quantize=False,
+                              seed=77),
+    "llama4_text_classic": FamilySpec("Llama4ForCausalLM", _LLAMA4, rope_form="classic",
+                                      mlx_lm="fails", note=_LLAMA4_MLX, seed=77),
     # llama3-scaled RoPE (original context 32: the blend bites)
     "apertus": FamilySpec("ApertusForCausalLM", {"head_dim": 16, "rope_parameters": {
         "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
@@ -911,7 +925,7 @@ def test_latent_cache_holds_the_latent_and_says_what_it_saves(
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe_lite",
-                                  "gpt_oss", "gpt2"])
+                                  "gpt_oss", "gpt2", "llama4_text"])
 def test_compiled_step_serves_moe_and_latent_models(
     name: str, family: Callable[[str], Path]
 ) -> None:
