@@ -71,9 +71,18 @@ class Server(ServerProcess):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[Server]:
+def other_models(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A --models-dir holding one more model: a copy of model_dir, named other-mini."""
+    d = tmp_path_factory.mktemp("serve-models")
+    shutil.copytree(model_dir, d / "other-mini")
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, other_models: Path) -> Iterator[Server]:
     s = Server(str(model_dir), "--api-key", KEY, "--max-queue", "1", "--max-body-mb", "0.05",
-               "--allow-origin", "http://app.test", timeout_s=START_TIMEOUT_S)
+               "--allow-origin", "http://app.test", "--models-dir", str(other_models),
+               timeout_s=START_TIMEOUT_S)
     try:
         yield s
     finally:
@@ -115,7 +124,13 @@ def test_chat_greedy_equals_generate_with_usage(server: Server, model_dir: Path)
     assert r.usage.total_tokens == len(ref["prompt_ids"]) + len(ref["ids"])
     k = r.model_extra["kvchat"]
     assert k["prompt_tokens"] == len(ref["prompt_ids"]) and k["generated_tokens"] == len(ref["ids"])
-    assert k["cache_bytes"] > 0 and k["mha_bytes"] == 4 * k["cache_bytes"]  # 8 heads, 2 KV
+    # DESIGN.md by hand: 2 x layers x kv_heads x tokens x head_dim x dtype bytes; MHA: heads
+    info = c.models.list().data[0].model_extra["kvchat"]
+    per = 2 * info["n_layers"] * info["head_dim"] * {"float32": 4, "float16": 2,
+                                                     "bfloat16": 2}[info["dtype"]]
+    assert k["cache_tokens"] == len(ref["prompt_ids"]) + len(ref["ids"]) - 1
+    assert k["cache_bytes"] == per * info["n_kv_heads"] * k["cache_tokens"]
+    assert k["mha_bytes"] == per * info["n_heads"] * k["cache_tokens"]
 
     # streamed: the same text in pieces, the finish chunk, then the usage chunk
     chunks = list(c.chat.completions.create(model=MODEL_ID,
@@ -351,6 +366,23 @@ def test_a_model_split_across_two_local_ranks_serves_the_same_text(
         assert [x["rank"] for x in pipe["ranks"]] == [0, 1]
     finally:
         assert split.stop() == 0, "\n".join(split.lines[-5:])
+
+
+def test_a_request_naming_another_local_model_loads_it(server: Server) -> None:
+    c = server.client()
+    assert [m.id for m in c.models.list().data] == [MODEL_ID, "other-mini"]
+    args = {"messages": chat_messages("Tell me a story."), "max_tokens": 12, "temperature": 0}
+    here = c.chat.completions.create(model=MODEL_ID, **args)
+    other = c.chat.completions.create(model="other-mini", **args)
+    assert other.model == "other-mini"
+    assert other.choices[0].message.content == here.choices[0].message.content  # same weights
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # caches go with the model
+    assert [(m.id, m.model_extra["kvchat"]["loaded"]) for m in c.models.list().data] == \
+        [("other-mini", True), (MODEL_ID, False)]
+    assert server.stats()["model"] == "other-mini"
+    back = c.chat.completions.create(model=MODEL_ID, **args)  # and back
+    assert back.model == MODEL_ID and server.stats()["model"] == MODEL_ID
+    assert any("loaded other-mini for a request" in line for line in server.lines)
 
 
 def test_cors_only_for_the_allowed_origin(server: Server) -> None:

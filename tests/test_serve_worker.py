@@ -82,6 +82,30 @@ def test_queue_runs_in_arrival_order_with_a_bound_and_cancels() -> None:
     asyncio.run(scenario())
 
 
+def test_a_model_that_fails_to_load_leaves_the_old_one_serving() -> None:
+    engines: list[ScriptedEngine] = []
+
+    def make(on_event: Any) -> ScriptedEngine:
+        engines.append(ScriptedEngine(on_event, "/models/a", fail_paths=["/models/broken"]))
+        return engines[-1]
+
+    async def scenario() -> None:
+        worker = EngineWorker(make, max_queue=4, notice=lambda m: None)
+        await worker.start()
+        await asyncio.wait_for(worker.ready.wait(), 30)
+        bad = worker.submit(chat("x"), PARAMS, "/models/broken")
+        good = worker.submit(chat("y"), PARAMS, "/models/b")
+        done = await finished(bad)
+        assert done.finish_reason == "error" and "cannot load /models/broken" in (done.error or "")
+        assert (await finished(good)).text == REPLY
+        assert worker.info["path"] == "/models/b" and worker.is_ready
+        assert engines[0].loads == ["/models/a", "/models/broken", "/models/b"]
+        assert len(engines) == 1 and worker.counters["engine_restarts"] == 0
+        worker.close()
+
+    asyncio.run(scenario())
+
+
 LIMITS = protocol.Limits(("m", "/models/m"), capacity=64, max_kv_size=64, keep=4)
 
 
@@ -164,3 +188,16 @@ def test_any_json_body_is_a_request_or_a_4xx(kind: str, body: Any) -> None:
         return
     assert 1 <= req.params.max_tokens <= LIMITS.capacity
     req.params.validate()
+
+
+def test_uvicorn_warnings_are_log_lines_too() -> None:
+    import logging
+
+    from kvchat.app.serve.log import route_uvicorn_logs
+
+    out = io.StringIO()
+    route_uvicorn_logs(RequestLog(True, out))
+    logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
+    logging.getLogger("uvicorn.error").info("not shown")
+    rec = json.loads(out.getvalue())
+    assert rec["event"] == "warning: Invalid HTTP request received."

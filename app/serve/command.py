@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from kvchat.app.core.discovery import DEFAULT_MODEL
@@ -52,8 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", dest="serve_hostfile", metavar="HOSTFILE",
                    help="split the model across the hosts of an mlx.launch hostfile")
     p.add_argument("--models-dir", dest="models_dirs", action="append", default=[],
-                   metavar="DIR", help="list the models found in DIR in /v1/models too"
-                   " (repeatable)")
+                   metavar="DIR", help="serve the models found in DIR too: listed in"
+                   " /v1/models, loaded when a request names one (repeatable)")
     p.add_argument("--cache-pool-mb", type=float, default=DEFAULT_POOL_MB, metavar="MB",
                    help="memory for idle caches of other conversations, reused by prefix"
                    " (default %(default)s; 0 = one cache)")
@@ -139,25 +140,31 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _local_models(dirs: list[str]) -> list[dict[str, Any]]:
+def _local_models(model: str, dirs: list[str]) -> list[dict[str, Any]]:
+    """The models a request may name: the start-up one (to switch back to) and the
+    loadable ones found in `dirs`."""
     if not dirs:
         return []
     from kvchat.app.core.discovery import model_rows
+    from kvchat.model.config import load_config
+    from kvchat.model.facts import model_name
 
-    return [{"id": r.entry.name, **r.to_dict()}
-            for r in model_rows(dirs, include_defaults=False) if r.loadable]
+    found = [{"id": r.entry.name, **r.to_dict()}
+             for r in model_rows(dirs, include_defaults=False) if r.loadable]
+    if all(m["path"] != model for m in found):
+        found.insert(0, {"id": model_name(model), "path": model})
+    return [{**m, "context": load_config(m["path"]).max_position_embeddings} for m in found]
 
 
 def run(args: argparse.Namespace) -> int:
     bound = _check(args)
     from kvchat.model.facts import check_model_folder
 
-    model = str(args.model or DEFAULT_MODEL)
+    model = str(Path(args.model or DEFAULT_MODEL).expanduser().resolve())
     check_model_folder(model)  # a folder we cannot load: one line before anything starts
     procs: list[Any] = []
     if args.serve_hostfile:
         import tempfile
-        from pathlib import Path
 
         from kvchat.app.core.hosts import join_if_launched, read_hostfile, start_ranks
 
@@ -211,22 +218,23 @@ async def _serve(args: argparse.Namespace, model: str, bound: GenParams,
     """Serve until SIGINT/SIGTERM; the load error when the model could not load."""
     import uvicorn
 
-    from kvchat.app.serve.log import RequestLog
+    from kvchat.app.serve.log import RequestLog, route_uvicorn_logs
     from kvchat.app.serve.server import KVChatServer, ServeConfig
     from kvchat.app.serve.worker import EngineWorker
 
     config = ServeConfig(api_key=args.api_key, max_body_bytes=int(args.max_body_mb * 2**20),
                          max_kv_size=bound.max_kv_size, keep=bound.keep,
                          allow_origins=args.allow_origins,
-                         local_models=_local_models(args.models_dirs))
+                         local_models=_local_models(model, args.models_dirs))
     log = RequestLog(args.json_logs)
     worker = EngineWorker(_engine_maker(model, args), args.max_queue, log.notice)
     server = KVChatServer(worker, config, log)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     uv = _uvicorn_server(uvicorn.Config(
-        server.app(), log_level="warning", access_log=False, lifespan="off",
+        server.app(), log_config=None, access_log=False, lifespan="off",
         timeout_graceful_shutdown=3), stopped)
+    route_uvicorn_logs(log)
     await worker.start()
     server.log.notice(f"loading {model}; listening on http://{shown}:{port}/v1")
     async def announce() -> None:

@@ -7,6 +7,7 @@ characters and newlines are shown, never obeyed by the terminal, and a line stay
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from typing import Any, TextIO
@@ -39,6 +40,8 @@ class RequestLog:
     def _text(f: dict[str, Any]) -> str:
         parts = [f["time"], f.get("client", "-"), f.get("method", "-"), f.get("path", "-"),
                  str(f.get("status", "-"))]
+        if "model" in f:
+            parts.append(f"model={f['model']}")
         if "prompt_tokens" in f:
             parts += [f"prompt={f['prompt_tokens']}", f"reused={f.get('reused_tokens', 0)}",
                       f"generated={f.get('generated_tokens', 0)}",
@@ -60,3 +63,26 @@ class RequestLog:
         else:
             print(f"kvchat serve: {one_line(message)}", file=self.stream or sys.stderr,
                   flush=True)
+
+
+class _Handler(logging.Handler):
+    def __init__(self, log: RequestLog):
+        super().__init__(logging.WARNING)
+        self.log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.log.notice(f"{record.levelname.lower()}: {record.getMessage()}")
+        except Exception:  # logging must never take the server down
+            self.handleError(record)
+
+
+def route_uvicorn_logs(log: RequestLog) -> None:
+    """uvicorn's own warnings (a malformed HTTP request, say) in this log's format: one
+    line each, JSON with --json-logs; no traceback reaches the terminal."""
+    handler = _Handler(log)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.asgi"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(logging.WARNING)
+        logger.propagate = False

@@ -51,6 +51,8 @@ class Limits:
     capacity: int  # tokens the cache holds: --max-kv-size, else the model's context
     max_kv_size: int | None = None
     keep: int = GenParams().keep
+    # other models a request may name (--models-dir): id or path -> (path, context)
+    local: Mapping[str, tuple[str, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     model: str = ""
+    model_path: str | None = None  # another local model to load first (None: the loaded one)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -102,15 +105,20 @@ def _stops(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(s for s in v if s)
 
 
-def _model(body: Mapping[str, Any], limits: Limits) -> str:
+def _model(body: Mapping[str, Any], limits: Limits) -> tuple[str, str | None, int]:
+    """(the model's id, its path when it must be loaded first, its cache capacity)."""
     name = _get(body, "model", (str,), "a string")
     if name is None or name == "" or name in limits.model_ids:
-        return limits.model_ids[0]
-    raise ApiError(404, f"The model '{name}' does not exist or is not loaded; this server"
-                   f" serves '{limits.model_ids[0]}'", param="model", code="model_not_found")
+        return limits.model_ids[0], None, limits.capacity
+    if name in limits.local:
+        path, context = limits.local[name]
+        return name, path, limits.max_kv_size or context
+    raise ApiError(404, f"The model '{name}' does not exist; this server serves"
+                   f" '{limits.model_ids[0]}' (GET /v1/models lists the others)",
+                   param="model", code="model_not_found")
 
 
-def _params(body: Mapping[str, Any], limits: Limits) -> GenParams:
+def _params(body: Mapping[str, Any], limits: Limits, capacity: int) -> GenParams:
     if (n := _integer(body, "n")) is not None and n != 1:
         raise bad("only n=1 is supported", "n")
     if body.get("logprobs") not in (None, False, 0):
@@ -136,7 +144,7 @@ def _params(body: Mapping[str, Any], limits: Limits) -> GenParams:
     if params.max_tokens < 1:
         raise bad(f"'max_tokens' must be at least 1, got {params.max_tokens}", "max_tokens")
     # no reply outgrows the cache bound: a longer one would only evict its own prompt
-    params.max_tokens = min(params.max_tokens, limits.capacity)
+    params.max_tokens = min(params.max_tokens, capacity)
     try:
         params.validate()
     except KVChatError as e:
@@ -214,12 +222,13 @@ def parse(kind: str, body: Any, limits: Limits) -> Request:
     """Check a decoded JSON body for `kind` ("chat" or "text"); ApiError on any problem."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    model = _model(body, limits)
+    model, path, capacity = _model(body, limits)
     prompt = _messages(body) if kind == "chat" else _text_prompt(body)
     stream, include_usage = _stream(body)
     if kind == "text" and body.get("echo"):
         raise bad("echo is not supported", "echo")
-    return Request(kind, prompt, _params(body, limits), stream, include_usage, model)
+    return Request(kind, prompt, _params(body, limits, capacity), stream, include_usage,
+                   model, path)
 
 
 # ---- building responses -----------------------------------------------------------------

@@ -40,7 +40,8 @@ class ServeConfig:
     max_kv_size: int | None = None
     keep: int = 4
     allow_origins: list[str] = field(default_factory=list)  # CORS (--allow-origin)
-    # other local models /v1/models lists (--models-dir): [{"id", "path", ...}]
+    # other local models /v1/models lists and a request may name (--models-dir):
+    # [{"id", "path", "context", ...}]
     local_models: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -148,7 +149,10 @@ class KVChatServer:
         info = self.worker.info
         ids = tuple(x for x in (info.get("name"), info.get("path")) if x)
         capacity = self.config.max_kv_size or int(info.get("context") or 0) or 2048
-        return Limits(ids or ("kvchat",), capacity, self.config.max_kv_size, self.config.keep)
+        local = {key: (m["path"], m["context"]) for m in self.config.local_models
+                 if m["path"] != info.get("path") for key in (m["id"], m["path"])}
+        return Limits(ids or ("kvchat",), capacity, self.config.max_kv_size, self.config.keep,
+                      local)
 
     async def chat(self, request: HttpRequest) -> Any:
         return await self._complete(request, "chat")
@@ -164,7 +168,7 @@ class KVChatServer:
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         req = protocol.parse(kind, body, self._limits())
         try:
-            job = self.worker.submit(req.prompt, req.params)
+            job = self.worker.submit(req.prompt, req.params, req.model_path)
         except QueueFull as e:
             raise ApiError(429, f"server busy: {e}; retry shortly", type="rate_limit_error",
                            code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)},
@@ -259,7 +263,7 @@ class JobResponse:
 
     def _log(self, scope: Scope, status: int, done: Done | None, secs: float,
              error: str | None = None) -> None:
-        fields: dict[str, Any] = {"duration_s": secs, "error": error}
+        fields: dict[str, Any] = {"duration_s": secs, "error": error, "model": self.req.model}
         if done is not None:
             s = done.stats
             fields.update(prompt_tokens=len(done.prompt_ids), reused_tokens=s.cached_tokens or 0,

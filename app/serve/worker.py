@@ -49,6 +49,7 @@ class NotReady(Exception):
 class Job:
     prompt: Prompt
     params: GenParams
+    model_path: str | None = None  # load this model first (None: the loaded one)
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     state: str = "waiting"  # waiting | running | done
     started: Started | None = None
@@ -66,6 +67,7 @@ class EngineWorker:
         self._make_engine = make_engine
         self._notice = notice
         self._generation = 0  # which engine's events are current (restarts make new ones)
+        self._switch: asyncio.Future[str | None] | None = None  # a load a request asked for
         self._deaths: list[float] = []
         self.max_queue = max_queue
         self.waiting: collections.deque[Job] = collections.deque()
@@ -101,14 +103,14 @@ class EngineWorker:
         return self.ready.is_set() and self.load_error is None
 
     # ---- jobs (event loop) ---------------------------------------------------------
-    def submit(self, prompt: Prompt, params: GenParams) -> Job:
+    def submit(self, prompt: Prompt, params: GenParams, model_path: str | None = None) -> Job:
         if not self.is_ready:
             raise NotReady(self.load_error or "the model is still loading")
         # the first waiting job is as good as running when the engine is idle
         if len(self.waiting) + (self.current is not None) > self.max_queue:
             self.counters["rejected_busy"] += 1
             raise QueueFull(f"{len(self.waiting)} requests are already waiting")
-        job = Job(prompt, params)
+        job = Job(prompt, params, model_path)
         self.counters["requests"] += 1
         self.waiting.append(job)
         self._wake.set()
@@ -135,9 +137,25 @@ class EngineWorker:
             job.state, job.t_start = "running", time.monotonic()
             self.current = job
             assert self.engine is not None
+            if job.model_path is not None and job.model_path != self.info.get("path"):
+                if (error := await self._load(job.model_path)) is not None:
+                    self._finish(job, Done("error", "", [], [], error=error))
+                    self.current = None
+                    continue
             self.engine.submit(job.prompt, job.params)
             await job.finished.wait()
             self.current = None
+
+    async def _load(self, path: str) -> str | None:
+        """Switch the engine to the model at `path` (its caches go with the old one);
+        the reason when it could not load (the old model stays)."""
+        assert self._loop is not None and self.engine is not None
+        self._switch = self._loop.create_future()
+        self.engine.load(path)
+        try:
+            return await self._switch
+        finally:
+            self._switch = None
 
     # ---- the engine -----------------------------------------------------------------
     def _start_engine(self) -> None:
@@ -176,11 +194,19 @@ class EngineWorker:
             first = not self.info
             self.info, self.load_error = ev.info, None
             self.ready.set()
-            if not first:
+            if self._switch is not None and not self._switch.done():
+                self._notice(f"loaded {ev.info.get('name')} for a request")
+                self._switch.set_result(None)
+            elif not first:
                 self._notice("the engine is ready again")
             return
-        if isinstance(ev, LoadFailed):  # at start-up, or the engine process died idle
-            self._engine_died(ev.message or "the engine stopped")
+        if isinstance(ev, LoadFailed):
+            alive = getattr(self.engine, "alive", True)
+            if self._switch is not None and not self._switch.done():
+                # the requested model: the old one stays
+                self._switch.set_result(f"cannot load {ev.path}: {ev.message}")
+            if self._switch is None or not alive:  # at start-up, or the engine died
+                self._engine_died(ev.message or "the engine stopped")
             return
         job = self.current
         if job is None:
