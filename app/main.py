@@ -25,12 +25,14 @@ COMMANDS = {
     "models": "list local models with their sizes",
     "pull": "download a model from the Hugging Face Hub (resumable)",
     "serve": "serve the model over an OpenAI-compatible HTTP API",
+    "explain": "the model's decoder block, explained with its own numbers",
 }
 QUIT_WAIT_S = 0.8  # at exit, how long a busy engine thread may take before we leave anyway
 
 
 def _command_module(name: str) -> Any:
     from kvchat.app.cli import bench as bench_cmd
+    from kvchat.app.cli import explain as explain_cmd
     from kvchat.app.cli import generate as generate_cmd
     from kvchat.app.cli import inspect as inspect_cmd
     from kvchat.app.cli import models as models_cmd
@@ -38,7 +40,8 @@ def _command_module(name: str) -> Any:
     from kvchat.app.serve import command as serve_cmd
 
     return {"generate": generate_cmd, "inspect": inspect_cmd, "bench": bench_cmd,
-            "models": models_cmd, "pull": pull_cmd, "serve": serve_cmd}[name]
+            "models": models_cmd, "pull": pull_cmd, "serve": serve_cmd,
+            "explain": explain_cmd}[name]
 
 
 def build_parser() -> Any:

@@ -121,6 +121,14 @@ class KVCache(_Buffers):
     def size(self) -> int:
         return self.offset
 
+    def slot_positions(self) -> tuple[mx.array, mx.array]:
+        """Absolute position and residency of every written slot (slot p holds p)."""
+        return mx.arange(self.offset), mx.ones((self.offset,), dtype=mx.bool_)
+
+    def write_slot(self) -> int:
+        """The slot the next token will be written to."""
+        return self.offset
+
     def can_trim_to(self, n: int) -> bool:
         return 0 <= n <= self.offset
 
@@ -275,6 +283,14 @@ class RotatingKVCache(_Buffers):
         if W is not None:
             mask = mask & (t - p < W)
         return mask
+
+    def slot_positions(self) -> tuple[mx.array, mx.array]:
+        """Absolute position and residency of every written slot, as they stand now."""
+        return self._key_positions(0)
+
+    def write_slot(self) -> int:
+        """The slot the next token will be written to (past the end: the oldest ring entry)."""
+        return self._slot(self.offset)
 
     # ---- writes ---------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:

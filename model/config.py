@@ -182,8 +182,11 @@ class Family:
     activation_key: str = "hidden_act"  # config key naming the MLP's gate activation
     activation_aliases: dict[str, str] = field(default_factory=dict)
     # "pre" | "sandwich" (4 norms) | "post" (norms after each branch) | "parallel"
-    # (attention and MLP read the same normed input) | "parallel2" (each its own norm)
+    # (attention and MLP read the same normed input) | "parallel2" (each its own norm) |
+    # "post_ln" (2017: LayerNorm of the residual sum after each branch)
     block: str = "pre"
+    # "rope" | "sinusoidal" (2017: added to the embeddings) | "learned" (GPT-2: a table)
+    positions: str = "rope"
     # None | "head" (per head) | "proj" (over the projection) | "head_after_rope" (Hunyuan)
     qk_norm: str | None = None
     qk_norm_flag: str | None = None  # qk_norm applies only when this config flag is true
@@ -215,7 +218,6 @@ class Family:
     # classic config keys -> the names transformers 5 (and kvchat) reads
     key_aliases: dict[str, str] = field(default_factory=dict)
     ffn_mult: int | None = None  # GPT-J: intermediate_size absent (null) means ffn_mult × hidden
-    learned_positions: bool = False  # GPT-2: a position embedding table (no RoPE anywhere)
     # one fused c_attn holding q, k, v one after the other (GPT-2, StarCoder 1), split on
     # load; "conv1d": stored (in, out) as GPT-2's Conv1D, transposed first
     fused_qkv: str | None = None
@@ -471,14 +473,14 @@ FAMILIES: dict[str, Family] = {
     # GPT-2 and StarCoder 1: learned positions, fused c_attn, LayerNorm, GELU MLP, tied
     "gpt2": Family(
         layer_rule=None, qkv_bias=True, o_bias=True, norm="layer", eps_key="layer_norm_eps",
-        mlp="plain", tie_word_embeddings=True, learned_positions=True, nope="all",
+        mlp="plain", tie_word_embeddings=True, positions="learned",
         fused_qkv="conv1d", ffn_mult=4, key_aliases=_GPT2_KEYS, renames=_GPT2_NAMES,
         defaults={"mlp_bias": True, "hidden_act": "gelu_new", "layer_norm_eps": 1e-5,
                   "multi_query": False},  # MHA: one K/V head per query head
     ),
     "gpt_bigcode": Family(
         layer_rule=None, qkv_bias=True, o_bias=True, norm="layer", eps_key="layer_norm_eps",
-        mlp="plain", tie_word_embeddings=True, learned_positions=True, nope="all",
+        mlp="plain", tie_word_embeddings=True, positions="learned",
         fused_qkv="linear", ffn_mult=4, key_aliases=_GPT2_KEYS, renames=_GPT2_NAMES,
         defaults={"mlp_bias": True, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-5,
                   "multi_query": True},
@@ -563,7 +565,24 @@ FAMILIES: dict[str, Family] = {
         defaults={"norm_topk_prob": True, "n_group": 8, "topk_group": 4, "n_shared_experts": 1,
                   "routed_scaling_factor": 2.5, "first_k_dense_replace": 3},
     ),
+    # the 2017 block, for `python -m kvchat.model.training train --block 2017` and
+    # explain's comparison: post-LayerNorm, ReLU FFN, sinusoidal positions
+    "kvchat2017": Family(
+        layer_rule=None, norm="layer", mlp="plain", block="post_ln", positions="sinusoidal",
+        defaults={"hidden_act": "relu"},
+    ),
 }
+
+
+def as_2017_block(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The same model (a config.json dict) with the 2017 block: the `kvchat2017` family
+    (post-LayerNorm, ReLU FFN, sinusoidal positions), MHA (K/V heads = query heads) and
+    an FFN 1.5x wider, so its two matrices hold as many weights as SwiGLU's three."""
+    heads = int(cfg["num_attention_heads"])
+    return {**cfg, "model_type": "kvchat2017", "architectures": ["kvchat2017"],
+            "hidden_act": "relu", "num_key_value_heads": heads,
+            "intermediate_size": int(cfg["intermediate_size"]) * 3 // 2,
+            "rope_scaling": None, "rope_parameters": None, "layer_types": None}
 
 # multimodal checkpoints whose language model kvchat runs (the vision tower is not loaded):
 # model_type -> what the note says is left out
@@ -743,6 +762,7 @@ class ModelConfig:
     block: str = "pre"
     qk_norm: str | None = None
     fused_proj: bool = False
+    positions: str = "rope"
     embed_scale: float = 1.0
     residual_scale: float = 1.0
     attn_scale: float | None = None  # None: head_dim ** -0.5
@@ -751,7 +771,6 @@ class ModelConfig:
     logits_divisor: float = 1.0
     clip_qkv: float | None = None
     embed_norm: bool = False
-    learned_positions: bool = False
     rope_traditional: bool = False
     rope_negative: bool = False
     moe: MoeConfig | None = None
@@ -1033,12 +1052,10 @@ def _layer_specs(
     local = _local_rope(cfg, fam) if fam.local_rope else rope
     if fam.nope == "listed":
         rope_on = _no_rope_layers(cfg, n)
-    elif fam.nope == "all":
-        rope_on = [0] * n
     elif fam.nope == "global" and window is not None:
         rope_on = [int(k == SLIDING) for k in kinds]
     else:
-        rope_on = [1] * n
+        rope_on = [int(fam.positions == "rope")] * n
     specs = tuple(
         LayerSpec(
             kind=k,
@@ -1069,8 +1086,8 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
         else None,
         "fused_proj": fam.fused_proj, "rope_traditional": fam.rope_traditional,
         "mlp": fam.mlp, "lm_head_bias": fam.head_bias, "embed_norm": fam.embed_norm,
-        "learned_positions": fam.learned_positions,
         "rope_negative": fam.rope_negative, "attention_sinks": fam.attention_sinks,
+        "positions": fam.positions,
     }
     if fam.temperature_tuning and cfg.get("attn_temperature_tuning", True):
         out["temperature"] = (float(cfg.get("floor_scale", 8192)),

@@ -38,10 +38,12 @@ from .cache_integrity import check_layers, model_fingerprint
 from .chat_template import TemplateCancelled
 from .errors import KVChatError, error_line
 from .events import (
+    AttentionView,
     CacheRestored,
     CacheSaved,
     Done,
     Event,
+    Explained,
     GenParams,
     KernelsSwitched,
     Loaded,
@@ -57,7 +59,7 @@ from .events import (
 )
 from .facts import model_name
 from .generate import PREFILL_CHUNK, Progress, generate_step
-from .kv_math import attention_name, cached_widths, gqa_heads, kv_saving
+from .kv_math import attention_name, cached_widths, dtype_bytes_of, gqa_heads, kv_saving
 from .prefix_pool import PrefixPool, common_prefix_len
 from .sampling import Sampler
 from .tokenizer import Tokenizer, load_tokenizer
@@ -65,6 +67,7 @@ from .transformer import Transformer
 from .weights import parameter_count, weight_bytes
 
 STATS_INTERVAL_S = 0.1  # ~10 stats events a second, never one per token
+ATTENTION_INTERVAL_S = 0.25  # the attention view's refresh while a reply streams
 
 
 def _float_dtype(model: Transformer) -> mx.Dtype:
@@ -201,6 +204,8 @@ class Engine:
         self._cache: list[Any] | None = None
         self._cache_key: tuple[int | None, int] | None = None
         self._cache_ids: list[int] = []  # ids whose K/V the cache holds, in order
+        # (layer, KV group) the attention view watches; None: closed, nothing computed
+        self._watch: tuple[int, int | None] | None = None
         # a server's idle caches of other conversations (model/prefix_pool.py); the chat has
         # one conversation and no pool
         self._pool = PrefixPool(prefix_pool_bytes) if prefix_pool_bytes > 0 else None
@@ -246,6 +251,21 @@ class Engine:
         reports KernelsSwitched. The switch happens where the model runs: on this
         engine's thread, in this engine's process."""
         self._jobs.put(("kernels", backend))
+
+    def explain(self, gap: int = 3, block: str = "model") -> None:
+        """The loaded model's anatomy at the cache's current context (RoPE dials at this
+        token gap), computed where the model runs (after queued work); reports Explained.
+        block "2017": the same model as a 2017 block (config.as_2017_block)."""
+        self._jobs.put(("explain", (gap, block)))
+
+    def watch_attention(self, layer: int | None, group: int | None = None) -> None:
+        """Start (a layer, and a KV group or None for all heads) or stop (None) the
+        attention view: while set, AttentionView events follow the newest token, a few
+        a second during a reply, and one now (after queued work)."""
+        with self._lock:
+            self._watch = None if layer is None else (layer, group)
+        if layer is not None:
+            self._jobs.put(("attention", None))
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (idempotent); its MLX state is released there."""
@@ -296,6 +316,12 @@ class Engine:
                     elif kind == "kernels":
                         message = metal_kernels.switch_backend(arg)
                         self._emit(KernelsSwitched(metal_kernels.backend(), message))
+                    elif kind == "explain":
+                        self._explain(*arg)
+                    elif kind == "attention" and self._cache_ids:
+                        self._attention(self._cache_ids[-1])
+                    elif kind == "attention":
+                        self._attention(None)
                 except Exception:  # no job may end the engine thread
                     self._job_failed()
                 finally:
@@ -357,6 +383,47 @@ class Engine:
         freed = max(0, before - mx.get_active_memory())
         self.model_info = info
         self._emit(Loaded(dict(self.model_info), freed))
+
+    def _explain(self, gap: int, block: str) -> None:
+        from .anatomy import explain
+        from .config import ModelConfig, as_2017_block
+
+        if self.model is None:
+            return
+        info = self.model_info
+        cfg = self.model.config
+        stats = cache_stats(self._cache, cfg) if self._cache else None
+        if block == "2017":
+            cfg = ModelConfig.from_dict(as_2017_block(cfg.raw))
+        self._emit(Explained(explain(
+            cfg, dtype_bytes=dtype_bytes_of(info.get("dtype")) or 4,
+            context=(stats.cache_tokens or 0) if stats else 0,
+            # a split model's rank holds only its layers: seeded q and k show RoPE then
+            model=None if hasattr(self.model, "pipeline_stats") or block == "2017"
+            else self.model, gap=gap,
+            name=str(info.get("name", "")), path=str(info.get("path", "")))))
+
+    def _attention(self, token: int | None) -> None:
+        """One AttentionView of the newest cached token (id `token`) for the watched layer.
+        A failure is the view's note: it must never cost the cache (see _job_failed)."""
+        from .attention_view import attention_view
+
+        watch = self._watch
+        if watch is None or self.model is None:
+            return
+        layer, group = watch
+        empty = AttentionView(layer, group, self.model.config.num_hidden_layers,
+                              self.model.config.num_key_value_heads)
+        if hasattr(self.model, "pipeline_stats"):
+            empty.note = "not available for a model split across hosts"
+        elif not self._cache or token is None:
+            empty.note = "the cache is empty: send a message"
+        else:
+            try:
+                empty = attention_view(self.model, self._cache, layer, group, token)
+            except Exception as e:
+                empty.note = f"cannot compute the attention view: {error_line(e)}"
+        self._emit(empty)
 
     def _cache_identity(self) -> dict[str, str]:
         """What a saved cache must match to be reused: the model and the cache bound."""
@@ -571,7 +638,7 @@ class Engine:
         eos = set(tok.end_ids)  # EOS, and BOS: a base model starting a new document
         reason_done = "length"
         t_first = t_last = None
-        last_stats = self.clock()
+        last_stats = last_view = self.clock()
         failure: Exception | None = None
         try:
             for token in steps:
@@ -600,6 +667,9 @@ class Engine:
                     last_stats = now
                     self._decode_stats(stats, generated, t_first, t_last)
                     self._emit(Stats(self._stats_now(stats)))
+                if self._watch is not None and now - last_view >= ATTENTION_INTERVAL_S:
+                    last_view = now  # the newest token in the cache: the last one fed
+                    self._attention(generated[progress.fed - 1] if progress.fed else todo[-1])
         except Exception as e:  # a pipeline rank died, MLX failed: keep what was shown
             failure = e
         finally:

@@ -107,6 +107,12 @@ class EngineProcess:
     def set_kernels(self, backend: str) -> None:
         self._send(("set_kernels", (backend,)))
 
+    def explain(self, gap: int = 3, block: str = "model") -> None:
+        self._send(("explain", (gap, block)))
+
+    def watch_attention(self, layer: int | None, group: int | None = None) -> None:
+        self._send(("watch_attention", (layer, group)))
+
     def cache_stats(self) -> TurnStats:
         return self._snapshot.cache
 

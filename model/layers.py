@@ -321,7 +321,11 @@ class Attention(nn.Module):
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    def rotated_qkv(
+        self, x: mx.array, offset: int | mx.array = 0
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """Q, K, V (B, heads, T, head_dim) as attention uses them: projected, q/k-normed,
+        rotated from position `offset` (model/attention_view.py reads Q through this)."""
         B, T, _ = x.shape
         q, k, v = self.project(x)
         if self.qk_norm == "proj":
@@ -334,7 +338,6 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         v = v.reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        offset = cache.offset if cache is not None else 0
         if self.rope is not None:
             q, k = self.rope(q, k, offset)
         if self.qk_norm == "head_after_rope":  # Hunyuan: q/k normed once rotated
@@ -350,6 +353,11 @@ class Attention(nn.Module):
             q = q * (1 + beta * mx.log(1 + mx.floor(pos / period)))[:, None].astype(q.dtype)
         if self._q_gain is not None:
             q = q * self._q_gain.astype(q.dtype)
+        return q, k, v
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        B, T, _ = x.shape
+        q, k, v = self.rotated_qkv(x, cache.offset if cache is not None else 0)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if self.softcap is not None:
@@ -470,6 +478,11 @@ class Block(nn.Module):
     ) -> tuple[mx.array, mx.array | None]:
         return self(x if pending is None else x + pending, mask, cache), None
 
+    def attention_input(self, x: mx.array, pending: mx.array | None) -> mx.array:
+        """What self_attn reads from the residual stream x + pending: its norm (pre-norm
+        and sandwich blocks)."""
+        return self.input_layernorm(x if pending is None else x + pending)
+
 
 class PreNormBlock(Block):
     """x + r·attn(norm(x)), then h + r·mlp(norm(h)); r = residual multiplier (Granite)."""
@@ -529,9 +542,20 @@ class PostNormBlock(Block):
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
 
+    def attention_input(self, x: mx.array, pending: mx.array | None) -> mx.array:
+        return x if pending is None else x + pending  # no norm on the way in
+
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         h = x + self.post_attention_layernorm(self.self_attn(x, mask, cache))
         return h + self.post_feedforward_layernorm(self.mlp(h))
+
+
+class PostLNBlock(PostNormBlock):
+    """The 2017 block: LayerNorm of each residual sum, LN(x + attn(x)), LN(h + mlp(h))."""
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        h = self.post_attention_layernorm(x + self.self_attn(x, mask, cache))
+        return self.post_feedforward_layernorm(h + self.mlp(h))
 
 
 class ParallelBlock(Block):
@@ -558,6 +582,7 @@ BLOCKS: dict[str, type[Block]] = {
     "post": PostNormBlock,
     "parallel": ParallelBlock,
     "parallel2": ParallelBlock,
+    "post_ln": PostLNBlock,
 }
 
 

@@ -15,13 +15,21 @@ from .layers import make_block, make_norm
 from .mla import attention_class
 
 
+def sinusoidal_positions(T: int, dims: int, offset: int | mx.array = 0) -> mx.array:
+    """2017's absolute positions: sin(p / 10000^(2i/d)) on even features, cos on odd."""
+    pos = mx.arange(T, dtype=mx.float32) + mx.array(offset, dtype=mx.float32)
+    inv = 10000.0 ** (-mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    angles = pos[:, None] * inv[None]
+    return mx.stack([mx.sin(angles), mx.cos(angles)], axis=-1).reshape(T, -1)[:, :dims]
+
+
 class DecoderModel(nn.Module):
     """HF's `model.*` sub-tree: embed_tokens, layers, norm."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        if cfg.learned_positions:  # GPT-2: one learned vector per position
+        if cfg.positions == "learned":  # GPT-2: one learned vector per position
             self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.layers = [make_block(cfg, spec, attention_class(cfg)) for spec in cfg.layers]
         self.norm = make_norm(cfg, cfg.hidden_size)
@@ -76,14 +84,17 @@ class Transformer(nn.Module):
         return make_cache(self.config, max_kv_size=max_kv_size, keep=keep)
 
     def embed(self, tokens: mx.array, offset: int | mx.array = 0) -> mx.array:
-        """Token embeddings (plus the positions from `offset` where they are learned)."""
+        """Token embeddings (scaled where the family asks); with learned (GPT-2) or 2017's
+        sinusoidal positions, plus those of positions offset, offset + 1, ..."""
         h = self.model.embed_tokens(tokens)
-        if self.config.learned_positions:
+        if self.config.positions == "learned":
             h = h + self.model.embed_positions(offset + mx.arange(tokens.shape[1]))
         if self.config.embed_scale != 1.0:  # in the compute dtype, as the reference rounds it
             h = h * mx.array(self.config.embed_scale, dtype=h.dtype)
         if self.config.embed_norm:  # nanochat: the final norm also normalizes the embeddings
             h = self.model.norm(h)
+        if self.config.positions == "sinusoidal":
+            h = h + sinusoidal_positions(tokens.shape[-1], h.shape[-1], offset).astype(h.dtype)
         return h
 
     def run_layers(

@@ -35,6 +35,8 @@ from kvchat.app.core.text import clipboard_text, literal
 from kvchat.app.tui.actions import bindings
 from kvchat.app.tui.bridge import Bridge, EngineEvent, TextReady
 from kvchat.app.tui.interrupt import InterruptKey
+from kvchat.app.tui.screens.anatomy import AnatomyScreen
+from kvchat.app.tui.screens.attention import AttentionScreen
 from kvchat.app.tui.screens.history import HistoryScreen
 from kvchat.app.tui.screens.layers import LayerCacheScreen
 from kvchat.app.tui.screens.picker import ModelPickerScreen
@@ -59,11 +61,13 @@ from kvchat.app.tui.widgets import (
 from kvchat.app.tui.widgets.format import fmt_bytes
 from kvchat.model.errors import KVChatError
 from kvchat.model.events import (
+    AttentionView,
     CacheRestored,
     CacheSaved,
     Done,
     EngineFactory,
     EngineLike,
+    Explained,
     KernelsSwitched,
     Loaded,
     LoadFailed,
@@ -132,6 +136,8 @@ class ChatScreen(InterruptKey, Screen[None]):
             KernelsSwitched: self.on_kernels_switched,
             PrefillProgress: self.on_turn_notice,
             Overflow: self.on_turn_notice,
+            Explained: self.on_view_data,
+            AttentionView: self.on_view_data,
         }
 
     # ---- layout ---------------------------------------------------------------------------
@@ -619,7 +625,35 @@ class ChatScreen(InterruptKey, Screen[None]):
         self.set_class(not shown, "-panel-hidden")
 
     def action_layers(self) -> None:
-        self.app.push_screen(LayerCacheScreen(self._layer_rows))
+        self.app.push_screen(LayerCacheScreen(self._layer_rows, self.open_attention))
+
+    def action_anatomy(self) -> None:
+        if self.engine is None or not self.model_info:
+            self.notify("No model loaded yet.", severity="warning")
+            return
+        self.app.push_screen(AnatomyScreen(self.engine.explain, self.open_attention))
+
+    def action_attention(self) -> None:
+        self.open_attention()
+
+    def open_attention(self, layer: int = 0) -> None:
+        """The attention view (beside the layer view): the engine computes it only while
+        the screen is open."""
+        if self.engine is None or not self.model_info:
+            self.notify("No model loaded yet.", severity="warning")
+            return
+        info = self.model_info
+        self.app.push_screen(AttentionScreen(
+            self.engine.watch_attention, int(info.get("n_layers") or 1),
+            int(info.get("n_kv_heads") or 1), layer))
+
+    def on_view_data(self, ev: Explained | AttentionView) -> None:
+        """Engine data for the Anatomy or attention screen, if it is the one showing."""
+        screen = self.app.screen
+        if isinstance(ev, Explained) and isinstance(screen, AnatomyScreen):
+            screen.show(ev)
+        elif isinstance(ev, AttentionView) and isinstance(screen, AttentionScreen):
+            screen.show(ev)
 
     def _layer_rows(self) -> list[dict[str, Any]]:
         return list(self.engine.layer_stats()) if self.engine is not None else []
