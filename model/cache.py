@@ -626,6 +626,38 @@ class QuantizedRotatingKVCache(_Quantized, RotatingKVCache):
         self._lo = int(lo)
 
 
+class ChunkedKVCache(RotatingKVCache):
+    """Chunked local attention (Llama 4): query t sees only the keys of its own chunk,
+    positions ⌊t / chunk⌋·chunk … t. A ring of exactly `chunk` slots always holds them;
+    the mask drops the ring's older keys from the previous chunk."""
+
+    def __init__(self, chunk: int) -> None:
+        super().__init__(chunk, 0)
+        self.chunk = chunk
+
+    def make_mask(
+        self, n: int, return_array: bool = False, window_size: int | None = None
+    ) -> mx.array:
+        pos, valid = self._key_positions(n)
+        t = mx.arange(self.offset, self.offset + n)[:, None]
+        p = pos[None]
+        return valid[None] & (p <= t) & (p // self.chunk == t // self.chunk)
+
+    def slot_layout(self) -> tuple[Any, ...]:
+        return ("ring", self.layout_packed(), self.max_size, self.keep, self.chunk)
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        return RotatingKVCache.state.fget(self)  # type: ignore[attr-defined]
+
+    @state.setter
+    def state(self, v: tuple[Any, ...]) -> None:
+        RotatingKVCache.state.fset(self, v)  # type: ignore[attr-defined]
+        self.chunk = self.max_size  # the ring is exactly one chunk
+
+
+
+
 # the quantized class of each float one (`_Buffers.quantized`)
 QUANTIZED: dict[type, type] = {
     KVCache: QuantizedKVCache, RotatingKVCache: QuantizedRotatingKVCache,
@@ -649,8 +681,13 @@ def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, keep: int = 4,
     """
     if max_kv_size is not None and max_kv_size < 1:
         raise CacheError(f"--max-kv-size must be >= 1, got {max_kv_size}")
+    if kv is not None and cfg.mla is not None:  # its absorbed attention reads float latents
+        raise CacheError("--kv-bits is not supported for latent attention (MLA) models")
     caches: list[Any] = []
     for spec in cfg.layers:
+        if spec.chunk is not None:  # never more than one chunk resident
+            caches.append(ChunkedKVCache(spec.chunk))
+            continue
         window = spec.window
         if window is not None and (max_kv_size is None or max_kv_size >= window):
             size, k = window, 0
@@ -700,7 +737,8 @@ def pending_quantization(caches: list[Any]) -> int | None:
 
 # ---- statistics (metadata only) ---------------------------------------------------------
 def _attention_name(cfg: ModelConfig, spec: LayerSpec) -> str:
-    kind = "sliding" if spec.window is not None else "latent" if cfg.mla else "global"
+    kind = ("sliding" if spec.window is not None else "chunked" if spec.chunk is not None
+            else "latent" if cfg.mla else "global")
     return kind + (
         "" if spec.rope is not None else " NoPE"
     )

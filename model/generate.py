@@ -89,6 +89,8 @@ def _slot_mask(static: tuple[Any, ...], row: mx.array, capacity: int,
         ring_pos = o - mx.remainder(o - s, R)
         pos = mx.where(s < K, s, ring_pos)
         valid = (s < length) & mx.where(s < K, s < K, ring_pos >= lo)
+        if len(static) > 4:  # a chunked ring (Llama 4): the query's own chunk only
+            valid = valid & (pos // static[4] == o // static[4])
     if window is not None:
         valid = valid & (o - pos < window)
     return valid[None]
