@@ -1,4 +1,4 @@
-"""`kvchat` command line: the TUI by default, plus generate, inspect, bench and models.
+"""`kvchat` command line: the TUI by default, plus generate, inspect, bench, models, serve.
 
 Exit status: 0 ok, 2 usage (argparse's errors included), 1 model or runtime error, 130
 interrupted, with one line on stderr (a traceback only with KVCHAT_DEBUG=1). With --json,
@@ -24,19 +24,24 @@ COMMANDS = {
     "bench": "measure prefill and decode speed (optionally against mlx-lm)",
     "models": "list local models with their sizes",
     "pull": "download a model from the Hugging Face Hub (resumable)",
+    "serve": "serve the model over an OpenAI-compatible HTTP API",
+    "explain": "the model's decoder block, explained with its own numbers",
 }
 QUIT_WAIT_S = 0.8  # at exit, how long a busy engine thread may take before we leave anyway
 
 
 def _command_module(name: str) -> Any:
     from kvchat.app.cli import bench as bench_cmd
+    from kvchat.app.cli import explain as explain_cmd
     from kvchat.app.cli import generate as generate_cmd
     from kvchat.app.cli import inspect as inspect_cmd
     from kvchat.app.cli import models as models_cmd
     from kvchat.app.cli import pull as pull_cmd
+    from kvchat.app.serve import command as serve_cmd
 
     return {"generate": generate_cmd, "inspect": inspect_cmd, "bench": bench_cmd,
-            "models": models_cmd, "pull": pull_cmd}[name]
+            "models": models_cmd, "pull": pull_cmd, "serve": serve_cmd,
+            "explain": explain_cmd}[name]
 
 
 def build_parser() -> Any:
@@ -100,15 +105,18 @@ def _main(argv: list[str]) -> int:
     from kvchat import metal_kernels
     from kvchat.app.core import hosts
     from kvchat.app.core.settings import load_settings
+    from kvchat.model import threads
     from kvchat.model.errors import KVChatError
 
     try:
         args = build_parser().parse_args(argv)
     except UsageError as e:
         return _usage_error(str(e), argv)
-    try:  # KVCHAT_KERNELS (an unusable value is a usage error), else the settings entry
-        metal_kernels.configure(load_settings().kernels)
-    except metal_kernels.KernelError as e:
+    try:  # KVCHAT_KERNELS / KVCHAT_THREADS (an unusable value is a usage error), else the
+        settings = load_settings()  # settings entries
+        metal_kernels.configure(settings.kernels)
+        threads.configure(settings.threads, blas.active_blas()["path"])
+    except (metal_kernels.KernelError, threads.ThreadsError) as e:
         return _usage_error(str(e), argv)
     try:
         if args.hostfile is not None:

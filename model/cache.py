@@ -21,7 +21,7 @@ import mlx.core as mx
 from .config import LayerSpec, ModelConfig
 from .errors import KVChatError
 from .events import TurnStats
-from .kv_math import kv_bytes
+from .kv_math import cached_widths, kv_bytes, kv_saving
 
 
 class CacheError(KVChatError):
@@ -121,6 +121,14 @@ class KVCache(_Buffers):
     def size(self) -> int:
         return self.offset
 
+    def slot_positions(self) -> tuple[mx.array, mx.array]:
+        """Absolute position and residency of every written slot (slot p holds p)."""
+        return mx.arange(self.offset), mx.ones((self.offset,), dtype=mx.bool_)
+
+    def write_slot(self) -> int:
+        """The slot the next token will be written to."""
+        return self.offset
+
     def can_trim_to(self, n: int) -> bool:
         return 0 <= n <= self.offset
 
@@ -167,7 +175,7 @@ class KVCache(_Buffers):
     @property
     def nbytes(self) -> int:
         """Bytes of the resident K and V (the allocated buffer may be up to a step larger)."""
-        return _layer_bytes(self.keys, self.offset)
+        return _layer_bytes(self.keys, self.offset, self.values)
 
     def stats(self) -> dict[str, Any]:
         allocated = 0 if self.keys is None else self.keys.shape[2]
@@ -177,8 +185,8 @@ class KVCache(_Buffers):
             "cache_tokens": self.offset,
             "cache_capacity": None,  # unbounded: cache_stats reports the model's context
             "allocated_tokens": allocated,
-            "cache_bytes": _layer_bytes(self.keys, self.offset),
-            "allocated_bytes": _layer_bytes(self.keys, allocated),
+            "cache_bytes": _layer_bytes(self.keys, self.offset, self.values),
+            "allocated_bytes": _layer_bytes(self.keys, allocated, self.values),
             "evicted_tokens": 0,
             "keep": 0,
             "wrapped": False,
@@ -275,6 +283,14 @@ class RotatingKVCache(_Buffers):
         if W is not None:
             mask = mask & (t - p < W)
         return mask
+
+    def slot_positions(self) -> tuple[mx.array, mx.array]:
+        """Absolute position and residency of every written slot, as they stand now."""
+        return self._key_positions(0)
+
+    def write_slot(self) -> int:
+        """The slot the next token will be written to (past the end: the oldest ring entry)."""
+        return self._slot(self.offset)
 
     # ---- writes ---------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -390,7 +406,7 @@ class RotatingKVCache(_Buffers):
     @property
     def nbytes(self) -> int:
         """Bytes of the resident K and V (not the allocated buffer)."""
-        return _layer_bytes(self.keys, self.size())
+        return _layer_bytes(self.keys, self.size(), self.values)
 
     def stats(self) -> dict[str, Any]:
         tokens = self.size()
@@ -401,21 +417,30 @@ class RotatingKVCache(_Buffers):
             "cache_tokens": tokens,
             "cache_capacity": self.max_size,
             "allocated_tokens": allocated,
-            "cache_bytes": _layer_bytes(self.keys, tokens),
-            "allocated_bytes": _layer_bytes(self.keys, allocated),
+            "cache_bytes": _layer_bytes(self.keys, tokens, self.values),
+            "allocated_bytes": _layer_bytes(self.keys, allocated, self.values),
             "evicted_tokens": self.offset - tokens,
             "keep": self.keep,
             "wrapped": self.offset > tokens,
         }
 
 
-def _layer_bytes(keys: mx.array | None, tokens: int, heads_factor: float = 1) -> int:
-    """K + V bytes of `tokens` positions of one layer, from the buffer's shape and dtype
-    (kv_math's formula with one layer); `heads_factor` scales the KV heads (MHA bytes)."""
+def _layer_bytes(keys: mx.array | None, tokens: int, values: mx.array | None = None) -> int:
+    """K + V bytes of `tokens` positions of one layer, from the buffers' shapes and dtype
+    (kv_math's formula with one layer; V may be narrower than K, as latent attention's)."""
     if keys is None:
         return 0
     B, H, _, D = keys.shape
-    return kv_bytes(tokens, 1, int(B * H * heads_factor), D, keys.dtype.size)
+    dv = D if values is None else values.shape[-1]
+    return kv_bytes(tokens, 1, B * H, D, keys.dtype.size, dv)
+
+
+def _mha_bytes(cfg: ModelConfig, keys: mx.array | None, tokens: int) -> int:
+    """What `tokens` positions of one layer would take with one K/V head per query head."""
+    if keys is None:
+        return 0
+    w = cached_widths(cfg, cfg.num_attention_heads)
+    return keys.shape[0] * tokens * w.bytes_per_token(1, keys.dtype.size)
 
 
 def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, keep: int = 4) -> list[Any]:
@@ -447,8 +472,9 @@ def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, keep: int = 4) 
 
 
 # ---- statistics (metadata only) ---------------------------------------------------------
-def _attention_name(spec: LayerSpec) -> str:
-    return ("sliding" if spec.window is not None else "global") + (
+def _attention_name(cfg: ModelConfig, spec: LayerSpec) -> str:
+    kind = "sliding" if spec.window is not None else "latent" if cfg.mla else "global"
+    return kind + (
         "" if spec.rope is not None else " NoPE"
     )
 
@@ -464,11 +490,11 @@ def layer_stats(caches: list[Any], cfg: ModelConfig) -> list[dict[str, Any]]:
             s["cache_capacity"] = cfg.max_position_embeddings
         s["layer"] = i
         if i < len(cfg.layers):
-            s["attention"] = _attention_name(cfg.layers[i])
+            s["attention"] = _attention_name(cfg, cfg.layers[i])
             s["window"] = cfg.layers[i].window
         keys = getattr(c, "keys", None)
-        s["bytes_per_token"] = _layer_bytes(keys, 1)
-        s["mha_bytes"] = _layer_bytes(keys, s["cache_tokens"], cfg.gqa_groups)
+        s["bytes_per_token"] = _layer_bytes(keys, 1, getattr(c, "values", None))
+        s["mha_bytes"] = _mha_bytes(cfg, keys, s["cache_tokens"])
         out.append(s)
     return out
 
@@ -489,7 +515,7 @@ def cache_stats(caches: list[Any], cfg: ModelConfig) -> TurnStats:
     Besides the GQA saving, `window_saving` says how much smaller the cache is than if
     the sliding layers held every token the global ones do (1.0 without sliding layers).
     """
-    saving = cfg.num_attention_heads / cfg.num_key_value_heads
+    saving = kv_saving(cfg)
     if not caches:
         return TurnStats(
             cache_offset=0, cache_tokens=0, cache_capacity=0, cache_bytes=0, mha_bytes=0,

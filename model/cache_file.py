@@ -2,7 +2,8 @@
 
 The file is what `mlx_lm.models.cache.save_prompt_cache` writes (arrays "<layer>.<i>" from
 each cache's `state`, then its integers as scalar arrays listed in the metadata, plus the
-class names), so `mlx_lm.models.cache.load_prompt_cache` reads it back into mlx-lm's own
+class names, and a checksum: see cache_integrity.py), so
+`mlx_lm.models.cache.load_prompt_cache` reads it back into mlx-lm's own
 classes. Our loader reads the same file into ours through `from_state(state, meta_state)`,
 with each layer's full `meta_state` (strings) kept in the metadata. Writes are atomic: a
 temporary file in the same folder, renamed over the old one.
@@ -21,6 +22,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .cache import CacheError, KVCache, RotatingKVCache
+from .cache_integrity import CHECKSUM_KEY, seal, verify
+from .errors import one_line
 
 CLASSES: dict[str, type] = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
 # how many leading meta_state integers mlx-lm keeps in the state of its class of that name
@@ -54,7 +57,7 @@ def save_cache(path: str | Path, caches: list[Any], metadata: dict[str, str]) ->
             value = mx.array(value)
         arrays[key] = value
     meta = {**metadata, META_KEY: json.dumps([list(c.meta_state) for c in caches])}
-    header = dict(tree_flatten([meta, names, scalars]))
+    header = seal(arrays, dict(tree_flatten([meta, names, scalars])), f"0.{CHECKSUM_KEY}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{secrets.token_hex(3)}.tmp.safetensors")
     try:
@@ -73,14 +76,18 @@ def load_cache(path: str | Path) -> tuple[list[Any], dict[str, str]]:
     path = Path(path)
     try:
         arrays, header = mx.load(str(path), return_metadata=True)
+        verify(arrays, header)  # before any of it is trusted (cache_integrity.py)
         meta, names, _scalars = tree_unflatten(list(header.items()))
         metas = json.loads(meta.pop(META_KEY))
+        meta.pop(CHECKSUM_KEY, None)
         layers = tree_unflatten(list(arrays.items()))
         caches = []
         for name, layer, meta_state in zip(names, layers, metas, strict=True):
             cls = CLASSES[name]
             n = len(layer) - MLX_LM_SCALARS[name]
             caches.append(cls.from_state(tuple(layer[:n]), tuple(meta_state)))
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
-        raise CacheError(f"unreadable K/V cache file {path.name}: {e}") from None
+    except CacheError as e:
+        raise CacheError(f"K/V cache file {path.name}: {e}") from None
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, IndexError) as e:
+        raise CacheError(f"unreadable K/V cache file {path.name}: {one_line(e)}") from None
     return caches, meta

@@ -23,7 +23,8 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_KINDS = (FULL, SLIDING)
 
 # activation names in config.json -> the function mlx computes (layers.ACTIVATIONS)
-ACTIVATION_NAMES = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu")
+ACTIVATION_NAMES = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu", "gelu_fast", "relu",
+                    "relu2", "xielu")
 
 
 # ---- which layers slide: one rule per family, used when config.json has no layer_types
@@ -51,6 +52,15 @@ def _every_nth_global(period_key: str | None, default: int) -> LayerRule:
     return rule
 
 
+def _pattern_layers(cfg: dict[str, Any], n: int) -> list[str]:
+    """EXAONE 4: `sliding_window_pattern` "LLLG" (L slides, G is global) repeated, or an
+    int n (every n-th layer global)."""
+    pattern = cfg.get("sliding_window_pattern", 4)
+    if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
+        return [SLIDING if pattern[i % len(pattern)] == "L" else FULL for i in range(n)]
+    return _every_nth_global(None, int(pattern or 4))(cfg, n)
+
+
 def _nope_layers_slide(cfg: dict[str, Any], n: int) -> list[str]:
     """SmolLM3: with use_sliding_window, the NoPE layers slide."""
     rope_on = _no_rope_layers(cfg, n)
@@ -71,32 +81,137 @@ def _no_rope_layers(cfg: dict[str, Any], n: int) -> list[int]:
 
 
 @dataclass(frozen=True)
+class MoeFamily:
+    """How one family routes tokens to experts (see moe.py) and which config keys say so."""
+
+    score: str = "softmax"  # router scores: "softmax" | "sigmoid" (DeepSeek-V3)
+    # grouped top-k: experts split in n_group groups, only the topk_group best groups
+    # compete; a group's score is its best expert ("max", V2) or its best two ("top2", V3)
+    group_score: str | None = None
+    group_key: str | None = None  # config key that switches grouping on (V2: topk_method)
+    correction_bias: bool = False  # V3: e_score_correction_bias picks experts, never weighs
+    shared: str | None = None  # None | "gated" (Qwen2-MoE: sigmoid gate) | "plain" (DeepSeek)
+    count_key: str | None = None  # None: num_local_experts / num_experts / n_routed_experts
+    top_k_key: str = "num_experts_per_tok"
+    shared_count_key: str = "n_shared_experts"  # "plain": shared size = count × expert size
+    expert_size_key: str = "moe_intermediate_size"
+    norm_topk_always: bool = False  # Mixtral renormalises the top-k weights unconditionally
+    router_bias: bool = False  # gpt-oss: the router Linear has a bias
+    expert_bias: bool = False  # gpt-oss: every expert projection has a bias
+    clamped_swiglu: bool = False  # gpt-oss: swiglu_alpha / swiglu_limit (moe.clamped_swiglu)
+    # which layers are sparse: "all" | "step" (decoder_sparse_step, mlp_only_layers) |
+    # "first_dense" (first_k_dense_replace dense layers, then MoE) | "interval" (ERNIE:
+    # every moe_layer_interval-th from moe_layer_start_index to moe_layer_end_index)
+    sparse_layers: str = "all"
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The resolved mixture of one model (every sparse layer shares it)."""
+
+    experts: int
+    top_k: int
+    expert_size: int  # each routed expert's intermediate size
+    score: str
+    norm_topk: bool
+    scaling: float  # routed_scaling_factor
+    groups: int
+    topk_groups: int
+    group_score: str | None
+    correction_bias: bool
+    shared_size: int  # 0: no shared expert
+    shared_gate: bool
+    router_bias: bool = False
+    expert_bias: bool = False
+    clamped_swiglu: tuple[float, float] | None = None  # (alpha, limit)
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): K and V come from one compressed
+    latent of `kv_lora_rank` features plus one shared RoPE key of `rope_dim`."""
+
+    q_lora_rank: int | None  # None: queries from one q_proj
+    kv_lora_rank: int
+    nope_dim: int  # per-head query/key features without RoPE
+    rope_dim: int  # per-head (queries) / shared (key) features with RoPE
+    v_dim: int  # per-head value features
+
+
+@dataclass(frozen=True)
 class Family:
     """One model type's quirks: which building blocks it uses and what transformers
     assumes when a config key is absent (`defaults`, merged under config.json)."""
 
-    qkv_bias: bool | None = None  # None: read `attention_bias` from the config
-    o_bias: bool | None = None  # None: read `attention_bias` from the config
+    qkv_bias: bool | None = None  # None: read `bias_key` from the config
+    o_bias: bool | None = None  # None: read `o_bias_key` from the config
+    bias_key: str = "attention_bias"  # ERNIE: use_bias (attention and MLP)
+    o_bias_key: str | None = None  # None: as bias_key (Seed-OSS: attention_out_bias)
+    mlp_bias_key: str = "mlp_bias"
     tie_word_embeddings: bool = False  # default when config.json does not say
     # sliding_window applies only when this config flag is true (None: whenever set)
     sliding_window_flag: str | None = None
     # which layers slide when config.json has no `layer_types`; None: the family has
     # no sliding attention (a sliding_window key is ignored, as transformers does)
     layer_rule: LayerRule | None = _all_layers
-    norm: str = "rms"  # "rms": x̂·w | "offset": x̂·(1 + w) (Gemma)
+    # "rms": x̂·w | "offset": x̂·(1 + w) (Gemma) | "layer": LayerNorm (mean removed), w and b
+    # | "layer_nobias" (Cohere) | "layer1p": w stored as w − 1 (Nemotron) | "layer_noparam"
+    norm: str = "rms"
+    eps_key: str = "rms_norm_eps"  # the config key of the norms' epsilon
+    # "gated": down(act(gate)·up) | "fused": the same from one gate_up_proj (GLM) |
+    # "plain": down(act(up)) (see PlainMLP)
+    mlp: str = "gated"
+    head_bias: bool = False  # the LM head has a bias (Phi-2)
+    logit_scale: bool = False  # Cohere: logits × logit_scale
+    embed_norm: bool = False  # nanochat: the embeddings pass through the final norm first
+    # MiniCPM3: embeddings × scale_emb, each branch × scale_depth / √layers
+    depth_scaled: bool = False
     activation_key: str = "hidden_act"  # config key naming the MLP's gate activation
     activation_aliases: dict[str, str] = field(default_factory=dict)
-    block: str = "pre"  # "pre" | "sandwich" (4 norms) | "post" (norms after each branch)
-    qk_norm: str | None = None  # None | "head" (per head) | "proj" (over the projection)
+    # "pre" | "sandwich" (4 norms) | "post" (norms after each branch) | "parallel"
+    # (attention and MLP read the same normed input) | "parallel2" (each its own norm) |
+    # "post_ln" (2017: LayerNorm of the residual sum after each branch)
+    block: str = "pre"
+    positions: str = "rope"  # "rope" | "sinusoidal" (2017: added to the embeddings)
+    # None | "head" (per head) | "proj" (over the projection) | "head_after_rope" (Hunyuan)
+    qk_norm: str | None = None
+    qk_norm_flag: str | None = None  # qk_norm applies only when this config flag is true
+    # Ministral 3: queries × 1 + β·log(1 + ⌊position / original context⌋), β from the rope
+    # parameters' llama_4_scaling_beta
+    position_scaled_queries: bool = False
+    attention_sinks: bool = False  # gpt-oss: a learned sink logit per head (self_attn.sinks)
+    # StableLM, GPT-NeoX: this config flag makes the block `parallel_block`
+    parallel_flag: str | None = None
+    parallel_block: str = "parallel"
     fused_proj: bool = False  # one qkv_proj and one gate_up_proj (Phi-3)
     embed_scale_sqrt_hidden: bool = False  # Gemma: embeddings × √hidden_size
     multipliers: bool = False  # Granite: embedding/attention/residual multipliers, logits_scaling
     query_pre_attn_scalar: bool = False  # Gemma 2/3: attention scale = scalar^-0.5
     softcaps: bool = False  # Gemma 2/3: attn/final logit soft-capping keys are honoured
     local_rope: bool = False  # Gemma 3: sliding layers have their own RoPE base
-    nope: bool = False  # SmolLM3: `no_rope_layers` turns RoPE off per layer
+    # layers without RoPE: None | "listed" (SmolLM3's `no_rope_layers`) | "global" (the
+    # full-attention layers of a model with sliding ones: EXAONE 4, Command R7B)
+    nope: str | None = None
     rope_aliases: dict[str, str] = field(default_factory=dict)  # Phi-3: "su" -> "longrope"
+    moe: MoeFamily | None = None  # the FFN of (some) layers is a mixture of experts
+    attention: str = "gqa"  # "gqa" (MHA/GQA/MQA) | "mla" (latent, DeepSeek-V2/V3)
+    rope_traditional: bool = False  # RoPE rotates adjacent pairs (DeepSeek's interleave)
+    rope_negative: bool = False  # nanochat: its rotate_half turns the other way
+    clip_qkv: bool = False  # OLMoE: config's clip_qkv clamps q, k and v
+    # classic config keys -> the names transformers 5 (and kvchat) reads
+    key_aliases: dict[str, str] = field(default_factory=dict)
+    ffn_mult: int | None = None  # GPT-J: intermediate_size absent (null) means ffn_mult × hidden
+    rotary_dim_key: str | None = None  # GPT-J: rotated features per head, as a count
+    # checkpoint tensor names -> ours (substring replacements, applied in order)
+    renames: tuple[tuple[str, str], ...] = ()
     defaults: dict[str, Any] = field(default_factory=dict)
+
+    def window_used(self, cfg: dict[str, Any]) -> bool:
+        """Whether this family reads `sliding_window` at all with this config (transformers
+        ignores it otherwise, e.g. Qwen2-MoE's `sliding_window: 0` with the flag off)."""
+        return self.layer_rule is not None and (
+            self.sliding_window_flag is None or bool(cfg.get(self.sliding_window_flag, False))
+        )
 
 
 _GEMMA_DEFAULTS: dict[str, Any] = {"head_dim": 256, "rms_norm_eps": 1e-6}
@@ -147,11 +262,287 @@ FAMILIES: dict[str, Family] = {
     ),
     "smollm3": Family(
         tie_word_embeddings=True, sliding_window_flag="use_sliding_window",
-        layer_rule=_nope_layers_slide, nope=True, defaults={"rope_theta": 2e6},
+        layer_rule=_nope_layers_slide, nope="listed", defaults={"rope_theta": 2e6},
     ),
     "olmo2": Family(layer_rule=None, block="post", qk_norm="proj", defaults={"rms_norm_eps": 1e-5}),
+    "olmo3": Family(
+        layer_rule=_every_nth_global(None, 4), block="post", qk_norm="proj", local_rope=True,
+        defaults={"rms_norm_eps": 1e-6, "sliding_window": 4096},
+    ),
+    "exaone4": Family(
+        layer_rule=_pattern_layers, block="post", qk_norm="head", nope="global",
+        defaults={"rms_norm_eps": 1e-5, "sliding_window": 4096},
+    ),
+    "helium": Family(layer_rule=None, o_bias=False, rope_traditional=True,
+                     defaults={"rms_norm_eps": 1e-8}),
+    "seed_oss": Family(layer_rule=None, o_bias_key="attention_out_bias"),
+    "hunyuan_v1_dense": Family(
+        layer_rule=None, qk_norm="head_after_rope",
+        renames=((".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm.")),
+    ),
+    "ernie4_5": Family(
+        layer_rule=None, bias_key="use_bias", mlp_bias_key="use_bias", rope_traditional=True,
+        tie_word_embeddings=True,
+    ),
+    # transformers runs internlm3 configs as Llama (qkv_bias and bias name Llama's keys)
+    "internlm3": Family(
+        layer_rule=None, key_aliases={"qkv_bias": "attention_bias", "bias": "mlp_bias"},
+        defaults={"head_dim": 128, "rms_norm_eps": 1e-5},
+    ),
+    "ministral3": Family(qkv_bias=False, o_bias=False, position_scaled_queries=True),
+    # ---- the 2017 parts: LayerNorm, ungated MLPs, parallel blocks
+    "phi": Family(
+        qkv_bias=True, o_bias=True, layer_rule=None, norm="layer", eps_key="layer_norm_eps",
+        mlp="plain", block="parallel", head_bias=True, qk_norm="head",
+        qk_norm_flag="qk_layernorm",
+        renames=((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.up_proj."),
+                 (".mlp.fc2.", ".mlp.down_proj."), ("model.final_layernorm.", "model.norm."),
+                 (".q_layernorm.", ".q_norm."), (".k_layernorm.", ".k_norm.")),
+        defaults={"mlp_bias": True, "hidden_act": "gelu_new", "partial_rotary_factor": 0.5,
+                  "layer_norm_eps": 1e-5},
+    ),
+    "starcoder2": Family(
+        bias_key="use_bias", mlp_bias_key="use_bias", tie_word_embeddings=True, norm="layer",
+        eps_key="norm_epsilon", mlp="plain",
+        renames=((".mlp.c_fc.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj.")),
+        defaults={"use_bias": True, "hidden_act": "gelu_pytorch_tanh", "norm_epsilon": 1e-5},
+    ),
+    "stablelm": Family(
+        layer_rule=None, bias_key="use_qkv_bias", o_bias=False, norm="layer",
+        eps_key="layer_norm_eps", parallel_flag="use_parallel_residual",
+        defaults={"partial_rotary_factor": 0.25, "layer_norm_eps": 1e-5},
+    ),
+    "nemotron": Family(
+        layer_rule=None, norm="layer1p", eps_key="norm_eps", mlp="plain",
+        defaults={"hidden_act": "relu2", "partial_rotary_factor": 0.5, "norm_eps": 1e-5},
+    ),
+    "cohere": Family(
+        layer_rule=None, norm="layer_nobias", eps_key="layer_norm_eps", block="parallel",
+        rope_traditional=True, logit_scale=True, tie_word_embeddings=True,
+        qk_norm="each_head", qk_norm_flag="use_qk_norm",
+        defaults={"layer_norm_eps": 1e-5, "logit_scale": 0.0625},
+    ),
+    # Command R7B: three sliding layers, then a global one without RoPE
+    "cohere2": Family(
+        layer_rule=_every_nth_global("sliding_window_pattern", 4), nope="global",
+        norm="layer_nobias", eps_key="layer_norm_eps", block="parallel",
+        rope_traditional=True, logit_scale=True, tie_word_embeddings=True,
+        defaults={"layer_norm_eps": 1e-5, "logit_scale": 0.0625, "sliding_window": 4096},
+    ),
+    "olmo": Family(layer_rule=None, norm="layer_noparam", clip_qkv=True),
+    # GLM: interleaved RoPE over half of each head, one gate_up_proj
+    "glm": Family(
+        layer_rule=None, o_bias=False, mlp="fused", rope_traditional=True,
+        defaults={"partial_rotary_factor": 0.5, "head_dim": 128},
+    ),
+    # GLM-4: and each branch normed on the way out (the sandwich, under GLM's names)
+    "glm4": Family(
+        layer_rule=None, o_bias=False, mlp="fused", rope_traditional=True, block="sandwich",
+        renames=((".post_attention_layernorm.", ".pre_feedforward_layernorm."),
+                 (".post_self_attn_layernorm.", ".post_attention_layernorm."),
+                 (".post_mlp_layernorm.", ".post_feedforward_layernorm.")),
+        defaults={"partial_rotary_factor": 0.5, "head_dim": 128},
+    ),
+    # GPT-NeoX / Pythia: fused per-head q|k|v (split on load), two norms in parallel
+    "gpt_neox": Family(
+        layer_rule=None, norm="layer", eps_key="layer_norm_eps", mlp="plain",
+        parallel_flag="use_parallel_residual", parallel_block="parallel2",
+        renames=(("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.", "model."),
+                 ("embed_out.", "lm_head."), ("model.final_layer_norm.", "model.norm."),
+                 (".attention.dense.", ".self_attn.o_proj."), (".attention.", ".self_attn."),
+                 (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
+                 (".mlp.dense_4h_to_h.", ".mlp.down_proj.")),
+        key_aliases={"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},
+        defaults={"attention_bias": True, "mlp_bias": True, "hidden_act": "gelu",
+                  "partial_rotary_factor": 0.25, "use_parallel_residual": True},
+    ),
+    # Granite's multipliers around a mixture stored as one fused input_linear per layer
+    "granitemoe": Family(
+        layer_rule=None, multipliers=True, moe=MoeFamily(
+            expert_size_key="intermediate_size", norm_topk_always=True),
+        renames=((".block_sparse_moe.input_linear.", ".mlp.switch_mlp.gate_up_proj."),
+                 (".block_sparse_moe.output_linear.", ".mlp.switch_mlp.down_proj."),
+                 (".block_sparse_moe.router.layer.", ".mlp.gate."),
+                 (".block_sparse_moe.", ".mlp.")),
+    ),
+    # GLM-4.7-Flash: DeepSeek-V3's latent attention and router; mlp_layer_types says which
+    "glm4_moe_lite": Family(
+        layer_rule=None, attention="mla", rope_traditional=True,
+        moe=MoeFamily(score="sigmoid", group_score="top2", correction_bias=True,
+                      shared="plain", sparse_layers="types"),
+        defaults={"norm_topk_prob": True, "n_group": 1, "topk_group": 1, "n_shared_experts": 1,
+                  "routed_scaling_factor": 1.8},
+    ),
+    # EXAONE 4's attention (NoPE global layers) with DeepSeek-V3's router
+    "exaone_moe": Family(
+        layer_rule=_pattern_layers, qk_norm="head", nope="global",
+        moe=MoeFamily(score="sigmoid", group_score="top2", correction_bias=True,
+                      shared="plain", sparse_layers="types"),
+        renames=((".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),),
+        defaults={"rms_norm_eps": 1e-5, "sliding_window": 4096, "norm_topk_prob": True,
+                  "n_group": 1, "topk_group": 1, "n_shared_experts": 1},
+    ),
+    "solar_open": Family(
+        layer_rule=None, o_bias=False,
+        moe=MoeFamily(score="sigmoid", group_score="top2", correction_bias=True,
+                      shared="plain"),
+        defaults={"norm_topk_prob": True, "n_group": 1, "topk_group": 1, "n_shared_experts": 1},
+    ),
+    # Gemma-3-style per-kind RoPE (partial), sliding layers, a softmax router
+    "mellum": Family(
+        qk_norm="head", local_rope=True, moe=MoeFamily(sparse_layers="types"),
+    ),
+    # MiniCPM3: latent attention (rotate_half RoPE), depth-scaled residuals
+    "minicpm3": Family(
+        layer_rule=None, attention="mla", depth_scaled=True, tie_word_embeddings=True,
+        defaults={"q_lora_rank": 768, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
+                  "kv_lora_rank": 256, "scale_emb": 12, "scale_depth": 1.4,
+                  "dim_model_base": 256},
+    ),
+    # nanochat: parameter-free norms (one more on the embeddings), q/k normed after RoPE,
+    # relu² MLP, soft-capped logits
+    "nanochat": Family(
+        layer_rule=None, norm="rms_noparam", qk_norm="head_after_rope", mlp="plain",
+        embed_norm=True, softcaps=True, rope_negative=True,
+        renames=((".mlp.fc1.", ".mlp.up_proj."), (".mlp.fc2.", ".mlp.down_proj.")),
+        defaults={"hidden_act": "relu2"},
+    ),
+    # Apertus: a learned xIELU in an ungated MLP, q/k norms, Apertus' norm names
+    "apertus": Family(
+        layer_rule=None, qk_norm="head", mlp="plain",
+        renames=((".attention_layernorm.", ".input_layernorm."),
+                 (".feedforward_layernorm.", ".post_attention_layernorm.")),
+        defaults={"hidden_act": "xielu", "rms_norm_eps": 1e-5},
+    ),
+    # gpt-oss: attention sinks, alternating sliding layers, a biased router, biased experts
+    # with a clamped SwiGLU (experts stored fused and interleaved: unfused on load)
+    "gpt_oss": Family(
+        layer_rule=_every_nth_global(None, 2), attention_sinks=True,
+        moe=MoeFamily(expert_size_key="intermediate_size", norm_topk_always=True,
+                      router_bias=True, expert_bias=True, clamped_swiglu=True),
+        renames=((".mlp.router.", ".mlp.gate."),
+                 *((f".mlp.experts.{p}.", f".mlp.switch_mlp.{p}.")
+                   for p in ("gate_proj", "up_proj", "down_proj"))),
+        defaults={"attention_bias": True, "sliding_window": 128},
+    ),
+    # GPT-J: GPT-2's key names, a parallel block, interleaved partial rotary
+    "gptj": Family(
+        layer_rule=None, qkv_bias=False, o_bias=False, norm="layer",
+        eps_key="layer_norm_eps", mlp="plain", block="parallel", head_bias=True,
+        rope_traditional=True, ffn_mult=4, rotary_dim_key="rotary_dim",
+        key_aliases={"n_embd": "hidden_size", "n_layer": "num_hidden_layers",
+                     "n_head": "num_attention_heads", "n_positions": "max_position_embeddings",
+                     "n_inner": "intermediate_size", "layer_norm_epsilon": "layer_norm_eps",
+                     "activation_function": "hidden_act"},
+        renames=(("transformer.wte.", "model.embed_tokens."), ("transformer.h.", "model.layers."),
+                 ("transformer.ln_f.", "model.norm."), (".ln_1.", ".input_layernorm."),
+                 (".attn.out_proj.", ".self_attn.o_proj."), (".attn.", ".self_attn."),
+                 (".mlp.fc_in.", ".mlp.up_proj."), (".mlp.fc_out.", ".mlp.down_proj."),
+                 # mlx-lm's GPT-J: model.wte, model.h, model.ln_f
+                 ("model.wte.", "model.embed_tokens."), ("model.h.", "model.layers."),
+                 ("model.ln_f.", "model.norm.")),
+        defaults={"mlp_bias": True, "hidden_act": "gelu_new", "layer_norm_eps": 1e-5},
+    ),
+    "ernie4_5_moe": Family(
+        layer_rule=None, bias_key="use_bias", mlp_bias_key="use_bias", rope_traditional=True,
+        tie_word_embeddings=True,
+        moe=MoeFamily(correction_bias=True, shared="plain", norm_topk_always=True,
+                      count_key="moe_num_experts", top_k_key="moe_k",
+                      shared_count_key="moe_num_shared_experts", sparse_layers="interval"),
+        renames=((".mlp.moe_statics.", ".mlp.gate."),),
+        defaults={"moe_layer_start_index": 1},
+    ),
+    "glm4_moe": Family(
+        layer_rule=None, o_bias=False, qk_norm="head", qk_norm_flag="use_qk_norm",
+        moe=MoeFamily(score="sigmoid", group_score="top2", correction_bias=True,
+                      shared="plain", sparse_layers="first_dense"),
+        defaults={"partial_rotary_factor": 0.5, "norm_topk_prob": True, "n_group": 1,
+                  "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                  "routed_scaling_factor": 1.0},
+    ),
+    "dots1": Family(
+        layer_rule=_from_max_window_layers, qk_norm="head",
+        # mlx-lm stacks dots1's experts as mlp.experts.{proj} (no switch_mlp)
+        renames=tuple((f".experts.{p}.", f".switch_mlp.{p}.")
+                      for p in ("gate_proj", "up_proj", "down_proj")),
+        moe=MoeFamily(score="sigmoid", group_score="top2", correction_bias=True,
+                      shared="plain", sparse_layers="first_dense"),
+        defaults={"norm_topk_prob": False, "first_k_dense_replace": 0,
+                  "routed_scaling_factor": 1.0},
+    ),
     "granite": Family(layer_rule=None, multipliers=True),
+    # ---- mixtures of experts (moe.py)
+    "mixtral": Family(
+        qkv_bias=False, o_bias=False,
+        moe=MoeFamily(expert_size_key="intermediate_size", norm_topk_always=True),
+        renames=((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
+                 (".w2.", ".down_proj."), (".w3.", ".up_proj.")),
+        defaults={"rope_theta": 1e6},
+    ),
+    "qwen2_moe": Family(
+        qkv_bias=True, o_bias=False, sliding_window_flag="use_sliding_window",
+        layer_rule=_from_max_window_layers,
+        moe=MoeFamily(shared="gated", sparse_layers="step"),
+    ),
+    "qwen3_moe": Family(
+        sliding_window_flag="use_sliding_window", layer_rule=_from_max_window_layers,
+        qk_norm="head", moe=MoeFamily(sparse_layers="step"),
+    ),
+    "olmoe": Family(
+        layer_rule=None, qk_norm="proj", clip_qkv=True,
+        moe=MoeFamily(expert_size_key="intermediate_size"), defaults={"rms_norm_eps": 1e-5},
+    ),
+    "deepseek_v2": Family(
+        layer_rule=None, attention="mla", rope_traditional=True,
+        moe=MoeFamily(group_score="max", group_key="topk_method", shared="plain",
+                      sparse_layers="first_dense"),
+        defaults={"topk_method": "greedy", "n_shared_experts": 2, "routed_scaling_factor": 1.0},
+    ),
+    "deepseek_v3": Family(
+        layer_rule=None, attention="mla", rope_traditional=True,
+        moe=MoeFamily(score="sigmoid", group_score="top2", correction_bias=True,
+                      shared="plain", sparse_layers="first_dense"),
+        defaults={"norm_topk_prob": True, "n_group": 8, "topk_group": 4, "n_shared_experts": 1,
+                  "routed_scaling_factor": 2.5, "first_k_dense_replace": 3},
+    ),
+    # the 2017 block, for `python -m kvchat.model.training train --block 2017` and
+    # explain's comparison: post-LayerNorm, ReLU FFN, sinusoidal positions
+    "kvchat2017": Family(
+        layer_rule=None, norm="layer", mlp="plain", block="post_ln", positions="sinusoidal",
+        defaults={"hidden_act": "relu"},
+    ),
 }
+
+
+def as_2017_block(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The same model (a config.json dict) with the 2017 block: the `kvchat2017` family
+    (post-LayerNorm, ReLU FFN, sinusoidal positions), MHA (K/V heads = query heads) and
+    an FFN 1.5x wider, so its two matrices hold as many weights as SwiGLU's three."""
+    heads = int(cfg["num_attention_heads"])
+    return {**cfg, "model_type": "kvchat2017", "architectures": ["kvchat2017"],
+            "hidden_act": "relu", "num_key_value_heads": heads,
+            "intermediate_size": int(cfg["intermediate_size"]) * 3 // 2,
+            "rope_scaling": None, "rope_parameters": None, "layer_types": None}
+
+# multimodal checkpoints whose language model kvchat runs (the vision tower is not loaded):
+# model_type -> what the note says is left out
+WRAPPERS: dict[str, str] = {
+    "gemma3": "the vision tower",
+    "mistral3": "the vision encoder",
+}
+# top-level keys of a wrapper that hold for its language model
+WRAPPER_KEYS = ("quantization", "quantization_config", "torch_dtype", "dtype",
+                "tie_word_embeddings")
+
+
+def unwrap(cfg: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """(the language model's config, the wrapper's model_type or None)."""
+    wrapper = cfg.get("model_type")
+    text = cfg.get("text_config")
+    if wrapper not in WRAPPERS or not isinstance(text, dict):
+        return cfg, None
+    return {**text, **{k: cfg[k] for k in WRAPPER_KEYS if k in cfg}}, wrapper
+
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
@@ -278,6 +669,7 @@ class LayerSpec:
     kind: str  # FULL or SLIDING
     window: int | None  # keys a query sees (None: all of them)
     rope: RopeConfig | None  # None: a NoPE layer (no rotary embedding)
+    moe: bool = False  # the FFN is the model's mixture of experts (ModelConfig.moe)
 
 
 @dataclass(frozen=True)
@@ -303,18 +695,38 @@ class ModelConfig:
     torch_dtype: str | None = None
     # resolved family quirks (see Family)
     norm: str = "rms"
+    mlp: str = "gated"
+    lm_head_bias: bool = False
     activation: str = "silu"
     block: str = "pre"
     qk_norm: str | None = None
     fused_proj: bool = False
+    positions: str = "rope"
     embed_scale: float = 1.0
     residual_scale: float = 1.0
     attn_scale: float | None = None  # None: head_dim ** -0.5
     attn_softcap: float | None = None
     final_softcap: float | None = None
     logits_divisor: float = 1.0
+    clip_qkv: float | None = None
+    embed_norm: bool = False
+    rope_traditional: bool = False
+    rope_negative: bool = False
+    moe: MoeConfig | None = None
+    mla: MlaConfig | None = None  # set: every layer is latent attention (cache kind "latent")
+    q_position_scale: tuple[float, int] | None = None  # Ministral 3: (beta, period), see layers
+    attention_sinks: bool = False
+    wrapper: str | None = None  # a multimodal checkpoint's model_type (its text part runs)
     layers: tuple[LayerSpec, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def note(self) -> str | None:
+        """The one line a multimodal checkpoint gets: what is not loaded."""
+        if self.wrapper is None:
+            return None
+        return (f"{self.wrapper} checkpoint: kvchat runs its language model"
+                f" ({self.model_type}); {WRAPPERS[self.wrapper]} is not loaded")
 
     @property
     def gqa_groups(self) -> int:
@@ -326,13 +738,11 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        model_type = cfg.get("model_type")
-        if model_type not in FAMILIES:
-            raise ConfigError(
-                f"unknown architecture {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
-            )
-        fam = FAMILIES[model_type]
-        cfg = {**fam.defaults, **cfg}
+        cfg, wrapper = unwrap(cfg)
+        fam = family_of(cfg)
+        model_type = cfg["model_type"]
+        cfg = {**fam.defaults, **{fam.key_aliases.get(k, k): v for k, v in cfg.items()}}
+        cfg = _derived_keys(cfg, fam)
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -354,15 +764,19 @@ class ModelConfig:
             raise ConfigError(
                 "config.json: use_bidirectional_attention is set; kvchat runs causal decoders only"
             )
-        attn_bias = bool(cfg.get("attention_bias", False))
-        rope = _global_rope(cfg, fam)
-        layers, window = _layer_specs(cfg, fam, n_layers, rope)
-        for r in [rope] + [spec.rope for spec in layers if spec.rope is not None]:
-            _check_rotary(r, head_dim)
+        attn_bias = bool(cfg.get(fam.bias_key, False))
         try:
+            mla = _mla(cfg) if fam.attention == "mla" else None
+            moe, sparse = _moe(cfg, fam, n_layers)
             quirks = _quirks(cfg, fam, hidden)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"config.json has a malformed value: {e}") from None
+        if mla is not None:
+            head_dim = mla.nope_dim + mla.rope_dim
+        rope = _global_rope(cfg, fam)
+        layers, window = _layer_specs(cfg, fam, n_layers, rope, sparse)
+        for r in [rope] + [spec.rope for spec in layers if spec.rope is not None]:
+            _check_rotary(r, mla.rope_dim if mla is not None else head_dim)
         return cls(
             model_type=model_type,
             hidden_size=hidden,
@@ -372,17 +786,21 @@ class ModelConfig:
             head_dim=head_dim,
             intermediate_size=inter,
             vocab_size=vocab,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get(fam.eps_key) or 1e-6),
             rope=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", fam.tie_word_embeddings)),
             qkv_bias=attn_bias if fam.qkv_bias is None else fam.qkv_bias,
-            o_bias=attn_bias if fam.o_bias is None else fam.o_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            o_bias=bool(cfg.get(fam.o_bias_key or fam.bias_key, False))
+            if fam.o_bias is None else fam.o_bias,
+            mlp_bias=bool(cfg.get(fam.mlp_bias_key, False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             sliding_window=window,
             quantization=cfg.get("quantization") or cfg.get("quantization_config"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             layers=layers,
+            moe=moe,
+            mla=mla,
+            wrapper=wrapper,
             raw=cfg,
             **quirks,
         )
@@ -426,13 +844,112 @@ def _local_rope(cfg: dict[str, Any], fam: Family) -> RopeConfig:
     )
 
 
+def _derived_keys(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
+    """Keys a family spells as something else to derive (GPT-J: n_inner = null, rotary_dim)."""
+    try:
+        if fam.ffn_mult and cfg.get("intermediate_size") is None and "hidden_size" in cfg:
+            cfg = {**cfg, "intermediate_size": fam.ffn_mult * int(cfg["hidden_size"])}
+        if fam.rotary_dim_key and cfg.get(fam.rotary_dim_key) is not None:
+            head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) //
+                           int(cfg["num_attention_heads"]))
+            cfg = {**cfg, "partial_rotary_factor": int(cfg[fam.rotary_dim_key]) / head_dim}
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise ConfigError(f"config.json has a malformed value: {e}") from None
+    return cfg
+
+
+def _positive(cfg: dict[str, Any], key: str, default: Any = None) -> int:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"config.json: {key} must be a positive integer, got {v!r:.60}")
+    return v
+
+
+def _first_key(cfg: dict[str, Any], keys: tuple[str, ...]) -> str:
+    """The first of `keys` config.json sets (families spell the expert count differently)."""
+    return next((k for k in keys if cfg.get(k) is not None), keys[0])
+
+
+def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, list[bool]]:
+    """The mixture (None: a dense family) and which layers use it."""
+    spec = fam.moe
+    if spec is None:
+        return None, [False] * n
+    experts = _positive(cfg, spec.count_key or _first_key(
+        cfg, ("num_local_experts", "num_experts", "n_routed_experts")))
+    top_k = _positive(cfg, spec.top_k_key)
+    if top_k > experts:
+        raise ConfigError(
+            f"config.json: {spec.top_k_key} ({top_k}) exceeds the {experts} experts"
+        )
+    groups, topk_groups = 1, 1
+    grouped = spec.group_score is not None and (
+        spec.group_key is None or cfg.get(spec.group_key) == "group_limited_greedy"
+    )
+    if grouped and cfg.get("n_group"):
+        groups, topk_groups = _positive(cfg, "n_group"), _positive(cfg, "topk_group")
+        if experts % groups or topk_groups > groups:
+            raise ConfigError(
+                f"config.json: n_group ({groups}) must divide the {experts} experts and be"
+                f" >= topk_group ({topk_groups})"
+            )
+    shared_size = 0
+    if spec.shared == "gated":
+        shared_size = int(cfg.get("shared_expert_intermediate_size") or 0)
+    elif spec.shared == "plain":
+        shared_size = int(cfg.get(spec.shared_count_key) or 0) * _positive(
+            cfg, spec.expert_size_key)
+    moe = MoeConfig(
+        experts=experts, top_k=top_k, expert_size=_positive(cfg, spec.expert_size_key),
+        score=spec.score, norm_topk=spec.norm_topk_always or bool(cfg.get("norm_topk_prob")),
+        scaling=float(cfg.get("routed_scaling_factor") or 1.0), groups=groups,
+        topk_groups=topk_groups, group_score=spec.group_score if groups > 1 else None,
+        correction_bias=spec.correction_bias, shared_size=shared_size,
+        shared_gate=spec.shared == "gated", router_bias=spec.router_bias,
+        expert_bias=spec.expert_bias,
+        clamped_swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)))
+        if spec.clamped_swiglu else None,
+    )
+    if spec.sparse_layers == "step":
+        step = _positive(cfg, "decoder_sparse_step", 1)
+        dense = set(cfg.get("mlp_only_layers") or [])
+        sparse = [i not in dense and (i + 1) % step == 0 for i in range(n)]
+    elif spec.sparse_layers == "first_dense":
+        first = int(cfg.get("first_k_dense_replace") or 0)
+        every = int(cfg.get("moe_layer_freq") or 1)
+        sparse = [i >= first and i % every == 0 for i in range(n)]
+    elif spec.sparse_layers == "types":  # GLM-4.7-Flash: mlp_layer_types, else dense first
+        types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
+        if not isinstance(types, list) or len(types) != n:
+            raise ConfigError(f"config.json: mlp_layer_types must list {n} entries")
+        sparse = [t == "sparse" for t in types]
+    elif spec.sparse_layers == "interval":
+        every = _positive(cfg, "moe_layer_interval", 1)
+        start, end = int(cfg.get("moe_layer_start_index") or 0), cfg.get("moe_layer_end_index")
+        end = n - 1 if end is None or end < 0 else int(end)
+        sparse = [(i + 1) % every == 0 and start <= i <= end for i in range(n)]
+    else:
+        sparse = [True] * n
+    return moe, sparse
+
+
+def _mla(cfg: dict[str, Any]) -> MlaConfig:
+    q_rank = cfg.get("q_lora_rank")
+    return MlaConfig(
+        q_lora_rank=None if q_rank is None else _positive(cfg, "q_lora_rank"),
+        kv_lora_rank=_positive(cfg, "kv_lora_rank"),
+        nope_dim=_positive(cfg, "qk_nope_head_dim"),
+        rope_dim=_positive(cfg, "qk_rope_head_dim"),
+        v_dim=_positive(cfg, "v_head_dim") if cfg.get("v_head_dim") is not None
+        else int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]),  # MiniCPM3's default
+    )
+
+
 def _layer_specs(
-    cfg: dict[str, Any], fam: Family, n: int, rope: RopeConfig
+    cfg: dict[str, Any], fam: Family, n: int, rope: RopeConfig, sparse: list[bool]
 ) -> tuple[tuple[LayerSpec, ...], int | None]:
     window = cfg.get("sliding_window")
-    if fam.layer_rule is None or (
-        fam.sliding_window_flag is not None and not cfg.get(fam.sliding_window_flag, False)
-    ):
+    if not fam.window_used(cfg):
         window = None
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -458,12 +975,18 @@ def _layer_specs(
     if window is None:
         kinds = [FULL] * n  # no window: a "sliding" layer sees everything (as transformers)
     local = _local_rope(cfg, fam) if fam.local_rope else rope
-    rope_on = _no_rope_layers(cfg, n) if fam.nope else [1] * n
+    if fam.nope == "listed":
+        rope_on = _no_rope_layers(cfg, n)
+    elif fam.nope == "global" and window is not None:
+        rope_on = [int(k == SLIDING) for k in kinds]
+    else:
+        rope_on = [int(fam.positions == "rope")] * n
     specs = tuple(
         LayerSpec(
             kind=k,
             window=window if k == SLIDING else None,
             rope=(local if k == SLIDING else rope) if rope_on[i] else None,
+            moe=sparse[i],
         )
         for i, k in enumerate(kinds)
     )
@@ -480,9 +1003,31 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
             f" supported: {', '.join(ACTIVATION_NAMES)}"
         )
     out: dict[str, Any] = {
-        "norm": fam.norm, "activation": act, "block": fam.block, "qk_norm": fam.qk_norm,
-        "fused_proj": fam.fused_proj,
+        "norm": fam.norm, "activation": act,
+        "block": fam.parallel_block if fam.parallel_flag and cfg.get(fam.parallel_flag)
+        else fam.block,
+        "qk_norm": fam.qk_norm if fam.qk_norm_flag is None or cfg.get(fam.qk_norm_flag)
+        else None,
+        "fused_proj": fam.fused_proj, "rope_traditional": fam.rope_traditional,
+        "mlp": fam.mlp, "lm_head_bias": fam.head_bias, "embed_norm": fam.embed_norm,
+        "rope_negative": fam.rope_negative, "attention_sinks": fam.attention_sinks,
+        "positions": fam.positions,
     }
+    if fam.depth_scaled:
+        out["embed_scale"] = float(cfg.get("scale_emb", 1.0))
+        out["residual_scale"] = float(cfg.get("scale_depth", 1.0)) / math.sqrt(
+            int(cfg["num_hidden_layers"]))
+        out["logits_divisor"] = hidden / float(cfg.get("dim_model_base") or hidden)
+    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    if fam.position_scaled_queries and rope.get("llama_4_scaling_beta"):
+        out["q_position_scale"] = (float(rope["llama_4_scaling_beta"]),
+                                   int(rope["original_max_position_embeddings"]))
+    if fam.logit_scale:
+        out["logits_divisor"] = 1.0 / float(cfg.get("logit_scale", 1.0))
+    if fam.rope_traditional and cfg.get("rope_interleave") is False:
+        out["rope_traditional"] = False  # DeepSeek-V3 configs may turn the interleave off
+    if fam.clip_qkv and cfg.get("clip_qkv") is not None:
+        out["clip_qkv"] = float(cfg["clip_qkv"])
     if fam.embed_scale_sqrt_hidden:
         out["embed_scale"] = hidden**0.5
     if fam.query_pre_attn_scalar:
@@ -517,5 +1062,19 @@ def load_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"cannot read {p}: {e}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{p} is not a JSON object")
-    check_config(cfg)
+    text, _ = unwrap(cfg)
+    fam = family_of(text)
+    # the family first, then its checks: keys the family ignores are not checked
+    check_config(text if fam.window_used(text) else
+                 {k: v for k, v in text.items() if k != "sliding_window"})
     return ModelConfig.from_dict(cfg)
+
+
+def family_of(cfg: dict[str, Any]) -> Family:
+    """The config's family row, or the one-line "unknown architecture" error."""
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILIES:
+        raise ConfigError(
+            f"unknown architecture {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    return FAMILIES[model_type]

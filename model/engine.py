@@ -34,13 +34,16 @@ from kvchat import metal_kernels
 from . import pipeline
 from .cache import cache_stats, can_trim_to, layer_stats, trim_to, why_not_trimmable
 from .cache_file import load_cache, savable, save_cache
+from .cache_integrity import check_layers, model_fingerprint
 from .chat_template import TemplateCancelled
 from .errors import KVChatError, error_line
 from .events import (
+    AttentionView,
     CacheRestored,
     CacheSaved,
     Done,
     Event,
+    Explained,
     GenParams,
     KernelsSwitched,
     Loaded,
@@ -56,21 +59,15 @@ from .events import (
 )
 from .facts import model_name
 from .generate import PREFILL_CHUNK, Progress, generate_step
+from .kv_math import attention_name, cached_widths, dtype_bytes_of, gqa_heads, kv_saving
+from .prefix_pool import PrefixPool, common_prefix_len
 from .sampling import Sampler
 from .tokenizer import Tokenizer, load_tokenizer
 from .transformer import Transformer
 from .weights import parameter_count, weight_bytes
 
 STATS_INTERVAL_S = 0.1  # ~10 stats events a second, never one per token
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+ATTENTION_INTERVAL_S = 0.25  # the attention view's refresh while a reply streams
 
 
 def _float_dtype(model: Transformer) -> mx.Dtype:
@@ -78,6 +75,14 @@ def _float_dtype(model: Transformer) -> mx.Dtype:
     the rest is quantized; a pipeline rank may lack the final norm)."""
     return next(a.dtype for _, a in tree_flatten(model.parameters())
                 if mx.issubdtype(a.dtype, mx.floating))
+
+
+class PartialReply(Exception):
+    """A turn that failed after some of its reply was shown: that text and its ids."""
+
+    def __init__(self, error: BaseException, text: str, ids: list[int]) -> None:
+        super().__init__(str(error))
+        self.error, self.text, self.ids = error, text, list(ids)
 
 
 def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
@@ -98,7 +103,13 @@ def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
         "n_heads": cfg.num_attention_heads,
         "n_kv_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
+        # "GQA"/"MHA"/"MQA"/"MLA", its saving over MHA, and (MLA) the GQA figure's share
+        "attention": attention_name(cfg),
+        "kv_saving": kv_saving(cfg),
+        "gqa_factor": cached_widths(cfg, gqa_heads(cfg)).bytes_per_token(1, 1)
+        / cached_widths(cfg).bytes_per_token(1, 1),
         "context": cfg.max_position_embeddings,
+        "note": cfg.note,  # a multimodal checkpoint: what is not loaded
         "vocab_size": cfg.vocab_size,
         "tokenizer": tokenizer.kind,
         "chat_template": tokenizer.chat_template is not None,
@@ -174,6 +185,7 @@ class Engine:
         reuse_prefix: bool = True,
         tokenizer: str = "auto",
         compiled: bool = True,
+        prefix_pool_bytes: int = 0,
     ):
         self._on_event = on_event
         self._jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
@@ -192,6 +204,11 @@ class Engine:
         self._cache: list[Any] | None = None
         self._cache_key: tuple[int | None, int] | None = None
         self._cache_ids: list[int] = []  # ids whose K/V the cache holds, in order
+        # (layer, KV group) the attention view watches; None: closed, nothing computed
+        self._watch: tuple[int, int | None] | None = None
+        # a server's idle caches of other conversations (model/prefix_pool.py); the chat has
+        # one conversation and no pool
+        self._pool = PrefixPool(prefix_pool_bytes) if prefix_pool_bytes > 0 else None
         self._thread = threading.Thread(target=self._run, name="kvchat-engine", daemon=True)
         self._thread.start()
         _live_engines.add(self)
@@ -235,6 +252,21 @@ class Engine:
         engine's thread, in this engine's process."""
         self._jobs.put(("kernels", backend))
 
+    def explain(self, gap: int = 3, block: str = "model") -> None:
+        """The loaded model's anatomy at the cache's current context (RoPE dials at this
+        token gap), computed where the model runs (after queued work); reports Explained.
+        block "2017": the same model as a 2017 block (config.as_2017_block)."""
+        self._jobs.put(("explain", (gap, block)))
+
+    def watch_attention(self, layer: int | None, group: int | None = None) -> None:
+        """Start (a layer, and a KV group or None for all heads) or stop (None) the
+        attention view: while set, AttentionView events follow the newest token, a few
+        a second during a reply, and one now (after queued work)."""
+        with self._lock:
+            self._watch = None if layer is None else (layer, group)
+        if layer is not None:
+            self._jobs.put(("attention", None))
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (idempotent); its MLX state is released there."""
         if not self._thread.is_alive():
@@ -276,7 +308,7 @@ class Engine:
                     elif kind == "turn":
                         self._turn(*arg)
                     elif kind == "reset":
-                        self._drop_cache()
+                        self._drop_cache(pool=True)
                     elif kind == "save":
                         self._save_cache(*arg)
                     elif kind == "restore":
@@ -284,6 +316,12 @@ class Engine:
                     elif kind == "kernels":
                         message = metal_kernels.switch_backend(arg)
                         self._emit(KernelsSwitched(metal_kernels.backend(), message))
+                    elif kind == "explain":
+                        self._explain(*arg)
+                    elif kind == "attention" and self._cache_ids:
+                        self._attention(self._cache_ids[-1])
+                    elif kind == "attention":
+                        self._attention(None)
                 except Exception:  # no job may end the engine thread
                     self._job_failed()
                 finally:
@@ -292,7 +330,7 @@ class Engine:
             # MLX's thread-local streams must be destroyed by their own thread before it
             # exits, else the process aborts at exit ("terminate called ...").
             self.model = self.tokenizer = None
-            self._drop_cache()
+            self._drop_cache(pool=True)
             gc.collect()
             mx.clear_streams()
 
@@ -303,8 +341,22 @@ class Engine:
             traceback.print_exc()
         self._drop_cache()
 
-    def _drop_cache(self) -> None:
+    def _drop_cache(self, pool: bool = False) -> None:
         self._cache, self._cache_key, self._cache_ids = None, None, []
+        if pool and self._pool is not None:
+            self._pool.clear()
+
+    def _swap_from_pool(self, ids: list[int], key: tuple[int | None, int]) -> None:
+        """Make the pooled cache sharing the longest prefix with `ids` the current one;
+        the current one goes back to the pool."""
+        assert self._pool is not None
+        if self._cache is not None and self._cache_key is not None:
+            self._pool.put(self._cache_ids, self._cache, self._cache_key)
+        self._drop_cache()
+        found = self._pool.take(ids, key)
+        if found is not None:
+            self._cache_ids, self._cache = found
+            self._cache_key = key
 
     def _open(self, path: str) -> tuple[Any, Tokenizer, dict[str, Any]]:
         """Model, tokenizer and model info of a folder (engine thread)."""
@@ -324,7 +376,7 @@ class Engine:
             return
         before = mx.get_active_memory()
         self.model, self.tokenizer = model, tokenizer
-        self._drop_cache()
+        self._drop_cache(pool=True)
         del model
         gc.collect()
         mx.clear_cache()
@@ -332,11 +384,55 @@ class Engine:
         self.model_info = info
         self._emit(Loaded(dict(self.model_info), freed))
 
+    def _explain(self, gap: int, block: str) -> None:
+        from .anatomy import explain
+        from .config import ModelConfig, as_2017_block
+
+        if self.model is None:
+            return
+        info = self.model_info
+        cfg = self.model.config
+        stats = cache_stats(self._cache, cfg) if self._cache else None
+        if block == "2017":
+            cfg = ModelConfig.from_dict(as_2017_block(cfg.raw))
+        self._emit(Explained(explain(
+            cfg, dtype_bytes=dtype_bytes_of(info.get("dtype")) or 4,
+            context=(stats.cache_tokens or 0) if stats else 0,
+            # a split model's rank holds only its layers: seeded q and k show RoPE then
+            model=None if hasattr(self.model, "pipeline_stats") or block == "2017"
+            else self.model, gap=gap,
+            name=str(info.get("name", "")), path=str(info.get("path", "")))))
+
+    def _attention(self, token: int | None) -> None:
+        """One AttentionView of the newest cached token (id `token`) for the watched layer.
+        A failure is the view's note: it must never cost the cache (see _job_failed)."""
+        from .attention_view import attention_view
+
+        watch = self._watch
+        if watch is None or self.model is None:
+            return
+        layer, group = watch
+        empty = AttentionView(layer, group, self.model.config.num_hidden_layers,
+                              self.model.config.num_key_value_heads)
+        if hasattr(self.model, "pipeline_stats"):
+            empty.note = "not available for a model split across hosts"
+        elif not self._cache or token is None:
+            empty.note = "the cache is empty: send a message"
+        else:
+            try:
+                empty = attention_view(self.model, self._cache, layer, group, token)
+            except Exception as e:
+                empty.note = f"cannot compute the attention view: {error_line(e)}"
+        self._emit(empty)
+
     def _cache_identity(self) -> dict[str, str]:
         """What a saved cache must match to be reused: the model and the cache bound."""
         keys = ("path", "architecture", "parameters", "n_layers", "n_kv_heads", "head_dim")
+        identity = {k: self.model_info.get(k) for k in keys}
+        # the weights, config and tokenizer as they are on disk now (cached per folder)
+        identity["fingerprint"] = model_fingerprint(str(self.model_info.get("path") or ""))
         return {
-            "kvchat_model": json.dumps({k: self.model_info.get(k) for k in keys}),
+            "kvchat_model": json.dumps(identity),
             "kvchat_bound": json.dumps(list(self._cache_key or ())),
         }
 
@@ -351,8 +447,9 @@ class Engine:
         meta = {**self._cache_identity(), "kvchat_ids": json.dumps(self._cache_ids)}
         try:
             written = save_cache(path, cache, meta)
-        except (OSError, KVChatError) as e:
-            self._emit(CacheSaved(str(path), error=f"K/V cache not saved: {e}"))
+        except Exception as e:  # a full disk raises from MLX: one notice, the cache stays
+            self._emit(CacheSaved(str(path), error=f"K/V cache not saved to {path.name}:"
+                                  f" {error_line(e)}; it stays in memory"))
             return
         self._emit(CacheSaved(str(path), len(self._cache_ids), written))
 
@@ -363,10 +460,18 @@ class Engine:
             caches, meta = load_cache(path)
             if meta.get("kvchat_model") != self._cache_identity()["kvchat_model"]:
                 raise KVChatError("it was saved with another model")
-            ids = [int(i) for i in json.loads(meta["kvchat_ids"])]
+            ids = json.loads(meta["kvchat_ids"])
             bound = json.loads(meta["kvchat_bound"])
-            if len(caches) != self.model.config.num_hidden_layers or len(bound) != 2:
-                raise KVChatError("its layers do not match the model")
+            if not isinstance(ids, list) or not isinstance(bound, list) or len(bound) != 2:
+                raise KVChatError("its token ids or bound are malformed")
+            cfg = self.model.config
+            try:
+                check_layers(caches, ids,
+                             self.model.make_cache(max_kv_size=bound[0], keep=bound[1]),
+                             n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                             dtype=self.model_info.get("dtype"), vocab_size=cfg.vocab_size)
+            except KVChatError as e:
+                raise KVChatError(f"{path.name}: {e}") from None
         except (KVChatError, ValueError, KeyError, TypeError) as e:
             self._emit(CacheRestored(str(path), 0, f"K/V cache not restored: {e}"))
             return
@@ -379,6 +484,10 @@ class Engine:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         if all(isinstance(x, int) for x in prompt):
+            vocab = self.model.config.vocab_size if self.model is not None else None
+            bad = [x for x in prompt if vocab is not None and not 0 <= x < vocab]  # type: ignore
+            if bad:  # an embedding lookup out of range reads past the table (a crash)
+                raise KVChatError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
             return list(prompt)  # type: ignore[arg-type]
         # a cancel stops a slow template at once (rendering is bounded in time anyway)
         return self.tokenizer.encode_chat(list(prompt), should_stop=should_stop)  # type: ignore[arg-type]
@@ -389,6 +498,8 @@ class Engine:
         assert self.model is not None
         key = (params.max_kv_size, params.keep)
         reason = None
+        if self._pool is not None and self.reuse_prefix:
+            self._swap_from_pool(ids, key)
         if self._cache is not None and key != self._cache_key:
             reason = "cache bound changed"
             self._drop_cache()
@@ -434,6 +545,8 @@ class Engine:
             s = s.merged(cache_stats(self._cache, self.model.config))
         if hasattr(self.model, "pipeline_stats"):  # per-rank bytes and time split
             s = s.with_(pipeline=self.model.pipeline_stats(self._cache))
+        if self._pool is not None:
+            s = s.with_(prefix_pool=self._pool.stats())
         return s.merged(self._runtime_stats())
 
     def _turn(self, turn: int, prompt: Prompt, params: GenParams, t_submit: float) -> None:
@@ -460,6 +573,12 @@ class Engine:
             self._generate(turn, prompt_ids, params, t_submit, context_room)
         except TemplateCancelled:
             self._emit(Done("cancelled", "", [], prompt_ids))
+        except PartialReply as p:
+            if os.environ.get("KVCHAT_DEBUG") == "1":
+                traceback.print_exception(p.error)
+            self._drop_cache()  # it may hold a half-written step
+            # the reply so far is kept (the client marks it), with its ids for --json
+            self._emit(Done("error", p.text, p.ids, prompt_ids, error=error_line(p.error)))
         except KVChatError as e:
             self._emit(Done("error", "", [], prompt_ids, error=str(e)))
         except Exception as e:
@@ -519,7 +638,8 @@ class Engine:
         eos = set(tok.end_ids)  # EOS, and BOS: a base model starting a new document
         reason_done = "length"
         t_first = t_last = None
-        last_stats = self.clock()
+        last_stats = last_view = self.clock()
+        failure: Exception | None = None
         try:
             for token in steps:
                 now = self.clock()
@@ -547,8 +667,18 @@ class Engine:
                     last_stats = now
                     self._decode_stats(stats, generated, t_first, t_last)
                     self._emit(Stats(self._stats_now(stats)))
+                if self._watch is not None and now - last_view >= ATTENTION_INTERVAL_S:
+                    last_view = now  # the newest token in the cache: the last one fed
+                    self._attention(generated[progress.fed - 1] if progress.fed else todo[-1])
+        except Exception as e:  # a pipeline rank died, MLX failed: keep what was shown
+            failure = e
         finally:
-            steps.close()  # waits for the in-flight step before the cache is touched
+            try:
+                steps.close()  # waits for the in-flight step before the cache is touched
+            except Exception as e:  # the in-flight step failed: as above
+                failure = failure or e
+        if failure is not None:
+            raise PartialReply(failure, stops.text[: stops.emitted], generated) from failure
         self._cache_ids.extend(todo[: progress.prefilled])
         if progress.prefilled < len(todo):  # cancelled during prefill
             self._emit(Done("cancelled", "", [], prompt_ids, self._stats_now(stats)))

@@ -27,6 +27,7 @@ from typing import Any
 
 from kvchat import metal_kernels
 
+from . import threads
 from .events import (
     CacheRestored,
     Done,
@@ -61,8 +62,8 @@ class EngineProcess:
         self._snapshot = _Snapshot([], TurnStats())
         cmd_r, cmd_w = os.pipe()
         evt_r, evt_w = os.pipe()
-        # the backend this process chose (KVCHAT_KERNELS or the settings entry)
-        env = {**os.environ, "KVCHAT_KERNELS": metal_kernels.backend()}
+        # the kernels backend and thread policy this process chose (environment or settings)
+        env = {**os.environ, "KVCHAT_KERNELS": metal_kernels.backend(), **threads.child_env()}
         self._proc = subprocess.Popen(
             [sys.executable, "-m", __name__, str(cmd_r), str(evt_w)],
             pass_fds=(cmd_r, evt_w), env=env, stdin=subprocess.DEVNULL,
@@ -106,12 +107,23 @@ class EngineProcess:
     def set_kernels(self, backend: str) -> None:
         self._send(("set_kernels", (backend,)))
 
+    def explain(self, gap: int = 3, block: str = "model") -> None:
+        self._send(("explain", (gap, block)))
+
+    def watch_attention(self, layer: int | None, group: int | None = None) -> None:
+        self._send(("watch_attention", (layer, group)))
+
     def cache_stats(self) -> TurnStats:
         return self._snapshot.cache
 
     @property
     def busy(self) -> bool:
         return self._pending > 0
+
+    @property
+    def alive(self) -> bool:
+        """Whether the child still runs (a server stops when its engine is gone)."""
+        return self._proc.poll() is None
 
     def layer_stats(self) -> list[dict[str, Any]]:
         return self._snapshot.layers
@@ -163,6 +175,8 @@ class EngineProcess:
 
 def _child(cmd_fd: int, evt_fd: int) -> None:
     from .engine import Engine
+
+    threads.configure_from_env()  # the parent's resolved policy and OpenBLAS (environment)
 
     cmd = Connection(cmd_fd, writable=False)
     evt = Connection(evt_fd, readable=False)

@@ -109,6 +109,8 @@ class TurnStats:
     window_saving: float | None = None
     # a model split across machines (model/pipeline.py): per-rank bytes and time split
     pipeline: dict[str, Any] | None = None
+    # a server's pool of idle caches (model/prefix_pool.py): entries, bytes, budget, hits
+    prefix_pool: dict[str, Any] | None = None
     # the runtime
     compiled_step: bool | None = None  # the compiled single-token step served the decode
     peak_memory: int | None = None
@@ -121,7 +123,9 @@ class TurnStats:
 
     def merged(self, newer: TurnStats) -> TurnStats:
         """These stats updated by every field `newer` knows."""
-        known = {k: v for k, v in dataclasses.asdict(newer).items() if v is not None}
+        # shallow: asdict() deep-copies every field, ~6 ms per Stats event in the UI
+        known = {f.name: v for f in dataclasses.fields(newer)
+                 if (v := getattr(newer, f.name)) is not None}
         return dataclasses.replace(self, **known)
 
 
@@ -252,9 +256,47 @@ class KernelsSwitched:
     message: str
 
 
+@dataclass
+class Explained:
+    """The loaded model's anatomy (model/anatomy.py's `explain()` dict), computed where
+    the model runs: its kernels backend, its own q and k, the cache's current context."""
+
+    data: dict[str, Any]
+
+
+@dataclass
+class AttentionView:
+    """Where the newest cached token's attention goes at one layer (model/attention_view.py),
+    sent while a client watches (`EngineLike.watch_attention`). `bins` are the weights
+    summed over `slots_per_bin` cache slots each, across the whole capacity; `bin_kinds`
+    says what each bin holds ("sink", "held" or "empty"). The three shares add up to 1."""
+
+    layer: int
+    group: int | None  # the KV head group whose query heads are averaged; None: all heads
+    n_layers: int
+    n_groups: int
+    heads: list[int] = field(default_factory=list)
+    position: int = 0  # the newest token's absolute position (the query)
+    tokens: int = 0  # keys it sees
+    capacity: int = 0
+    keep: int = 0
+    evicted: int = 0
+    window: int | None = None
+    write_slot: int = 0  # where the next token will be written
+    slots_per_bin: int = 1
+    bins: list[float] = field(default_factory=list)
+    bin_kinds: list[str] = field(default_factory=list)
+    sink_share: float = 0.0
+    recent_share: float = 0.0
+    rest_share: float = 0.0
+    recent: int = 64
+    top: list[tuple[int, float]] = field(default_factory=list)  # (position, weight), top 5
+    note: str | None = None  # why there is nothing to show (empty cache, split model)
+
+
 Event = (
     Loading | Loaded | LoadFailed | Started | PrefillProgress | Overflow | TextDelta | Stats
-    | Done | CacheSaved | CacheRestored | KernelsSwitched
+    | Done | CacheSaved | CacheRestored | KernelsSwitched | Explained | AttentionView
 )
 
 Prompt = Sequence[Mapping[str, str]] | Sequence[int] | str
@@ -273,6 +315,8 @@ class EngineLike(Protocol):
     def save_cache(self, path: str | Path, max_bytes: int | None = None) -> None: ...
     def restore_cache(self, path: str | Path) -> None: ...
     def set_kernels(self, backend: str) -> None: ...
+    def explain(self, gap: int = 3, block: str = "model") -> None: ...
+    def watch_attention(self, layer: int | None, group: int | None = None) -> None: ...
     def cache_stats(self) -> TurnStats: ...
     def layer_stats(self) -> list[dict[str, Any]]: ...
 

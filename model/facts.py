@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from .config import load_config
 from .files import tensor_headers
-from .weights import IGNORED_SUFFIXES, compute_dtype, dequantize_on_load
+from .weights import IGNORED_SUFFIXES, compute_dtype, dequantize_on_load, rename
 
 # safetensors dtype names -> MLX dtypes (the floating ones the loader casts)
 _FLOAT = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
@@ -66,10 +66,12 @@ def model_facts(folder: str | Path) -> ModelFacts:
     cfg = load_config(folder)
     tensors = list(tensor_headers(folder).items())
     file_bytes = sum(i["data_offsets"][1] - i["data_offsets"][0] for _, i in tensors)
+    renamed = [(rename(cfg, n), i) for n, i in tensors]
     kept = [
-        (n, i) for n, i in tensors
+        (n, i) for n, i in renamed
         if not n.endswith(IGNORED_SUFFIXES)
         and not (cfg.tie_word_embeddings and n.startswith("lm_head."))
+        and (cfg.wrapper is None or n.startswith(("model.", "lm_head.")))  # no vision tower
     ]
     floats = [i["dtype"] for _, i in kept if i.get("dtype") in _FLOAT]
     file_dtype = floats[0] if floats else None

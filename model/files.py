@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -69,6 +70,31 @@ def read_regular_text(path: str | os.PathLike[str], limit: int = MAX_TEXT_BYTES)
                 f"{Path(path).name} is {size:,} bytes, over the {limit:,}-byte limit"
             )
         return f.read(limit + 1).decode("utf-8")
+
+
+# lone surrogates: valid in JSON escapes and in Python (bytes of a file name that are not
+# UTF-8), never encodable as UTF-8
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def replace_surrogates(text: str) -> str:
+    """`text` with every lone surrogate as U+FFFD: printable and writable as UTF-8."""
+    return _SURROGATE.sub("\ufffd", text)
+
+def shown_path(path: str | os.PathLike[str]) -> str:
+    """A path as text: bytes that are not UTF-8 (kept by Python as lone surrogates)
+    become U+FFFD, so printing or rendering it never fails."""
+    return os.fsencode(path).decode("utf-8", "replace")
+
+
+def mlx_path(path: str | os.PathLike[str]) -> str:
+    """`path` for MLX, which takes UTF-8 strings only (a name that is not valid UTF-8
+    failed with "std::bad_cast"): ModelLoadError naming it instead."""
+    s = str(path)
+    if _SURROGATE.search(s):
+        raise ModelLoadError(f"{shown_path(s)}: the path is not valid UTF-8, which MLX cannot"
+                             " open; rename the folder (or link to it under a UTF-8 name)")
+    return s
 
 
 # the safetensors format's own limit on the JSON header
@@ -172,6 +198,72 @@ def weight_files(folder: Path) -> list[Path]:
     raise ModelLoadError(f"no *.safetensors weights in {folder}")
 
 
+# the app's own JSON files (settings, session, chats): far above a real one, far below
+# what would take long to parse; and nesting no real one comes near (a chat is 4 deep)
+MAX_JSON_BYTES = 64 * 1024 * 1024
+MAX_JSON_DEPTH = 64
+
+
+_JSON_NAMES = {dict: "object", list: "list", str: "string", int: "number", float: "number",
+               bool: "boolean", type(None): "null"}
+
+
+class BadJSONFile(KVChatError):
+    """A JSON file that cannot be used as it is; the message names the file."""
+
+
+def _problem(data: Any, max_depth: int, surrogates: bool) -> str | None:
+    """Why a parsed document is unusable (too deep, a lone surrogate), walked without
+    recursion; None when it is fine."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > max_depth:
+                return f"nested deeper than {max_depth} levels"
+            if isinstance(node, dict):
+                stack.extend((k, depth) for k in node)
+                stack.extend((v, depth + 1) for v in node.values())
+            else:
+                stack.extend((v, depth + 1) for v in node)
+        elif not surrogates and isinstance(node, str) and _SURROGATE.search(node):
+            return "holds a lone surrogate (\\udXXX), which is not text"
+    return None
+
+
+def load_json(path: str | os.PathLike[str], expect: type = dict, *,
+              limit: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH,
+              surrogates: bool = False) -> Any:
+    """The one defensive JSON reader for files the app did not write this run (settings,
+    session, chats, leftover temp files, hostfiles): a regular file only (a FIFO would
+    block), at most `limit` bytes, UTF-8, at most `max_depth` levels deep, no lone
+    surrogates, and a top level of type `expect`. Anything else raises BadJSONFile with
+    one line naming the file; FileNotFoundError passes through (absent is not bad)."""
+    name = str(path)
+    try:
+        text = read_regular_text(path, limit)
+        data = json.loads(text)
+    except FileNotFoundError:
+        raise
+    except KVChatError as e:  # a FIFO, a device, a directory, an absurd size
+        raise BadJSONFile(f"{name}: {e}") from None
+    except OSError as e:
+        raise BadJSONFile(f"{name}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise BadJSONFile(f"{name}: not UTF-8 text (byte {e.start})") from None
+    except RecursionError:
+        raise BadJSONFile(f"{name}: nested deeper than {max_depth} levels") from None
+    except ValueError as e:  # JSONDecodeError, an integer too long to convert
+        raise BadJSONFile(f"{name}: not valid JSON ({one_line(e)})") from None
+    why = _problem(data, max_depth, surrogates)
+    if why is None and not isinstance(data, expect):
+        want = {dict: "an object", list: "a list"}.get(expect, expect.__name__)
+        why = f"holds a JSON {_JSON_NAMES.get(type(data), 'value')}, not {want}"
+    if why is not None:
+        raise BadJSONFile(f"{name}: {why}")
+    return data
+
+
 def tensor_headers(folder: Path) -> dict[str, dict[str, Any]]:
     """Every tensor's header entry (dtype, shape, data_offsets) across the folder's weight
     files, checked by `safetensors_header`; the one walk over headers (nothing is read)."""
@@ -193,11 +285,10 @@ def read_json_object(path: Path, error: type[KVChatError]) -> dict[str, Any]:
     """A JSON object from `path`; {} when the file is absent or not an object,
     `error` (one line) when it cannot be read or parsed."""
     try:
-        data = json.loads(read_regular_text(path))
+        # a model folder's files: vocabularies may hold escaped surrogate halves
+        data = load_json(path, object, limit=MAX_TEXT_BYTES, surrogates=True)
     except FileNotFoundError:
         return {}
-    except KVChatError as e:  # a FIFO, a device, a directory, an absurd size
+    except BadJSONFile as e:
         raise error(str(e)) from None
-    except (OSError, ValueError) as e:
-        raise error(f"{path}: cannot read: {one_line(e)}") from None
     return data if isinstance(data, dict) else {}

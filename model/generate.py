@@ -31,6 +31,8 @@ import mlx.core as mx
 
 from kvchat import metal_kernels
 
+from . import threads
+
 PREFILL_CHUNK = 512
 
 Sample = Callable[[mx.array], mx.array]  # logits (1, V) -> ids (1,)
@@ -215,10 +217,12 @@ def generate_step(
         raise ValueError("generate_step needs at least one prompt token")
     t0 = clock()
     logits = None
+    shape = threads.matmul_shape(model)
     for i in range(0, len(prompt), prefill_chunk):
         if cancelled is not None and cancelled():
             return
         chunk = prompt[i : i + prefill_chunk]
+        threads.apply(len(chunk), *shape)  # OpenBLAS threads for this chunk's size
         logits = model(mx.array([chunk]), cache=caches, logits_to_keep=1)[:, -1, :]
         last = i + prefill_chunk >= len(prompt)
         mx.eval(logits if last else [c.state for c in caches])
@@ -228,6 +232,7 @@ def generate_step(
     prog.prefill_s = clock() - t0
     if max_tokens < 1:
         return
+    threads.apply(1, *shape)
     step = decode_step(model, caches, compiled)
     prog.compiled = isinstance(step, CompiledStep)
     y = sample(logits)

@@ -32,21 +32,75 @@ class BudgetError(KVChatError):
     """A memory size the user typed that we cannot read."""
 
 
-def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """K and V of one token across all layers: 2 × layers × kv_heads × head_dim × bytes."""
-    return 2 * n_layers * n_kv_heads * head_dim * dtype_bytes
+def kv_bytes_per_token(
+    n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int, v_head_dim: int | None = None
+) -> int:
+    """K and V of one token across all layers: layers × kv_heads × (K + V width) × bytes,
+    i.e. 2 × layers × kv_heads × head_dim × bytes when V is as wide as K."""
+    v = head_dim if v_head_dim is None else v_head_dim
+    return n_layers * n_kv_heads * (head_dim + v) * dtype_bytes
 
 
-def kv_bytes(n_tokens: int, n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+def kv_bytes(
+    n_tokens: int, n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int,
+    v_head_dim: int | None = None,
+) -> int:
     """K and V of `n_tokens` tokens across all layers."""
-    return n_tokens * kv_bytes_per_token(n_layers, n_kv_heads, head_dim, dtype_bytes)
+    return n_tokens * kv_bytes_per_token(n_layers, n_kv_heads, head_dim, dtype_bytes, v_head_dim)
+
+
+# query heads per K/V head of the "as GQA" figure shown for latent attention (Llama 3's 8)
+GQA_GROUP = 8
+
+
+@dataclass(frozen=True)
+class KVWidths:
+    """What one layer caches per token: `heads` K/V heads of `k` and `v` features.
+    Latent attention caches one "head": the latent (k) and the shared RoPE key (v)."""
+
+    heads: int
+    k: int
+    v: int
+
+    def bytes_per_token(self, n_layers: int, dtype_bytes: int) -> int:
+        return kv_bytes_per_token(n_layers, self.heads, self.k, dtype_bytes, self.v)
+
+
+def cached_widths(cfg: ModelConfig, kv_heads: int | None = None) -> KVWidths:
+    """The widths this model's cache holds (`kv_heads`: the same model with other heads)."""
+    if cfg.mla is not None and kv_heads is None:
+        return KVWidths(1, cfg.mla.kv_lora_rank, cfg.mla.rope_dim)
+    v = cfg.mla.v_dim if cfg.mla is not None else cfg.head_dim
+    return KVWidths(cfg.num_key_value_heads if kv_heads is None else kv_heads, cfg.head_dim, v)
+
+
+def attention_name(cfg: ModelConfig) -> str:
+    if cfg.mla is not None:
+        return "MLA"
+    h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    return "MHA" if kv == h else "MQA" if kv == 1 else "GQA"
+
+
+def gqa_heads(cfg: ModelConfig) -> int:
+    """K/V heads of the GQA figure: the model's own, or for latent attention (whose
+    configs say kv heads = heads) one per GQA_GROUP query heads."""
+    if cfg.mla is None:
+        return cfg.num_key_value_heads
+    return max(1, cfg.num_attention_heads // GQA_GROUP)
+
+
+def kv_saving(cfg: ModelConfig) -> float:
+    """How much smaller the cache is than MHA with the same heads (heads / kv_heads for
+    GQA; (heads × (qk + v)) / (latent + rope) for latent attention)."""
+    mha = cached_widths(cfg, cfg.num_attention_heads).bytes_per_token(1, 1)
+    return mha / cached_widths(cfg).bytes_per_token(1, 1)
 
 
 @dataclass(frozen=True)
 class LayerKindBytes:
     """K/V of the layers of one kind at a context length."""
 
-    kind: str  # "global" or "sliding"
+    kind: str  # "global", "sliding" or "latent"
     layers: int
     window: int | None
     tokens: int  # resident per layer: the context, or the window when it is shorter
@@ -58,16 +112,16 @@ def kv_bytes_by_kind(
 ) -> list[LayerKindBytes]:
     """Bytes at `context` tokens per layer kind: a global layer holds every token, a
     sliding layer at most its window (so bytes per token fall as the context grows)."""
-    kv = cfg.num_key_value_heads if kv_heads is None else kv_heads
-    per_layer = kv_bytes_per_token(1, kv, cfg.head_dim, dtype_bytes)
+    per_layer = cached_widths(cfg, kv_heads).bytes_per_token(1, dtype_bytes)
     groups: dict[int | None, int] = {}
     for spec in cfg.layers:
         groups[spec.window] = groups.get(spec.window, 0) + 1
     rows = []
     for window, n in sorted(groups.items(), key=lambda item: item[0] is not None):
         tokens = context if window is None else min(context, window)
-        rows.append(LayerKindBytes("global" if window is None else "sliding", n, window,
-                                   tokens, n * tokens * per_layer))
+        kind = "sliding" if window is not None else "latent" if (
+            cfg.mla is not None and kv_heads is None) else "global"
+        rows.append(LayerKindBytes(kind, n, window, tokens, n * tokens * per_layer))
     return rows
 
 
@@ -111,20 +165,29 @@ class AttentionRow:
     """One line of the MHA / GQA / MQA table."""
 
     name: str
-    kv_heads: int
+    kv_heads: int  # latent attention: 1 (the shared latent)
     bytes_per_token: int  # while every layer still grows (before any window fills)
     bytes_at_context: int  # sliding layers counted at most their window
-    saving_vs_mha: float  # n_heads / kv_heads
+    saving_vs_mha: float  # MHA bytes / these bytes (n_heads / kv_heads for GQA)
 
 
 def attention_table(cfg: ModelConfig, dtype_bytes: int, context: int) -> list[AttentionRow]:
-    """The same model with MHA (kv = heads), its own KV heads, and MQA (kv = 1)."""
-    h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    own = "MHA (this model)" if kv == h else "MQA (this model)" if kv == 1 else "GQA (this model)"
+    """The same model with MHA (kv = heads), its own KV heads, and MQA (kv = 1); for
+    latent attention: MHA, GQA (one K/V head per GQA_GROUP query heads) and the latent."""
+    h, L = cfg.num_attention_heads, cfg.num_hidden_layers
+    mha = cached_widths(cfg, h).bytes_per_token(L, dtype_bytes)
+    own = f"{attention_name(cfg)} (this model)"
+    if cfg.mla is not None:
+        g = gqa_heads(cfg)
+        variants: tuple[tuple[str, int | None], ...] = (
+            ("MHA", h), (f"GQA (group {h // g})", g), (own, None))
+    else:
+        variants = (("MHA", h), (own, cfg.num_key_value_heads), ("MQA", 1))
     rows = []
-    for name, k in (("MHA", h), (own, kv), ("MQA", 1)):
-        per = kv_bytes_per_token(cfg.num_hidden_layers, k, cfg.head_dim, dtype_bytes)
-        rows.append(AttentionRow(name, k, per, kv_bytes_at(cfg, context, dtype_bytes, k), h / k))
+    for name, k in variants:
+        per = cached_widths(cfg, k).bytes_per_token(L, dtype_bytes)
+        rows.append(AttentionRow(name, 1 if k is None else k, per,
+                                 kv_bytes_at(cfg, context, dtype_bytes, k), mha / per))
     return rows
 
 

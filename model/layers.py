@@ -4,7 +4,9 @@
 - `RoPE` (default, linear, llama3, yarn, dynamic NTK, longrope; partial rotary);
 - `Attention` (grouped-query; q/k norm per head or over the projection, soft-capping,
   any scale, NoPE) and `FusedAttention` (one `qkv_proj`, Phi-3);
-- `MLP` (gated: SwiGLU or GeGLU) and `FusedMLP` (one `gate_up_proj`, Phi-3);
+- `MLP` (gated: SwiGLU or GeGLU) and `FusedMLP` (one `gate_up_proj`, Phi-3); a layer
+  whose spec says `moe` gets `moe.MoE` (router + gathered experts) instead;
+- `mla.LatentAttention` where the config has latent attention (DeepSeek-V2/V3);
 - blocks: `PreNormBlock`, `SandwichBlock` (4 norms, Gemma 2/3), `PostNormBlock` (OLMo 2).
 
 `config.FAMILIES` picks them; `make_block` is the only place that maps a resolved
@@ -24,9 +26,13 @@ from kvchat import metal_kernels
 
 from .cache import causal_mask
 from .config import FULL, LayerSpec, ModelConfig, RopeConfig
+from .moe import MoE
 
 ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
     "silu": nn.silu,
+    "relu": nn.relu,
+    "relu2": lambda x: mx.square(nn.relu(x)),  # Nemotron
+    "gelu_fast": nn.gelu_approx,
     "gelu_pytorch_tanh": nn.gelu_approx,  # 0.5x(1 + tanh(√(2/π)(x + 0.044715x³)))
     "gelu_new": nn.gelu_approx,
     "gelu": nn.gelu,  # exact (erf)
@@ -65,10 +71,62 @@ class OffsetRMSNorm(RMSNorm):
         return 1.0 + self.weight
 
 
-NORMS: dict[str, type[RMSNorm]] = {"rms": RMSNorm, "offset": OffsetRMSNorm}
+class LayerNorm(nn.Module):
+    """The 2017 norm, (x − mean) / std · w + b, in the variants the models still use:
+    with or without bias (Cohere: weight only), w stored as w − 1 (Nemotron's
+    LayerNorm1P), or no parameters at all (OLMo 1). `dims` may be (heads, head_dim):
+    Cohere's q/k norm has one weight row per head."""
+
+    def __init__(self, dims: int | tuple[int, ...], eps: float = 1e-5, bias: bool = True,
+                 affine: bool = True, offset: bool = False):
+        super().__init__()
+        self.eps, self._offset = eps, offset
+        if affine:
+            self.weight = mx.zeros(dims) if offset else mx.ones(dims)
+            if bias:
+                self.bias = mx.zeros(dims)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        w = self.get("weight")
+        if w is not None and self._offset:
+            w = 1.0 + w
+        if w is None or w.ndim == 1:
+            return mx.fast.layer_norm(x, w, self.get("bias"), self.eps)
+        y = mx.fast.layer_norm(x, None, None, self.eps) * w
+        return y + self.bias if "bias" in self else y
+
+    def add_and_norm(self, x: mx.array, residual: mx.array) -> tuple[mx.array, mx.array]:
+        h = x + residual
+        return h, self(h)
 
 
-def make_norm(cfg: ModelConfig, dims: int) -> RMSNorm:
+class PlainRMSNorm(nn.Module):
+    """x / RMS(x) with no parameters (nanochat)."""
+
+    def __init__(self, dims: Any = None, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, None, self.eps)
+
+    def add_and_norm(self, x: mx.array, residual: mx.array) -> tuple[mx.array, mx.array]:
+        h = x + residual
+        return h, self(h)
+
+
+NORMS: dict[str, Callable[[Any, float], nn.Module]] = {
+    "rms": RMSNorm,
+    "rms_noparam": PlainRMSNorm,
+    "offset": OffsetRMSNorm,
+    "layer": LayerNorm,
+    "layer_nobias": lambda dims, eps: LayerNorm(dims, eps, bias=False),
+    "layer1p": lambda dims, eps: LayerNorm(dims, eps, offset=True),
+    "layer_noparam": lambda dims, eps: LayerNorm(dims, eps, affine=False),
+}
+
+
+def make_norm(cfg: ModelConfig, dims: int | tuple[int, ...]) -> Any:
     return NORMS[cfg.norm](dims, cfg.rms_norm_eps)
 
 
@@ -124,13 +182,19 @@ class RoPE(nn.Module):
     and its long factors past it; dynamic NTK raises the base past the trained context.
     """
 
-    def __init__(self, dims: int, rope: RopeConfig):
+    def __init__(self, dims: int, rope: RopeConfig, traditional: bool = False,
+                 negative: bool = False):
         super().__init__()
         self.dims = dims
+        self.traditional = traditional  # adjacent pairs (DeepSeek) instead of rotate_half
         self._cfg = rope
         self.base = None if rope.type in ("llama3", "yarn", "longrope") else rope.theta
         self.scale = 1.0 / rope.factor if rope.type == "linear" else 1.0  # positions ÷ factor
         self._periods = rope_periods(dims, rope)  # underscore: not a parameter
+        if negative:  # nanochat rotates the other way: negative periods, negative angles
+            periods = self._periods if self._periods is not None else _base_periods(
+                dims, rope.theta)
+            self.base, self._periods = None, -periods
         if rope.type == "longrope":
             base = _base_periods(dims, rope.theta)
             self._short = mx.array(rope.short_factor, dtype=mx.float32) * base
@@ -161,15 +225,15 @@ class RoPE(nn.Module):
         """Q and K rotated together (one kernel launch where the backend fuses them)."""
         base, periods = self._schedule(offset + q.shape[-2])
         return metal_kernels.rope_qk(
-            q, k, self.dims, traditional=False, base=base, scale=self.scale, offset=offset,
-            freqs=periods,
+            q, k, self.dims, traditional=self.traditional, base=base, scale=self.scale,
+            offset=offset, freqs=periods,
         )
 
     def rotate(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         """One tensor rotated (tests, tools)."""
         base, periods = self._schedule(offset + x.shape[-2])
         return metal_kernels.rope(
-            x, self.dims, traditional=False, base=base, scale=self.scale, offset=offset,
+            x, self.dims, traditional=self.traditional, base=base, scale=self.scale, offset=offset,
             freqs=periods,
         )
 
@@ -215,18 +279,24 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else hd**-0.5
         self.softcap = cfg.attn_softcap
+        self.clip = cfg.clip_qkv
+        self._pos_scale = cfg.q_position_scale
         self._projections(cfg)
         self.o_proj = nn.Linear(h * hd, d, bias=cfg.o_bias)
+        if cfg.attention_sinks:  # gpt-oss: one more logit per head that takes probability
+            self.sinks = mx.zeros((h,))
         self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm is not None:
-            per_head = cfg.qk_norm == "head"
+        if cfg.qk_norm == "each_head":  # Cohere: a weight row per head
+            self.q_norm, self.k_norm = make_norm(cfg, (h, hd)), make_norm(cfg, (kv, hd))
+        elif cfg.qk_norm is not None:
+            per_head = cfg.qk_norm != "proj"
             self.q_norm = make_norm(cfg, hd if per_head else h * hd)
             self.k_norm = make_norm(cfg, hd if per_head else kv * hd)
         self.rope = None
         self._q_gain = None  # yarn/longrope attention factor on the rotated features
         if spec.rope is not None:
             dims = spec.rope.rotary_dims(hd)
-            self.rope = RoPE(dims, spec.rope)
+            self.rope = RoPE(dims, spec.rope, cfg.rope_traditional, cfg.rope_negative)
             m = spec.rope.attention_scaling
             if m != 1.0:
                 # transformers scales cos and sin by m, i.e. q and k's rotated features:
@@ -245,28 +315,45 @@ class Attention(nn.Module):
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    def rotated_qkv(
+        self, x: mx.array, offset: int | mx.array = 0
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """Q, K, V (B, heads, T, head_dim) as attention uses them: projected, q/k-normed,
+        rotated from position `offset` (model/attention_view.py reads Q through this)."""
         B, T, _ = x.shape
         q, k, v = self.project(x)
         if self.qk_norm == "proj":
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:  # OLMoE: after the norms, as transformers clamps
+            q, k, v = (mx.clip(t, -self.clip, self.clip) for t in (q, k, v))
         q = q.reshape(B, T, self.n_heads, -1)
         k = k.reshape(B, T, self.n_kv_heads, -1)
-        if self.qk_norm == "head":
+        if self.qk_norm in ("head", "each_head"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         v = v.reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        offset = cache.offset if cache is not None else 0
         if self.rope is not None:
             q, k = self.rope(q, k, offset)
+        if self.qk_norm == "head_after_rope":  # Hunyuan: q/k normed once rotated
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self._pos_scale is not None:
+            beta, period = self._pos_scale
+            pos = (offset + mx.arange(T)).astype(mx.float32)
+            q = q * (1 + beta * mx.log(1 + mx.floor(pos / period)))[:, None].astype(q.dtype)
         if self._q_gain is not None:
             q = q * self._q_gain.astype(q.dtype)
+        return q, k, v
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        B, T, _ = x.shape
+        q, k, v = self.rotated_qkv(x, cache.offset if cache is not None else 0)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if self.softcap is not None:
             out = softcapped_attention(q, k, v, self.scale, self.softcap, mask)
         else:
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+            out = mx.fast.scaled_dot_product_attention(
+                q, k, v, scale=self.scale, mask=mask, sinks=self.get("sinks"))
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 
@@ -285,16 +372,18 @@ class FusedAttention(Attention):
 
 # ---- MLP --------------------------------------------------------------------------------
 class MLP(nn.Module):
-    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU with SiLU, GeGLU with GELU."""
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU with SiLU, GeGLU with GELU.
+    `size`: the intermediate size when not the config's (a shared expert)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, size: int | None = None):
         super().__init__()
         self.act = ACTIVATIONS[cfg.activation]
+        self.size = size or cfg.intermediate_size
         self._projections(cfg)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def _projections(self, cfg: ModelConfig) -> None:
-        d, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        d, f, b = cfg.hidden_size, self.size, cfg.mlp_bias
         self.gate_proj = nn.Linear(d, f, bias=b)
         self.up_proj = nn.Linear(d, f, bias=b)
 
@@ -306,11 +395,49 @@ class MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+class XIELU(nn.Module):
+    """Apertus' xIELU, a learned activation (per layer: alpha_p, alpha_n, beta, eps):
+    αp·x² + β·x for x > 0, else (expm1(min(x, eps)) − x)·αn + β·x, with αp = softplus(a_p)
+    and αn = β + softplus(a_n)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha_p = mx.zeros((1,))
+        self.alpha_n = mx.zeros((1,))
+        self.beta = mx.array(0.5)
+        self.eps = mx.array(-1e-6)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        ap = nn.softplus(self.alpha_p)
+        an = self.beta + nn.softplus(self.alpha_n)
+        neg = (mx.expm1(mx.minimum(x, self.eps)) - x) * an + self.beta * x
+        return mx.where(x > 0, ap * x * x + self.beta * x, neg)
+
+
+class PlainMLP(nn.Module):
+    """The ungated MLP, down(act(up(x))) (Phi-2's fc1/fc2, StarCoder2's c_fc/c_proj,
+    Nemotron's relu², Apertus' learned xIELU), biases as the config says."""
+
+    def __init__(self, cfg: ModelConfig, size: int | None = None):
+        super().__init__()
+        f = size or cfg.intermediate_size
+        if cfg.activation == "xielu":
+            self.act_fn = XIELU()  # parameters: a module, as the checkpoint names it
+        else:
+            self.act = ACTIVATIONS[cfg.activation]
+        self.up_proj = nn.Linear(cfg.hidden_size, f, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(f, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        act = self.act_fn if "act_fn" in self else self.act
+        return self.down_proj(act(self.up_proj(x)))
+
+
 class FusedMLP(MLP):
     """Phi-3: gate and up from one `gate_up_proj` matmul (gate first, as the checkpoint)."""
 
     def _projections(self, cfg: ModelConfig) -> None:
-        f = cfg.intermediate_size
+        f = self.size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * f, bias=cfg.mlp_bias)
 
     def gate_and_up(self, x: mx.array) -> tuple[mx.array, mx.array]:
@@ -328,13 +455,20 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec):
         super().__init__()
-        self.self_attn = (FusedAttention if cfg.fused_proj else Attention)(cfg, spec)
-        self.mlp = (FusedMLP if cfg.fused_proj else MLP)(cfg)
+        self.self_attn = make_attention(cfg, spec)
+        mlp = (PlainMLP if cfg.mlp == "plain" else FusedMLP if cfg.fused_proj or cfg.mlp == "fused"
+               else MLP)
+        self.mlp = MoE(cfg, ACTIVATIONS[cfg.activation], mlp) if spec.moe else mlp(cfg)
 
     def deferred(
         self, x: mx.array, pending: mx.array | None, mask: Any = None, cache: Any = None
     ) -> tuple[mx.array, mx.array | None]:
         return self(x if pending is None else x + pending, mask, cache), None
+
+    def attention_input(self, x: mx.array, pending: mx.array | None) -> mx.array:
+        """What self_attn reads from the residual stream x + pending: its norm (pre-norm
+        and sandwich blocks)."""
+        return self.input_layernorm(x if pending is None else x + pending)
 
 
 class PreNormBlock(Block):
@@ -395,16 +529,56 @@ class PostNormBlock(Block):
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
 
+    def attention_input(self, x: mx.array, pending: mx.array | None) -> mx.array:
+        return x if pending is None else x + pending  # no norm on the way in
+
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         h = x + self.post_attention_layernorm(self.self_attn(x, mask, cache))
         return h + self.post_feedforward_layernorm(self.mlp(h))
+
+
+class PostLNBlock(PostNormBlock):
+    """The 2017 block: LayerNorm of each residual sum, LN(x + attn(x)), LN(h + mlp(h))."""
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        h = self.post_attention_layernorm(x + self.self_attn(x, mask, cache))
+        return self.post_feedforward_layernorm(h + self.mlp(h))
+
+
+class ParallelBlock(Block):
+    """Phi-2, Cohere, GPT-NeoX: both branches read the same input, x + attn(n(x)) +
+    mlp(n'(x)), with n' = n (one norm) or its own post_attention_layernorm."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__(cfg, spec)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size)
+        if cfg.block == "parallel2":
+            self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        normed = self.input_layernorm(x)
+        a = self.self_attn(normed, mask, cache)
+        if "post_attention_layernorm" in self:
+            normed = self.post_attention_layernorm(x)
+        return x + a + self.mlp(normed)
 
 
 BLOCKS: dict[str, type[Block]] = {
     "pre": PreNormBlock,
     "sandwich": SandwichBlock,
     "post": PostNormBlock,
+    "parallel": ParallelBlock,
+    "parallel2": ParallelBlock,
+    "post_ln": PostLNBlock,
 }
+
+
+def make_attention(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
+    if cfg.mla is not None:
+        from .mla import LatentAttention  # mla builds on this module's RoPE and norms
+
+        return LatentAttention(cfg, spec)
+    return (FusedAttention if cfg.fused_proj else Attention)(cfg, spec)
 
 
 def make_block(cfg: ModelConfig, spec: LayerSpec) -> Block:

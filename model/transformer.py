@@ -14,6 +14,14 @@ from .config import LayerSpec, ModelConfig
 from .layers import make_block, make_norm
 
 
+def sinusoidal_positions(T: int, dims: int, offset: int | mx.array = 0) -> mx.array:
+    """2017's absolute positions: sin(p / 10000^(2i/d)) on even features, cos on odd."""
+    pos = mx.arange(T, dtype=mx.float32) + mx.array(offset, dtype=mx.float32)
+    inv = 10000.0 ** (-mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    angles = pos[:, None] * inv[None]
+    return mx.stack([mx.sin(angles), mx.cos(angles)], axis=-1).reshape(T, -1)[:, :dims]
+
+
 class DecoderModel(nn.Module):
     """HF's `model.*` sub-tree: embed_tokens, layers, norm."""
 
@@ -54,7 +62,7 @@ class Transformer(nn.Module):
         self.model_type = cfg.model_type  # mlx-lm's tools read this
         self.model = DecoderModel(cfg)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias)
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -63,10 +71,16 @@ class Transformer(nn.Module):
     def make_cache(self, max_kv_size: int | None = None, keep: int = 4) -> list[Any]:
         return make_cache(self.config, max_kv_size=max_kv_size, keep=keep)
 
-    def embed(self, tokens: mx.array) -> mx.array:
+    def embed(self, tokens: mx.array, offset: int | mx.array = 0) -> mx.array:
+        """Token embeddings (scaled where the family asks); with 2017's sinusoidal
+        positions, plus those of positions offset, offset + 1, ..."""
         h = self.model.embed_tokens(tokens)
         if self.config.embed_scale != 1.0:  # in the compute dtype, as the reference rounds it
             h = h * mx.array(self.config.embed_scale, dtype=h.dtype)
+        if self.config.embed_norm:  # nanochat: the final norm also normalizes the embeddings
+            h = self.model.norm(h)
+        if self.config.positions == "sinusoidal":
+            h = h + sinusoidal_positions(tokens.shape[-1], h.shape[-1], offset).astype(h.dtype)
         return h
 
     def run_layers(
@@ -104,7 +118,8 @@ class Transformer(nn.Module):
     ) -> mx.array:
         """Logits for every position, or only the last `logits_to_keep` (as HF names it):
         prefill then skips the vocab-sized head matmul for all but the position it samples."""
-        h, pending = self.run_layers(self.embed(tokens), cache)
+        offset = cache[0].offset if cache else 0
+        h, pending = self.run_layers(self.embed(tokens, offset), cache)
         if logits_to_keep:
             h = h[:, -logits_to_keep:, :]
             pending = None if pending is None else pending[:, -logits_to_keep:, :]

@@ -15,15 +15,65 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .config import ModelConfig, load_config
+from .config import FAMILIES, ModelConfig, load_config
 from .errors import ModelLoadError
-from .files import safetensors_header, weight_files
+from .files import mlx_path, safetensors_header, weight_files
+from .mla import QuantizedMultiLinear, split_kv_b
+from .moe import QuantizedSwitchLinear, split_gate_up, stack_experts, unfuse_gpt_oss_experts
 from .transformer import Transformer
 
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
 QUANT_GROUPS = (32, 64, 128)
 # tensors some exporters write that carry no parameters
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+# a multimodal checkpoint's language model, as transformers 5 and mlx-vlm name it
+WRAPPED_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                    ("language_model.lm_head.", "lm_head."))
+
+
+def rename(cfg: ModelConfig, name: str) -> str:
+    """A checkpoint tensor (or module path) under our name: the family's renames
+    (e.g. Mixtral's block_sparse_moe.experts.{i}.w1 -> mlp.experts.{i}.gate_proj)."""
+    if cfg.wrapper is not None:
+        for old, new in WRAPPED_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+    for old, new in FAMILIES[cfg.model_type].renames:
+        name = name.replace(old, new)
+    return name
+
+
+def our_names(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Checkpoint tensors as our modules name them: renamed, and transformers'
+    per-expert tensors stacked into mlx-community's `switch_mlp` layout."""
+    weights = {rename(cfg, k): v for k, v in weights.items()}
+    if cfg.wrapper is not None:  # the vision tower and projector are not loaded
+        weights = {k: v for k, v in weights.items() if k.startswith(("model.", "lm_head."))}
+    for k in [k for k in weights if k.endswith(".e_score_correction_bias")]:
+        weights[k] = weights[k].reshape(-1)  # ERNIE stores it as (1, experts)
+    if cfg.mla is not None:
+        weights = split_kv_b(cfg, weights)
+    weights = _split_fused_qkv(cfg, weights)
+    if cfg.moe is None:
+        return weights
+    return split_gate_up(stack_experts(unfuse_gpt_oss_experts(weights)))
+
+
+def _split_fused_qkv(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """GPT-NeoX's `query_key_value` holds q|k|v per head (heads, 3, head_dim) in its
+    rows: split into q_proj, k_proj, v_proj (rows, so packed quantized tensors too)."""
+    out: dict[str, mx.array] = {}
+    for name, w in weights.items():
+        if ".self_attn.query_key_value." not in name:
+            out[name] = w
+            continue
+        parts = w.reshape(cfg.num_attention_heads, 3, -1, *w.shape[1:])
+        for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+            part = parts[:, i].reshape(-1, *w.shape[1:])
+            out[name.replace(".query_key_value.", f".{proj}.")] = part
+    return out
 
 
 def _validate_quantization(q: Any) -> dict[str, Any]:
@@ -49,9 +99,12 @@ def _apply_checkpoint_quantization(
             " (the quantization block disagrees with the tensors)"
         )
 
+    # module paths: renamed as the tensors under them (the renames match "name." parts)
+    overrides = {rename(model.config, k + ".")[:-1]: v for k, v in q.items()}
+
     def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
-        if path in q:
-            return q[path]
+        if path in overrides:
+            return overrides[path]
         return hasattr(module, "to_quantized") and f"{path}.scales" in weights
 
     nn.quantize(
@@ -78,6 +131,13 @@ def _check_tensors(
         raise ModelLoadError(f"checkpoint has unexpected tensor {extra[0]!r}{hint}")
     for name, arr in expected.items():
         got = weights[name]
+        floats = mx.issubdtype(got.dtype, mx.floating) and mx.issubdtype(arr.dtype, mx.floating)
+        if got.dtype != arr.dtype and not floats:  # int32/bool values would be used as numbers
+            want = "a float" if mx.issubdtype(arr.dtype, mx.floating) else _dtype_name(arr.dtype)
+            raise ModelLoadError(
+                f"tensor {name!r} is {_dtype_name(got.dtype)} in the checkpoint; kvchat needs"
+                f" {want} there (not a float or quantized checkpoint?)"
+            )
         if tuple(got.shape) != tuple(arr.shape):
             where = (
                 f" (quantization bits={quant['bits']} group_size={quant['group_size']}"
@@ -90,6 +150,10 @@ def _check_tensors(
                 f"tensor {name!r} has shape {tuple(got.shape)}, the config implies"
                 f" {tuple(arr.shape)}{where}"
             )
+
+
+def _dtype_name(d: mx.Dtype) -> str:
+    return str(d).removeprefix("mlx.core.")
 
 
 FINITE_CHECK_GROUP_BYTES = 1 << 28  # tensors reduced per evaluation: bounds temporaries
@@ -148,11 +212,13 @@ def load_model(
     weights: dict[str, mx.array] = {}
     for f in files:
         safetensors_header(f)
+        native = mlx_path(f)
         try:
-            weights.update(mx.load(str(f)))
+            weights.update(mx.load(native))
         except Exception as e:  # mlx raises RuntimeError/ValueError with long texts
             raise ModelLoadError(f"cannot read {f.name}: {str(e).splitlines()[0]}") from None
     weights = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
+    weights = our_names(cfg, weights)
     if cfg.tie_word_embeddings:
         for k in [k for k in weights if k.startswith("lm_head.")]:
             del weights[k]
@@ -235,9 +301,11 @@ def dequantize_on_load(n_params: int, dtype: mx.Dtype) -> bool:
 
 def dequantize_model(model: nn.Module) -> None:
     """Replace every quantized Linear / Embedding by its float equivalent, in place."""
-    swaps = []
+    swaps: list[tuple[str, nn.Module]] = []
     for name, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if isinstance(m, (QuantizedSwitchLinear, QuantizedMultiLinear)):  # experts, MLA
+            swaps.append((name, m.dequantized()))
+        elif isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits,
                               mode=getattr(m, "mode", "affine")).astype(m.scales.dtype)
             if isinstance(m, nn.QuantizedLinear):

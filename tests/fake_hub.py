@@ -13,6 +13,14 @@ Bounded: it stops itself after `max_requests` requests or `lifetime_s` seconds, 
 test that forgets it cannot hang CI. `throttle_bps` slows the CDN (to watch the bar), and
 `cut_after` drops the connection after that many bytes of one CDN response (once).
 
+Hostile modes (tests/test_hostile_hub.py), each off by default: `etag` and `sha` replace
+the ETag / commit the hub announces (path-shaped ones), `cdn_url` sends the LFS redirect
+to another server, `stall_after` holds a CDN response after that many bytes, `cut_always`
+drops every CDN response after that many bytes and ignores Range, `endless` sends a CDN
+body with no Content-Length that never ends, `corrupt` flips a byte of what the CDN sends,
+`info` replaces the model-info body, `bad_range` answers a Range with 206 from half the
+offset asked.
+
 Run standalone for a demo: python -m tests.fake_hub REPO_ID FOLDER [--throttle BPS]
 """
 
@@ -60,6 +68,15 @@ class FakeHub:
     lifetime_s: float = 120.0
     throttle_bps: int | None = None
     cut_after: int | None = None  # bytes into the first CDN response, then drop it
+    etag: str | None = None
+    sha: str | None = None
+    cdn_url: str | None = None
+    stall_after: int | None = None
+    cut_always: int | None = None
+    endless: bool = False
+    corrupt: bool = False
+    info: object = None  # the model-info body to send instead (any JSON value)
+    bad_range: bool = False  # answer a Range request with 206 from half the offset asked
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
     _server: ThreadingHTTPServer | None = None
 
@@ -142,6 +159,10 @@ class FakeHub:
         repo = self._repo(h, repo_id, rev, method)
         if repo is None:
             return
+        if self.info is not None:
+            self._send(h, 200, json.dumps(self.info).encode(), method,
+                       {"Content-Type": "application/json"})
+            return
         siblings = []
         for name, data in repo.files.items():
             s: dict[str, object] = {"rfilename": name, "size": len(data),
@@ -149,7 +170,8 @@ class FakeHub:
             if repo.is_lfs(name):
                 s["lfs"] = {"size": len(data), "sha256": repo.etag(name), "pointerSize": 134}
             siblings.append(s)
-        body = json.dumps({"_id": "x", "id": repo_id, "modelId": repo_id, "sha": repo.sha,
+        body = json.dumps({"_id": "x", "id": repo_id, "modelId": repo_id,
+                           "sha": self.sha or repo.sha,
                            "private": False, "siblings": siblings}).encode()
         self._send(h, 200, body, method, {"Content-Type": "application/json"})
 
@@ -161,12 +183,13 @@ class FakeHub:
         if name not in repo.files:
             self._send(h, 404, b"Entry not found", method, {"X-Error-Code": "EntryNotFound"})
             return
-        etag = f'"{repo.etag(name)}"'
+        etag = f'"{self.etag or repo.etag(name)}"'
         common = {"X-Repo-Commit": repo.sha}
         if repo.is_lfs(name):
             # the Hub redirects LFS files to its CDN and names the blob in X-Linked-*
             h.send_response(302)
-            for k, v in {**common, "Location": f"{self.url}/cdn/{repo.etag(name)}",
+            cdn = self.cdn_url or self.url
+            for k, v in {**common, "Location": f"{cdn}/cdn/{repo.etag(name)}",
                          "X-Linked-Etag": etag, "X-Linked-Size": str(len(repo.files[name])),
                          "Content-Length": "0"}.items():
                 h.send_header(k, v)
@@ -178,19 +201,40 @@ class FakeHub:
         for repo in self.repos.values():
             for name, data in repo.files.items():
                 if repo.is_lfs(name) and repo.etag(name) == digest:
-                    self._send(h, 200, data, method, {"ETag": f'"{digest}"'}, ranged=True,
-                               slow=True)
+                    if self.corrupt:
+                        data = data[:-1] + bytes([data[-1] ^ 1])
+                    if self.endless and method == "GET":
+                        self._endless(h, data)
+                        return
+                    self._send(h, 200, data, method, {"ETag": f'"{digest}"'},
+                               ranged=self.cut_always is None, slow=True)
                     return
         self._send(h, 404, b"no such blob", method)
 
     # ---- responses ------------------------------------------------------------------
+    def _endless(self, h: BaseHTTPRequestHandler, data: bytes) -> None:
+        """The file, then zeros, with no Content-Length, until the client hangs up (at
+        most 64 MiB, so a broken client cannot fill the disk of the test machine)."""
+        h.send_response(200)
+        h.send_header("Connection", "close")
+        h.end_headers()
+        h.close_connection = True
+        sent = 0
+        try:
+            h.wfile.write(data)
+            while sent < 64 * 1024 * 1024:
+                h.wfile.write(bytes(64 * 1024))
+                sent += 64 * 1024
+        except OSError:
+            pass
+
     def _send(self, h: BaseHTTPRequestHandler, status: int, body: bytes, method: str,
               headers: dict[str, str] | None = None, *, ranged: bool = False,
               slow: bool = False) -> None:
         start = 0
         rng = h.headers.get("Range")
         if ranged and rng and rng.startswith("bytes=") and rng.endswith("-"):
-            start = int(rng[len("bytes="):-1])
+            start = int(rng[len("bytes="):-1]) // (2 if self.bad_range else 1)
             if start >= len(body):
                 h.send_response(416)
                 h.send_header("Content-Range", f"bytes */{len(body)}")
@@ -212,6 +256,9 @@ class FakeHub:
         cut = self.cut_after if slow else None
         if cut is not None:
             self.cut_after = None  # once
+        if slow and self.cut_always is not None:
+            cut = self.cut_always
+        stall = self.stall_after if slow else None
         step = 16 * 1024
         sent = 0
         for i in range(0, len(payload), step):
@@ -224,6 +271,12 @@ class FakeHub:
                 return
             h.wfile.write(chunk)
             sent += len(chunk)
+            if stall is not None and sent >= stall:
+                h.wfile.flush()
+                deadline = time.monotonic() + self.lifetime_s
+                while self._server is not None and time.monotonic() < deadline:
+                    time.sleep(0.1)  # holds the connection open, sending nothing
+                return
             if slow and self.throttle_bps:
                 time.sleep(len(chunk) / self.throttle_bps)
 

@@ -193,6 +193,7 @@ class ScriptedEngine(Engine):
         stats_interval_s: float | None = None,
         load_delay: float = 0.0,
         fail_paths: Sequence[str] = (),
+        fail_after: int | None = None,
     ):
         self.reply = reply
         self.token_delay = token_delay
@@ -201,6 +202,7 @@ class ScriptedEngine(Engine):
             self.stats_interval_s = stats_interval_s
         self.load_delay = load_delay
         self.fail_paths = {str(p) for p in fail_paths}
+        self.fail_after = fail_after  # decode steps before the model fails (a rank dies)
         self.submitted: list[tuple[Any, GenParams]] = []
         self.loads: list[str] = []
         self.resets = 0
@@ -240,6 +242,8 @@ class ScriptedEngine(Engine):
 
     def decode_step(self, step: int) -> None:
         self.advance(STEP_TIMES[(step - 1) % len(STEP_TIMES)])
+        if self.fail_after is not None and step > self.fail_after:
+            raise KVChatError("rank 1 (127.0.0.1) stopped responding")
         if self.pause_after is not None and step == self.pause_after + 1:
             self._resume.clear()
             self.paused.set()

@@ -57,9 +57,11 @@ def test_bench_json_reports_every_field(stories260k: Path, capsys) -> None:
     assert rf["bytes_per_token"] == 1_040_128 + rf["kv_bytes_per_token"] * 15
     assert rf["bandwidth_bytes_per_s"] > 1e8
     assert rf["roofline_tps"] == pytest.approx(rf["bandwidth_bytes_per_s"] / rf["bytes_per_token"])
-    assert rf["fraction"] == pytest.approx(
-        r["kvchat"]["decode_tps"]["median"] / rf["roofline_tps"])
-    assert 0 < rf["mlx_lm_fraction"]
+    # one roofline, both sides' fractions of that same roofline
+    for side, key in (("kvchat", "kvchat_fraction"), ("mlx_lm", "mlx_lm_fraction")):
+        assert rf[key] == pytest.approx(r[side]["decode_tps"]["median"] / rf["roofline_tps"])
+    assert r["ratio_of"] == "kvchat ÷ mlx-lm"
+    assert r["machine"]["threads"].startswith(("auto", "1 fixed", "2 fixed"))
 
 
 @pytest.fixture
@@ -92,10 +94,20 @@ def test_dtype_mismatch_is_reported_not_hidden(fp16_checkpoint: Path, capsys) ->
 
 
 def test_text_output_names_dtypes_and_roofline(stories260k: Path, capsys) -> None:
-    assert main(["bench", "--runs", "1", "--prompt-tokens", "8", "--gen-tokens", "4",
-                 "--model", str(stories260k)]) == 0
+    assert main(["bench", "--runs", "2", "--prompt-tokens", "8", "--gen-tokens", "4",
+                 "--model", str(stories260k), "--against", "mlx-lm"]) == 0
     out = capsys.readouterr().out
-    assert "computes in float32" in out and "decode roofline" in out and "BLAS" in out
+    assert "computes in float32" in out and "BLAS" in out and "\nthreads: " in out
+    lines = out.splitlines()
+    # every ratio row says which side is divided by which, with its two pairs
+    ratios = [ln for ln in lines if "÷" in ln]
+    assert [ln.split()[:4] for ln in ratios] == [
+        ["kvchat", "÷", "mlx-lm", "prefill_tps"], ["kvchat", "÷", "mlx-lm", "decode_tps"]]
+    assert all(ln.count(",") == 1 and "per pair:" in ln for ln in ratios)
+    # one roofline line (bytes/token and bandwidth), then both sides' share of it
+    assert sum("roofline" in ln and "bytes/token" in ln and "GB/s" in ln for ln in lines) == 1
+    share = next(ln for ln in lines if ln.startswith("of that roofline:"))
+    assert "kvchat " in share and "mlx-lm " in share
 
 
 def test_bench_chat_runs_both_sides(stories260k: Path, capsys) -> None:

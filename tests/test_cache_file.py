@@ -98,7 +98,7 @@ def test_unreadable_file_is_one_line(tmp_path: Path) -> None:
 
     bad = tmp_path / "x.kv.safetensors"
     bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
-    with pytest.raises(CacheError, match="unreadable K/V cache file"):
+    with pytest.raises(CacheError, match="K/V cache file x.kv.safetensors"):
         load_cache(bad)
 
 

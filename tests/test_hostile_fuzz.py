@@ -5,7 +5,10 @@
 - the detokenizer: random byte-fallback id sequences never put a control character into
   display text, and the exact text always round-trips through --json;
 - the template renderer: random templates built from runaway-prone pieces finish within
-  the time limit with bounded output, or fail with one TemplateError line.
+  the time limit with bounded output, or fail with one TemplateError line;
+- the app's JSON loader (settings, session, chats): hostile documents (lone surrogates,
+  deep nesting, wrong types, cut or non-UTF-8 bytes) load or give one line naming the file,
+  and whatever loads writes back.
 
 Bounded (max_examples, short limits) so the suite stays fast on CI.
 """
@@ -250,3 +253,72 @@ def test_random_templates_finish_within_the_limits(
     else:
         assert len(out) <= chat_template.RENDER_OUTPUT_LIMIT
     assert time.monotonic() - t0 < 0.5 + 1.5, template
+
+
+# ---- the app's JSON files: one defensive loader ---------------------------------------
+
+# strings with lone surrogates and controls; nesting up to far past the depth cap
+hostile_text = st.text(alphabet=st.one_of(st.characters(), st.sampled_from(
+    ["\udfff", "\ud800", "\x00", "\u202e", "\\", '"'])), max_size=6)
+hostile_json = st.recursive(
+    st.one_of(json_scalars, hostile_text),
+    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                            st.dictionaries(hostile_text, inner, max_size=3)),
+    max_leaves=8,
+)
+
+
+@st.composite
+def json_files(draw: st.DrawFn) -> bytes:
+    """A JSON document (possibly wrapped in deep nesting), or one cut, spliced or with
+    bytes that are not UTF-8."""
+    doc = draw(st.one_of(
+        hostile_json,
+        st.fixed_dictionaries({}, optional={
+            "id": st.one_of(st.just("20260101-000000-abcdef"), hostile_json),
+            "version": st.one_of(st.just(1), hostile_json),
+            "messages": st.one_of(st.lists(st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "assistant", "x"]),
+                 "content": hostile_text}), max_size=3), hostile_json),
+            "created": hostile_json, "updated": st.just(1.0), "title": hostile_text,
+            "temp": hostile_json, "top_k": hostile_json, "system_prompt": hostile_text,
+            "last_chat": hostile_json, "input_history": st.lists(hostile_text, max_size=3),
+        })))
+    depth = draw(st.sampled_from([0, 0, 0, 63, 65, 3000]))
+    raw = json.dumps(doc, ensure_ascii=draw(st.booleans()))
+    raw = "[" * depth + raw + "]" * depth
+    data = raw.encode("utf-8", "surrogatepass")
+    cut = draw(st.one_of(st.none(), st.integers(0, len(data))))
+    if cut is not None:
+        data = data[:cut] + draw(st.binary(max_size=4))
+    return data
+
+
+@FUZZ
+@given(data=json_files())
+def test_json_loader_and_every_reader_of_app_files(tmp_path: Path, data: bytes) -> None:
+    """load_json returns an object or raises one BadJSONFile line naming the file; the
+    settings, session and chat readers never raise, and what they read saves again."""
+    from kvchat.app.core.settings import load_settings
+    from kvchat.app.core.store import ConversationStore
+    from kvchat.app.tui.session import load_session, save_session
+    from kvchat.model.files import BadJSONFile, load_json
+
+    f = tmp_path / "20260101-000000-abcdef.json"
+    f.write_bytes(data)
+    try:
+        obj = load_json(f)
+        assert isinstance(obj, dict)
+        json.dumps(obj)  # no recursion left in it
+    except BadJSONFile as e:
+        assert str(e).startswith(str(f)) and "\n" not in str(e)
+
+    s = load_settings(f)
+    assert all("\n" not in w for w in s.warnings)
+    s.validate()
+    state = load_session(f)
+    save_session(tmp_path / "elsewhere" / "session.json", state)
+    store = ConversationStore(tmp_path)
+    for conv in store.list():
+        store.save(conv)  # what was read always writes back
+    assert len(store.skipped) <= 1

@@ -38,6 +38,10 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     # the panel's BLAS row describes the test machine; pin it
     monkeypatch.setattr("kvchat.app.core.blas.active_blas",
                         lambda: {"name": "OpenBLAS", "path": None, "fast": True})
+    # and its threads row the test machine's cores: pin a 2-core automatic policy
+    from kvchat.model import threads
+
+    monkeypatch.setattr(threads, "_policy", threads.Policy(cores=2))
     return tmp_path
 
 

@@ -8,9 +8,15 @@ Honest by construction:
   sides are printed; if they still differ the ratio is refused unless
   --allow-dtype-mismatch;
 - min / median / max per side, and the ratio of every A B pair;
-- the decode roofline: bytes read per generated token (weights + resident K/V at the
-  middle of the reply) over a measured memory bandwidth, and each side's tok/s as a
-  fraction of it.
+- one decode roofline: kvchat's bytes read per generated token (its weights + resident
+  K/V at the middle of the reply) over a measured memory bandwidth; both sides' tok/s
+  are given as a fraction of that same roofline, and every ratio is kvchat ÷ mlx-lm;
+- the OpenBLAS thread policy in effect is printed (model/threads.py).
+
+A quantized folder (the shipped kvchat-mini) is dequantized by kvchat on the CPU; mlx-lm's
+own 4-bit CPU path is no comparison, so give mlx-lm a float copy of the same weights made
+by its own converter: `python -m mlx_lm convert --hf-path assets/kvchat-mini -d --dtype
+float32 --mlx-path /tmp/mini-f32`, then `--mlx-lm-model /tmp/mini-f32`.
 
 Definitions (DESIGN.md): prefill_tps = prompt tokens / prefill seconds; decode_tps =
 (generated − 1) / (time of last token − time of first token). mlx-lm is timed with the
@@ -34,11 +40,13 @@ from kvchat.app.cli.generate import add_model_argument
 from kvchat.app.core import blas
 from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.errors import report
+from kvchat.model import threads
 from kvchat.model.client import EngineClient
 from kvchat.model.events import GenParams
 from kvchat.model.kv_math import kv_bytes_per_token
 
 METRICS = ("prefill_tps", "decode_tps", "ttft_s")
+RATIO = "kvchat ÷ mlx-lm"  # how every ratio is taken (the label printed beside it)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-tokens", type=int, default=64, metavar="M")
     p.add_argument("--runs", type=int, default=3, metavar="R", help="timed runs per side")
     p.add_argument("--against", choices=["mlx-lm"], help="also time mlx-lm on the same ids")
+    p.add_argument("--mlx-lm-model", metavar="DIR",
+                   help="the folder mlx-lm loads (default: --model); e.g. a float32 copy of a"
+                   " quantized model made by `python -m mlx_lm convert -d --dtype float32`")
     p.add_argument("--mlx-lm-dtype", choices=["ours", "native"], default="ours",
                    help="ours: cast mlx-lm's float parameters to our compute dtype (default);"
                    " native: the dtype mlx-lm loads the folder in")
@@ -129,6 +140,9 @@ class _MlxLm:
         from mlx_lm.generate import generate_step
 
         mx = self.mx
+        # the same OpenBLAS as ours, at the count our policy gives a decode step (mlx-lm
+        # cannot switch counts between its prefill and its decode)
+        self.threads = threads.apply(1, 0, 0)
         mx.reset_peak_memory()
         prompt = mx.array(ids)
         t0 = time.perf_counter()
@@ -183,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
         ids = prompt_ids(vocab, args.prompt_tokens)
         ref = None
         if args.against == "mlx-lm":
-            ref = _MlxLm(path, info["dtype"] if args.mlx_lm_dtype == "ours" else None)
+            ref = _MlxLm(args.mlx_lm_model or path,
+                         info["dtype"] if args.mlx_lm_dtype == "ours" else None)
         # warm-up (traces the compiled step, fills allocator caches), then A B A B …
         ours.once(ids[:8], 4)
         if ref is not None:
@@ -205,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
         "model": path,
         "machine": {"platform": platform.platform(), "cpu": _cpu_name(),
                     "cores": os.cpu_count(), "device": str(mx.default_device()),
-                    "mlx": mx.__version__, "blas": blas.active_blas()},
+                    "mlx": mx.__version__, "blas": blas.active_blas(),
+                    "threads": threads.describe()},
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens,
         "runs": args.runs,
@@ -220,28 +236,31 @@ def run(args: argparse.Namespace) -> int:
             **_side(a_rows),
         },
         "roofline": {
+            "basis": f"kvchat's weights ({info['dtype']}) + K/V of the mean context, read"
+            " once per decoded token",
             "bandwidth_bytes_per_s": bandwidth,
             "bandwidth_method": "numpy copy of 256 MiB, best of 5, read + write bytes",
             "kv_bytes_per_token": kv_token,
             "context_tokens": context,
             "bytes_per_token": ours_bytes,
             "roofline_tps": bandwidth / ours_bytes,
-            "fraction": statistics.median(r["decode_tps"] for r in a_rows)
+            "kvchat_fraction": statistics.median(r["decode_tps"] for r in a_rows)
             / (bandwidth / ours_bytes),
         },
     }
     if ref is not None:
-        quant = info.get("bits")
-        ref_bytes = ref.weight_bytes + kv_token * context
+        quant = info.get("bits") if args.mlx_lm_model is None else None
         result["mlx_lm"] = {
+            "model": args.mlx_lm_model or path,
             "dtype": ref.dtype,
             "weights": weights_label(quant, False, ref.dtype),
             "weight_bytes": ref.weight_bytes,
+            "blas_threads": ref.threads if threads.bound() else None,
             **_side(b_rows),
         }
-        result["roofline"]["mlx_lm_bytes_per_token"] = ref_bytes
+        # the same roofline: a side that reads more bytes per token shows a lower fraction
         result["roofline"]["mlx_lm_fraction"] = statistics.median(
-            r["decode_tps"] for r in b_rows) / (bandwidth / ref_bytes)
+            r["decode_tps"] for r in b_rows) / result["roofline"]["roofline_tps"]
         mismatch = ref.dtype != info["dtype"]
         result["dtype_mismatch"] = mismatch
         if mismatch and not args.allow_dtype_mismatch:
@@ -254,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
                 k: summary([a[k] / b[k] for a, b in zip(a_rows, b_rows, strict=True)])
                 for k in ("prefill_tps", "decode_tps")
             }
+            result["ratio_of"] = RATIO
     if args.json:
         print(json.dumps(result))
         return 0
@@ -273,29 +293,33 @@ def _render(r: dict[str, Any]) -> str:
         f" {r['runs']} runs per side ({r['order']})",
         f"machine: {m['cpu']}, {m['cores']} cores, {m['device']}, mlx {m['mlx']},"
         f" BLAS {b['name']}" + ("" if b["fast"] else f" ({blas.HINT})"),
+        f"threads: {m['threads']}",
     ]
     sides = [("kvchat", r["kvchat"])] + ([("mlx-lm", r["mlx_lm"])] if "mlx_lm" in r else [])
     for name, s in sides:
         extra = f", compiled step {'on' if s.get('compiled_step') else 'off'}" if (
             name == "kvchat") else ""
+        if s.get("model", r["model"]) != r["model"]:
+            extra += f", from {s['model']}"
         lines.append(f"{name}: {s['weights']} weights ({s['weight_bytes']:,} bytes),"
                      f" computes in {s['dtype']}{extra}")
-    lines.append(f"{'':16}{'min':>12}{'median':>12}{'max':>12}")
+    lines.append(f"{'':28}{'min':>12}{'median':>12}{'max':>12}")
     for name, s in sides:
         for k in METRICS:
-            lines.append(f"{name + ' ' + k:<16}" + "".join(
+            lines.append(f"{name + ' ' + k:<28}" + "".join(
                 f"{_fmt(s[k][x]):>12}" for x in ("min", "median", "max")))
     if r.get("ratio"):
         for k, v in r["ratio"].items():
             pairs = ", ".join(f"{x:.2f}" for x in v["runs"])
-            lines.append(f"ratio {k:<10}{v['min']:>12.2f}{v['median']:>12.2f}{v['max']:>12.2f}"
-                         f"   pairs: {pairs}")
+            lines.append(f"{RATIO + ' ' + k:<28}{v['min']:>12.2f}{v['median']:>12.2f}"
+                         f"{v['max']:>12.2f}   per pair: {pairs}")
     elif "ratio_refused" in r:
         lines.append(f"no ratio: {r['ratio_refused']}")
     rf = r["roofline"]
     lines.append(
-        f"decode roofline: {rf['bytes_per_token']:,} bytes/token (weights + K/V of"
-        f" {rf['context_tokens']} tokens) at {rf['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ="
-        f" {_fmt(rf['roofline_tps'])} tok/s; kvchat reaches {rf['fraction']:.1%}"
-        + (f", mlx-lm {rf['mlx_lm_fraction']:.1%}" if "mlx_lm_fraction" in rf else ""))
+        f"decode roofline: {rf['bytes_per_token']:,} bytes/token (kvchat's weights + K/V of"
+        f" {rf['context_tokens']} tokens) at {rf['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s"
+        f" measured = {_fmt(rf['roofline_tps'])} tok/s")
+    lines.append(f"of that roofline: kvchat {rf['kvchat_fraction']:.1%}" + (
+        f", mlx-lm {rf['mlx_lm_fraction']:.1%}" if "mlx_lm_fraction" in rf else ""))
     return "\n".join(lines)

@@ -20,13 +20,15 @@ from kvchat.model.errors import ConfigError, KVChatError, ModelLoadError
 from kvchat.model.facts import model_facts
 from kvchat.model.kv_math import (
     BudgetError,
+    attention_name,
     attention_table,
+    cached_widths,
     context_that_fits,
     dtype_bytes_of,
     human_bytes,
     kv_bytes_at,
     kv_bytes_by_kind,
-    kv_bytes_per_token,
+    kv_saving,
     parse_size,
 )
 
@@ -117,7 +119,7 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
     context = args.context or cfg.max_position_embeddings
     L, h, kv, hd = (cfg.num_hidden_layers, cfg.num_attention_heads,
                     cfg.num_key_value_heads, cfg.head_dim)
-    per_token = kv_bytes_per_token(L, kv, hd, dtype_bytes)
+    per_token = cached_widths(cfg).bytes_per_token(L, dtype_bytes)
     at_context = kv_bytes_at(cfg, context, dtype_bytes)
     kinds = kv_bytes_by_kind(cfg, context, dtype_bytes)
     facts = model_facts(source) if args.model else None
@@ -125,6 +127,7 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "source": str(source),
         "model_type": cfg.model_type,
+        "note": cfg.note,
         "layers": L,
         "heads": h,
         "kv_heads": kv,
@@ -143,7 +146,12 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
              "bytes": r.bytes} for r in kinds
         ],
         "window_saving": per_token * context / at_context,
-        "gqa_saving": h / kv,
+        "gqa_saving": kv_saving(cfg),  # over MHA (latent attention: its own saving)
+        "attention": attention_name(cfg),
+        "latent": None if cfg.mla is None else {
+            "kv_lora_rank": cfg.mla.kv_lora_rank, "rope_dim": cfg.mla.rope_dim,
+            "v_head_dim": cfg.mla.v_dim,
+        },
         "table": [
             {"name": r.name, "kv_heads": r.kv_heads, "bytes_per_token": r.bytes_per_token,
              "bytes_at_context": r.bytes_at_context, "saving_vs_mha": r.saving_vs_mha}
@@ -221,14 +229,19 @@ def _b(n: int | None) -> str:
 
 def _render(o: dict[str, Any]) -> str:
     sliding = any(k["window"] is not None for k in o["layer_kinds"])
+    lat = o.get("latent")
+    kv_desc = (f"latent attention: {lat['kv_lora_rank']} latent + {lat['rope_dim']} RoPE"
+               f" features cached per token and layer, q/k head_dim {o['head_dim']}" if lat
+               else f"{o['kv_heads']} KV heads, head_dim {o['head_dim']}")
     lines = [
         f"{o['source']}  ({o['model_type']}: {o['layers']} layers, {o['heads']} query heads,"
-        f" {o['kv_heads']} KV heads, head_dim {o['head_dim']}, {o['dtype_bytes']} B/element"
-        f" from {o['dtype_from']})",
+        f" {kv_desc}, {o['dtype_bytes']} B/element from {o['dtype_from']})",
         f"KV cache per token (all layers{sliding and ', until the windows fill' or ''}):"
         f" {_b(o['bytes_per_token'])}",
         f"KV cache at {o['context']:,} tokens: {_b(o['bytes_at_context'])}",
     ]
+    if o.get("note"):
+        lines.insert(1, f"note: {o['note']}")
     if sliding:
         for k in o["layer_kinds"]:
             what = "global" if k["window"] is None else f"sliding (window {k['window']:,})"
@@ -246,7 +259,7 @@ def _render(o: dict[str, Any]) -> str:
     for r in o["table"]:
         lines.append(
             f"{r['name']:<18} {r['kv_heads']:>8}  {_b(r['bytes_per_token']):<26} "
-            f"{_b(r['bytes_at_context']):<34} {r['saving_vs_mha']:g}x"
+            f"{_b(r['bytes_at_context']):<34} {r['saving_vs_mha']:.3g}x"
         )
     lines.append("")
     f = o.get("facts")

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from kvchat.app.core.discovery import ModelRow, default_model_dirs, human_bytes, model_rows
 from kvchat.app.core.settings import load_settings
+from kvchat.app.core.text import visible_name
+from kvchat.model.files import replace_surrogates
 
 COLUMNS = ("NAME", "ARCH", "BITS", "DTYPE", "MEMORY", "SOURCE", "PATH")
 
@@ -39,8 +41,10 @@ def _short(path: Path) -> str:
 
 
 def format_table(rows: list[ModelRow]) -> str:
+    # names and paths come from folders: shown as what they are (bidi, zero-width, bytes
+    # that are not UTF-8), and measured after that, so the columns line up
     table = [COLUMNS] + [
-        (
+        tuple(visible_name(c) for c in (
             r.entry.name if r.loadable else f"{r.entry.name} ✗",
             r.entry.architecture,
             str(r.entry.bits) if r.entry.bits else "-",
@@ -48,7 +52,7 @@ def format_table(rows: list[ModelRow]) -> str:
             human_bytes(r.facts.weight_bytes) if r.facts else "-",
             r.entry.source,
             _short(r.entry.path),
-        )
+        ))
         for r in rows
     ]
     widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
@@ -76,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     looked_in = [str(root) for root, _ in default_model_dirs(extra)]
     if getattr(args, "json", False):
         out = {"models": [r.to_dict() for r in rows], "looked_in": looked_in}
-        print(json.dumps(out, indent=2))
+        # a folder name that is not UTF-8 cannot be JSON text: U+FFFD, as on screen
+        print(replace_surrogates(json.dumps(out, indent=2, ensure_ascii=False)))
         return 0
     if not rows:
         print("no local models found; looked in: " + ", ".join(looked_in))
@@ -86,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         print("\n✗ = kvchat cannot load it:")
         for r in bad:
-            print(f"  {r.entry.name}: {r.problem}")
+            print(visible_name(f"  {r.entry.name}: {r.problem}"))
     return 0
 
 

@@ -18,7 +18,7 @@ from kvchat.app.core.discovery import human_bytes
 from kvchat.app.core.errors import report
 from kvchat.app.core.hub_download import PullProgress, pull, verify_pulled
 from kvchat.app.core.pull_progress import progress_lines
-from kvchat.app.core.text import visible
+from kvchat.app.core.text import visible_name
 from kvchat.model.errors import KVChatError
 
 REDRAW_S = 0.1
@@ -60,7 +60,7 @@ class TerminalProgress:
                 control("\x1b[2F")  # back to the first of the two lines
             for line in progress_lines(p):
                 control("\x1b[2K")  # clear it
-                self.out.write(visible(line) + "\n")
+                self.out.write(visible_name(line) + "\n")
             self.out.flush()
             self.drawn = True
 

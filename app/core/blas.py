@@ -31,6 +31,7 @@ from typing import Any
 HINT = ("reference BLAS in use (matmuls ~30x slower): pip install cmeel-openblas"
         " or apt-get install libopenblas0-pthread")
 _REEXEC_MARK = "KVCHAT_BLAS_PRELOADED"
+THREAD_TIMEOUT = 14  # OpenBLAS idle threads spin 2^14 cycles (a few µs), then sleep
 
 
 def _system_openblas() -> list[Path]:
@@ -93,8 +94,14 @@ def find_fast_blas() -> tuple[Path, Path | None] | None:
     return (lib, shim) if shim is not None else None
 
 
-def reexec_with_fast_blas() -> None:
-    """On Linux, re-exec once with a fast BLAS preloaded (KVCHAT_NO_OPENBLAS=1: never)."""
+def fast_blas_env() -> dict[str, str] | None:
+    """The environment `kvchat` runs in once its fast BLAS is preloaded (None when there
+    is nothing to do: not Linux, already preloaded, KVCHAT_NO_OPENBLAS=1, none found).
+    Benchmarks give it to the processes they compare, so both run on the same BLAS.
+    OpenBLAS's idle threads spin for 2^28 cycles (~0.1 s) after each threaded call before
+    sleeping; on a shared core that spin steals the time slice of the single-threaded
+    decode steps that follow a prefill, so it is bounded to 2^THREAD_TIMEOUT cycles unless
+    OPENBLAS_THREAD_TIMEOUT is set."""
     preload = os.environ.get("LD_PRELOAD", "")
     if (
         sys.platform != "linux"
@@ -102,17 +109,27 @@ def reexec_with_fast_blas() -> None:
         or os.environ.get(_REEXEC_MARK)
         or os.environ.get("KVCHAT_NO_OPENBLAS") == "1"
     ):
-        return
+        return None
     found = find_fast_blas()
     if found is None:
-        return
+        return None
     lib, lib_dir = found
-    env = {**os.environ, "LD_PRELOAD": f"{lib} {preload}".strip(), _REEXEC_MARK: "1"}
+    env = {"OPENBLAS_THREAD_TIMEOUT": str(THREAD_TIMEOUT), **os.environ,
+           "LD_PRELOAD": f"{lib} {preload}".strip(), _REEXEC_MARK: "1"}
     if lib_dir is not None:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
             p for p in (str(lib_dir), os.environ.get("LD_LIBRARY_PATH", "")) if p)
+    return env
+
+
+def reexec_with_fast_blas(module: str = "kvchat.app") -> None:
+    """On Linux, re-exec `python -m module` once with a fast BLAS preloaded
+    (KVCHAT_NO_OPENBLAS=1: never)."""
+    env = fast_blas_env()
+    if env is None:
+        return
     try:
-        os.execve(sys.executable, [sys.executable, "-m", "kvchat.app", *sys.argv[1:]], env)
+        os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
     except OSError:
         pass  # run on the slower BLAS rather than not at all
 
@@ -173,13 +190,19 @@ def short_label() -> str:
 
 
 def version_text() -> str:
-    """`kvchat --version`: kvchat, MLX, device and BLAS."""
+    """`kvchat --version`: kvchat, MLX, device, BLAS and the thread policy."""
     import mlx.core as mx
 
     from kvchat.app import __version__
+    from kvchat.model import threads
 
+    if not threads.bound():  # --version runs before main() configures the policy
+        try:
+            threads.configure(None, active_blas()["path"])
+        except threads.ThreadsError as e:
+            return f"kvchat {__version__}\n{e}"
     return (f"kvchat {__version__}\nmlx {mx.__version__} on {mx.default_device()}\n"
-            f"BLAS: {describe()}")
+            f"BLAS: {describe()}\nthreads: {threads.describe()}")
 
 
 class VersionAction(argparse.Action):

@@ -19,10 +19,10 @@ def debug() -> bool:
 
 def report(message: str) -> None:
     """One line on stderr; text from a model or a template is shown, never obeyed."""
-    from kvchat.app.core.text import visible
+    from kvchat.app.core.text import visible_name
 
     line = message.strip().splitlines()[0] if message.strip() else "unknown error"
-    print(f"kvchat: error: {visible(line)}", file=sys.stderr)
+    print(f"kvchat: error: {visible_name(line)}", file=sys.stderr)
 
 
 def report_exception(e: BaseException) -> None:

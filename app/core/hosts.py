@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from typing import Any
 
 from kvchat.app.core.errors import debug
 from kvchat.model.errors import KVChatError
+from kvchat.model.files import BadJSONFile, load_json
 
 RING_PORT = int(os.environ.get("KVCHAT_RING_PORT", "32323"))  # mlx.launch's default
 TERM_GRACE_S = 10.0  # after mlx.launch's SIGTERM, time for rank 0 to print its error line
@@ -100,9 +102,11 @@ def read_hostfile(path: str | Path) -> dict[str, Any]:
     """mlx.launch's hostfile (a list of hosts or {"backend", "envs", "hosts"})."""
     p = Path(path).expanduser()
     try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise HostsError(f"cannot read hostfile {p}: {e}") from None
+        data = load_json(p, (dict, list))
+    except FileNotFoundError:
+        raise HostsError(f"hostfile {p} not found") from None
+    except BadJSONFile as e:
+        raise HostsError(f"cannot read hostfile {e}") from None
     hosts = data.get("hosts") if isinstance(data, dict) else data
     if not isinstance(hosts, list) or not all(isinstance(h, dict) and h.get("ssh")
                                               for h in hosts):
@@ -111,15 +115,60 @@ def read_hostfile(path: str | Path) -> dict[str, Any]:
     if len(hosts) < 2:
         raise HostsError(f"hostfile {p} lists {len(hosts)} host; a split needs two or more")
     for i, h in enumerate(hosts):
-        if not h.get("ips"):
-            raise HostsError(f"hostfile {p}: host {i} ({h['ssh']}) needs \"ips\" for the"
-                             " ring backend")
+        ips, ssh, model = h.get("ips"), h.get("ssh"), h.get("model")
+        if not isinstance(ssh, str):
+            raise HostsError(f"hostfile {p}: host {i}'s \"ssh\" is not a host name")
+        if not ips or not isinstance(ips, list) or not all(isinstance(a, str) for a in ips):
+            raise HostsError(f"hostfile {p}: host {i} ({ssh}) needs \"ips\" (a list of"
+                             " addresses) for the ring backend")
+        if model is not None and not isinstance(model, str):
+            raise HostsError(f"hostfile {p}: host {i} ({ssh}): \"model\" is not a path")
     backend = data.get("backend", "ring") if isinstance(data, dict) else "ring"
     if backend not in ("", "ring"):
         raise HostsError(f"kvchat --hosts starts the ring backend; for {backend!r} use"
                          " mlx.launch -- kvchat generate")
     envs = data.get("envs", []) if isinstance(data, dict) else []
+    if not isinstance(envs, list):
+        raise HostsError(f"hostfile {p}: \"envs\" is not a list of NAME=value strings")
     return {"hosts": hosts, "envs": [str(e) for e in envs]}
+
+
+SSH_CHECK_S = 20  # a host that does not answer ssh within this is reported, not waited on
+
+
+def check_hosts(spec: dict[str, Any], model: str) -> None:
+    """Before any rank starts: the ranks fit the model's layers (one or more each), and
+    every host has the model folder it is to load (locally, or over ssh). HostsError, one
+    line naming the host and the folder; without this a missing folder or too many ranks
+    left the chat waiting 65-100 s for a ring that never formed."""
+    from kvchat.model.config import load_config
+
+    hosts = spec["hosts"]
+    layers = load_config(Path(model)).num_hidden_layers
+    if len(hosts) > layers:
+        raise HostsError(f"the hostfile lists {len(hosts)} hosts but {Path(model).name} has"
+                         f" {layers} layers; a split needs at least one layer per host")
+    for rank, h in enumerate(hosts):
+        if rank == 0:
+            continue  # this process: its folder was checked when the model was chosen
+        folder = str(h.get("model") or model)
+        where = f"host {h['ssh']} (rank {rank})"
+        if h["ssh"] == "127.0.0.1":
+            if not (Path(folder).expanduser() / "config.json").is_file():
+                raise HostsError(f"{where}: no model folder at {folder} (no config.json there)")
+            continue
+        cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_CHECK_S // 2}",
+               h["ssh"], f"test -f {shlex.quote(folder.rstrip('/') + '/config.json')}"]
+        try:
+            r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True,
+                               timeout=SSH_CHECK_S)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise HostsError(f"{where}: cannot check it over ssh ({type(e).__name__})") from None
+        if r.returncode == 255:
+            why = r.stderr.decode(errors="replace").strip().splitlines()
+            raise HostsError(f"{where}: ssh failed ({why[-1] if why else 'no answer'})")
+        if r.returncode != 0:
+            raise HostsError(f"{where}: no model folder at {folder} (no config.json there)")
 
 
 def ring_addresses(hosts: list[dict[str, Any]], port: int = RING_PORT) -> list[list[str]]:
@@ -139,6 +188,7 @@ def start_ranks(
     from mlx._distributed_utils.launch import RemoteProcess
 
     spec = read_hostfile(hostfile)
+    check_hosts(spec, model)
     ring = json.dumps(ring_addresses(spec["hosts"]))
     procs = []
     for rank, h in enumerate(spec["hosts"]):

@@ -12,13 +12,24 @@ files): `models--org--name/blobs/<etag>`, `snapshots/<commit>/<file>` -> the blo
 Only what kvchat loads is fetched (top-level config, tokenizer, template and safetensors
 files); a repo whose weights are only pickles is refused before any byte of them is
 downloaded, with the loader's own message.
+
+Nothing the server says chooses a path: the commit must be 40 lowercase hex, a blob is
+named by the ETag only when that is a plain hex digest (else by a hash of it), the
+revision must be a ref name, file names must be plain relative names, and every path is
+checked to resolve inside the cache before it is opened, created, deleted or linked. The
+token goes only to the endpoint's own host. A pull is bounded: connect and read timeouts,
+a retry budget per file and per pull, writing stops at the announced size, a size or
+sha256 mismatch deletes the file, and free disk space is checked before the first byte.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import os
+import posixpath
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvchat.app.core.discovery import hf_cache_dir
-from kvchat.model.errors import KVChatError
+from kvchat.model.errors import KVChatError, one_line
 from kvchat.model.files import PICKLE_PATTERNS
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -35,9 +46,20 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 WANTED = ("*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt", "*.tiktoken")
 DEFAULT_ENDPOINT = "https://huggingface.co"
 CHUNK = 64 * 1024  # progress and cancel granularity
-MAX_RETRIES = 5  # dropped connections in a row before giving up (the partial file stays)
-TRANSIENT = ("ConnectError", "ConnectTimeout", "ReadTimeout", "ReadError", "RemoteProtocolError",
+# a server that stops sending is given up on after READ_TIMEOUT_S (one line; partials stay)
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 20.0
+# dropped or short responses: a budget per file and one per pull, never reset by progress
+# (a server that cuts every response without Range support would otherwise loop forever)
+FILE_RETRIES = 5
+PULL_RETRIES = 12
+RETRY_WAIT_S = 0.5  # times the attempt number
+# a stall (ReadTimeout) is not retried: the next attempt would stall the same way
+TRANSIENT = ("ConnectError", "ConnectTimeout", "ReadError", "RemoteProtocolError",
              "WriteError", "PoolTimeout")
+HEX_DIGEST = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")  # git sha1 or sha256 ETags
+# git's ref-name rules, as far as a path is concerned (git check-ref-format)
+_REF_PART = re.compile(r"^[A-Za-z0-9_+@-][A-Za-z0-9_.+@-]*$")
 
 
 class PullError(KVChatError):
@@ -65,6 +87,65 @@ def offline() -> bool:
 
 def repo_folder(repo_id: str, cache: Path | None = None) -> Path:
     return (cache or hf_cache_dir()) / ("models--" + repo_id.replace("/", "--"))
+
+
+# ---- names from the server or the user, checked before they reach the file system ---
+
+
+def check_commit(sha: object, where: str) -> str:
+    """A commit hash as huggingface_hub requires one: 40 lowercase hex digits."""
+    from huggingface_hub.file_download import REGEX_COMMIT_HASH
+
+    if not isinstance(sha, str) or not REGEX_COMMIT_HASH.fullmatch(sha):
+        raise PullError(f"{where} named commit {str(sha)!r:.60}, not a 40-digit hex hash;"
+                        " refusing to use it")
+    return sha
+
+
+def check_revision(revision: str) -> str:
+    """A branch, tag or commit name that is also a safe relative path under refs/: parts
+    split by '/' (a branch's own namespace, e.g. refs/pr/1), none empty, '.' or '..',
+    no backslash, control character, leading dot or '.lock' end."""
+    parts = revision.split("/")
+    if (not revision or len(revision) > 255 or revision.endswith(".lock")
+            or not all(_REF_PART.fullmatch(p) and ".." not in p for p in parts)):
+        raise PullError(f"not a valid revision name: {revision!r:.80}"
+                        " (a branch, tag or commit, without '..' or absolute paths)")
+    return revision
+
+
+def blob_name(etag: str) -> str:
+    """The ETag when it is a plain hex digest (what the Hub sends: a git sha1 or the LFS
+    sha256), else a sha256 of it: never a path."""
+    if HEX_DIGEST.fullmatch(etag):
+        return etag
+    return hashlib.sha256(etag.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def check_file_name(name: object) -> str:
+    """A repo file name: relative, normalised, no backslash or NUL."""
+    if (not isinstance(name, str) or not name or name.startswith("/") or "\\" in name
+            or "\0" in name or posixpath.normpath(name) != name
+            or name.split("/")[0] == ".."):
+        raise PullError(f"the Hub listed a file named {str(name)!r:.80}; refusing to write it")
+    return name
+
+
+def inside(root: Path, path: Path) -> Path:
+    """`path` if it resolves inside `root` (its last component is not followed: a link
+    there is replaced, never written through); PullError otherwise."""
+    real_root = os.path.realpath(root)
+    real = os.path.join(os.path.realpath(path.parent), path.name)
+    if os.path.commonpath([real_root, real]) != real_root or real == real_root:
+        raise PullError(f"refusing to write {path}: it resolves outside the cache {root}")
+    return path
+
+
+def same_origin(url: str, base: str) -> bool:
+    from urllib.parse import urlsplit
+
+    a, b = urlsplit(url), urlsplit(base)
+    return (a.scheme, a.hostname, a.port) == (b.scheme, b.hostname, b.port)
 
 
 # ---- progress -------------------------------------------------------------------------
@@ -122,40 +203,108 @@ ProgressFn = Callable[[PullProgress], None]
 # ---- the pull -------------------------------------------------------------------------
 
 
-def _fetch(url: str, part: Path, size: int, headers: dict[str, str], progress: PullProgress,
-           on_progress: ProgressFn, cancel: threading.Event) -> None:
-    """Append the rest of the file to `part` (Range: bytes=N-), retrying a dropped
-    connection from where it stopped; the partial file survives any failure."""
+@dataclass
+class Retries:
+    """What is left of the pull's retry budget; each file starts its own, smaller one."""
+
+    pull_left: int = PULL_RETRIES
+    file_left: int = FILE_RETRIES
+
+    def spend(self, name: str, why: str) -> None:
+        if self.file_left <= 0 or self.pull_left <= 0:
+            raise PullError(f"{name}: gave up after {FILE_RETRIES - self.file_left} retries"
+                            f" ({why}); the partial file is kept, run it again to resume")
+        self.file_left -= 1
+        self.pull_left -= 1
+        time.sleep(RETRY_WAIT_S * (FILE_RETRIES - self.file_left))
+
+
+def _fetch(url: str, part: Path, name: str, size: int, headers: dict[str, str],
+           progress: PullProgress, on_progress: ProgressFn, cancel: threading.Event,
+           retries: Retries) -> None:
+    """Append the rest of the file to `part` (Range: bytes=N-), retrying a dropped or
+    short response from where it stopped, within `retries`; never past `size` bytes."""
+    import httpx2
     from huggingface_hub.utils import get_session, hf_raise_for_status
 
-    retries = 0
-    while (have := part.stat().st_size if part.exists() else 0) < size:
+    timeout = httpx2.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
+    part.touch()  # an empty file is complete as it is
+    first = True
+    while (have := part.stat().st_size) < size:
+        if not first:  # the last response ended short, cleanly or not
+            retries.spend(name, "the server's responses end early")
+        first = False
         h = {**headers, "Accept-Encoding": "identity"}
         if have:
             h["Range"] = f"bytes={have}-"
         try:
-            with get_session().stream("GET", url, headers=h, follow_redirects=True) as r:
+            with get_session().stream("GET", url, headers=h, follow_redirects=True,
+                                      timeout=timeout) as r:
                 hf_raise_for_status(r)
-                mode = "ab" if r.status_code == 206 else "wb"  # 200: the server restarted it
-                if mode == "wb" and have:
+                if r.status_code == 206 and _range_start(r) != have:  # not the part we asked
                     progress.received(-have)
-                with open(part, mode) as f:
+                    part.unlink()  # start over; the next attempt asks for all of it
+                    part.touch()
+                    continue
+                resumed = r.status_code == 206
+                if not resumed and have:  # 200: the server sends it all again
+                    progress.received(-have)
+                    have = 0
+                with open(part, "ab" if resumed else "wb") as f:
                     for chunk in r.iter_bytes(CHUNK):
                         if cancel.is_set():
                             raise PullCancelled("pull stopped; run it again to resume")
+                        if have + len(chunk) > size:
+                            f.close()
+                            part.unlink()
+                            raise PullError(f"{name}: the server sent more than the {size:,}"
+                                            " bytes it announced; the download was deleted")
                         f.write(chunk)
+                        have += len(chunk)
                         progress.received(len(chunk))
                         on_progress(progress)
-                        retries = 0
-        except PullCancelled:
+                        if have == size:  # all announced bytes: never wait for more
+                            break
+        except PullError:
             raise
         except Exception as e:
-            if type(e).__name__ not in TRANSIENT or retries >= MAX_RETRIES:
+            if type(e).__name__ not in TRANSIENT:
                 raise
-            retries += 1
-            time.sleep(0.5 * retries)
-    if part.stat().st_size != size:
-        raise PullError(f"{part.name}: got {part.stat().st_size} bytes, expected {size}")
+
+
+def _range_start(r: Any) -> int | None:
+    m = re.match(r"bytes (\d+)-", r.headers.get("Content-Range", ""))
+    return int(m.group(1)) if m else None
+
+
+def _check_sha256(part: Path, name: str, expected: str | None, ep: str) -> None:
+    """Delete the file and say so when the Hub's sha256 for it does not match."""
+    if not expected:
+        return
+    h = hashlib.sha256()
+    with open(part, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    if h.hexdigest() != expected.lower():
+        part.unlink()
+        raise PullError(f"{name}: its sha256 does not match what {ep} announced;"
+                        " the download was deleted")
+
+
+def _check_space(folder: Path, need: int) -> None:
+    """Refuse before the first byte when the files cannot fit."""
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return  # cannot tell: the writes will say
+    if need > free:
+        from kvchat.app.core.discovery import human_bytes
+
+        raise PullError(f"not enough disk space in {probe}: the download needs"
+                        f" {human_bytes(need)}, {human_bytes(free)} is free")
 
 
 def _wanted(name: str) -> bool:
@@ -191,7 +340,10 @@ def _one_line(e: BaseException, repo_id: str) -> str:
         return f"no model {repo_id} on {endpoint()} (or it is private: log in first)"
     if isinstance(e, hf.OfflineModeIsEnabled):
         return f"offline mode (HF_HUB_OFFLINE) is on and {repo_id} is not in the cache"
-    if name in ("ConnectError", "ConnectTimeout", "ReadTimeout", "TimeoutException",
+    if name in ("ReadTimeout", "TimeoutException"):
+        return (f"{endpoint()} stopped sending for {READ_TIMEOUT_S:.0f} s ({name});"
+                " partial files are kept, run it again to resume")
+    if name in ("ConnectError", "ConnectTimeout",
                 "RemoteProtocolError", "ReadError", "NetworkError") or isinstance(
         e, ConnectionError
     ):
@@ -200,31 +352,37 @@ def _one_line(e: BaseException, repo_id: str) -> str:
         first = str(e).strip().splitlines()[0] if str(e).strip() else name
         return f"{endpoint()} answered with an error: {first}"
     if isinstance(e, OSError):
-        return f"cannot write the download: {e.strerror or e}"
+        where = f" {e.filename}" if e.filename else ""
+        return f"cannot write the download{where}: {e.strerror or e}"
     return f"{name}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
 
 
-def _link(snapshot: Path, name: str, blob: Path) -> None:
-    dest = snapshot / name
-    dest.parent.mkdir(parents=True, exist_ok=True)
+def _link(cache: Path, snapshot: Path, name: str, blob: Path) -> None:
+    dest = inside(cache, snapshot / name)
+    inside(cache, dest.parent).mkdir(parents=True, exist_ok=True)
+    inside(cache, dest)  # again: the folders now exist and could hold a link
     if dest.is_symlink() or dest.exists():
         dest.unlink()
     try:
         dest.symlink_to(os.path.relpath(blob, dest.parent))
     except OSError:  # no symlinks (some Windows setups): a copy works the same
-        import shutil
-
         shutil.copyfile(blob, dest)
 
 
 def cached_snapshot(repo_id: str, revision: str = "main", cache: Path | None = None) -> Path | None:
     """The cached snapshot folder for repo@revision, if the cache knows it."""
+    cache = cache or hf_cache_dir()
     folder = repo_folder(repo_id, cache)
-    sha = revision
-    ref = folder / "refs" / revision
+    sha = revision = check_revision(revision)
+    ref = inside(cache, folder / "refs" / revision)
     if ref.is_file():
-        sha = ref.read_text(encoding="utf-8").strip()
-    snap = folder / "snapshots" / sha
+        from kvchat.model.files import read_regular_text
+
+        try:
+            sha = check_commit(read_regular_text(ref, 1024).strip(), str(ref))
+        except (OSError, ValueError, KVChatError):
+            return None
+    snap = inside(cache, folder / "snapshots" / sha)
     return snap if snap.is_dir() else None
 
 
@@ -241,7 +399,7 @@ def pull(
     repo_id = repo_id.strip()
     if not REPO_ID.match(repo_id):
         raise PullError(f"not a Hugging Face repo id: {repo_id!r} (expected org/name)")
-    revision = revision or "main"
+    revision = check_revision(revision or "main")
     cache = cache or hf_cache_dir()
     if offline():
         snap = cached_snapshot(repo_id, revision, cache)
@@ -269,36 +427,55 @@ def _pull(
     # the environment as it is now (and returned from the cache if it is set)
     constants.HF_HUB_OFFLINE = False
     ep = endpoint()
-    info = HfApi(endpoint=ep).model_info(repo_id, revision=revision, files_metadata=True)
-    sha = info.sha
-    if not sha:
+    try:
+        info = HfApi(endpoint=ep).model_info(repo_id, revision=revision, files_metadata=True,
+                                             timeout=READ_TIMEOUT_S)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a body of another shape
+        raise PullError(f"{ep} answered about {repo_id} in a form kvchat cannot read"
+                        f" ({type(e).__name__}: {one_line(e, 80)})") from None
+    if not info.sha:
         raise PullError(f"{ep} did not say which commit {repo_id}@{revision} is")
+    sha = check_commit(info.sha, ep)
     siblings = info.siblings or []
     _check_listing(repo_id, [s.rfilename for s in siblings])
     files = [s for s in siblings if _wanted(s.rfilename)]
+    for s in files:
+        check_file_name(s.rfilename)
     progress = PullProgress(
         repo_id, files_total=len(files), bytes_total=sum(s.size or 0 for s in files)
     )
     folder = repo_folder(repo_id, cache)
-    blobs, snapshot = folder / "blobs", folder / "snapshots" / sha
+    blobs = inside(cache, folder / "blobs")
+    snapshot = inside(cache, folder / "snapshots" / sha)
+    # what is not in the cache yet (an LFS blob is named by its sha256, which the listing
+    # gives; small files are counted whole)
+    _check_space(blobs, sum(s.size or 0 for s in files if not (
+        s.lfs and HEX_DIGEST.fullmatch(s.lfs.sha256 or "") and (blobs / s.lfs.sha256).is_file())))
     blobs.mkdir(parents=True, exist_ok=True)
     snapshot.mkdir(parents=True, exist_ok=True)
     headers = build_hf_headers()
+    retries = Retries()
     on_progress(progress)
     for s in files:
         if cancel.is_set():
             raise PullCancelled("pull stopped; run it again to resume")
         name = s.rfilename
-        meta = get_hf_file_metadata(hf_hub_url(repo_id, name, revision=sha, endpoint=ep))
+        meta = get_hf_file_metadata(hf_hub_url(repo_id, name, revision=sha, endpoint=ep),
+                                    timeout=READ_TIMEOUT_S)
         if not meta.etag:
             raise PullError(f"{ep} sent no ETag for {name}; cannot cache it")
+        if meta.size is not None and s.size is not None and meta.size != s.size:
+            raise PullError(f"{ep} announced two sizes for {name} ({s.size:,} and"
+                            f" {meta.size:,} bytes); refusing it")
         size = meta.size if meta.size is not None else (s.size or 0)
-        blob = blobs / meta.etag
+        blob = inside(cache, blobs / blob_name(meta.etag))
         with progress.lock:
             progress.file, progress.file_total, progress.file_done = name, size, 0
-            progress.bytes_total += size - (s.size or 0)  # the HEAD's size is the one served
+            progress.bytes_total += size - (s.size or 0)  # a size only the HEAD gave
         if not (blob.is_file() and blob.stat().st_size == size):
-            part = blob.with_name(blob.name + ".incomplete")
+            part = inside(cache, blob.with_name(blob.name + ".incomplete"))
+            if part.is_symlink() or (part.exists() and not part.is_file()):
+                part.unlink()
             have = part.stat().st_size if part.is_file() else 0
             if have > size:  # a different file once had this name: start over
                 part.unlink()
@@ -308,20 +485,27 @@ def _pull(
                 progress.bytes_done += have
                 progress.resumed_bytes += have
             on_progress(progress)
-            _fetch(meta.location, part, size, headers, progress, on_progress, cancel)
+            # the token goes to the endpoint's own host, never to a CDN it redirects to
+            h = headers if same_origin(meta.location, ep) else {
+                k: v for k, v in headers.items() if k.lower() != "authorization"}
+            retries.file_left = FILE_RETRIES
+            _fetch(meta.location, part, name, size, h, progress, on_progress, cancel, retries)
+            _check_sha256(part, name, s.lfs.sha256 if s.lfs else None, ep)
             os.replace(part, blob)
         else:
             with progress.lock:
                 progress.file_done = size
                 progress.bytes_done += size
-        _link(snapshot, name, blob)
+        _link(cache, snapshot, name, blob)
         with progress.lock:
             progress.files_done += 1
         on_progress(progress)
     if revision != sha:
-        refs = folder / "refs"
-        refs.mkdir(parents=True, exist_ok=True)
-        (refs / revision).write_text(sha, encoding="utf-8")
+        ref = inside(cache, folder / "refs" / revision)
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        if ref.is_symlink():
+            ref.unlink()
+        ref.write_text(sha, encoding="utf-8")
     return snapshot
 
 

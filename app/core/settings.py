@@ -26,8 +26,10 @@ import platformdirs
 
 from kvchat import metal_kernels
 from kvchat.app.core.store import atomic_write_text
+from kvchat.model import threads
 from kvchat.model.errors import KVChatError
 from kvchat.model.events import GenParams
+from kvchat.model.files import BadJSONFile, load_json
 from kvchat.model.sampling import SamplingParams
 
 SETTINGS_FILE = "settings.json"
@@ -57,6 +59,7 @@ class Settings:
     model_dirs: list[str] = field(default_factory=list)
     last_model: str | None = None
     kernels: str | None = None  # RMSNorm/RoPE backend (metal|fast|ops); None: the default
+    threads: str | int = "auto"  # OpenBLAS threads: "auto" (model/threads.py) or a count
     # warm chats: save each chat's K/V cache beside it, unless larger than the cap (MiB)
     save_kv_cache: bool = True
     kv_cache_max_mib: int = 256
@@ -155,6 +158,11 @@ def _field_error(name: str, v: Any) -> str | None:
         if v is not None and v not in metal_kernels.available_backends():
             return (f"kernels must be empty (the default) or one of "
                     f"{', '.join(metal_kernels.available_backends())} here (got {v!r})")
+    elif name == "threads":
+        try:
+            threads.parse(v)
+        except threads.ThreadsError as e:
+            return str(e)
     elif name == "theme":
         if v is not None and not isinstance(v, str):
             return f"theme must be a theme name (got {v!r})"
@@ -189,17 +197,11 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     """Settings from disk; defaults when the file is missing. Never raises."""
     p = Path(path) if path is not None else settings_path()
     try:
-        text = p.read_text(encoding="utf-8")
+        data = load_json(p)  # NaN/Infinity parse; field checks reject them
     except FileNotFoundError:
         return Settings()
-    except (OSError, UnicodeDecodeError) as e:
-        return _corrupt(p, f"cannot read {p}: {getattr(e, 'strerror', None) or e}")
-    try:
-        data = json.loads(text)  # NaN/Infinity parse; field checks reject them
-    except ValueError as e:
-        return _corrupt(p, f"{p} is not valid JSON ({e})")
-    if not isinstance(data, dict):
-        return _corrupt(p, f"{p} does not hold a JSON object")
+    except BadJSONFile as e:
+        return _corrupt(p, str(e))
     return Settings.from_dict(data)
 
 
@@ -213,12 +215,10 @@ def _corrupt(p: Path, why: str) -> Settings:
 def _on_disk(p: Path) -> tuple[bool, dict[str, Any]]:
     """(whether `p` exists and would not load cleanly, its JSON object or {})."""
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
+        data = load_json(p)
     except FileNotFoundError:
         return False, {}
-    except (OSError, ValueError):
-        return True, {}
-    if not isinstance(data, dict):
+    except BadJSONFile:
         return True, {}
     return bool(Settings.from_dict(data).warnings), data
 

@@ -7,6 +7,12 @@ A save writes a temp file in the same folder, fsyncs it and renames it over the 
 file, so a crash at any point leaves either the old or the new conversation on disk,
 never a torn one. A corrupt file is skipped when listing
 (reported in `ConversationStore.skipped`), never fatal.
+
+One writer per chat: a window claims the chat it shows (an advisory flock on
+`.<id>.lock`, which the kernel drops when the process ends, however it ends); any other
+save takes the lock only while it writes. A second kvchat on the same folder cannot claim
+an open chat: it opens a copy (and says so), and a save of the original is refused in one
+line rather than overwriting turns.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import secrets
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -27,8 +34,13 @@ from typing import Any
 
 import platformdirs
 
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; one window per data folder
+    fcntl = None  # type: ignore[assignment]
+
 from kvchat.model.errors import KVChatError
-from kvchat.model.files import read_regular_text
+from kvchat.model.files import BadJSONFile, load_json, replace_surrogates
 
 SCHEMA_VERSION = 1
 TITLE_MAX = 50
@@ -42,12 +54,19 @@ class StoreError(KVChatError):
     """A conversation that cannot be read, written or found."""
 
 
+class ChatBusy(StoreError):
+    """Another kvchat process has this chat open (holds its lock)."""
+
+
 def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
     """Replace `path` with `text` so that readers see the old or the new content, never
     a mix: temp file in the same folder (same filesystem, so the rename is atomic),
     flush + fsync, os.replace, then fsync the folder so the rename itself is durable.
     The file is private (0600, as mkstemp makes it) unless `mode` says otherwise."""
     path = Path(path)
+    # text the app read may hold lone surrogates (valid JSON escapes, not UTF-8): a save
+    # replaces them rather than failing, so nothing else in the file is lost
+    text = replace_surrogates(text)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -118,6 +137,13 @@ class Conversation:
         if not self.title and role == "user":
             self.title = derive_title(self.messages)
         return msg
+
+    def copy(self) -> Conversation:
+        """The same chat under a new id (for a window that cannot have the original)."""
+        title = self.title or derive_title(self.messages)
+        return Conversation(title=f"{title} (copy)", model=self.model,
+                            system_prompt=self.system_prompt,
+                            messages=[dict(m) for m in self.messages])
 
     def chat_messages(self) -> list[dict[str, str]]:
         """What Engine.submit wants: system prompt first (when set), role/content only."""
@@ -199,8 +225,53 @@ class ConversationStore:
         self.root = Path(root).expanduser() if root is not None else default_root()
         # (file, reason) for each file the last list() could not read
         self.skipped: list[tuple[Path, str]] = []
+        self._held: dict[str, int] = {}  # chat id -> descriptor holding its lock
+        # a store that goes away (a temporary one, say) lets its chats go with it
+        weakref.finalize(self, _close_all, self._held)
         # ids whose newer copy was rescued from a killed save's temp file at start-up
         self.recovered: list[str] = self._recover_temps()
+
+    # ---- one writer per chat ---------------------------------------------------------
+    def claim(self, conv_id: str) -> bool:
+        """Hold the chat's advisory lock for this store (idempotent): True, or False when
+        another process (or another store) holds it. Without flock (Windows) always True."""
+        if conv_id in self._held:
+            return True
+        if fcntl is None:
+            return True
+        lock = self.path_for(conv_id).with_name(f".{conv_id}.lock")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+                         | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        except OSError:
+            return True  # a read-only folder: nothing can be saved anyway; saves will say
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self._held[conv_id] = fd
+        return True
+
+    def release(self, conv_id: str) -> None:
+        """Let another window have the chat (this one moved to another chat)."""
+        fd = self._held.pop(conv_id, None)
+        if fd is not None:
+            os.close(fd)  # closing the descriptor drops the flock
+
+    def close(self) -> None:
+        """Release every chat this store holds."""
+        _close_all(self._held)
+
+    def busy(self, conv_id: str) -> bool:
+        """Whether another process holds the chat (without keeping it)."""
+        if conv_id in self._held:
+            return False
+        if not self.claim(conv_id):
+            return True
+        self.release(conv_id)
+        return False
 
     def path_for(self, conv_id: str) -> Path:
         # ids become file names: refuse anything that could leave the folder
@@ -222,6 +293,10 @@ class ConversationStore:
     def save(self, conv: Conversation) -> Path:
         """Write atomically; fills an empty title from the first user message."""
         path = self.path_for(conv.id)
+        held = conv.id in self._held  # a window's open chat stays held after the save
+        if not self.claim(conv.id):
+            raise ChatBusy(f"“{conv.title or derive_title(conv.messages)}” is open in another"
+                           " kvchat window; not saved here (start a new chat or reopen it)")
         if not conv.title:
             conv.title = derive_title(conv.messages)
         text = json.dumps(conv.to_dict(), ensure_ascii=False, indent=1)
@@ -229,17 +304,18 @@ class ConversationStore:
             atomic_write_text(path, text + "\n")
         except OSError as e:
             raise StoreError(f"cannot save conversation to {path}: {e.strerror or e}") from None
+        finally:
+            if not held:
+                self.release(conv.id)
         return path
 
     def _read(self, path: Path) -> Conversation:
         try:
-            data = json.loads(read_regular_text(path))
-        except KVChatError as e:  # a FIFO (would block forever), a device, a huge file
-            raise StoreError(f"cannot read {path.name}: {e}") from None
-        except OSError as e:
-            raise StoreError(f"cannot read {path.name}: {e.strerror or e}") from None
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-            raise StoreError(f"corrupt conversation file {path.name}: {e}") from None
+            data = load_json(path)
+        except FileNotFoundError:
+            raise StoreError(f"no saved conversation {path.stem!r}") from None
+        except BadJSONFile as e:  # a FIFO, a huge or deep file, bad UTF-8 or JSON
+            raise StoreError(f"skipped {e}") from None
         try:
             conv = Conversation.from_dict(data)
         except StoreError as e:
@@ -277,6 +353,11 @@ class ConversationStore:
 
     def delete(self, conv_id: str) -> bool:
         """Remove a conversation (and its K/V cache); False when there was none."""
+        if not self.claim(conv_id):
+            raise ChatBusy(f"chat {conv_id} is open in another kvchat window; not deleted")
+        with contextlib.suppress(OSError):
+            self.path_for(conv_id).with_name(f".{conv_id}.lock").unlink()
+        self.release(conv_id)
         with contextlib.suppress(OSError):
             self.cache_path(conv_id).unlink()
         try:
@@ -334,8 +415,8 @@ class ConversationStore:
                 conv_id = tmp.name[1:].split(".json.", 1)[0]
                 target = self.path_for(conv_id)
                 conv = self._read(tmp)  # a torn (partial) file raises: left alone
-                if conv.id != conv_id:
-                    continue
+                if conv.id != conv_id or self.busy(conv_id):
+                    continue  # a chat open elsewhere: its temp file may be a live save
                 if target.exists() and target.stat().st_mtime >= tmp.stat().st_mtime:
                     tmp.unlink()  # an older save's leftover
                     continue
@@ -354,6 +435,11 @@ class ConversationStore:
                         tmp.unlink()
 
 
+def _close_all(held: dict[str, int]) -> None:
+    for fd in held.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    held.clear()
 def write_near_data(store: ConversationStore, sub: str, write: Callable[[Path], Path]) -> Path:
     """`write(folder)` into <data dir>/<sub> (exports, screenshots), else into the current
     folder; returns what write() returned. StoreError (one line) when neither works."""

@@ -11,6 +11,14 @@ Two dangers, one place that handles both:
   replaces every C0/C1 control character except newline and tab with a visible symbol
   (``ESC`` -> ``␛``); a CR before a newline is dropped (Windows line ends).
 
+Names and titles (model folders, files, repos, chats, error lines) get one more step,
+`visible_name()`: bidi controls (U+202A–U+202E, U+2066–U+2069, the marks U+200E/F, U+061C)
+reorder what follows, so a name can read as something else ("Trojan Source"), and
+zero-width characters hide inside a name; both are shown as ``<U+202E>``. Replies and
+typed text keep them (a ZWJ joins an emoji, a ZWNJ is part of Persian spelling).
+Bytes of a file name that are not UTF-8 reach Python as lone surrogates: every helper
+here shows them as U+FFFD, so printing or rendering a name never fails.
+
 ``--json`` output keeps the exact text: JSON escapes control characters itself.
 """
 
@@ -21,8 +29,12 @@ from typing import Any
 
 from rich.text import Text
 
+from kvchat.model.files import replace_surrogates
+
 # C0 (minus \t and \n), DEL and C1: the Unicode "Cc" category
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# bidi embeddings/overrides/isolates and marks, zero-width characters, the BOM
+_INVISIBLE = re.compile("[\u061c\u200b-\u200f\u202a-\u202e\u2060-\u2069\ufeff]")
 
 
 def _symbol(m: re.Match[str]) -> str:
@@ -37,13 +49,26 @@ def _symbol(m: re.Match[str]) -> str:
 def visible(text: object) -> str:
     """`text` with control characters (except newline and tab) made visible."""
     s = text if isinstance(text, str) else str(text)
-    s = s.replace("\r\n", "\n")
+    s = replace_surrogates(s.replace("\r\n", "\n"))
     return _CONTROL.sub(_symbol, s)
 
 
+def visible_name(text: object) -> str:
+    """`visible(text)` with bidi controls and zero-width characters shown as <U+XXXX>:
+    for names and titles, which must read as what they are."""
+    return _INVISIBLE.sub(lambda m: f"<U+{ord(m.group()):04X}>", visible(text))
+
+
+def clipboard_text(text: str) -> str:
+    """What Ctrl+Y copies: the text as shown, control characters (ESC, BEL, ...) removed,
+    so a paste can never replay a terminal sequence; newlines and tabs stay."""
+    return _CONTROL.sub("", replace_surrogates(text.replace("\r\n", "\n")))
+
+
 def literal(text: object, style: str = "") -> Text:
-    """A renderable that shows `text` exactly (no markup) with controls made visible."""
-    return Text(visible(text), style=style, end="")
+    """A renderable that shows `text` exactly (no markup) with controls made visible:
+    names, titles and labels, so bidi and zero-width characters are shown too."""
+    return Text(visible_name(text), style=style, end="")
 
 
 class SafeStream:
@@ -91,9 +116,10 @@ class SafeNotify:
     def notify(self, message: str, *, title: str = "", severity: Any = "information",
                timeout: float | None = None, markup: bool = False) -> None:
         super().notify(  # type: ignore[misc]
-            visible(message), title=visible(title), severity=severity, timeout=timeout,
-            markup=False,
+            visible_name(message), title=visible_name(title), severity=severity,
+            timeout=timeout, markup=False,
         )
 
     def format_title(self, title: str, sub_title: str) -> Any:
-        return super().format_title(visible(title), visible(sub_title))  # type: ignore[misc]
+        return super().format_title(  # type: ignore[misc]
+            visible_name(title), visible_name(sub_title))

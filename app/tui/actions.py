@@ -52,6 +52,10 @@ ACTIONS: tuple[Action, ...] = (
     Action("toggle_panel", "f3,ctrl+g", "Panel",
            "hide / show the stats panel (a status line instead)",
            "Hide or show the stats panel", narrow=True),
+    Action("anatomy", "f4", "", "anatomy: the model's block with its own numbers",
+           "Model anatomy (explain)"),
+    Action("attention", "f5", "", "where the newest token's attention goes in the cache",
+           "Attention view"),
     Action("help", "f1", "Help", "this help", "Keys (help)", scope="app", narrow=True),
     # the palette already has Textual's own "Quit"
     Action("quit", "ctrl+q", "Quit", "quit kvchat", scope="app", narrow=True),

@@ -9,6 +9,7 @@ worker; the only worker thread (model discovery in the picker) reads files.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
@@ -39,10 +40,40 @@ def validate_model_path(path: str | Path) -> Path:
 
 
 def _default_engine(on_event: Callable[[Event], None], model_path: str | None) -> EngineLike:
-    """The engine in a child process: the UI and the model never share an interpreter."""
+    """The engine in a child process: the UI and the model never share an interpreter;
+    then this (the UI's) process steps back so the engine wins a contended core."""
     from kvchat.model.engine_process import EngineProcess
 
-    return EngineProcess(on_event, model_path)
+    engine = EngineProcess(on_event, model_path)
+    yield_to_engine()
+    return engine
+
+
+UI_NICE = 5  # the UI process's niceness above the engine's (README, "The chat's speed")
+_ui_niced = False
+
+
+def yield_to_engine() -> None:
+    """Lower this process's priority by UI_NICE, once, after the engine's child started
+    (a child started later inherits it). Linux niceness is per thread, so every thread
+    is set; threads started later inherit it from the UI thread. The UI process runs no
+    matmuls, so it also keeps OpenBLAS to one thread."""
+    global _ui_niced
+    if _ui_niced or not hasattr(os, "setpriority"):
+        return
+    _ui_niced = True
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]  # not Linux: the calling process
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + UI_NICE)
+        except OSError:
+            pass  # a thread that ended meanwhile
+    from kvchat.model import threads
+
+    threads.set_threads(1)
 
 
 def in_process_engine(on_event: Callable[[Event], None], model_path: str | None) -> EngineLike:

@@ -14,6 +14,7 @@ from typing import Any
 from kvchat.app.core.settings import save_settings
 from kvchat.app.core.store import ConversationStore, StoreError, atomic_write_text
 from kvchat.model.errors import KVChatError
+from kvchat.model.files import BadJSONFile, load_json
 
 SESSION_FILE = "session.json"
 HISTORY_MAX = 200  # input history entries kept across runs
@@ -23,6 +24,7 @@ HISTORY_MAX = 200  # input history entries kept across runs
 class SessionState:
     last_chat: str | None = None
     input_history: list[str] = field(default_factory=list)
+    problem: str | None = None  # why the file on disk was not used (one line)
 
 
 def session_path(store: ConversationStore) -> Path:
@@ -31,11 +33,11 @@ def session_path(store: ConversationStore) -> Path:
 
 def load_session(path: Path) -> SessionState:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = load_json(path)
+    except FileNotFoundError:
         return SessionState()
-    if not isinstance(data, dict):
-        return SessionState()
+    except BadJSONFile as e:
+        return SessionState(problem=f"{e}; starting a fresh session")
     chat = data.get("last_chat")
     hist = data.get("input_history")
     return SessionState(
@@ -58,6 +60,8 @@ async def restore_session(app: Any) -> None:  # app: the chat screen
     if not app.settings.restore_session:
         return
     state = load_session(session_path(app.store))
+    if state.problem:
+        app.notify(state.problem, severity="warning", title="Session not restored")
     if state.last_chat and not app.conversation.messages:
         try:
             conv = app.store.load(state.last_chat)

@@ -11,7 +11,7 @@ from ..errors import KVChatError
 from . import __doc__ as USAGE
 from .data import build_data
 from .export import BITS, GROUP_SIZE, export
-from .loop import PRESETS, TrainArgs, train
+from .loop import BLOCKS, PRESETS, TrainArgs, train
 from .sample import cmd_bench, cmd_eval, cmd_sample
 
 
@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("lr", "final_lr_frac", "weight_decay", "clip"):
             p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
         p.add_argument("--resume", action="store_true", help="continue from --run's checkpoint")
+        p.add_argument("--block", choices=BLOCKS, default=d.block,
+                       help="2024: RMSNorm pre-norm, SwiGLU, RoPE, GQA (the shipped model);"
+                       " 2017: post-LayerNorm, ReLU FFN, sinusoidal positions, MHA")
 
     p = sub.add_parser("data", help="generate the corpus and train the tokenizer")
     data_opts(p)
@@ -73,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", default="Tell me a short story.")
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=5)
+    p = sub.add_parser("blocks", help="the 2017 and 2024 runs side by side (markdown)")
+    p.add_argument("runs", nargs=2, metavar="RUN", help="two --run folders (trained)")
+    p.add_argument("--gen-tokens", type=int, default=128)
     p = sub.add_parser("eval", help="validation loss and perplexity of a model folder")
     p.add_argument("--model", default="assets/kvchat-mini")
     p.add_argument("--data", default=default_data)
@@ -92,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
             cmd_bench(ns)
         if ns.cmd == "eval":
             cmd_eval(ns)
+        if ns.cmd == "blocks":
+            from .blocks import compare_blocks
+
+            print(compare_blocks([Path(r) for r in ns.runs], ns.gen_tokens))
     except KVChatError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -19,7 +19,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..config import ModelConfig
+from ..config import ModelConfig, as_2017_block
 from ..transformer import Transformer
 from .data import BOS_ID, EOS_TEXT, TrainError, batch_rows, load_sp, log, pack_rows
 
@@ -32,9 +32,17 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 
 
-def model_config(preset: str, vocab_size: int, seq_len: int) -> dict[str, Any]:
-    """An HF llama config.json dict (what the export writes, minus quantization)."""
+BLOCKS = ("2024", "2017")
+
+
+def model_config(preset: str, vocab_size: int, seq_len: int,
+                 block: str = "2024") -> dict[str, Any]:
+    """An HF llama config.json dict (what the export writes, minus quantization).
+
+    block "2017": the same model with the 2017 block (config.as_2017_block)."""
     p = PRESETS[preset]
+    if block == "2017":
+        return as_2017_block(model_config(preset, vocab_size, seq_len))
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -81,6 +89,7 @@ class TrainArgs:
     weight_decay: float = 0.01
     clip: float = 1.0
     seed: int = 0
+    block: str = "2024"  # "2017": the 2017 block (see model_config)
     ckpt_every: int = 100
     eval_every: int = 500
     log_every: int = 10
@@ -145,7 +154,7 @@ def train(a: TrainArgs, resume: bool = False, stop_after: int | None = None) -> 
         cfg = meta["config"]
     else:
         sp = load_sp(data / "tokenizer.model")
-        cfg = model_config(a.preset, sp.get_piece_size(), a.seq_len)
+        cfg = model_config(a.preset, sp.get_piece_size(), a.seq_len, a.block)
         cfg["eos_token_id"] = sp.piece_to_id(EOS_TEXT)
     rows_ids, rows_mask = pack_rows(data / "train_tokens.npz", a.seq_len, a.seed)
     val_ids, val_mask = pack_rows(data / "val_tokens.npz", a.seq_len, None)

@@ -31,10 +31,12 @@ from kvchat.app.core.store import (
     export_markdown,
     write_near_data,
 )
-from kvchat.app.core.text import literal
+from kvchat.app.core.text import clipboard_text, literal
 from kvchat.app.tui.actions import bindings
 from kvchat.app.tui.bridge import Bridge, EngineEvent, TextReady
 from kvchat.app.tui.interrupt import InterruptKey
+from kvchat.app.tui.screens.anatomy import AnatomyScreen
+from kvchat.app.tui.screens.attention import AttentionScreen
 from kvchat.app.tui.screens.history import HistoryScreen
 from kvchat.app.tui.screens.layers import LayerCacheScreen
 from kvchat.app.tui.screens.picker import ModelPickerScreen
@@ -59,11 +61,13 @@ from kvchat.app.tui.widgets import (
 from kvchat.app.tui.widgets.format import fmt_bytes
 from kvchat.model.errors import KVChatError
 from kvchat.model.events import (
+    AttentionView,
     CacheRestored,
     CacheSaved,
     Done,
     EngineFactory,
     EngineLike,
+    Explained,
     KernelsSwitched,
     Loaded,
     LoadFailed,
@@ -132,6 +136,8 @@ class ChatScreen(InterruptKey, Screen[None]):
             KernelsSwitched: self.on_kernels_switched,
             PrefillProgress: self.on_turn_notice,
             Overflow: self.on_turn_notice,
+            Explained: self.on_view_data,
+            AttentionView: self.on_view_data,
         }
 
     # ---- layout ---------------------------------------------------------------------------
@@ -178,6 +184,7 @@ class ChatScreen(InterruptKey, Screen[None]):
 
     def on_unmount(self) -> None:
         self.close_engine()
+        self.store.close()  # the chat is free for another window (process exit does it too)
 
     def close_engine(self) -> None:
         self.bridge.closed = True
@@ -330,9 +337,10 @@ class ChatScreen(InterruptKey, Screen[None]):
         conv = self.conversation
         if ev.finish_reason == "error":
             self.notify(ev.error or "generation failed", severity="error", title="Error")
-            if ev.text:
+            if ev.text:  # the reply so far (a rank died mid-reply): kept, marked, saved
                 await reply.finish(ev.text, stopped=True, note="error")
                 conv.add_message("assistant", ev.text, stopped=True)
+                self._autosave()
             else:
                 await reply.remove()
             return
@@ -343,6 +351,7 @@ class ChatScreen(InterruptKey, Screen[None]):
 
     def _save_chat(self) -> bool:
         try:
+            self.store.claim(self.conversation.id)  # this window's chat: held until it moves on
             self.store.save(self.conversation)
         except StoreError as e:
             self.notify(str(e), severity="error", title="Chat not saved")
@@ -494,6 +503,7 @@ class ChatScreen(InterruptKey, Screen[None]):
             return
         self._end_edit()
         self._restored_tokens = 0
+        self.store.release(self.conversation.id)
         self.conversation = Conversation(
             system_prompt=self.settings.system_prompt, model=self.model_path
         )
@@ -560,7 +570,8 @@ class ChatScreen(InterruptKey, Screen[None]):
         conv_id = conv.id
         self._end_edit()
         self._restored_tokens = 0  # set again if this chat's cache comes back
-        self.conversation = conv
+        opened = self._claim(conv)
+        self.conversation = opened
         self.panel.clear_cache_stats()  # the figures were the previous chat's
         await self.transcript.remove_children()
         widgets = [
@@ -576,7 +587,20 @@ class ChatScreen(InterruptKey, Screen[None]):
         cache = self.store.cache_path(conv_id)
         if self.engine is not None and self.settings.save_kv_cache and cache.is_file():
             self.engine.restore_cache(cache)
-        self.notify(f"Opened “{conv.title or 'New chat'}”", title="History")
+        if opened is conv:
+            self.notify(f"Opened “{conv.title or 'New chat'}”", title="History")
+
+    def _claim(self, conv: Conversation) -> Conversation:
+        """One writer per chat: this window holds `conv`, or gets a copy of it (and says
+        so) when another kvchat window has it open."""
+        previous = self.conversation.id
+        if previous != conv.id:
+            self.store.release(previous)
+        if self.store.claim(conv.id):
+            return conv
+        self.notify(f"“{conv.title or 'New chat'}” is open in another kvchat window; this is"
+                    " a copy, saved as a chat of its own", severity="warning", title="History")
+        return conv.copy()
 
     def action_export(self) -> Path | None:
         conv = self.conversation
@@ -601,7 +625,35 @@ class ChatScreen(InterruptKey, Screen[None]):
         self.set_class(not shown, "-panel-hidden")
 
     def action_layers(self) -> None:
-        self.app.push_screen(LayerCacheScreen(self._layer_rows))
+        self.app.push_screen(LayerCacheScreen(self._layer_rows, self.open_attention))
+
+    def action_anatomy(self) -> None:
+        if self.engine is None or not self.model_info:
+            self.notify("No model loaded yet.", severity="warning")
+            return
+        self.app.push_screen(AnatomyScreen(self.engine.explain, self.open_attention))
+
+    def action_attention(self) -> None:
+        self.open_attention()
+
+    def open_attention(self, layer: int = 0) -> None:
+        """The attention view (beside the layer view): the engine computes it only while
+        the screen is open."""
+        if self.engine is None or not self.model_info:
+            self.notify("No model loaded yet.", severity="warning")
+            return
+        info = self.model_info
+        self.app.push_screen(AttentionScreen(
+            self.engine.watch_attention, int(info.get("n_layers") or 1),
+            int(info.get("n_kv_heads") or 1), layer))
+
+    def on_view_data(self, ev: Explained | AttentionView) -> None:
+        """Engine data for the Anatomy or attention screen, if it is the one showing."""
+        screen = self.app.screen
+        if isinstance(ev, Explained) and isinstance(screen, AnatomyScreen):
+            screen.show(ev)
+        elif isinstance(ev, AttentionView) and isinstance(screen, AttentionScreen):
+            screen.show(ev)
 
     def _layer_rows(self) -> list[dict[str, Any]]:
         return list(self.engine.layer_stats()) if self.engine is not None else []
@@ -617,9 +669,10 @@ class ChatScreen(InterruptKey, Screen[None]):
         if target is None or not target.content:
             self.notify("No reply to copy yet.", severity="warning")
             return
-        self.app.copy_to_clipboard(target.content)
+        text = clipboard_text(target.content)  # never a terminal sequence on the clipboard
+        self.app.copy_to_clipboard(text)
         # OSC 52 is write-only: whether the terminal took it cannot be known, so say how
-        self.notify(f"Sent the reply ({len(target.content):,} characters) to the terminal's"
+        self.notify(f"Sent the reply ({len(text):,} characters) to the terminal's"
                     " clipboard (OSC 52). In tmux: set -g set-clipboard on.", title="Copy")
 
 

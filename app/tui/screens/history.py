@@ -49,6 +49,11 @@ class HistoryScreen(ModalScreen[str | None]):
     def on_mount(self) -> None:
         self._fill(select=self.current_id)
         self.query_one("#chats", DataTable).focus()
+        if self.store.skipped:  # one line naming the first file, and why; it stays on disk
+            _, why = self.store.skipped[0]
+            more = len(self.store.skipped) - 1
+            self.notify(why + (f" (and {more} more)" if more else ""), severity="warning",
+                        title="Chat file skipped")
 
     def on_unmount(self) -> None:
         self.store.empty_trash()

@@ -50,11 +50,14 @@ class LayerCacheScreen(ModalScreen[None]):
     BINDINGS = [
         Binding("escape,q", "dismiss", "Close", id="layers.close"),
         Binding("r", "refresh_rows", "Refresh", id="layers.refresh"),
+        Binding("a", "attention", "Attention", id="layers.attention"),
     ]
 
-    def __init__(self, source: Callable[[], list[dict[str, Any]]]) -> None:
+    def __init__(self, source: Callable[[], list[dict[str, Any]]],
+                 open_attention: Callable[[int], None] | None = None) -> None:
         super().__init__()
         self.source = source
+        self.open_attention = open_attention  # the attention view of a layer
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog", classes="dialog -layers"):
@@ -76,10 +79,17 @@ class LayerCacheScreen(ModalScreen[None]):
         for r in rows:
             table.add_row(*(_cell(k, r.get(k)) for k in keys + extra))
         self.query_one("#summary", Static).update(
-            f"{summary(rows)} · r refresh · Esc close"
+            f"{summary(rows)} · r refresh · a attention of the selected layer · Esc close"
             if rows
             else "The cache is empty (no turn yet, or no model loaded). Esc closes."
         )
+
+
+    def action_attention(self) -> None:
+        if self.open_attention is not None:
+            layer = self.query_one(DataTable).cursor_row
+            self.dismiss()
+            self.open_attention(max(0, layer))
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
@@ -101,5 +111,6 @@ def summary(rows: list[dict[str, Any]]) -> str:
         )
     mha = sum(int(r.get("mha_bytes") or 0) for r in rows)
     if total and mha:
-        text += f" · GQA saves {mha / total:.2f}x"
+        latent = any(str(r.get("attention", "")).startswith("latent") for r in rows)
+        text += f" · {'MLA' if latent else 'GQA'} saves {mha / total:.2f}x"
     return text

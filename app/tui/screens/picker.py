@@ -11,6 +11,7 @@ Returns the chosen folder (resolved), or None; the engine thread does the loadin
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -142,7 +143,12 @@ class ModelPickerScreen(ModalScreen[str | None]):
 
     def action_cancel(self) -> None:
         if self.pulling is not None:
-            self.pulling.set()  # the worker reports "stopped" and stays on this screen
+            # at once, even while a read is stalled: the thread stops at its next chunk or
+            # its read timeout, and says nothing more
+            self.pulling.set()
+            self.pulling = None
+            self.query_one("#pull-progress", Static).update(
+                literal("■ download stopped; partial files are kept for the next try"))
             return
         self.dismiss(None)
 
@@ -213,16 +219,23 @@ class ModelPickerScreen(ModalScreen[str | None]):
 
     # ---- downloading -------------------------------------------------------------------
     def _start_pull(self, repo_id: str) -> None:
-        self.pulling = threading.Event()
+        self.pulling = stop = threading.Event()
         box = self.query_one("#pull-progress", Static)
         box.add_class("-active")
         box.update(literal(f"Asking the Hub for {repo_id} …"))
-        self._pull(repo_id, self.pulling)
+        # a daemon thread, not a Textual worker: those run in an executor that the
+        # interpreter joins at exit, so a stalled server would hold quitting
+        threading.Thread(target=self._pull, args=(repo_id, stop), daemon=True,
+                         name="kvchat-pull").start()
 
-    @work(thread=True, exclusive=True, group="pull")
     def _pull(self, repo_id: str, stop: threading.Event) -> None:
-        # network and file writes only (no MLX): a worker thread keeps the UI responsive
+        # network and file writes only (no MLX): a thread keeps the UI responsive
         last = [0.0]
+
+        def report(*args: object) -> None:
+            if not stop.is_set():  # Esc has already ended this pull on screen
+                with contextlib.suppress(Exception):  # the app may be gone (quit)
+                    self.app.call_from_thread(*args)
 
         def on_progress(p: PullProgress) -> None:
             import time
@@ -230,16 +243,15 @@ class ModelPickerScreen(ModalScreen[str | None]):
             now = time.monotonic()
             if now - last[0] >= 0.1 or p.files_done == p.files_total:
                 last[0] = now
-                lines = progress_lines(p, bar_width=12)
-                self.app.call_from_thread(self._show_progress, "\n".join(lines))
+                report(self._show_progress, "\n".join(progress_lines(p, bar_width=12)))
 
         try:
             folder = pull(repo_id, on_progress=on_progress, cancel=stop)
             verify_pulled(folder)
         except KVChatError as e:
-            self.app.call_from_thread(self._pull_done, repo_id, None, str(e))
+            report(self._pull_done, repo_id, None, str(e))
             return
-        self.app.call_from_thread(self._pull_done, repo_id, folder, None)
+        report(self._pull_done, repo_id, folder, None)
 
     def _show_progress(self, text: str) -> None:
         self.query_one("#pull-progress", Static).update(literal(text))

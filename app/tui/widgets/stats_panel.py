@@ -26,6 +26,7 @@ from kvchat.app.tui.widgets.format import (
     fmt_saving,
     fmt_seconds,
 )
+from kvchat.model import threads
 from kvchat.model.events import CACHE_FIELDS, TURN_FIELDS, TurnStats
 
 REFRESH_S = 0.1
@@ -34,6 +35,10 @@ REFRESH_S = 0.1
 NOW_MIN_WINDOW_S = 0.03
 SPARK_POINTS = 48
 LABEL_W = 9
+
+
+def _times(n: int | None, factor: float | None) -> int | None:
+    return None if n is None or factor is None else round(n * factor)
 
 
 def _row(label: str, value: str | Text, style: str = "") -> Text:
@@ -47,11 +52,16 @@ def _lines(*rows: Text) -> Text:
 
 
 def _set(widget: Static, text: Text) -> None:
-    """Update without a screen re-layout unless the number of lines changed (a layout
-    pass costs far more than the repaint, and this runs 10 times a second)."""
+    """Update only when the text changed (while decoding, the model and runtime sections
+    never do), and without a screen re-layout unless the number of lines changed (a
+    layout pass costs far more than the repaint, and this runs 10 times a second)."""
+    key = (text.plain, tuple(text.spans), str(text.style))  # Text == compares plain only
+    if key == getattr(widget, "_kv_text", None):
+        return
     lines = len(text.plain.split("\n"))
     widget.update(text, layout=lines != getattr(widget, "_kv_lines", None))
     widget._kv_lines = lines  # type: ignore[attr-defined]
+    widget._kv_text = key  # type: ignore[attr-defined]
 
 
 def decode_elapsed(stats: TurnStats) -> float | None:
@@ -175,7 +185,9 @@ class StatsPanel(VerticalScroll):
         self.info = dict(info)
         self.peak_scope = "at load"
         heads, kv = info.get("n_heads"), info.get("n_kv_heads")
-        if heads and kv:  # the new model's factor, not the previous model's
+        if info.get("kv_saving"):  # the new model's factor, not the previous model's
+            self.stats = self.stats.with_(gqa_saving=info["kv_saving"])
+        elif heads and kv:
             self.stats = self.stats.with_(gqa_saving=heads / kv)
         self._dirty = True
         self._render_now()
@@ -245,12 +257,15 @@ class StatsPanel(VerticalScroll):
         gauge.set_fill(tokens or 0, cap or 0, self.overflowed)
 
         wrapped = s.wrapped
+        latent = info.get("attention") == "MLA"  # latent attention: MHA, GQA and its own
         _set(
             self.query_one("#cache", Static),
             _lines(
                 _row("KV", fmt_bytes(s.cache_bytes), "bold"),
                 _row("as MHA", fmt_bytes(s.mha_bytes)),
-                _row("GQA", f"{fmt_saving(s.gqa_saving)} smaller"),
+                *([_row("as GQA", fmt_bytes(_times(s.cache_bytes, info.get("gqa_factor"))))]
+                  if latent else []),
+                _row("MLA" if latent else "GQA", f"{fmt_saving(s.gqa_saving)} smaller"),
                 *([_row("windows", f"{fmt_saving(s.window_saving)} smaller")]
                   if s.sliding_layers else []),
                 _row("reused", f"{fmt_count(self.held(s.cached_tokens))} tokens this turn"),
@@ -290,6 +305,7 @@ class StatsPanel(VerticalScroll):
             _row("device", str(s.device or "–")),
             # the slow one in bold (a named colour such as yellow is unreadable on light themes)
             _row("BLAS", blas.short_label(), "" if blas.active_blas()["fast"] else "bold"),
+            _row("threads", threads.policy().short_label()),
             _row("active", fmt_bytes(s.active_memory)),
             _row("peak", f"{fmt_bytes(s.peak_memory)} {self.peak_scope}"
                  if s.peak_memory is not None else "–"),

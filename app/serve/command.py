@@ -1,0 +1,257 @@
+"""`kvchat serve`: the engine behind an OpenAI-compatible HTTP API (Starlette on uvicorn).
+
+Safe by default: it listens on 127.0.0.1; another address needs --api-key (a Bearer
+token) or an explicit --insecure. The socket is bound before the model loads (a port in
+use is one line, exit 1; --port 0 takes a free one and says which), the model loads in
+the engine's own process, and /v1/models and /health say when it is ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import os
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kvchat.app.core.discovery import DEFAULT_MODEL
+from kvchat.app.core.errors import UsageError
+from kvchat.app.serve.worker import EngineMaker
+from kvchat.model.errors import KVChatError
+from kvchat.model.events import GenParams
+
+DEFAULT_PORT = 8080
+DEFAULT_POOL_MB = 256  # idle caches kept for other conversations (model/prefix_pool.py)
+DEFAULT_MAX_QUEUE = 16
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR", help=f"model folder (default: {DEFAULT_MODEL})")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default %(default)s; another needs --api-key"
+                   " or --insecure)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help="port (default %(default)s; 0 = any free port, printed at start)")
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get("KVCHAT_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $KVCHAT_API_KEY)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without --api-key")
+    p.add_argument("--max-kv-size", type=int, default=None, metavar="N",
+                   help="bound every request's KV cache to N tokens (rotating)")
+    p.add_argument("--keep", type=int, default=None, metavar="K",
+                   help=f"sink tokens kept when the cache rotates (needs --max-kv-size;"
+                   f" default {GenParams().keep})")
+    p.add_argument("--allow-origin", dest="allow_origins", action="append", default=[],
+                   metavar="ORIGIN", help="let web pages from ORIGIN call the API (CORS;"
+                   " repeatable, * = any)")
+    p.add_argument("--hosts", dest="serve_hostfile", metavar="HOSTFILE",
+                   help="split the model across the hosts of an mlx.launch hostfile")
+    p.add_argument("--models-dir", dest="models_dirs", action="append", default=[],
+                   metavar="DIR", help="serve the models found in DIR too: listed in"
+                   " /v1/models, loaded when a request names one (repeatable)")
+    p.add_argument("--cache-pool-mb", type=float, default=DEFAULT_POOL_MB, metavar="MB",
+                   help="memory for idle caches of other conversations, reused by prefix"
+                   " (default %(default)s; 0 = one cache)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                   help="requests that may wait; past it: 429 (default %(default)s)")
+    p.add_argument("--max-body-mb", type=float, default=4.0, metavar="MB",
+                   help="largest request body accepted (default %(default)s)")
+    p.add_argument("--json-logs", action="store_true", help="log one JSON object per line")
+    p.add_argument("--tokenizer", choices=["auto", "sentencepiece", "hf"], default="auto",
+                   help="tokenizer file to use: auto prefers tokenizer.json")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check(args: argparse.Namespace) -> GenParams:
+    if not is_loopback(args.host) and not args.api_key and not args.insecure:
+        raise UsageError(f"--host {args.host} exposes the model to the network: give"
+                         " --api-key KEY (or --insecure to serve without one)")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be 0..65535, got {args.port}")
+    if args.keep is not None and args.max_kv_size is None:
+        raise UsageError("--keep applies to a bounded cache; give --max-kv-size too")
+    if args.max_queue < 0 or args.cache_pool_mb < 0 or args.max_body_mb <= 0:
+        raise UsageError("--max-queue and --cache-pool-mb must be >= 0, --max-body-mb > 0")
+    bound = GenParams(max_kv_size=args.max_kv_size,
+                      keep=GenParams().keep if args.keep is None else args.keep)
+    try:
+        bound.validate()
+    except KVChatError as e:
+        raise UsageError(str(e)) from None
+    return bound
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine keyword arguments from the flags (the place where new engine options,
+    such as a quantized cache's bits, reach the server)."""
+    return {"tokenizer": args.tokenizer,
+            "prefix_pool_bytes": int(args.cache_pool_mb * 1024 * 1024)}
+
+
+def _engine_maker(model: str, args: argparse.Namespace) -> EngineMaker:
+    opts = engine_options(args)
+
+    def make(on_event: Any) -> Any:
+        from kvchat.model import pipeline_link
+
+        if pipeline_link.launched():  # rank 0 of a pipeline: the link lives in this process
+            from kvchat.model.engine import Engine
+
+            return Engine(on_event, model, **opts)
+        from kvchat.model.engine_process import EngineProcess
+
+        # Ctrl+C reaches the whole process group: the server shuts down and closes the
+        # engine; the engine itself must not die of it mid-turn (an ignored SIGINT is
+        # inherited, and Python keeps it ignored)
+        before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            return EngineProcess(on_event, model, **opts)
+        finally:
+            signal.signal(signal.SIGINT, before)
+
+    return make
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError as e:
+        raise KVChatError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def _local_models(model: str, dirs: list[str]) -> list[dict[str, Any]]:
+    """The models a request may name: the start-up one (to switch back to) and the
+    loadable ones found in `dirs`."""
+    if not dirs:
+        return []
+    from kvchat.app.core.discovery import model_rows
+    from kvchat.model.config import load_config
+    from kvchat.model.facts import model_name
+
+    found = [{"id": r.entry.name, **r.to_dict()}
+             for r in model_rows(dirs, include_defaults=False) if r.loadable]
+    if all(m["path"] != model for m in found):
+        found.insert(0, {"id": model_name(model), "path": model})
+    return [{**m, "context": load_config(m["path"]).max_position_embeddings} for m in found]
+
+
+def run(args: argparse.Namespace) -> int:
+    bound = _check(args)
+    from kvchat.model.facts import check_model_folder
+
+    model = str(Path(args.model or DEFAULT_MODEL).expanduser().resolve())
+    check_model_folder(model)  # a folder we cannot load: one line before anything starts
+    procs: list[Any] = []
+    if args.serve_hostfile:
+        import tempfile
+
+        from kvchat.app.core.hosts import join_if_launched, read_hostfile, start_ranks
+
+        read_hostfile(args.serve_hostfile)
+        procs = start_ranks(args.serve_hostfile, model,
+                            Path(tempfile.mkdtemp(prefix="kvchat-ranks-")))
+        join_if_launched(argparse.Namespace(model=model))
+    try:
+        sock = _listen(args.host, args.port)
+        stopped = _Stopped()
+        load_error = asyncio.run(_serve(args, model, bound, sock, stopped))
+        if load_error is not None:
+            raise KVChatError(load_error)
+        return 130 if stopped.signal == signal.SIGINT else 0  # Ctrl+C: the CLI's 130
+    finally:
+        if procs:
+            from kvchat.app.core.hosts import stop_ranks
+
+            stop_ranks(procs)
+
+
+class _Stopped:
+    signal: int | None = None
+
+
+def _uvicorn_server(config: Any, stopped: _Stopped) -> Any:
+    """uvicorn's Server ending on SIGINT/SIGTERM by returning rather than raising the
+    signal again afterwards (which would end this process before the engine closes)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            stopped.signal = stopped.signal or sig
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
+async def _serve(args: argparse.Namespace, model: str, bound: GenParams,
+                 sock: socket.socket, stopped: _Stopped) -> str | None:
+    """Serve until SIGINT/SIGTERM; the load error when the model could not load."""
+    import uvicorn
+
+    from kvchat.app.serve.log import RequestLog, route_uvicorn_logs
+    from kvchat.app.serve.server import KVChatServer, ServeConfig
+    from kvchat.app.serve.worker import EngineWorker
+
+    config = ServeConfig(api_key=args.api_key, max_body_bytes=int(args.max_body_mb * 2**20),
+                         max_kv_size=bound.max_kv_size, keep=bound.keep,
+                         allow_origins=args.allow_origins,
+                         local_models=_local_models(model, args.models_dirs))
+    log = RequestLog(args.json_logs)
+    worker = EngineWorker(_engine_maker(model, args), args.max_queue, log.notice)
+    server = KVChatServer(worker, config, log)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    uv = _uvicorn_server(uvicorn.Config(
+        server.app(), log_config=None, access_log=False, lifespan="off",
+        timeout_graceful_shutdown=3), stopped)
+    route_uvicorn_logs(log)
+    await worker.start()
+    server.log.notice(f"loading {model}; listening on http://{shown}:{port}/v1")
+    async def announce() -> None:
+        await worker.ready.wait()
+        if not worker.load_error:
+            server.log.notice(f"ready: {worker.info.get('name')} at http://{shown}:{port}/v1"
+                              " (OPENAI_BASE_URL)")
+        await worker.failed.wait()  # no model, or the engine died: nothing left to serve
+        uv.should_exit = True
+
+    watch = asyncio.create_task(announce())
+    try:
+        await uv.serve(sockets=[sock])
+    finally:
+        watch.cancel()
+        worker.close()
+        sys.stderr.flush()
+    # stopped by a signal: an engine that died of the same signal is no error
+    return None if stopped.signal else worker.load_error
+

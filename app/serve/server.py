@@ -1,0 +1,352 @@
+"""The ASGI app: OpenAI's routes on Starlette, the engine behind an `EngineWorker`.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models(/{id}),
+GET /v1/kvchat/stats, GET /health. Every answer that is not a completion is JSON; every
+failure is OpenAI's error object with its status and one log line (never a traceback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from kvchat.app.serve import protocol
+from kvchat.app.serve.log import RequestLog
+from kvchat.app.serve.protocol import ApiError, Limits
+from kvchat.app.serve.worker import RETRY_AFTER_S, EngineWorker, Job, NotReady, QueueFull
+from kvchat.model.events import Done, Started, TextDelta, stats_json
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass
+class ServeConfig:
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_kv_size: int | None = None
+    keep: int = 4
+    allow_origins: list[str] = field(default_factory=list)  # CORS (--allow-origin)
+    # other local models /v1/models lists and a request may name (--models-dir):
+    # [{"id", "path", "context", ...}]
+    local_models: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _client(scope: Scope) -> str:
+    c = scope.get("client")
+    return f"{c[0]}:{c[1]}" if c else "-"
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def read_json(request: HttpRequest, limit: int) -> Any:
+    """The body as JSON, at most `limit` bytes (413 past it, 400 when not JSON)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise protocol.bad(f"invalid JSON body: {e}") from None
+
+
+class KVChatServer:
+    """The routes, with the worker and the log they share."""
+
+    def __init__(self, worker: EngineWorker, config: ServeConfig, log: RequestLog):
+        self.worker = worker
+        self.config = config
+        self.log = log
+
+    # ---- the app -----------------------------------------------------------------------
+    def app(self) -> Starlette:
+        g = self._guarded
+        routes = [
+            Route("/v1/chat/completions", g(self.chat), methods=["POST"]),
+            Route("/v1/completions", g(self.text), methods=["POST"]),
+            Route("/v1/models", g(self.models), methods=["GET"]),
+            Route("/v1/models/{model_id:path}", g(self.model), methods=["GET"]),
+            Route("/v1/kvchat/stats", g(self.stats), methods=["GET"]),
+            Route("/health", g(self.health, auth=False), methods=["GET"]),
+        ]
+
+        async def http_error(request: HttpRequest, exc: Exception) -> Response:
+            assert isinstance(exc, HTTPException)  # 404 / 405 from the router
+            e = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                         code="not_found" if exc.status_code == 404 else None)
+            self._log(request.scope, e.status, error=e.message)
+            return error_response(e)
+
+        middleware = []
+        if self.config.allow_origins:  # browser front-ends on other origins (off by default)
+            middleware.append(Middleware(
+                CORSMiddleware, allow_origins=self.config.allow_origins,
+                allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
+        return Starlette(routes=routes, middleware=middleware,
+                         exception_handlers={HTTPException: http_error})
+
+    def _guarded(self, handler: Callable[[HttpRequest], Awaitable[Any]], auth: bool = True
+                 ) -> Callable[[HttpRequest], Awaitable[Any]]:
+        """Auth, then the handler; an ApiError becomes its error object, anything else
+        a 500 with one log line (the server carries on)."""
+
+        async def endpoint(request: HttpRequest) -> Any:
+            t0 = time.monotonic()
+            try:
+                if auth:
+                    self._check_key(request)
+                return await handler(request)
+            except ApiError as e:
+                self._log(request.scope, e.status, error=e.message,
+                          duration_s=time.monotonic() - t0)
+                return error_response(e)
+            except Exception as e:  # a bug: one line, an error object, the server lives
+                msg = f"internal error: {type(e).__name__}: {e}"
+                self._log(request.scope, 500, error=msg, duration_s=time.monotonic() - t0)
+                return error_response(ApiError(500, msg, type="server_error"))
+
+        return endpoint
+
+    def _check_key(self, request: HttpRequest) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        # compare_digest: the time taken does not tell how much of the key matched
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), key.encode())
+        if not ok:
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def _log(self, scope: Scope, status: int, **fields: Any) -> None:
+        self.log.write(client=_client(scope), method=scope.get("method"),
+                       path=scope.get("path"), status=status, **fields)
+
+    # ---- routes ------------------------------------------------------------------------
+    def _limits(self) -> Limits:
+        info = self.worker.info
+        ids = tuple(x for x in (info.get("name"), info.get("path")) if x)
+        capacity = self.config.max_kv_size or int(info.get("context") or 0) or 2048
+        local = {key: (m["path"], m["context"]) for m in self.config.local_models
+                 if m["path"] != info.get("path") for key in (m["id"], m["path"])}
+        return Limits(ids or ("kvchat",), capacity, self.config.max_kv_size, self.config.keep,
+                      local)
+
+    async def chat(self, request: HttpRequest) -> Any:
+        return await self._complete(request, "chat")
+
+    async def text(self, request: HttpRequest) -> Any:
+        return await self._complete(request, "text")
+
+    async def _complete(self, request: HttpRequest, kind: str) -> Any:
+        body = await read_json(request, self.config.max_body_bytes)
+        if not self.worker.ready.is_set():
+            raise ApiError(503, "the model is still loading; retry shortly",
+                           type="server_error", code="model_loading",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        req = protocol.parse(kind, body, self._limits())
+        try:
+            job = self.worker.submit(req.prompt, req.params, req.model_path)
+        except QueueFull as e:
+            raise ApiError(429, f"server busy: {e}; retry shortly", type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)},
+                           ) from None
+        except NotReady as e:
+            raise ApiError(503, f"engine not available: {e}", type="server_error") from None
+        return JobResponse(self, job, req)
+
+    def _model_object(self, model_id: str, extra: dict[str, Any]) -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": int(self.worker.t_start),
+                "owned_by": "kvchat", "kvchat": extra}
+
+    def _model_objects(self) -> list[dict[str, Any]]:
+        w = self.worker
+        status = "ready" if w.is_ready else ("failed" if w.load_error else "loading")
+        loaded = self._model_object(self._limits().model_ids[0], {
+            "loaded": True, "status": status, "ready": w.is_ready, "error": w.load_error,
+            **w.info})
+        others = [self._model_object(m["id"], {"loaded": False, **m})
+                  for m in self.config.local_models if m.get("path") != w.info.get("path")]
+        return [loaded, *others]
+
+    async def models(self, request: HttpRequest) -> Any:
+        self._log(request.scope, 200)
+        return JSONResponse({"object": "list", "data": self._model_objects()})
+
+    async def model(self, request: HttpRequest) -> Any:
+        want = request.path_params["model_id"]
+        for m in self._model_objects():
+            if want in (m["id"], m["kvchat"].get("path")):
+                self._log(request.scope, 200)
+                return JSONResponse(m)
+        raise ApiError(404, f"The model '{want}' does not exist", param="model",
+                       code="model_not_found")
+
+    async def stats(self, request: HttpRequest) -> Any:
+        """Live numbers for a dashboard: the cache now (with the pool of idle caches),
+        the running turn, the last finished turn, the queue and the totals."""
+        w = self.worker
+        cache = w.engine.cache_stats() if w.engine is not None else None
+        body = {
+            "model": w.info.get("name"), "ready": w.is_ready,
+            "uptime_s": round(time.time() - w.t_start, 3),
+            "queue": w.queue_stats(),
+            "totals": dict(w.counters),
+            "cache": stats_json(cache) if cache is not None else None,
+            "running": stats_json(w.live) if w.current is not None else None,
+            "last": stats_json(w.last),
+            "limits": {"max_kv_size": self.config.max_kv_size, "keep": self.config.keep,
+                       "max_body_bytes": self.config.max_body_bytes},
+        }
+        self._log(request.scope, 200)
+        return JSONResponse(body)
+
+    async def health(self, request: HttpRequest) -> Any:
+        w = self.worker
+        status = 200 if w.is_ready else 503
+        return JSONResponse({"status": "ok" if w.is_ready else
+                             ("failed" if w.load_error else "loading")}, status_code=status)
+
+
+class JobResponse:
+    """An ASGI response that runs a job: the whole reply as JSON, or server-sent events
+    ending with `data: [DONE]`. Headers wait for the turn to start, so a prompt the
+    engine refuses (a template that fails, say) still gets a 400. A client that goes away
+    cancels the job (dropped from the queue, or stopped within one decode step)."""
+
+    def __init__(self, server: KVChatServer, job: Job, req: protocol.Request):
+        self.server, self.job, self.req = server, job, req
+        self._held: Any = None  # an event read ahead while merging text deltas
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watcher = asyncio.create_task(self._watch(receive))
+        t0 = time.monotonic()
+        status, done, error = 500, None, None
+        try:
+            reply = self._stream if self.req.stream else self._whole
+            status, done = await reply(scope, send)
+        except Exception as e:  # the connection broke mid-answer, say: one line, no trace
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            watcher.cancel()
+            self.server.worker.cancel(self.job)  # no-op once done
+            self._log(scope, status, done, time.monotonic() - t0, error)
+
+    async def _watch(self, receive: Receive) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                self.server.worker.cancel(self.job)
+                return
+
+    def _log(self, scope: Scope, status: int, done: Done | None, secs: float,
+             error: str | None = None) -> None:
+        fields: dict[str, Any] = {"duration_s": secs, "error": error, "model": self.req.model}
+        if done is not None:
+            s = done.stats
+            fields.update(prompt_tokens=len(done.prompt_ids), reused_tokens=s.cached_tokens or 0,
+                          generated_tokens=len(done.ids), prefill_tps=s.prefill_tps or 0.0,
+                          decode_tps=s.decode_tps or 0.0, finish_reason=done.finish_reason)
+            if done.finish_reason == "error":
+                fields["error"] = done.error
+            elif done.finish_reason == "cancelled":
+                fields["error"] = error or "client disconnected"
+        self.server._log(scope, status, **fields)
+
+    async def _next(self) -> Any:
+        if self._held is not None:
+            ev, self._held = self._held, None
+            return ev
+        return await self.job.events.get()
+
+    def _more_text(self) -> str:
+        """Text deltas already queued behind the one just read (sent as one chunk)."""
+        text = ""
+        while self._held is None and not self.job.events.empty():
+            ev = self.job.events.get_nowait()
+            if isinstance(ev, TextDelta):
+                text += ev.text
+            else:
+                self._held = ev
+        return text
+
+    def _failure(self, done: Done) -> ApiError:
+        """Before the turn started, an error is the request's (template, empty prompt,
+        too long to fit): 400; after, the server's: 500."""
+        msg = done.error or "generation failed"
+        if self.job.started is None:
+            return ApiError(400, msg, code="invalid_prompt")
+        return ApiError(500, msg, type="server_error")
+
+    async def _refuse(self, done: Done, scope: Scope, send: Send) -> int:
+        """Answer a failed or cancelled job with an error object; its status."""
+        err = self._failure(done) if done.finish_reason == "error" else \
+            ApiError(499, "client disconnected", code="cancelled")
+        await error_response(err)(scope, _nothing, send)
+        return err.status
+
+    async def _whole(self, scope: Scope, send: Send) -> tuple[int, Done]:
+        while not isinstance(done := await self._next(), Done):
+            pass
+        if done.finish_reason in ("error", "cancelled"):
+            return await self._refuse(done, scope, send), done
+        await JSONResponse(protocol.completion(self.req, done))(scope, _nothing, send)
+        return 200, done
+
+    async def _stream(self, scope: Scope, send: Send) -> tuple[int, Done | None]:
+        ev = await self._next()
+        while not isinstance(ev, (Started, Done)):
+            ev = await self._next()
+        if isinstance(ev, Done):  # refused before it started: a plain error answer
+            return await self._refuse(ev, scope, send), ev
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+        await self._event(send, protocol.chunk(self.req, "", first=True))
+        while True:
+            ev = await self._next()
+            if isinstance(ev, TextDelta):
+                text = ev.text + self._more_text()
+                await self._event(send, protocol.chunk(self.req, text))
+            elif isinstance(ev, Done):
+                break
+        if ev.finish_reason == "error":  # mid-stream: the error object as an event
+            await self._event(send, self._failure(ev).body())
+        elif ev.finish_reason != "cancelled":
+            await self._event(send, protocol.chunk(self.req, done=ev))
+            if self.req.include_usage:
+                await self._event(send, protocol.usage_chunk(self.req, ev))
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
+                    "more_body": False})
+        return 200, ev
+
+    @staticmethod
+    async def _event(send: Send, obj: dict[str, Any]) -> None:
+        data = b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+async def _nothing() -> dict[str, Any]:  # a Receive for responses that never read
+    return {"type": "http.disconnect"}

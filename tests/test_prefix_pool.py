@@ -1,0 +1,91 @@
+"""model/prefix_pool.py: longest-prefix choice, LRU within a byte budget, and clones that
+never write into the entry they came from (checked against NumPy copies)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from kvchat.model.cache import KVCache, RotatingKVCache, trim_to
+from kvchat.model.prefix_pool import PrefixPool
+
+H, D = 2, 4  # KV heads, head_dim
+KEY = (None, 4)
+
+
+def filled(n: int, seed: int, cls: type = KVCache, **kw) -> list:
+    """A 2-layer cache holding n tokens of random K/V."""
+    rng = np.random.default_rng(seed)
+    layers = []
+    for _ in range(2):
+        c = cls(**kw)
+        c.update_and_fetch(mx.array(rng.standard_normal((1, H, n, D)), dtype=mx.float32),
+                           mx.array(rng.standard_normal((1, H, n, D)), dtype=mx.float32))
+        layers.append(c)
+    mx.eval([c.keys for c in layers])
+    return layers
+
+
+def nbytes(n: int) -> int:
+    return 2 * 2 * H * n * D * 4  # layers x (K and V) x heads x tokens x dim x float32
+
+
+def test_budget_evicts_least_recently_used_first() -> None:
+    pool = PrefixPool(budget_bytes=nbytes(10) + nbytes(10))
+    pool.put([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], filled(10, 0), KEY)
+    pool.put([20] * 10, filled(10, 1), KEY)
+    assert pool.total_bytes == 2 * nbytes(10) and pool.stats()["entries"] == 2
+    pool.put([30] * 10, filled(10, 2), KEY)  # over budget: [1..10] goes
+    assert pool.stats()["evictions"] == 1
+    assert pool.take([1, 2, 3], KEY) is None  # gone
+    assert pool.stats()["tokens"] == [10, 10]
+    pool.put([40] * 100, filled(100, 3), KEY)  # larger than the whole budget: not kept
+    assert pool.stats()["entries"] == 2 and pool.stats()["evictions"] == 2
+
+
+def test_longest_prefix_wins_and_a_full_match_moves_out() -> None:
+    pool = PrefixPool(budget_bytes=10**9)
+    short, long_ = filled(3, 0), filled(6, 1)
+    pool.put([1, 2, 3], short, KEY)
+    pool.put([1, 2, 9, 9, 9, 9], long_, (256, 4))  # another cache bound: never matched
+    pool.put([5, 1, 2, 3, 4, 5], filled(6, 2), KEY)
+    ids, cache = pool.take([1, 2, 3, 4], KEY)
+    assert ids == [1, 2, 3] and cache is short  # extended in place, not copied
+    assert pool.stats()["entries"] == 2
+    assert pool.stats()["hits"] == 1 and pool.stats()["reused_tokens"] == 3
+    assert pool.take([7, 7], KEY) is None and pool.stats()["misses"] == 1
+
+
+class KVCache8(KVCache):
+    step = 8  # 8 tokens fill the buffer: its state is the buffer object itself
+
+
+def test_a_partial_match_gets_a_clone_and_the_entry_stays_intact() -> None:
+    pool = PrefixPool(budget_bytes=10**9)
+    # full buffers: a clone holding the entry's own array objects would write into them
+    for cls, kw in ((KVCache8, {}), (RotatingKVCache, {"max_size": 8, "keep": 2})):
+        original = filled(8, 5, cls, **kw)
+        before = [np.array(c.state[0]) for c in original]
+        pool.put(list(range(8)), original, KEY)
+        ids, clone = pool.take([0, 1, 2, 3, 99], KEY)  # a branch after 4 tokens
+        assert ids == list(range(8)) and clone is not original
+        # the engine trims the clone back to the shared prefix and writes the branch
+        trim_to(clone, 4)
+        for c in clone:
+            c.update_and_fetch(mx.full((1, H, 1, D), 7.0), mx.full((1, H, 1, D), 7.0))
+        mx.eval([c.keys for c in clone])
+        assert all(np.array_equal(np.array(c.state[0]), b) for c, b in zip(original, before,
+                                                                           strict=True))
+        assert np.array_equal(np.array(clone[0].state[0])[:, :, :4], before[0][:, :, :4])
+        assert float(np.array(clone[0].state[0])[0, 0, 4, 0]) == 7.0
+        # the entry is still there for its own conversation
+        ids, again = pool.take(list(range(8)) + [8], KEY)
+        assert again is original
+        pool.clear()
+
+
+def test_an_entry_the_new_one_extends_is_dropped() -> None:
+    pool = PrefixPool(budget_bytes=10**9)
+    pool.put([1, 2, 3], filled(3, 0), KEY)
+    pool.put([1, 2, 3, 4, 5], filled(5, 1), KEY)  # trimmable back to [1, 2, 3]
+    assert pool.stats()["tokens"] == [5]

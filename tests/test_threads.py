@@ -1,0 +1,216 @@
+"""The OpenBLAS thread policy (model/threads.py): which count for which shape and load,
+the overrides, the runtime call reaching OpenBLAS, and where the policy acts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from kvchat.model import threads
+from kvchat.model.threads import MIN_WORK_PER_THREAD, Policy
+
+# kvchat-mini: hidden 192, MLP 512; SmolLM-135M: hidden 576, MLP 1536 (their config.json)
+MINI = (192, 512)
+SMOL = (576, 1536)
+
+
+@pytest.fixture(autouse=True)
+def _restore_policy(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.delenv(threads.ENV, raising=False)
+    monkeypatch.delenv("KVCHAT_THREADS_FROM", raising=False)
+    saved = threads._policy, threads._blas.path, threads._blas._set, threads._blas.current
+    yield
+    threads._policy = saved[0]
+    threads._blas.path, threads._blas._set, threads._blas.current = saved[1:]
+
+
+@pytest.mark.parametrize(("tokens", "shape", "cores", "others", "want"), [
+    (1, SMOL, 2, 0, 1),            # decode: 8.8e5 multiply-adds, never worth a thread
+    (1, SMOL, 16, 0, 1),
+    (512, MINI, 2, 0, 1),          # kvchat-mini's full chunk: 5.0e7 < 1e8
+    (128, SMOL, 2, 0, 1),          # 1.13e8 -> one thread's worth
+    (256, SMOL, 2, 0, 2),          # 2.26e8 -> two threads' worth, two cores free
+    (512, SMOL, 2, 0, 2),          # 4.5e8: capped at the cores
+    (512, SMOL, 8, 0, 4),          # 4.5e8 // 1e8 = 4 on a big machine
+    (512, SMOL, 2, 1, 1),          # another program runs: only one core is free
+    (512, SMOL, 8, 5, 3),          # 8 cores, 5 busy -> 3 free (< 4 by work)
+    (512, SMOL, 2, 9, 1),          # overloaded: never below one
+    (512, (0, 0), 2, 0, 1),        # a model without a config
+])
+def test_threads_for_shape_and_load(tokens: int, shape: tuple[int, int], cores: int,
+                                    others: int, want: int) -> None:
+    assert MIN_WORK_PER_THREAD == 1e8  # the table above is computed for this threshold
+    assert Policy(cores=cores).threads_for(tokens, *shape, others) == want
+
+
+def test_fixed_count_ignores_shape_and_load() -> None:
+    p = Policy(fixed=3, cores=2, source="settings")
+    assert {p.threads_for(t, *SMOL, o) for t in (1, 512) for o in (0, 5)} == {3}
+    assert p.label() == "3 fixed (settings)" and p.short_label() == "3 fixed"
+    assert Policy(cores=2).label().startswith("auto: 1 for decode, up to 2")
+
+
+@pytest.mark.parametrize(("value", "want"), [
+    (None, None), ("auto", None), (" AUTO ", None), ("", None), ("2", 2), (4, 4), (" 1 ", 1)])
+def test_parse_accepts(value: Any, want: int | None) -> None:
+    assert threads.parse(value) == want
+
+
+@pytest.mark.parametrize("value", [0, -1, "0", "x", "1.5", 2.0, True, [2]])
+def test_parse_refuses(value: Any) -> None:
+    with pytest.raises(threads.ThreadsError, match="threads must be 'auto'"):
+        threads.parse(value)
+
+
+def test_environment_overrides_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert threads.configure("3").fixed == 3
+    assert threads.policy().source == "settings"
+    assert threads.configure("auto").fixed is None
+    monkeypatch.setenv(threads.ENV, "1")
+    p = threads.configure("3")
+    assert p.fixed == 1 and p.label() == "1 fixed (KVCHAT_THREADS)"
+    monkeypatch.setenv(threads.ENV, "many")
+    with pytest.raises(threads.ThreadsError):
+        threads.configure(None)
+
+
+def test_child_process_gets_the_parents_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    threads.configure(2)
+    env = threads.child_env()
+    assert env[threads.ENV] == "2" and env["KVCHAT_THREADS_FROM"] == "settings"
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    threads._policy = Policy()
+    p = threads.configure_from_env()
+    assert p.fixed == 2 and p.source == "settings"
+
+
+def test_runnable_others_reads_loadavg(tmp_path: Path) -> None:
+    f = tmp_path / "loadavg"
+    f.write_text("3.10 2.50 1.20 4/312 9999\n")
+    assert threads.runnable_others(str(f)) == 3  # 4 runnable, one of them the caller
+    f.write_text("0.00 0.00 0.00 1/100 1\n")
+    assert threads.runnable_others(str(f)) == 0
+    assert threads.runnable_others(str(tmp_path / "absent")) == 0
+
+
+_CHILD = """
+import ctypes, json
+from kvchat.app.core import blas
+from kvchat.model import threads
+threads.runnable_others = lambda: 0  # as on free cores
+threads.configure(None, blas.active_blas()["path"])
+threads._policy = threads.Policy(cores=2)
+get = ctypes.CDLL(None).openblas_get_num_threads
+out = []
+for tokens in (1, 512, 1):
+    out.append([threads.apply(tokens, 576, 1536), get()])
+print(json.dumps({"bound": threads.bound(), "calls": out}))
+"""
+
+
+def test_apply_reaches_openblas() -> None:
+    """In a process with OpenBLAS preloaded as `kvchat` does it, the runtime call sets
+    OpenBLAS's own count (read back with its getter)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from kvchat.app.core import blas
+
+    found = blas.find_fast_blas()
+    if found is None:
+        pytest.skip("no OpenBLAS on this machine")
+    lib, lib_dir = found
+    env = {**os.environ, "LD_PRELOAD": str(lib)}
+    if lib_dir is not None:
+        env["LD_LIBRARY_PATH"] = str(lib_dir)
+    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["bound"] is True
+    assert r["calls"] == [[1, 1], [2, 2], [1, 1]]
+
+
+def test_without_openblas_apply_does_nothing() -> None:
+    threads._blas.bind("/nonexistent/libopenblas.so.0")
+    assert not threads.bound()
+    assert threads.apply(512, *SMOL) >= 1  # decided, nothing to call
+    assert "no OpenBLAS thread control" in threads.describe()
+
+
+def test_generate_step_sets_threads_per_chunk_then_for_decode(
+        tiny_checkpoint: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvchat.model.generate import generate_step
+    from kvchat.model.weights import load_model
+
+    model = load_model(tiny_checkpoint("llama"))
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(threads, "apply", lambda t, r, c: calls.append((t, r, c)) or 1)
+    caches = model.make_cache(max_kv_size=64, keep=4)
+    out = list(generate_step(model, list(range(3, 23)), caches, max_tokens=3, prefill_chunk=8))
+    assert len(out) == 3
+    # conftest's tiny llama: hidden 64, MLP 128; chunks of 8, 8, 4, then decode
+    assert calls == [(8, 64, 128), (8, 64, 128), (4, 64, 128), (1, 64, 128)]
+    mx.eval(caches[0].state)
+
+
+def test_settings_entry(tmp_path: Path) -> None:
+    import json
+
+    from kvchat.app.core.settings import Settings, load_settings
+
+    assert Settings().threads == "auto"
+    f = tmp_path / "settings.json"
+    f.write_text(json.dumps({"threads": 2}))
+    assert load_settings(f).threads == 2
+    f.write_text(json.dumps({"threads": "lots"}))
+    s = load_settings(f)
+    assert s.threads == "auto" and any("threads" in w for w in s.warnings)
+
+
+def test_version_names_the_policy(capsys: pytest.CaptureFixture[str],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvchat.app.main import main
+
+    monkeypatch.setenv(threads.ENV, "1")
+    threads._blas._set = None  # as at start-up: --version configures it itself
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert "threads: 1 fixed (KVCHAT_THREADS)" in capsys.readouterr().out
+
+
+def test_thread_table_columns_and_auto_vs_best(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread-policy table (app/cli/bench_threads.py): one column per fixed count and
+    auto, medians per cell, and auto ÷ the best fixed column; no timing involved."""
+    from types import SimpleNamespace
+
+    from kvchat.app.cli import bench_threads as bt
+
+    assert bt.settings(2) == ["1", "2", "auto"]
+    assert bt.settings(8) == ["1", "2", "8", "auto"]
+    speeds = {"1": (100.0, 50.0), "2": (180.0, 40.0), "auto": (170.0, 49.0)}
+    using: list[str] = []
+    monkeypatch.setattr(bt, "_use", using.append)
+    monkeypatch.setattr(bt, "once", lambda _m, prompt, _g: speeds[using[-1]]
+                        if len(prompt) > 16 else (1.0, 1.0))
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=64))
+    rows = bt.measure(model, 2, ["none"], runs=3, prompt_tokens=32, gen=4)
+    assert [(r["load"], r["metric"]) for r in rows] == [("none", "prefill_tps"),
+                                                        ("none", "decode_tps")]
+    assert rows[0]["median"] == {"1": 100.0, "2": 180.0, "auto": 170.0}
+    assert rows[0]["auto_vs_best"] == pytest.approx(170 / 180)
+    assert rows[1]["auto_vs_best"] == pytest.approx(49 / 50)
+    # every setting timed once per round, rotating which goes first
+    timed = using[3:]  # after one warm-up each
+    assert sorted(timed) == sorted(["1", "2", "auto"] * 3) and timed[:3] != timed[3:6]
+    text = bt.render({"policy": "auto", "cores": 2, "blas": "OpenBLAS", "prompt_tokens": 32,
+                      "gen_tokens": 4, "runs": 3, "settings": bt.settings(2),
+                      "models": {"mini": rows}})
+    assert "auto÷best" in text and "1 thr" in text and "0.94" in text and "0.98" in text
+    assert "one core busy (yes > /dev/null)" in text
