@@ -425,6 +425,34 @@ class RotatingKVCache(_Buffers):
         }
 
 
+class ChunkedKVCache(RotatingKVCache):
+    """Chunked local attention (Llama 4): query t sees only the keys of its own chunk,
+    positions ⌊t / chunk⌋·chunk … t. A ring of exactly `chunk` slots always holds them;
+    the mask drops the ring's older keys from the previous chunk."""
+
+    def __init__(self, chunk: int) -> None:
+        super().__init__(chunk, 0)
+        self.chunk = chunk
+
+    def make_mask(
+        self, n: int, return_array: bool = False, window_size: int | None = None
+    ) -> mx.array:
+        pos, valid = self._key_positions(n)
+        t = mx.arange(self.offset, self.offset + n)[:, None]
+        p = pos[None]
+        return valid[None] & (p <= t) & (p // self.chunk == t // self.chunk)
+
+    def slot_layout(self) -> tuple[Any, ...]:
+        return ("ring", self.max_size, self.keep, self.chunk)
+
+    @classmethod
+    def from_state(cls, state: Any, meta_state: tuple[str, ...]) -> ChunkedKVCache:
+        obj = cls(int(meta_state[2]))
+        obj.state = state
+        obj.meta_state = meta_state
+        return obj
+
+
 def _layer_bytes(keys: mx.array | None, tokens: int, values: mx.array | None = None) -> int:
     """K + V bytes of `tokens` positions of one layer, from the buffers' shapes and dtype
     (kv_math's formula with one layer; V may be narrower than K, as latent attention's)."""
@@ -456,6 +484,9 @@ def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, keep: int = 4) 
         raise CacheError(f"--max-kv-size must be >= 1, got {max_kv_size}")
     caches: list[Any] = []
     for spec in cfg.layers:
+        if spec.chunk is not None:  # never more than one chunk resident
+            caches.append(ChunkedKVCache(spec.chunk))
+            continue
         window = spec.window
         if window is not None and (max_kv_size is None or max_kv_size >= window):
             size, k = window, 0
@@ -473,7 +504,8 @@ def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, keep: int = 4) 
 
 # ---- statistics (metadata only) ---------------------------------------------------------
 def _attention_name(cfg: ModelConfig, spec: LayerSpec) -> str:
-    kind = "sliding" if spec.window is not None else "latent" if cfg.mla else "global"
+    kind = ("sliding" if spec.window is not None else "chunked" if spec.chunk is not None
+            else "latent" if cfg.mla else "global")
     return kind + (
         "" if spec.rope is not None else " NoPE"
     )

@@ -19,8 +19,8 @@ from typing import Any
 from .config_checks import check_config
 from .errors import ConfigError
 
-FULL, SLIDING = "full_attention", "sliding_attention"
-LAYER_KINDS = (FULL, SLIDING)
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
+LAYER_KINDS = (FULL, SLIDING, CHUNKED)
 
 # activation names in config.json -> the function mlx computes (layers.ACTIVATIONS)
 ACTIVATION_NAMES = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu", "gelu_fast", "relu",
@@ -50,6 +50,14 @@ def _every_nth_global(period_key: str | None, default: int) -> LayerRule:
         return [FULL if (i + 1) % period == 0 else SLIDING for i in range(n)]
 
     return rule
+
+
+def _chunked_rope_layers(cfg: dict[str, Any], n: int) -> list[str]:
+    """Llama 4: the RoPE layers attend within chunks of attention_chunk_size, the NoPE
+    layers globally."""
+    rope_on = _no_rope_layers(cfg, n)
+    chunked = cfg.get("attention_chunk_size") is not None
+    return [CHUNKED if r and chunked else FULL for r in rope_on]
 
 
 def _pattern_layers(cfg: dict[str, Any], n: int) -> list[str]:
@@ -99,6 +107,10 @@ class MoeFamily:
     router_bias: bool = False  # gpt-oss: the router Linear has a bias
     expert_bias: bool = False  # gpt-oss: every expert projection has a bias
     clamped_swiglu: bool = False  # gpt-oss: swiglu_alpha / swiglu_limit (moe.clamped_swiglu)
+    scale_inputs: bool = False  # Llama 4: each expert's input × its weight (not its output)
+    # how transformers stores fused experts (`experts.gate_up_proj`): gate and up
+    # "interleaved" column by column (gpt-oss) or as two "halves" (Llama 4)
+    fused_experts: str = "interleaved"
     # which layers are sparse: "all" | "step" (decoder_sparse_step, mlp_only_layers) |
     # "first_dense" (first_k_dense_replace dense layers, then MoE) | "interval" (ERNIE:
     # every moe_layer_interval-th from moe_layer_start_index to moe_layer_end_index)
@@ -124,6 +136,7 @@ class MoeConfig:
     router_bias: bool = False
     expert_bias: bool = False
     clamped_swiglu: tuple[float, float] | None = None  # (alpha, limit)
+    scale_inputs: bool = False
 
 
 @dataclass(frozen=True)
@@ -172,7 +185,8 @@ class Family:
     # (attention and MLP read the same normed input) | "parallel2" (each its own norm) |
     # "post_ln" (2017: LayerNorm of the residual sum after each branch)
     block: str = "pre"
-    positions: str = "rope"  # "rope" | "sinusoidal" (2017: added to the embeddings)
+    # "rope" | "sinusoidal" (2017: added to the embeddings) | "learned" (GPT-2: a table)
+    positions: str = "rope"
     # None | "head" (per head) | "proj" (over the projection) | "head_after_rope" (Hunyuan)
     qk_norm: str | None = None
     qk_norm_flag: str | None = None  # qk_norm applies only when this config flag is true
@@ -180,6 +194,9 @@ class Family:
     # parameters' llama_4_scaling_beta
     position_scaled_queries: bool = False
     attention_sinks: bool = False  # gpt-oss: a learned sink logit per head (self_attn.sinks)
+    dense_size_key: str = "intermediate_size"  # Llama 4: the dense layers' intermediate_size_mlp
+    # Llama 4: NoPE layers' queries × 1 + attn_scale·log(1 + ⌊(pos + 1) / floor_scale⌋)
+    temperature_tuning: bool = False
     # StableLM, GPT-NeoX: this config flag makes the block `parallel_block`
     parallel_flag: str | None = None
     parallel_block: str = "parallel"
@@ -201,6 +218,9 @@ class Family:
     # classic config keys -> the names transformers 5 (and kvchat) reads
     key_aliases: dict[str, str] = field(default_factory=dict)
     ffn_mult: int | None = None  # GPT-J: intermediate_size absent (null) means ffn_mult × hidden
+    # one fused c_attn holding q, k, v one after the other (GPT-2, StarCoder 1), split on
+    # load; "conv1d": stored (in, out) as GPT-2's Conv1D, transposed first
+    fused_qkv: str | None = None
     rotary_dim_key: str | None = None  # GPT-J: rotated features per head, as a count
     # checkpoint tensor names -> ours (substring replacements, applied in order)
     renames: tuple[tuple[str, str], ...] = ()
@@ -215,6 +235,17 @@ class Family:
 
 
 _GEMMA_DEFAULTS: dict[str, Any] = {"head_dim": 256, "rms_norm_eps": 1e-6}
+
+_GPT2_KEYS = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers",
+              "n_head": "num_attention_heads", "n_positions": "max_position_embeddings",
+              "n_inner": "intermediate_size", "layer_norm_epsilon": "layer_norm_eps",
+              "activation_function": "hidden_act"}
+_GPT2_NAMES = (("transformer.wte.", "model.embed_tokens."),
+               ("transformer.wpe.", "model.embed_positions."), ("transformer.h.", "model.layers."),
+               ("transformer.ln_f.", "model.norm."), (".ln_1.", ".input_layernorm."),
+               (".ln_2.", ".post_attention_layernorm."), (".attn.c_proj.", ".self_attn.o_proj."),
+               (".attn.c_attn.", ".self_attn.c_attn."), (".mlp.c_fc.", ".mlp.up_proj."),
+               (".mlp.c_proj.", ".mlp.down_proj."))
 
 FAMILIES: dict[str, Family] = {
     # Llama 2, 3, 3.1, 3.2, SmolLM 1/2, TinyLlama, stories260K
@@ -424,6 +455,35 @@ FAMILIES: dict[str, Family] = {
                  *((f".mlp.experts.{p}.", f".mlp.switch_mlp.{p}.")
                    for p in ("gate_proj", "up_proj", "down_proj"))),
         defaults={"attention_bias": True, "sliding_window": 128},
+    ),
+    # Llama 4: chunked attention on RoPE layers, NoPE global layers with temperature
+    # tuning, parameter-free q/k norm after RoPE, top-1 sigmoid router scaling the experts'
+    # inputs, a shared expert, dense layers between (intermediate_size_mlp)
+    "llama4_text": Family(
+        layer_rule=_chunked_rope_layers, nope="listed", qk_norm="plain_after_rope",
+        qk_norm_flag="use_qk_norm", rope_traditional=True, temperature_tuning=True,
+        dense_size_key="intermediate_size_mlp",
+        moe=MoeFamily(score="sigmoid", shared="plain", expert_size_key="intermediate_size",
+                      scale_inputs=True, fused_experts="halves", sparse_layers="listed"),
+        renames=((".feed_forward.router.", ".mlp.gate."),
+                 (".feed_forward.shared_expert.", ".mlp.shared_experts."),
+                 (".feed_forward.", ".mlp.")),
+        defaults={"n_shared_experts": 1, "no_rope_layer_interval": 4, "rope_theta": 5e5},
+    ),
+    # GPT-2 and StarCoder 1: learned positions, fused c_attn, LayerNorm, GELU MLP, tied
+    "gpt2": Family(
+        layer_rule=None, qkv_bias=True, o_bias=True, norm="layer", eps_key="layer_norm_eps",
+        mlp="plain", tie_word_embeddings=True, positions="learned",
+        fused_qkv="conv1d", ffn_mult=4, key_aliases=_GPT2_KEYS, renames=_GPT2_NAMES,
+        defaults={"mlp_bias": True, "hidden_act": "gelu_new", "layer_norm_eps": 1e-5,
+                  "multi_query": False},  # MHA: one K/V head per query head
+    ),
+    "gpt_bigcode": Family(
+        layer_rule=None, qkv_bias=True, o_bias=True, norm="layer", eps_key="layer_norm_eps",
+        mlp="plain", tie_word_embeddings=True, positions="learned",
+        fused_qkv="linear", ffn_mult=4, key_aliases=_GPT2_KEYS, renames=_GPT2_NAMES,
+        defaults={"mlp_bias": True, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-5,
+                  "multi_query": True},
     ),
     # GPT-J: GPT-2's key names, a parallel block, interleaved partial rotary
     "gptj": Family(
@@ -670,6 +730,7 @@ class LayerSpec:
     window: int | None  # keys a query sees (None: all of them)
     rope: RopeConfig | None  # None: a NoPE layer (no rotary embedding)
     moe: bool = False  # the FFN is the model's mixture of experts (ModelConfig.moe)
+    chunk: int | None = None  # chunked attention: keys of the query's own chunk only
 
 
 @dataclass(frozen=True)
@@ -716,6 +777,7 @@ class ModelConfig:
     mla: MlaConfig | None = None  # set: every layer is latent attention (cache kind "latent")
     q_position_scale: tuple[float, int] | None = None  # Ministral 3: (beta, period), see layers
     attention_sinks: bool = False
+    temperature: tuple[float, float] | None = None  # Llama 4: (floor_scale, attn_scale)
     wrapper: str | None = None  # a multimodal checkpoint's model_type (its text part runs)
     layers: tuple[LayerSpec, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -749,7 +811,7 @@ class ModelConfig:
             kv_heads = int(cfg.get("num_key_value_heads") or heads)
             head_dim = int(cfg.get("head_dim") or hidden // heads)
             n_layers = int(cfg["num_hidden_layers"])
-            inter = int(cfg["intermediate_size"])
+            inter = int(cfg[fam.dense_size_key])
             vocab = int(cfg["vocab_size"])
         except KeyError as e:
             raise ConfigError(f"config.json lacks required key {e.args[0]!r}") from None
@@ -849,6 +911,11 @@ def _derived_keys(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
     try:
         if fam.ffn_mult and cfg.get("intermediate_size") is None and "hidden_size" in cfg:
             cfg = {**cfg, "intermediate_size": fam.ffn_mult * int(cfg["hidden_size"])}
+        if "multi_query" in cfg:  # StarCoder 1: one K/V head
+            heads = int(cfg["num_attention_heads"])
+            cfg = {**cfg, "num_key_value_heads": 1 if cfg["multi_query"] else heads}
+        if cfg.get("scale_attn_by_inverse_layer_idx"):
+            raise ConfigError("config.json: scale_attn_by_inverse_layer_idx is not supported")
         if fam.rotary_dim_key and cfg.get(fam.rotary_dim_key) is not None:
             head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) //
                            int(cfg["num_attention_heads"]))
@@ -908,7 +975,7 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
         shared_gate=spec.shared == "gated", router_bias=spec.router_bias,
         expert_bias=spec.expert_bias,
         clamped_swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)))
-        if spec.clamped_swiglu else None,
+        if spec.clamped_swiglu else None, scale_inputs=spec.scale_inputs,
     )
     if spec.sparse_layers == "step":
         step = _positive(cfg, "decoder_sparse_step", 1)
@@ -918,6 +985,11 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
         first = int(cfg.get("first_k_dense_replace") or 0)
         every = int(cfg.get("moe_layer_freq") or 1)
         sparse = [i >= first and i % every == 0 for i in range(n)]
+    elif spec.sparse_layers == "listed":  # Llama 4: moe_layers, else every step-th
+        step = _positive(cfg, "interleave_moe_layer_step", 1)
+        listed = cfg.get("moe_layers")
+        listed = set(range(step - 1, n, step) if listed is None else listed)
+        sparse = [i in listed for i in range(n)]
     elif spec.sparse_layers == "types":  # GLM-4.7-Flash: mlp_layer_types, else dense first
         types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
         if not isinstance(types, list) or len(types) != n:
@@ -972,8 +1044,11 @@ def _layer_specs(
         kinds = fam.layer_rule(cfg, n)
     else:
         kinds = [FULL] * n
-    if window is None:
-        kinds = [FULL] * n  # no window: a "sliding" layer sees everything (as transformers)
+    if window is None:  # no window: a "sliding" layer sees everything (as transformers)
+        kinds = [FULL if k == SLIDING else k for k in kinds]
+    chunk = cfg.get("attention_chunk_size")
+    if chunk is None:
+        kinds = [FULL if k == CHUNKED else k for k in kinds]
     local = _local_rope(cfg, fam) if fam.local_rope else rope
     if fam.nope == "listed":
         rope_on = _no_rope_layers(cfg, n)
@@ -987,6 +1062,7 @@ def _layer_specs(
             window=window if k == SLIDING else None,
             rope=(local if k == SLIDING else rope) if rope_on[i] else None,
             moe=sparse[i],
+            chunk=int(chunk) if k == CHUNKED else None,
         )
         for i, k in enumerate(kinds)
     )
@@ -1013,6 +1089,9 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
         "rope_negative": fam.rope_negative, "attention_sinks": fam.attention_sinks,
         "positions": fam.positions,
     }
+    if fam.temperature_tuning and cfg.get("attn_temperature_tuning", True):
+        out["temperature"] = (float(cfg.get("floor_scale", 8192)),
+                              float(cfg.get("attn_scale", 0.1)))
     if fam.depth_scaled:
         out["embed_scale"] = float(cfg.get("scale_emb", 1.0))
         out["residual_scale"] = float(cfg.get("scale_depth", 1.0)) / math.sqrt(

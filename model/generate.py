@@ -73,11 +73,13 @@ def _slot_mask(static: tuple[Any, ...], row: mx.array, capacity: int,
         pos = s
         valid = s < length
     else:
-        _, M, K = static
+        M, K = static[1], static[2]
         R = M - K
         ring_pos = o - mx.remainder(o - s, R)
         pos = mx.where(s < K, s, ring_pos)
         valid = (s < length) & mx.where(s < K, s < K, ring_pos >= lo)
+        if len(static) > 3:  # a chunked ring (Llama 4): the query's own chunk only
+            valid = valid & (pos // static[3] == o // static[3])
     if window is not None:
         valid = valid & (o - pos < window)
     return valid[None]

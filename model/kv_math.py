@@ -100,9 +100,9 @@ def kv_saving(cfg: ModelConfig) -> float:
 class LayerKindBytes:
     """K/V of the layers of one kind at a context length."""
 
-    kind: str  # "global", "sliding" or "latent"
+    kind: str  # "global", "sliding", "chunked" or "latent"
     layers: int
-    window: int | None
+    window: int | None  # sliding: the window; chunked: the chunk
     tokens: int  # resident per layer: the context, or the window when it is shorter
     bytes: int
 
@@ -113,15 +113,17 @@ def kv_bytes_by_kind(
     """Bytes at `context` tokens per layer kind: a global layer holds every token, a
     sliding layer at most its window (so bytes per token fall as the context grows)."""
     per_layer = cached_widths(cfg, kv_heads).bytes_per_token(1, dtype_bytes)
-    groups: dict[int | None, int] = {}
+    groups: dict[tuple[int | None, int | None], int] = {}
     for spec in cfg.layers:
-        groups[spec.window] = groups.get(spec.window, 0) + 1
+        key = (spec.window, spec.chunk)
+        groups[key] = groups.get(key, 0) + 1
     rows = []
-    for window, n in sorted(groups.items(), key=lambda item: item[0] is not None):
-        tokens = context if window is None else min(context, window)
-        kind = "sliding" if window is not None else "latent" if (
-            cfg.mla is not None and kv_heads is None) else "global"
-        rows.append(LayerKindBytes(kind, n, window, tokens, n * tokens * per_layer))
+    for (window, chunk), n in sorted(groups.items(), key=lambda item: item[0] != (None, None)):
+        bound = window if window is not None else chunk  # a chunked ring holds one chunk
+        tokens = context if bound is None else min(context, bound)
+        kind = ("sliding" if window is not None else "chunked" if chunk is not None
+                else "latent" if cfg.mla is not None and kv_heads is None else "global")
+        rows.append(LayerKindBytes(kind, n, bound, tokens, n * tokens * per_layer))
     return rows
 
 

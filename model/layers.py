@@ -281,6 +281,8 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_softcap
         self.clip = cfg.clip_qkv
         self._pos_scale = cfg.q_position_scale
+        # Llama 4's temperature tuning applies to its NoPE layers only
+        self._temperature = cfg.temperature if spec.rope is None else None
         self._projections(cfg)
         self.o_proj = nn.Linear(h * hd, d, bias=cfg.o_bias)
         if cfg.attention_sinks:  # gpt-oss: one more logit per head that takes probability
@@ -288,6 +290,10 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "each_head":  # Cohere: a weight row per head
             self.q_norm, self.k_norm = make_norm(cfg, (h, hd)), make_norm(cfg, (kv, hd))
+        elif cfg.qk_norm == "plain_after_rope":  # Llama 4: parameter-free, RoPE layers only
+            self.qk_norm = "head_after_rope" if spec.rope is not None else None
+            if self.qk_norm is not None:
+                self.q_norm = self.k_norm = PlainRMSNorm(hd, cfg.rms_norm_eps)
         elif cfg.qk_norm is not None:
             per_head = cfg.qk_norm != "proj"
             self.q_norm = make_norm(cfg, hd if per_head else h * hd)
@@ -336,6 +342,11 @@ class Attention(nn.Module):
             q, k = self.rope(q, k, offset)
         if self.qk_norm == "head_after_rope":  # Hunyuan: q/k normed once rotated
             q, k = self.q_norm(q), self.k_norm(k)
+        if self._temperature is not None:
+            floor_scale, attn_scale = self._temperature
+            pos = (offset + mx.arange(T)).astype(mx.float32)
+            t = mx.log1p(mx.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0
+            q = q * t[:, None].astype(q.dtype)
         if self._pos_scale is not None:
             beta, period = self._pos_scale
             pos = (offset + mx.arange(T)).astype(mx.float32)
@@ -453,9 +464,11 @@ class Block(nn.Module):
     x + pending: a block may leave its last residual add to whoever norms next (the next
     block's input norm, or the final norm), which does add and norm in one fused pass."""
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, attention: type | None = None):
         super().__init__()
-        self.self_attn = make_attention(cfg, spec)
+        # `attention`: another attention block (mla.LatentAttention), else GQA
+        attn = attention or (FusedAttention if cfg.fused_proj else Attention)
+        self.self_attn = attn(cfg, spec)
         mlp = (PlainMLP if cfg.mlp == "plain" else FusedMLP if cfg.fused_proj or cfg.mlp == "fused"
                else MLP)
         self.mlp = MoE(cfg, ACTIVATIONS[cfg.activation], mlp) if spec.moe else mlp(cfg)
@@ -474,8 +487,8 @@ class Block(nn.Module):
 class PreNormBlock(Block):
     """x + r·attn(norm(x)), then h + r·mlp(norm(h)); r = residual multiplier (Granite)."""
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
-        super().__init__(cfg, spec)
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, attention: type | None = None):
+        super().__init__(cfg, spec, attention)
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
         self._r = None if cfg.residual_scale == 1.0 else cfg.residual_scale
@@ -504,8 +517,8 @@ class PreNormBlock(Block):
 class SandwichBlock(PreNormBlock):
     """Gemma 2/3: each branch normed on the way in and on the way out (four norms)."""
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
-        super().__init__(cfg, spec)
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, attention: type | None = None):
+        super().__init__(cfg, spec, attention)
         self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
 
@@ -524,8 +537,8 @@ class SandwichBlock(PreNormBlock):
 class PostNormBlock(Block):
     """OLMo 2: no norm on the way in; each branch's output is normed before the add."""
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
-        super().__init__(cfg, spec)
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, attention: type | None = None):
+        super().__init__(cfg, spec, attention)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
 
@@ -549,8 +562,8 @@ class ParallelBlock(Block):
     """Phi-2, Cohere, GPT-NeoX: both branches read the same input, x + attn(n(x)) +
     mlp(n'(x)), with n' = n (one norm) or its own post_attention_layernorm."""
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
-        super().__init__(cfg, spec)
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, attention: type | None = None):
+        super().__init__(cfg, spec, attention)
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         if cfg.block == "parallel2":
             self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
@@ -573,13 +586,7 @@ BLOCKS: dict[str, type[Block]] = {
 }
 
 
-def make_attention(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
-    if cfg.mla is not None:
-        from .mla import LatentAttention  # mla builds on this module's RoPE and norms
-
-        return LatentAttention(cfg, spec)
-    return (FusedAttention if cfg.fused_proj else Attention)(cfg, spec)
-
-
-def make_block(cfg: ModelConfig, spec: LayerSpec) -> Block:
-    return BLOCKS[cfg.block](cfg, spec)
+def make_block(cfg: ModelConfig, spec: LayerSpec, attention: type | None = None) -> Block:
+    """The layer the config asks for; `attention` replaces the GQA block (mla.py's latent
+    attention builds on this module's RoPE and norms, so it is passed in, not imported)."""
+    return BLOCKS[cfg.block](cfg, spec, attention)

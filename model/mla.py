@@ -158,3 +158,8 @@ class LatentAttention(nn.Module):
         out = mx.fast.scaled_dot_product_attention(queries, keys, c, scale=self.scale, mask=mask)
         out = self.unembed_out(out)  # (B, H, T, v)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+
+
+def attention_class(cfg: ModelConfig) -> type | None:
+    """The attention block `layers.make_block` should use for this config (None: GQA)."""
+    return LatentAttention if cfg.mla is not None else None

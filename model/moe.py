@@ -159,16 +159,20 @@ class SwitchGLU(nn.Module):
         self._glu = glu
 
     def __call__(self, x: mx.array, idx: mx.array) -> mx.array:
-        """x (..., hidden), idx (..., k) -> (..., k, hidden)."""
-        x = mx.expand_dims(x, (-2, -3))  # (..., 1, 1, hidden): one row per chosen expert
+        """x (..., hidden), or (..., k, hidden) with one input per chosen expert (Llama 4),
+        idx (..., k) -> (..., k, hidden)."""
         k = idx.shape[-1]
+        per_slot = x.ndim == idx.ndim + 1
+        # one row per chosen expert: (..., 1, 1, hidden) shared, or (..., k, 1, hidden)
+        x = mx.expand_dims(x, -2) if per_slot else mx.expand_dims(x, (-2, -3))
         order = None
         if idx.size >= 64:
             # many tokens: sort the (token, expert) pairs by expert so each expert's
             # weights are read once (the gathered matmul's fast path)
             flat = idx.flatten()
             order = mx.argsort(flat)
-            x, gidx = x.flatten(0, -3)[order // k], flat[order]
+            rows = order if per_slot else order // k
+            x, gidx = x.flatten(0, -3)[rows], flat[order]
         else:
             gidx = idx
         sort = order is not None
@@ -201,8 +205,11 @@ class MoE(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         idx, w = route(self.gate(x), self.moe, self.gate.get("e_score_correction_bias"))
-        y = self.switch_mlp(x, idx)
-        y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
+        w = w[..., None].astype(x.dtype)
+        if self.moe.scale_inputs:  # Llama 4: the weight scales what each expert reads
+            y = self.switch_mlp(mx.expand_dims(x, -2) * w, idx).sum(axis=-2)
+        else:
+            y = (self.switch_mlp(x, idx) * w).sum(axis=-2)
         if "shared_expert" in self:
             y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif "shared_experts" in self:
@@ -211,19 +218,28 @@ class MoE(nn.Module):
 
 
 # ---- checkpoint layout -------------------------------------------------------------------
-def unfuse_gpt_oss_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """transformers' gpt-oss experts: `P.experts.gate_up_proj` (experts, in, 2·size) with
-    gate and up interleaved column by column, `P.experts.down_proj` (experts, size, out),
-    and their `_bias` -> our `P.switch_mlp.{gate,up,down}_proj.{weight,bias}`."""
+def _gate_and_up(w: mx.array, layout: str) -> tuple[mx.array, mx.array]:
+    if layout == "interleaved":
+        return w[..., ::2], w[..., 1::2]
+    gate, up = mx.split(w, 2, axis=-1)
+    return gate, up
+
+
+def unfuse_experts(weights: dict[str, mx.array], layout: str) -> dict[str, mx.array]:
+    """transformers' fused experts: `P.experts.gate_up_proj` (experts, in, 2·size), gate
+    and up `layout` "interleaved" column by column (gpt-oss) or "halves" (Llama 4),
+    `P.experts.down_proj` (experts, size, out), and their `_bias` -> our
+    `P.switch_mlp.{gate,up,down}_proj.{weight,bias}`."""
     out: dict[str, mx.array] = {}
     for name, w in weights.items():
         if name.endswith(".experts.gate_up_proj"):
             p = name[: -len(".experts.gate_up_proj")] + ".switch_mlp"
-            out[f"{p}.gate_proj.weight"] = mx.contiguous(w[..., ::2].swapaxes(-1, -2))
-            out[f"{p}.up_proj.weight"] = mx.contiguous(w[..., 1::2].swapaxes(-1, -2))
+            gate, up = _gate_and_up(w, layout)
+            out[f"{p}.gate_proj.weight"] = mx.contiguous(gate.swapaxes(-1, -2))
+            out[f"{p}.up_proj.weight"] = mx.contiguous(up.swapaxes(-1, -2))
         elif name.endswith(".experts.gate_up_proj_bias"):
             p = name[: -len(".experts.gate_up_proj_bias")] + ".switch_mlp"
-            out[f"{p}.gate_proj.bias"], out[f"{p}.up_proj.bias"] = w[..., ::2], w[..., 1::2]
+            out[f"{p}.gate_proj.bias"], out[f"{p}.up_proj.bias"] = _gate_and_up(w, layout)
         elif name.endswith(".experts.down_proj"):
             p = name[: -len(".experts.down_proj")] + ".switch_mlp"
             out[f"{p}.down_proj.weight"] = mx.contiguous(w.swapaxes(-1, -2))

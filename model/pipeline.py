@@ -40,6 +40,7 @@ from .config import ModelConfig, load_config
 from .errors import KVChatError, ModelLoadError
 from .files import tensor_bytes
 from .layers import make_block, make_norm
+from .mla import attention_class
 from .pipeline_link import Link, PipelineError, check_same_model, current_link, gather_ints
 from .transformer import Transformer
 from .weights import load_model, parameter_count, weight_bytes
@@ -160,7 +161,7 @@ class SliceModel(Transformer):
         if part.embed:
             self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = [
-            make_block(cfg, spec) if i in part.layers else nn.Module()
+            make_block(cfg, spec, attention_class(cfg)) if i in part.layers else nn.Module()
             for i, spec in enumerate(cfg.layers)
         ]
         if part.head:
@@ -393,7 +394,7 @@ class PipelineModel(nn.Module):
         offset = local[0].offset
         mx.eval(tokens)  # the sampled token of the previous step: not our compute time
         t0 = time.perf_counter()
-        h = self.part.run_slice(self.part.embed(tokens), local)
+        h = self.part.run_slice(self.part.embed(tokens, offset), local)
         mx.eval(h)
         ctrl = [OP_FORWARD, self._cache_id, offset, B, T, keep, DTYPES.index(h.dtype),
                 *self._bound] + [0] * self._link.size

@@ -12,6 +12,7 @@ import mlx.nn as nn
 from .cache import causal_mask, make_cache
 from .config import LayerSpec, ModelConfig
 from .layers import make_block, make_norm
+from .mla import attention_class
 
 
 def sinusoidal_positions(T: int, dims: int, offset: int | mx.array = 0) -> mx.array:
@@ -28,7 +29,9 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = [make_block(cfg, spec) for spec in cfg.layers]
+        if cfg.positions == "learned":  # GPT-2: one learned vector per position
+            self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.layers = [make_block(cfg, spec, attention_class(cfg)) for spec in cfg.layers]
         self.norm = make_norm(cfg, cfg.hidden_size)
 
 
@@ -38,19 +41,28 @@ def layer_masks(
     """One mask per distinct window among these layers (a model with sliding and global
     layers needs two), each built from the first cache of that kind (`cache[j]` belongs
     to `specs[j]`)."""
-    masks: dict[int | None, Any] = {}
+    masks: dict[Any, Any] = {}
     for j, spec in enumerate(specs):
         w = spec.window
-        if w in masks:
+        key = mask_key(spec)
+        if key in masks:
             continue
         if cache is not None and hasattr(cache[j], "make_mask"):
             # return_array named: mlx-lm's caches require it (their helper always passes it)
-            masks[w] = cache[j].make_mask(T, window_size=w, return_array=False)
+            masks[key] = cache[j].make_mask(T, window_size=w, return_array=False)
+        elif spec.chunk is not None and T > 1:  # the query's own chunk only
+            q, k = mx.arange(T)[:, None], mx.arange(T)[None]
+            masks[key] = causal_mask(T) & (q // spec.chunk == k // spec.chunk)
         elif w is not None and T > w:
-            masks[w] = causal_mask(T, window=w)
+            masks[key] = causal_mask(T, window=w)
         else:
-            masks[w] = "causal" if T > 1 else None
+            masks[key] = "causal" if T > 1 else None
     return masks
+
+
+def mask_key(spec: LayerSpec) -> tuple[int | None, int | None]:
+    """Layers with the same window and chunk share one mask."""
+    return spec.window, spec.chunk
 
 
 class Transformer(nn.Module):
@@ -72,9 +84,11 @@ class Transformer(nn.Module):
         return make_cache(self.config, max_kv_size=max_kv_size, keep=keep)
 
     def embed(self, tokens: mx.array, offset: int | mx.array = 0) -> mx.array:
-        """Token embeddings (scaled where the family asks); with 2017's sinusoidal
-        positions, plus those of positions offset, offset + 1, ..."""
+        """Token embeddings (scaled where the family asks); with learned (GPT-2) or 2017's
+        sinusoidal positions, plus those of positions offset, offset + 1, ..."""
         h = self.model.embed_tokens(tokens)
+        if self.config.positions == "learned":
+            h = h + self.model.embed_positions(offset + mx.arange(tokens.shape[1]))
         if self.config.embed_scale != 1.0:  # in the compute dtype, as the reference rounds it
             h = h * mx.array(self.config.embed_scale, dtype=h.dtype)
         if self.config.embed_norm:  # nanochat: the final norm also normalizes the embeddings
@@ -95,7 +109,8 @@ class Transformer(nn.Module):
         pending = None
         for j, i in enumerate(layers):
             c = cache[j] if cache is not None else None
-            h, pending = self.model.layers[i].deferred(h, pending, masks[cfg.layers[i].window], c)
+            h, pending = self.model.layers[i].deferred(h, pending, masks[mask_key(cfg.layers[i])],
+                                                       c)
         return h, pending
 
     def head(self, h: mx.array, pending: mx.array | None = None) -> mx.array:

@@ -19,7 +19,7 @@ from .config import FAMILIES, ModelConfig, load_config
 from .errors import ModelLoadError
 from .files import mlx_path, safetensors_header, weight_files
 from .mla import QuantizedMultiLinear, split_kv_b
-from .moe import QuantizedSwitchLinear, split_gate_up, stack_experts, unfuse_gpt_oss_experts
+from .moe import QuantizedSwitchLinear, split_gate_up, stack_experts, unfuse_experts
 from .transformer import Transformer
 
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
@@ -58,14 +58,30 @@ def our_names(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.ar
     weights = _split_fused_qkv(cfg, weights)
     if cfg.moe is None:
         return weights
-    return split_gate_up(stack_experts(unfuse_gpt_oss_experts(weights)))
+    fused = FAMILIES[cfg.model_type].moe.fused_experts  # type: ignore[union-attr]
+    return split_gate_up(stack_experts(unfuse_experts(weights, fused)))
 
 
 def _split_fused_qkv(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """GPT-NeoX's `query_key_value` holds q|k|v per head (heads, 3, head_dim) in its
-    rows: split into q_proj, k_proj, v_proj (rows, so packed quantized tensors too)."""
+    rows; GPT-2's and StarCoder's `c_attn` q, then k, then v (GPT-2 stores it (in, out)):
+    split into q_proj, k_proj, v_proj (by rows, so packed quantized tensors too)."""
+    fused = FAMILIES[cfg.model_type].fused_qkv
+    q_rows = cfg.num_attention_heads * cfg.head_dim
+    kv_rows = cfg.num_key_value_heads * cfg.head_dim
     out: dict[str, mx.array] = {}
     for name, w in weights.items():
+        if ".self_attn.c_attn." in name:
+            if fused == "conv1d" and name.endswith(".weight"):
+                w = w.T
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"),
+                                  mx.split(w, [q_rows, q_rows + kv_rows], axis=0), strict=True):
+                out[name.replace(".c_attn.", f".{proj}.")] = part
+            continue
+        if fused == "conv1d" and name.endswith(".weight") and (
+                ".self_attn.o_proj." in name or ".mlp." in name):
+            out[name] = w.T  # GPT-2's Conv1D: (in, out)
+            continue
         if ".self_attn.query_key_value." not in name:
             out[name] = w
             continue

@@ -104,6 +104,13 @@ _GRANITEMOE: dict[str, Any] = {
     "residual_multiplier": 0.22, "logits_scaling": 8.0,
 }
 _GLM: dict[str, Any] = {"head_dim": 16, "attention_bias": True}
+_LLAMA4_MLX = "mlx-lm's llama4_text is not a causal LM of its own"
+_LLAMA4: dict[str, Any] = {
+    "intermediate_size": 32, "intermediate_size_mlp": 96, "num_hidden_layers": 4,
+    "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 1,
+    "attention_chunk_size": WINDOW, "interleave_moe_layer_step": 2, "floor_scale": 8,
+    "attn_scale": 0.1,
+}
 _VISION: dict[str, Any] = {
     "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
     "image_size": 28, "patch_size": 14,
@@ -368,7 +375,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
         **{k: _MLA[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
                                 "qk_nope_head_dim", "v_head_dim", "num_key_value_heads")},
         "scale_emb": 12.0, "scale_depth": 1.4}, mlx_lm="fails",
-        note="mlx-lm needs rope_scaling (longrope)", quantize=False, seed=69),
+        note="mlx-lm needs rope_scaling", quantize=False, seed=69),
     "nanochat": FamilySpec("NanoChatForCausalLM", {"final_logit_softcapping": 8.0},
                            mlx_lm="fails", note="mlx-lm expects another nanochat layout",
                            quantize=False, seed=70),
@@ -383,6 +390,17 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
     # GPT-2 key names (n_embd, n_inner null: 4 × hidden), interleaved rotary over 8 of 16
     "gptj": FamilySpec("GPTJForCausalLM", {"num_key_value_heads": 4, "rotary_dim": 8,
                                             "n_inner": None}, seed=74),
+    # learned positions, fused c_attn (GPT-2: Conv1D, (in, out)); StarCoder 1: one K/V head
+    "gpt2": FamilySpec("GPT2LMHeadModel", {"n_inner": 96}, mlx_lm="fails",
+                       note="mlx-lm needs n_ctx", quantize=False, seed=75),
+    "gpt_bigcode": FamilySpec("GPTBigCodeForCausalLM", {"n_inner": 96}, seed=76),
+    # chunks of 16 on the RoPE layers, layer 3 NoPE + global + temperature tuning (floor
+    # 8: it bites), layers 1 and 3 MoE (top-1 sigmoid, scaled inputs, shared expert)
+    # (mlx-lm builds llama4_text only inside its multimodal llama4: it fails on both)
+    "llama4_text": FamilySpec("Llama4ForCausalLM", _LLAMA4, **_NEEDS_THETA, quantize=False,
+                              seed=77),
+    "llama4_text_classic": FamilySpec("Llama4ForCausalLM", _LLAMA4, rope_form="classic",
+                                      mlx_lm="fails", note=_LLAMA4_MLX, seed=77),
     # llama3-scaled RoPE (original context 32: the blend bites)
     "apertus": FamilySpec("ApertusForCausalLM", {"head_dim": 16, "rope_parameters": {
         "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
@@ -908,7 +926,8 @@ def test_latent_cache_holds_the_latent_and_says_what_it_saves(
     assert out["live"]["equal"] and out["layer_kinds"][0]["kind"] == "latent"
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe_lite"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe_lite",
+                                  "gpt_oss", "gpt2", "llama4_text"])
 def test_compiled_step_serves_moe_and_latent_models(
     name: str, family: Callable[[str], Path]
 ) -> None:

@@ -244,7 +244,8 @@ def _render(o: dict[str, Any]) -> str:
         lines.insert(1, f"note: {o['note']}")
     if sliding:
         for k in o["layer_kinds"]:
-            what = "global" if k["window"] is None else f"sliding (window {k['window']:,})"
+            what = ("global" if k["window"] is None else f"chunked (chunk {k['window']:,})"
+                    if k["kind"] == "chunked" else f"sliding (window {k['window']:,})")
             lines.append(f"  {k['layers']} {what} layers: {k['tokens']:,} tokens each,"
                          f" {_b(k['bytes'])}")
         lines.append(
