@@ -15,7 +15,7 @@ columns of the largest weight) and on how many cores are free right now: below
 `MIN_WORK_PER_THREAD`, capped at the cores this process may run on minus the other
 programs running at this instant (`/proc/loadavg`'s runnable count, read per call: a
 second thread on a core another program holds waits a whole time slice, measured at
-4-10x slower than one thread on this project's shared 2-core machine).
+2-10x slower than one thread on this project's shared 2-core machine).
 `KVCHAT_THREADS` (or the settings entry `threads`) fixes the count for every call
 instead ("auto" keeps the table).
 
@@ -37,7 +37,7 @@ _SOURCE_ENV = "KVCHAT_THREADS_FROM"  # so the child's label names the parent's s
 AUTO = "auto"
 # multiply-adds of one matmul per thread. From the matmul timings in README ("Fast by
 # default", 2 cores): a decode step (1 × 576 × 1536 = 8.8e5) gains little from a second
-# thread even on free cores, and on busy ones every shape up to 4.5e8 ran 3-10x slower
+# thread even on free cores, and on busy ones every shape up to 4.5e8 ran 2-10x slower
 # with two. 1e8 (a few ms per thread, OpenBLAS's own order of magnitude; no idle machine
 # was available to measure the crossover) keeps kvchat-mini and stories260K on one
 # thread for every call; a 135M-class model's chunks of >= 227 tokens (2e8) may use two.

@@ -122,3 +122,19 @@ def test_bench_chat_runs_both_sides(stories260k: Path, capsys) -> None:
         assert [row["tokens"] for row in r[side]] == [48]
         assert r[side][0]["decode_tps"] > 0
     assert r["ratio_runs"] == [r["chat"][0]["decode_tps"] / r["generate"][0]["decode_tps"]]
+    assert r["ratio_of"] == "chat ÷ generate" and r["chat_mode"] == "headless app (Pilot)"
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_bench_chat_drives_the_real_app_in_tmux(stories260k: Path, capsys) -> None:
+    """`bench_chat --tmux`: the real app in a real terminal answers the typed prompt with
+    exactly --tokens tokens, and reports the UI process's CPU time over the reply."""
+    from kvchat.app.tui import bench_chat
+
+    assert bench_chat.main(["--model", str(stories260k), "--tokens", "48", "--runs", "1",
+                            "--tmux", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["chat_mode"] == "real app in tmux"
+    chat = r["chat"][0]
+    assert chat["tokens"] == r["generate"][0]["tokens"] == 48 and chat["decode_tps"] > 0
+    assert 0 <= chat["ui_cpu_s"] and chat["reply_s"] > 0

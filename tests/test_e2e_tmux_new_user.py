@@ -85,7 +85,8 @@ def test_footer_at_80_columns_and_ctrl_c_stops(tmp_path: Path) -> None:
             timeout=90)
         footer = screen.splitlines()[-1]
         assert footer.rstrip().endswith("^p palette"), repr(footer)  # no stray letter after
-        tmux("send-keys", "-t", "chat", "-l", "Once upon a time")
+        # "One day": a greedy reply of 857 tokens, so Ctrl+C lands while it streams
+        tmux("send-keys", "-t", "chat", "-l", "One day")
         tmux("send-keys", "-t", "chat", "Enter")
         tmux.wait_screen("chat", lambda s: "generating…" in s, timeout=60)
         tmux("send-keys", "-t", "chat", "C-c")

@@ -183,6 +183,11 @@ def test_version_names_the_policy(capsys: pytest.CaptureFixture[str],
         main(["--version"])
     assert e.value.code == 0
     assert "threads: 1 fixed (KVCHAT_THREADS)" in capsys.readouterr().out
+    monkeypatch.setenv(threads.ENV, "none")  # unusable: a usage error, exit 2, one line
+    threads._blas._set = None
+    assert main(["--version"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "threads must be 'auto'" in err[0]
 
 
 def test_thread_table_columns_and_auto_vs_best(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -214,3 +219,35 @@ def test_thread_table_columns_and_auto_vs_best(monkeypatch: pytest.MonkeyPatch) 
                       "models": {"mini": rows}})
     assert "auto÷best" in text and "1 thr" in text and "0.94" in text and "0.98" in text
     assert "one core busy (yes > /dev/null)" in text
+
+
+def test_ui_process_yields_to_the_engine() -> None:
+    """`yield_to_engine` nices every thread of the UI process (Linux niceness is per
+    thread), once; run in a child so this test process keeps its priority."""
+    import os
+    import sys
+
+    if not hasattr(os, "setpriority") or not os.path.isdir("/proc/self/task"):
+        pytest.skip("per-thread niceness is Linux's")
+    code = """
+import os, threading, json
+from kvchat.app.tui import app
+ev = threading.Event()
+t = threading.Thread(target=ev.wait, daemon=True)
+t.start()
+def nice():
+    return sorted(os.getpriority(os.PRIO_PROCESS, int(x)) for x in os.listdir("/proc/self/task"))
+before = nice()
+app.yield_to_engine()
+app.yield_to_engine()  # once only
+print(json.dumps([before, nice()]))
+"""
+    out = processes.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=120, check=True).stdout
+    import json
+
+    from kvchat.app.tui.app import UI_NICE
+
+    before, after = json.loads(out.strip().splitlines()[-1])
+    assert len(before) >= 2 and len(after) == len(before)
+    assert after == [min(19, n + UI_NICE) for n in before]

@@ -13,7 +13,7 @@ all columns alike; the median of --runs rounds is printed. The last column says 
 The machine's load average is printed beside each block: on a shared machine say so.
 
 Models: `mini` the shipped kvchat-mini (4-bit, dequantized to float32 as the engine
-does), `stories` stories260K (/work/shared/models/stories260K or --stories DIR), `135m`
+does), `stories` stories260K (the checkout's tests/models copy, or --stories DIR), `135m`
 a random float32 model of SmolLM-135M's shape (speed only; the weights do not matter).
 """
 
@@ -28,12 +28,14 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from kvchat.app.core import blas
 from kvchat.app.core.discovery import DEFAULT_MODEL
 
-STORIES = "/work/shared/models/stories260K"
+# the checkout's copy (tests/models, MIT, with provenance); --stories for another
+STORIES = str(Path(__file__).resolve().parents[2] / "tests" / "models" / "stories260K")
 SMOL_135M = {  # HuggingFaceTB/SmolLM-135M's config.json, the parts that shape the model
     "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
     "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,

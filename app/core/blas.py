@@ -197,10 +197,7 @@ def version_text() -> str:
     from kvchat.model import threads
 
     if not threads.bound():  # --version runs before main() configures the policy
-        try:
-            threads.configure(None, active_blas()["path"])
-        except threads.ThreadsError as e:
-            return f"kvchat {__version__}\n{e}"
+        threads.configure(None, active_blas()["path"])  # a bad KVCHAT_THREADS: ThreadsError
     return (f"kvchat {__version__}\nmlx {mx.__version__} on {mx.default_device()}\n"
             f"BLAS: {describe()}\nthreads: {threads.describe()}")
 
@@ -213,5 +210,11 @@ class VersionAction(argparse.Action):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
-        print(version_text())
+        from kvchat.model.threads import ThreadsError
+
+        try:
+            text = version_text()
+        except ThreadsError as e:
+            parser.error(str(e))  # a usage error: one line, exit 2
+        print(text)
         parser.exit()

@@ -10,8 +10,10 @@ prompt is typed with send-keys, and the app writes its reply's Done stats to a f
 Without --tmux the app runs headless under Textual's Pilot (layout and Markdown work,
 no terminal output). Both sides get the same conversation and GenParams (greedy, EOS
 ignored so the reply has exactly --tokens tokens). Reported per run: decode tok/s as the
-engine measured it, and the rate over each quarter of the reply (flat means render work
-does not grow with the reply's length).
+engine measured it, the rate over each quarter of the reply (flat means render work
+does not grow with the reply's length) and, with --tmux, the CPU time the UI process
+used while the reply streamed (what it took from the engine's cores, a number the
+machine's load moves far less than tok/s).
 """
 
 from __future__ import annotations
@@ -115,8 +117,17 @@ def serve_app(model: str, tokens: int, result: str) -> int:
     from kvchat.app.core.settings import Settings
     from kvchat.app.tui.app import KVChatApp
 
-    stamps: list[float] = []
     out = Path(result)
+
+    class Stamps(list):  # token arrival times, and this process's CPU time at the first
+        cpu0 = 0.0
+
+        def append(self, t: float) -> None:
+            if not self:
+                self.cpu0 = time.process_time()
+            super().append(t)
+
+    stamps = Stamps()
 
     def on_loaded() -> None:
         Path(f"{result}.ready").write_text("1")
@@ -124,9 +135,14 @@ def serve_app(model: str, tokens: int, result: str) -> int:
     class Watch(list):  # Done arrives on the engine's reader thread: write the file there
         def append(self, done: Done) -> None:
             super().append(done)
+            # the UI process's CPU seconds (all its threads) while the reply streamed:
+            # what it took from the cores the engine needs, whatever the machine's load
+            ui_cpu = time.process_time() - stamps.cpu0
             out.write_text(json.dumps({"decode_tps": done.stats.decode_tps,
                                        "tokens": len(done.ids),
-                                       "quarters": _quarters(stamps)}))
+                                       "quarters": _quarters(stamps),
+                                       "ui_cpu_s": ui_cpu,
+                                       "reply_s": stamps[-1] - stamps[0] if stamps else 0.0}))
 
     factory = _factory(tokens, False, stamps, Watch(), on_loaded)
     app = KVChatApp(model, Settings(restore_session=False), engine_factory=factory)
@@ -158,7 +174,9 @@ def run_chat_tmux(model: str, tokens: int, size: tuple[int, int] = (120, 40),
         result = Path(tmp) / "done.json"
         cmd = shlex.join([sys.executable, "-m", "kvchat.app.tui.bench_chat", "--serve-app",
                           str(result), "--model", model, "--tokens", str(tokens)])
-        env = f"KVCHAT_CONFIG_DIR={shlex.quote(tmp)} TERM=xterm-256color"
+        # settings and saved chats in the temporary folder: the user's stay untouched
+        env = (f"KVCHAT_CONFIG_DIR={shlex.quote(tmp)} KVCHAT_DATA_DIR={shlex.quote(tmp)}"
+               " TERM=xterm-256color")
         tmux("new-session", "-d", "-s", "bench", "-x", str(size[0]), "-y", str(size[1]),
              f"env {env} {cmd} 2>{shlex.quote(tmp)}/stderr")
         try:
@@ -207,6 +225,26 @@ def main(argv: list[str] | None = None) -> int:
     threads.configure(None, blas.active_blas()["path"])
     if a.serve_app:
         return serve_app(a.model, a.tokens, a.serve_app)
+    import shutil
+    import tempfile
+
+    scratch = tempfile.mkdtemp(prefix="kvchat-bench-chat-")
+    saved = {k: os.environ.get(k) for k in ("KVCHAT_CONFIG_DIR", "KVCHAT_DATA_DIR")}
+    os.environ.update(dict.fromkeys(saved, scratch))  # the benchmark's chats: not the user's
+    try:
+        return _compare(a)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _compare(a: argparse.Namespace) -> int:
+    from kvchat.model import threads
+
     run_generate(a.model, 16)  # warm-up (page cache, imports)
     rows: dict[str, list[dict[str, Any]]] = {"generate": [], "chat": []}
     for _ in range(a.runs):  # interleaved: generate, chat, generate, chat, …
@@ -228,8 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     for side in ("generate", "chat"):
         for r in rows[side]:
             qs = " ".join(f"{q:.0f}" for q in r["quarters"])
+            ui = (f"  UI process CPU {r['ui_cpu_s']:.2f} s over {r['reply_s']:.2f} s"
+                  f" ({r['ui_cpu_s'] / r['reply_s']:.0%} of a core)"
+                  if r.get("reply_s") else "")
             print(f"{side:9} {r['tokens']} tokens  decode {r['decode_tps']:.1f} tok/s"
-                  f"  by quarter: {qs}")
+                  f"  by quarter: {qs}{ui}")
     print(f"{RATIO} decode tok/s per pair: " + ", ".join(f"{x:.2f}" for x in ratios)
           + f"  (median {result['ratio_median']:.2f})")
     return 0
