@@ -34,16 +34,17 @@ async def screenshot() -> str:
         await wait_for(pilot, lambda: bool(app.chat.model_info), timeout=120)
         await turn(pilot, "Tell me a story about a robot.")
         app.chat.settings.max_tokens = 400
-        app.chat.input.load_text("What did the robot learn?")
+        app.chat.input.load_text("Tell me another story.")
         press_now(app, "enter", "\r")
         await wait_for(pilot, lambda: busy(app))
         while busy(app) and len(replies(app)[-1].content) < 120:
             await asyncio.sleep(0.005)
+        await asyncio.sleep(0.5)  # the streamed text and the panel on screen
+        # the footer recomposes for the new phase's keys: caught laid out, not half-way
+        await wait_for(pilot, lambda: len(keys := app.chat.query("FooterKey")) > 5
+                       and all(k.region.width for k in keys))
         if not busy(app):
             raise SystemExit("the reply ended before the screenshot; run it again")
-        await asyncio.sleep(0.15)  # one panel refresh
-        # the footer recomposes when the phase changes its keys: not caught half-way
-        await wait_for(pilot, lambda: len(app.screen.query("FooterKey")) > 5)
         svg = app.export_screenshot(title="kvchat")
         await pilot.press("escape")
         await wait_for(pilot, lambda: not busy(app))

@@ -16,6 +16,7 @@ import pytest
 
 from kvchat.app.core.store import ChatBusy, Conversation, ConversationStore
 from kvchat.app.tui.session import SessionState, save_session
+from tests import processes
 from tests.scripted_engine import async_test, record_notifications, wait_for
 
 from .conftest import REPO_ROOT
@@ -58,19 +59,15 @@ def test_the_lock_dies_with_its_process(tmp_path: Path) -> None:
     code = ("import sys, time; from kvchat.app.core.store import ConversationStore as S;"
             f"s = S({str(tmp_path)!r}); assert s.claim({conv.id!r}); print('held', flush=True);"
             " time.sleep(60)")
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                         cwd=REPO_ROOT, start_new_session=True)
-    try:
-        assert p.stdout is not None and p.stdout.readline().strip() == "held"
-        store = ConversationStore(tmp_path)
-        assert store.busy(conv.id)
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait(10)
-        assert store.claim(conv.id)  # no stale lock after a crash
-    finally:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGKILL)
-            p.wait(10)
+    # its own process group, killed when the test ends if it is still running
+    p = processes.popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                        cwd=REPO_ROOT)
+    assert p.stdout is not None and p.stdout.readline().strip() == "held"
+    store = ConversationStore(tmp_path)
+    assert store.busy(conv.id)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(10)
+    assert store.claim(conv.id)  # no stale lock after a crash
 
 
 @async_test

@@ -73,7 +73,7 @@ def low_contrast(app: KVChatApp, scene: str, checked: list[str]) -> list[str]:
     screen = app.screen
     dialogs = list(screen.query(".dialog")) or list(screen.query("#--container"))
     area: Region | None = dialogs[0].region if dialogs else None
-    inactive = [w.region for w in screen.query("FooterKey.-disabled")]
+    inactive = [w.region for w in app.chat.query("FooterKey.-disabled")]
     bad = []
     for text, fg, bg, col, row in text_runs(app.export_screenshot()):
         if area is not None and not area.contains(col, row):
@@ -101,6 +101,9 @@ async def test_every_text_reaches_4_5_to_1(env: Path, theme: str) -> None:
         if key:
             await pilot.press(key)
         await pilot.pause(settle)
+        # the footer recomposes when the keys change: read it whole, with its inactive
+        # (greyed) keys known, not half-way
+        await wait_for(pilot, lambda: len(app.chat.query("FooterKey")) > 3)
         bad.extend(low_contrast(app, name, checked))
 
     async with app.run_test(size=(120, 40), notifications=True) as pilot:

@@ -20,6 +20,7 @@ from kvchat.app.core.settings import Settings, load_settings, remember_model, sa
 from kvchat.app.core.store import Conversation, ConversationStore, atomic_write_text
 from kvchat.app.tui.session import SessionState, load_session, save_session
 from kvchat.model.files import BadJSONFile, load_json
+from tests import processes
 
 CHAT = Conversation(id="20260101-000000-abcdef").to_dict()
 
@@ -191,7 +192,6 @@ def test_history_names_a_skipped_chat_file(tmp_path: Path, monkeypatch: pytest.M
 def test_every_command_starts_with_a_bad_settings_file(tmp_path: Path, kind: str) -> None:
     """A FIFO (it used to hang every command), 100,000 levels (a RecursionError before
     anything started) or a lone surrogate: one warning naming the file, exit 0."""
-    import subprocess
     import sys
 
     from .conftest import REPO_ROOT
@@ -199,9 +199,9 @@ def test_every_command_starts_with_a_bad_settings_file(tmp_path: Path, kind: str
     cfg = tmp_path / "config"
     cfg.mkdir()
     BAD[kind](cfg / "settings.json", {"temp": 0.5})
-    r = subprocess.run([sys.executable, "-m", "kvchat.app", "models"], capture_output=True,
-                       text=True, cwd=REPO_ROOT, timeout=60,
-                       env={**os.environ, "KVCHAT_CONFIG_DIR": str(cfg),
+    r = processes.run([sys.executable, "-m", "kvchat.app", "models"], capture_output=True,
+                      text=True, cwd=REPO_ROOT, timeout=60,
+                      env={**os.environ, "KVCHAT_CONFIG_DIR": str(cfg),
                             "KVCHAT_DATA_DIR": str(tmp_path / "data")})
     assert r.returncode == 0, r.stderr
     warn = [ln for ln in r.stderr.splitlines() if "settings.json" in ln]

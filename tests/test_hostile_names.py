@@ -17,7 +17,7 @@ import pytest
 from kvchat.app.core.text import clipboard_text, literal, visible, visible_name
 from kvchat.model.errors import ModelLoadError
 from kvchat.model.weights import load_model
-from tests import test_tui_app
+from tests import processes, test_tui_app
 from tests.scripted_engine import async_test
 
 from .conftest import REPO_ROOT
@@ -58,13 +58,12 @@ def test_listing_shows_odd_names_and_never_breaks(tmp_path: Path) -> None:
 
 def test_models_json_with_a_non_utf8_name_is_valid_utf8_json(tmp_path: Path) -> None:
     import json
-    import subprocess
     import sys
 
     shutil.copytree(MINI, tmp_path / "models" / os.fsdecode(b"m\xffx"))
-    r = subprocess.run([sys.executable, "-m", "kvchat.app", "models", "--json", "--dir",
+    r = processes.run([sys.executable, "-m", "kvchat.app", "models", "--json", "--dir",
                         str(tmp_path / "models")], capture_output=True, cwd=REPO_ROOT,
-                       env={**os.environ, "KVCHAT_CONFIG_DIR": str(tmp_path / "c")}, timeout=60)
+                      env={**os.environ, "KVCHAT_CONFIG_DIR": str(tmp_path / "c")}, timeout=60)
     assert r.returncode == 0, r.stderr
     names = [m["name"] for m in json.loads(r.stdout.decode("utf-8"))["models"]]
     assert "m\ufffdx" in names

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvchat.app.core.hosts import HostsError, check_hosts, read_hostfile
+from tests import processes
 
 from .conftest import REPO_ROOT
 
@@ -66,7 +66,7 @@ def test_remote_host_checked_over_ssh(tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_cli_says_it_in_one_line_before_starting_ranks(tmp_path: Path) -> None:
     t0 = time.monotonic()
-    r = subprocess.run(
+    r = processes.run(
         [sys.executable, "-m", "kvchat.app", "--hosts",
          str(_hostfile(tmp_path, 2, {1: str(tmp_path / "nowhere")})), "--model", str(MINI)],
         capture_output=True, text=True, cwd=REPO_ROOT, timeout=60,

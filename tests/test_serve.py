@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -25,6 +24,7 @@ from typing import Any
 import pytest
 
 from kvchat.app.serve.process import ServerProcess, free_port
+from tests import processes
 
 from .conftest import REPO_ROOT
 
@@ -92,7 +92,7 @@ def server(model_dir: Path, other_models: Path) -> Iterator[Server]:
 
 def generate(model: Path, prompt: str, max_tokens: int, *, raw: bool = False) -> dict:
     args = ["--raw"] if raw else ["--system", SYSTEM]
-    r = subprocess.run(
+    r = processes.run(
         [sys.executable, "-m", "kvchat.app", "generate", "--model", str(model), *args,
          "--prompt", prompt, "--max-tokens", str(max_tokens), "--json"],
         capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
@@ -398,8 +398,8 @@ def test_cors_only_for_the_allowed_origin(server: Server) -> None:
 
 
 def test_non_loopback_host_needs_a_key() -> None:  # checked before any model loads
-    r = subprocess.run([sys.executable, "-m", "kvchat.app", "serve", "--host", "0.0.0.0"],
-                       capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
+    r = processes.run([sys.executable, "-m", "kvchat.app", "serve", "--host", "0.0.0.0"],
+                      capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "--api-key" in r.stderr
 

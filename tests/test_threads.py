@@ -11,6 +11,7 @@ import pytest
 
 from kvchat.model import threads
 from kvchat.model.threads import MIN_WORK_PER_THREAD, Policy
+from tests import processes
 
 # kvchat-mini: hidden 192, MLP 512; SmolLM-135M: hidden 576, MLP 1536 (their config.json)
 MINI = (192, 512)
@@ -117,7 +118,6 @@ def test_apply_reaches_openblas() -> None:
     OpenBLAS's own count (read back with its getter)."""
     import json
     import os
-    import subprocess
     import sys
 
     from kvchat.app.core import blas
@@ -129,8 +129,8 @@ def test_apply_reaches_openblas() -> None:
     env = {**os.environ, "LD_PRELOAD": str(lib)}
     if lib_dir is not None:
         env["LD_LIBRARY_PATH"] = str(lib_dir)
-    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
-                         text=True, timeout=120, check=True).stdout
+    out = processes.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
+                        text=True, timeout=120, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     assert r["bound"] is True
     assert r["calls"] == [[1, 1], [2, 2], [1, 1]]
@@ -225,7 +225,6 @@ def test_ui_process_yields_to_the_engine() -> None:
     """`yield_to_engine` nices every thread of the UI process (Linux niceness is per
     thread), once; run in a child so this test process keeps its priority."""
     import os
-    import subprocess
     import sys
 
     if not hasattr(os, "setpriority") or not os.path.isdir("/proc/self/task"):
@@ -243,8 +242,8 @@ app.yield_to_engine()
 app.yield_to_engine()  # once only
 print(json.dumps([before, nice()]))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True).stdout
+    out = processes.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=120, check=True).stdout
     import json
 
     from kvchat.app.tui.app import UI_NICE

@@ -155,7 +155,6 @@ class KVChatApp(SafeNotify, App[int]):
         switch = self.chat.switch_kernels  # the engine switches where the model runs
         yield from (SystemCommand(*c) for c in metal_kernels.switch_commands(switch))
 
-
     def take_screenshot(self) -> Path | None:
         """An SVG of the screen in <data dir>/screenshots (else the current folder); the
         path is shown."""
