@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvchat.app.core import blas
-from kvchat.app.core.errors import UsageError, report, report_exception
+from kvchat.app.core.errors import UsageError, interrupted, report, report_exception
 
 COMMANDS = {
     "generate": "generate one reply on the command line",
@@ -97,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())  # Python's final flush must not fail again
         return 141
     except Exception as e:  # a bug: still one line unless KVCHAT_DEBUG=1
+        if interrupted(e):
+            return 130
         report_exception(e)
         return 1
 

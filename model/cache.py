@@ -474,7 +474,7 @@ class RotatingKVCache(_Buffers):
 
     def write_slot(self) -> int:
         """The slot the next token will be written to (past the end: the oldest ring entry)."""
-        return self._slot(self.offset)
+        return self.slot_for(self.offset)
 
     # ---- writes ---------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buf, Buf]:

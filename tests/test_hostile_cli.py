@@ -310,3 +310,22 @@ def test_inspect_refuses_negative_sizes_naming_the_key(tmp_path: Path, capsys: A
     assert main(["inspect", "--config", str(f)]) == 1
     out, err = capsys.readouterr()
     assert "num_key_value_heads" in one_line(err.encode()) and "-" not in out
+
+
+def test_an_error_caused_by_ctrl_c_counts_as_ctrl_c() -> None:
+    """nanobind turns a Ctrl+C during MLX's module init into ImportError("Encountered an
+    error while initializing the extension.") raised from the KeyboardInterrupt: exit 130,
+    not an error line (seen once in CI at a 0.02 s interrupt)."""
+    from kvchat.app.core.errors import interrupted
+
+    def init() -> None:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as k:
+            raise ImportError("Encountered an error while initializing the extension.") from k
+
+    with pytest.raises(ImportError) as caught:
+        init()
+    assert interrupted(caught.value)
+    assert not interrupted(ImportError("no module named x"))
+    assert not interrupted(ValueError("x"))

@@ -369,6 +369,9 @@ async def test_settings_errors_use_labels_and_folders_theme_restore_are_saved(
         extra.mkdir()
         monkeypatch.chdir(env)
         screen.query_one("#new_dir", Input).value = "more-models"
+        add = screen.query_one("#add_dir", Button)
+        add.scroll_visible(animate=False)  # the form is taller than the window
+        await pilot.pause()
         await pilot.click("#add_dir")
         dirs = screen.query_one("#model_dirs", OptionList)
         assert dirs.option_count == 2

@@ -10,7 +10,7 @@ import traceback
 from typing import Any
 
 from kvchat.app.core.discovery import DEFAULT_MODEL
-from kvchat.app.core.errors import UsageError, debug, report
+from kvchat.app.core.errors import UsageError, debug, interrupted, report
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
 from kvchat.app.core.text import SafeStream
 from kvchat.model.client import EngineClient
@@ -197,9 +197,12 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         done = Done("cancelled", "", [], [])
     except Exception as e:  # a bug: still one line (a traceback with KVCHAT_DEBUG=1)
-        if debug():
-            traceback.print_exc()
-        done, rc = error_done(error_line(e)), 1
+        if interrupted(e):
+            done = Done("cancelled", "", [], [])
+        else:
+            if debug():
+                traceback.print_exc()
+            done, rc = error_done(error_line(e)), 1
     if done.finish_reason == "cancelled":
         rc = 130
     elif done.finish_reason == "error" and rc == 0:

@@ -13,6 +13,19 @@ class UsageError(KVChatError):
     """A command line or option value we cannot use: exit status 2, whichever command."""
 
 
+def interrupted(e: BaseException) -> bool:
+    """Whether Ctrl+C caused `e`: a native extension interrupted while it initialises
+    (MLX's nanobind module) raises ImportError from the KeyboardInterrupt."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        if isinstance(x, KeyboardInterrupt):
+            return True
+        seen.add(id(x))
+        x = x.__cause__ or x.__context__
+    return False
+
+
 def debug() -> bool:
     return os.environ.get("KVCHAT_DEBUG") == "1"
 
