@@ -75,7 +75,9 @@ def model_fingerprint(folder: str | os.PathLike[str]) -> str:
                 h.update(str(size).encode() + b"\0")
                 if f.suffix == ".safetensors":
                     head = fh.read(8)
-                    n = int.from_bytes(head, "little") if len(head) == 8 else 0
+                    # a header length past the file's end (a file changed since it
+                    # loaded) must not reach seek(), which overflows past 2**63
+                    n = min(int.from_bytes(head, "little"), size) if len(head) == 8 else 0
                     h.update(head + fh.read(min(n, 100 * 1024 * 1024)))
                     for at in (8 + n, (8 + n + size) // 2, max(8 + n, size - SAMPLE)):
                         fh.seek(at)

@@ -329,14 +329,14 @@ def folder_fingerprint(folder: Path) -> tuple[int, bytes, bytes]:
             size = f.stat().st_size
             w.update(f"{f.name}:{size}".encode())
             with open(f, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
+                n = min(int.from_bytes(fh.read(8), "little"), max(size - 8, 0))
                 w.update(fh.read(n))
                 if size <= FULL_HASH_BYTES:
                     for block in iter(lambda: fh.read(BLOCK), b""):
                         w.update(block)
                 else:
                     for i in range(SAMPLE_BLOCKS):
-                        fh.seek(8 + n + (size - 8 - n - BLOCK) * i // (SAMPLE_BLOCKS - 1))
+                        fh.seek(8 + n + max(size - 8 - n - BLOCK, 0) * i // (SAMPLE_BLOCKS - 1))
                         w.update(fh.read(BLOCK))
         return 0, c, w.digest()
     except (OSError, ValueError, KVChatError):
