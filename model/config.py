@@ -92,7 +92,10 @@ def _no_rope_layers(cfg: dict[str, Any], n: int) -> list[int]:
 class MoeFamily:
     """How one family routes tokens to experts (see moe.py) and which config keys say so."""
 
-    score: str = "softmax"  # router scores: "softmax" | "sigmoid" (DeepSeek-V3)
+    # router scores: "softmax" | "sigmoid" (DeepSeek-V3) | "sparsemixer" (Phi-MoE: each
+    # pick a softmax over the experts still within router_jitter_noise of the best, see
+    # moe.route)
+    score: str = "softmax"
     # grouped top-k: experts split in n_group groups, only the topk_group best groups
     # compete; a group's score is its best expert ("max", V2) or its best two ("top2", V3)
     group_score: str | None = None
@@ -137,6 +140,7 @@ class MoeConfig:
     expert_bias: bool = False
     clamped_swiglu: tuple[float, float] | None = None  # (alpha, limit)
     scale_inputs: bool = False
+    jitter_eps: float = 0.0  # sparsemixer: router_jitter_noise
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,7 @@ class Family:
     # "plain": down(act(up)) (see PlainMLP)
     mlp: str = "gated"
     head_bias: bool = False  # the LM head has a bias (Phi-2)
+    head_bias_key: str | None = None  # or when this config flag is true (Phi-MoE)
     logit_scale: bool = False  # Cohere: logits × logit_scale
     embed_norm: bool = False  # nanochat: the embeddings pass through the final norm first
     # MiniCPM3: embeddings × scale_emb, each branch × scale_depth / √layers
@@ -534,7 +539,15 @@ FAMILIES: dict[str, Family] = {
     # ---- mixtures of experts (moe.py)
     "mixtral": Family(
         qkv_bias=False, o_bias=False,
-        moe=MoeFamily(expert_size_key="intermediate_size", norm_topk_always=True),
+        moe=MoeFamily(score="sparsemixer", expert_size_key="intermediate_size"),
+        renames=((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
+                 (".w2.", ".down_proj."), (".w3.", ".up_proj.")),
+        defaults={"rope_theta": 1e6},
+    ),
+    # Phi-3.5-MoE: Mixtral's layout, LayerNorms, and the sparse mixer's routing
+    "phimoe": Family(
+        norm="layer", head_bias_key="lm_head_bias",
+        moe=MoeFamily(score="sparsemixer", expert_size_key="intermediate_size"),
         renames=((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
                  (".w2.", ".down_proj."), (".w3.", ".up_proj.")),
         defaults={"rope_theta": 1e6},
@@ -666,6 +679,15 @@ class RopeConfig:
                 f"config.json: {key} of type longrope needs short_factor and long_factor"
             )
         theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        attention_factor = params.get("attention_factor")
+        if "short_mscale" in params or "long_mscale" in params:
+            # Phi-MoE: cos/sin × short_mscale within the original context, else × long_mscale
+            mscales = {params.get("short_mscale"), params.get("long_mscale")}
+            if len(mscales) != 1 or not isinstance(m := mscales.pop(), (int, float)):
+                raise ConfigError(
+                    f"config.json: {key}: short_mscale and long_mscale must be one number"
+                    f" (got {params.get('short_mscale')!r}, {params.get('long_mscale')!r})")
+            attention_factor = float(m)
         return cls(
             theta=float(theta),
             type=rope_type,
@@ -679,7 +701,7 @@ class RopeConfig:
             beta_slow=float(params.get("beta_slow") or 1.0),
             mscale=params.get("mscale"),
             mscale_all_dim=params.get("mscale_all_dim"),
-            attention_factor=params.get("attention_factor"),
+            attention_factor=attention_factor,
             truncate=bool(params.get("truncate", True)),
             short_factor=None if short is None else tuple(float(x) for x in short),
             long_factor=None if long is None else tuple(float(x) for x in long),
@@ -949,6 +971,9 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
         raise ConfigError(
             f"config.json: {spec.top_k_key} ({top_k}) exceeds the {experts} experts"
         )
+    if spec.score == "sparsemixer" and top_k != 2:  # transformers' mixer always picks two
+        raise ConfigError(f"config.json: the sparse mixer routes each token to 2 experts;"
+                          f" {spec.top_k_key} is {top_k}")
     groups, topk_groups = 1, 1
     grouped = spec.group_score is not None and (
         spec.group_key is None or cfg.get(spec.group_key) == "group_limited_greedy"
@@ -976,6 +1001,7 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
         expert_bias=spec.expert_bias,
         clamped_swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)))
         if spec.clamped_swiglu else None, scale_inputs=spec.scale_inputs,
+        jitter_eps=_sparsemixer_eps(cfg) if spec.score == "sparsemixer" else 0.0,
     )
     if spec.sparse_layers == "step":
         step = _positive(cfg, "decoder_sparse_step", 1)
@@ -1003,6 +1029,14 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
     else:
         sparse = [True] * n
     return moe, sparse
+
+
+def _sparsemixer_eps(cfg: dict[str, Any]) -> float:
+    eps = cfg.get("router_jitter_noise", 0.01)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
+        raise ConfigError(f"config.json: router_jitter_noise must be a number in [0, 1),"
+                          f" got {eps!r}")
+    return float(eps)
 
 
 def _mla(cfg: dict[str, Any]) -> MlaConfig:
@@ -1085,7 +1119,8 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
         "qk_norm": fam.qk_norm if fam.qk_norm_flag is None or cfg.get(fam.qk_norm_flag)
         else None,
         "fused_proj": fam.fused_proj, "rope_traditional": fam.rope_traditional,
-        "mlp": fam.mlp, "lm_head_bias": fam.head_bias, "embed_norm": fam.embed_norm,
+        "mlp": fam.mlp, "lm_head_bias": fam.head_bias
+        or bool(fam.head_bias_key and cfg.get(fam.head_bias_key)), "embed_norm": fam.embed_norm,
         "rope_negative": fam.rope_negative, "attention_sinks": fam.attention_sinks,
         "positions": fam.positions,
     }

@@ -35,6 +35,8 @@ def route(logits: mx.array, moe: MoeConfig, bias: mx.array | None = None
     softmax or sigmoid scores; `bias` (DeepSeek-V3's score correction) shifts the choice
     but not the weights; grouped top-k keeps only the `topk_groups` best groups of
     experts; weights renormalised over the chosen k when asked, then scaled."""
+    if moe.score == "sparsemixer":
+        return _sparsemixer(logits.astype(mx.float32), moe.top_k, moe.jitter_eps)
     scores = logits.astype(mx.float32)
     scores = mx.softmax(scores, axis=-1) if moe.score == "softmax" else mx.sigmoid(scores)
     choice = scores if bias is None else scores + bias.astype(mx.float32)
@@ -60,6 +62,24 @@ def route(logits: mx.array, moe: MoeConfig, bias: mx.array | None = None
     if moe.scaling != 1.0:
         w = w * moe.scaling
     return idx, w
+
+
+def _sparsemixer(logits: mx.array, k: int, eps: float) -> tuple[mx.array, mx.array]:
+    """Phi-MoE's routing at inference (transformers' `sparsemixer`, eval mode): pick the
+    best remaining expert; its weight is its softmax among the experts whose logit is
+    within a relative 2·eps of the pick's ((pick − l) / max(|l|, pick) ≤ 2·eps, measured
+    on the raw logits); then mask the pick out and repeat, k times."""
+    remaining = logits
+    picks, weights = [], []
+    for _ in range(k):
+        best = remaining.max(axis=-1, keepdims=True)
+        idx = mx.argmax(remaining, axis=-1, keepdims=True)
+        far = (best - logits) / mx.maximum(mx.abs(logits), best) > 2 * eps
+        gates = mx.softmax(mx.where(far, -mx.inf, remaining), axis=-1)
+        picks.append(idx)
+        weights.append(mx.take_along_axis(gates, idx, axis=-1))
+        remaining = mx.put_along_axis(remaining, idx, mx.array(-mx.inf), axis=-1)
+    return mx.concatenate(picks, axis=-1), mx.concatenate(weights, axis=-1)
 
 
 class BiasedGate(nn.Module):

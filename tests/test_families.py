@@ -66,6 +66,8 @@ LONGROPE = {
 }
 
 _MOE: dict[str, Any] = {"num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2}
+_PHIMOE: dict[str, Any] = {**_MOE, "router_jitter_noise": 0.2, "attention_bias": True,
+                           "lm_head_bias": True}
 _QWEN2_MOE: dict[str, Any] = {
     **_MOE, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
 }
@@ -211,6 +213,17 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
     # ---- mixtures of experts: 4 experts, top 2 (issue 22)
     "mixtral": FamilySpec("MixtralForCausalLM", _MOE, seed=30),
     "mixtral_classic": FamilySpec("MixtralForCausalLM", _MOE, rope_form="classic", seed=30),
+    # Phi-3.5-MoE: the sparse mixer (a jitter of 0.2 keeps several experts in each
+    # softmax), LayerNorms, biased attention and LM head
+    "phimoe": FamilySpec("PhimoeForCausalLM", _PHIMOE, mlx_lm="off",
+                         note="mlx-lm ignores rope_parameters", seed=35),
+    "phimoe_classic": FamilySpec("PhimoeForCausalLM", _PHIMOE, rope_form="classic", seed=35),
+    # longrope with Phi-3.5-MoE's short/long mscale, within the original context
+    "phimoe_longrope": FamilySpec("PhimoeForCausalLM", {**_PHIMOE, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.1, 1.3] * 4,
+        "long_factor": [2.0, 4.0] * 4, "short_mscale": 1.25, "long_mscale": 1.25,
+        "original_max_position_embeddings": 128}}, mlx_lm="off",
+        note="mlx-lm ignores rope_parameters", seed=36),
     # a shared expert behind its sigmoid gate
     "qwen2_moe": FamilySpec("Qwen2MoeForCausalLM", _QWEN2_MOE, mlx_lm="off",
                             note="mlx-lm ignores rope_parameters (theta 1e4 read as 1e6)",
@@ -586,7 +599,7 @@ def _to_transformers_layout(folder: Path) -> None:
         elif ".switch_mlp." in name:
             prefix, rest = name.split(".switch_mlp.")
             proj, param = rest.split(".")
-            if cfg["model_type"] == "mixtral":
+            if cfg["model_type"] in ("mixtral", "phimoe"):  # the same per-expert names
                 proj = _MIXTRAL_EXPERT[proj]
             for i in range(w.shape[0]):
                 out[f"{prefix}.experts.{i}.{proj}.{param}"] = w[i]
@@ -757,6 +770,10 @@ GEMMA3 = {
 }
 
 
+PHIMOE = {"model_type": "phimoe", "layer_types": None, "sliding_window": None,
+          "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
 @pytest.mark.parametrize(
     ("change", "key"),
     [
@@ -773,6 +790,11 @@ GEMMA3 = {
                               "sliding_attention": {}}}, "partial_rotary_factor"),
         ({"model_type": "phi3", "rope_scaling": {**LONGROPE, "long_factor": [1.0]}},
          "long_factor"),
+        ({**PHIMOE, "num_experts_per_tok": 3}, "num_experts_per_tok"),
+        ({**PHIMOE, "router_jitter_noise": "0.01"}, "router_jitter_noise"),
+        ({**PHIMOE, "rope_scaling": {**LONGROPE, "short_factor": [1.0] * 4,
+                                      "long_factor": [1.0] * 4, "short_mscale": 1.2,
+                                      "long_mscale": 1.3}}, "long_mscale"),
     ],
 )
 def test_inconsistent_config_names_the_key(change: dict[str, Any], key: str) -> None:
