@@ -62,24 +62,30 @@ def our_names(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.ar
     return split_gate_up(stack_experts(unfuse_experts(weights, fused)))
 
 
+def conv1d_weight(cfg: ModelConfig, name: str) -> bool:
+    """A tensor (our name) that GPT-2's Conv1D stores (in, out) where a Linear holds
+    (out, in). Only its float form is transposed on load: a quantized one is packed along
+    the input axis, so it is stored (out, in) as any quantized Linear (as mlx-lm writes)."""
+    return FAMILIES[cfg.model_type].fused_qkv == "conv1d" and name.endswith(".weight") and (
+        ".self_attn.c_attn." in name or ".self_attn.o_proj." in name or ".mlp." in name)
+
+
 def _split_fused_qkv(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """GPT-NeoX's `query_key_value` holds q|k|v per head (heads, 3, head_dim) in its
     rows; GPT-2's and StarCoder's `c_attn` q, then k, then v (GPT-2 stores it (in, out)):
     split into q_proj, k_proj, v_proj (by rows, so packed quantized tensors too)."""
-    fused = FAMILIES[cfg.model_type].fused_qkv
     q_rows = cfg.num_attention_heads * cfg.head_dim
     kv_rows = cfg.num_key_value_heads * cfg.head_dim
     out: dict[str, mx.array] = {}
     for name, w in weights.items():
         if ".self_attn.c_attn." in name:
-            if fused == "conv1d" and name.endswith(".weight"):
+            if conv1d_weight(cfg, name) and mx.issubdtype(w.dtype, mx.floating):
                 w = w.T
             for proj, part in zip(("q_proj", "k_proj", "v_proj"),
                                   mx.split(w, [q_rows, q_rows + kv_rows], axis=0), strict=True):
                 out[name.replace(".c_attn.", f".{proj}.")] = part
             continue
-        if fused == "conv1d" and name.endswith(".weight") and (
-                ".self_attn.o_proj." in name or ".mlp." in name):
+        if conv1d_weight(cfg, name) and mx.issubdtype(w.dtype, mx.floating):
             out[name] = w.T  # GPT-2's Conv1D: (in, out)
             continue
         if ".self_attn.query_key_value." not in name:
