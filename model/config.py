@@ -539,7 +539,7 @@ FAMILIES: dict[str, Family] = {
     # ---- mixtures of experts (moe.py)
     "mixtral": Family(
         qkv_bias=False, o_bias=False,
-        moe=MoeFamily(score="sparsemixer", expert_size_key="intermediate_size"),
+        moe=MoeFamily(expert_size_key="intermediate_size", norm_topk_always=True),
         renames=((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
                  (".w2.", ".down_proj."), (".w3.", ".up_proj.")),
         defaults={"rope_theta": 1e6},
