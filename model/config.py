@@ -602,6 +602,7 @@ def as_2017_block(cfg: dict[str, Any]) -> dict[str, Any]:
 WRAPPERS: dict[str, str] = {
     "gemma3": "the vision tower",
     "mistral3": "the vision encoder",
+    "llama4": "the vision model",
 }
 # top-level keys of a wrapper that hold for its language model
 WRAPPER_KEYS = ("quantization", "quantization_config", "torch_dtype", "dtype",
