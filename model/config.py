@@ -107,12 +107,15 @@ class MoeFamily:
     shared_count_key: str = "n_shared_experts"  # "plain": shared size = count × expert size
     expert_size_key: str = "moe_intermediate_size"
     norm_topk_always: bool = False  # Mixtral renormalises the top-k weights unconditionally
+    # DBRX: the top-k weights ÷ their p-norm, p from this config key (null: no division)
+    norm_p_key: str | None = None
     router_bias: bool = False  # gpt-oss: the router Linear has a bias
     expert_bias: bool = False  # gpt-oss: every expert projection has a bias
     clamped_swiglu: bool = False  # gpt-oss: swiglu_alpha / swiglu_limit (moe.clamped_swiglu)
     scale_inputs: bool = False  # Llama 4: each expert's input × its weight (not its output)
     # how transformers stores fused experts (`experts.gate_up_proj`): gate and up
-    # "interleaved" column by column (gpt-oss) or as two "halves" (Llama 4)
+    # "interleaved" column by column (gpt-oss) or as two "halves" (Llama 4); or "rows"
+    # (DBRX): one (experts × size, hidden) matrix per projection (moe.unfuse_experts)
     fused_experts: str = "interleaved"
     # which layers are sparse: "all" | "step" (decoder_sparse_step, mlp_only_layers) |
     # "first_dense" (first_k_dense_replace dense layers, then MoE) | "interval" (ERNIE:
@@ -141,6 +144,7 @@ class MoeConfig:
     clamped_swiglu: tuple[float, float] | None = None  # (alpha, limit)
     scale_inputs: bool = False
     jitter_eps: float = 0.0  # sparsemixer: router_jitter_noise
+    norm_p: float = 1.0  # norm_topk divides by this p-norm of the top-k weights (DBRX)
 
 
 @dataclass(frozen=True)
@@ -220,7 +224,8 @@ class Family:
     rope_traditional: bool = False  # RoPE rotates adjacent pairs (DeepSeek's interleave)
     rope_negative: bool = False  # nanochat: its rotate_half turns the other way
     clip_qkv: bool = False  # OLMoE: config's clip_qkv clamps q, k and v
-    # classic config keys -> the names transformers 5 (and kvchat) reads
+    # classic config keys -> the names transformers 5 (and kvchat) reads; a dotted key
+    # reads a nested object (DBRX: "attn_config.kv_n_heads"), and wins over a top-level one
     key_aliases: dict[str, str] = field(default_factory=dict)
     ffn_mult: int | None = None  # GPT-J: intermediate_size absent (null) means ffn_mult × hidden
     # one fused c_attn holding q, k, v one after the other (GPT-2, StarCoder 1), split on
@@ -565,6 +570,47 @@ FAMILIES: dict[str, Family] = {
         layer_rule=None, qk_norm="proj", clip_qkv=True,
         moe=MoeFamily(expert_size_key="intermediate_size"), defaults={"rms_norm_eps": 1e-5},
     ),
+    # DBRX: settings nested in attn_config / ffn_config (dotted key_aliases lift them),
+    # one Wqkv clamped by clip_qkv, LayerNorms without bias, a softmax router whose top-k
+    # weights are divided by their p-norm, experts as one matrix per projection
+    "dbrx": Family(
+        layer_rule=None, qkv_bias=False, o_bias=False, norm="layer_nobias",
+        eps_key="layer_norm_eps", fused_proj=True, clip_qkv=True,
+        dense_size_key="ffn_hidden_size",
+        moe=MoeFamily(count_key="moe_num_experts", top_k_key="moe_top_k",
+                      expert_size_key="ffn_hidden_size",
+                      norm_p_key="moe_normalize_expert_weights", fused_experts="rows"),
+        key_aliases={
+            "d_model": "hidden_size", "n_heads": "num_attention_heads",
+            "n_layers": "num_hidden_layers", "max_seq_len": "max_position_embeddings",
+            "attn_config.kv_n_heads": "num_key_value_heads",
+            "attn_config.clip_qkv": "clip_qkv",
+            # classic configs only (transformers 5 reads rope_parameters, which wins)
+            "attn_config.rope_theta": "rope_theta",
+            "ffn_config.ffn_hidden_size": "ffn_hidden_size",
+            "ffn_config.moe_num_experts": "moe_num_experts",
+            "ffn_config.moe_top_k": "moe_top_k",
+            "ffn_config.moe_normalize_expert_weights": "moe_normalize_expert_weights",
+            "ffn_config.ffn_act_fn.name": "hidden_act",
+        },
+        renames=(("transformer.wte.", "model.embed_tokens."),
+                 ("transformer.blocks.", "model.layers."), ("transformer.norm_f.", "model.norm."),
+                 (".norm_attn_norm.norm_1.", ".input_layernorm."),
+                 (".norm_attn_norm.norm_2.", ".post_attention_layernorm."),
+                 (".norm_attn_norm.attn.Wqkv.", ".self_attn.qkv_proj."),
+                 (".norm_attn_norm.attn.out_proj.", ".self_attn.o_proj."),
+                 (".ffn.router.layer.", ".mlp.gate."),
+                 # transformers: experts.mlp.{w1,v1,w2} (no .weight), all experts' rows
+                 (".ffn.experts.mlp.w1", ".mlp.experts.gate_proj"),
+                 (".ffn.experts.mlp.v1", ".mlp.experts.up_proj"),
+                 (".ffn.experts.mlp.w2", ".mlp.experts.down_proj"),
+                 # mlx-lm: one Linear per expert, experts.{i}.{w1,v1,w2}
+                 (".ffn.", ".mlp."), (".w1.", ".gate_proj."), (".v1.", ".up_proj."),
+                 (".w2.", ".down_proj.")),
+        defaults={"num_key_value_heads": 1, "ffn_hidden_size": 3584, "moe_num_experts": 4,
+                  "moe_top_k": 1, "moe_normalize_expert_weights": 1.0,
+                  "layer_norm_eps": 1e-5, "max_position_embeddings": 2048},
+    ),
     "deepseek_v2": Family(
         layer_rule=None, attention="mla", rope_traditional=True,
         moe=MoeFamily(group_score="max", group_key="topk_method", shared="plain",
@@ -826,7 +872,7 @@ class ModelConfig:
         cfg, wrapper = unwrap(cfg)
         fam = family_of(cfg)
         model_type = cfg["model_type"]
-        cfg = {**fam.defaults, **{fam.key_aliases.get(k, k): v for k, v in cfg.items()}}
+        cfg = {**fam.defaults, **aliased(cfg, fam)}
         cfg = _derived_keys(cfg, fam)
         try:
             hidden = int(cfg["hidden_size"])
@@ -929,6 +975,29 @@ def _local_rope(cfg: dict[str, Any], fam: Family) -> RopeConfig:
     )
 
 
+def aliased(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
+    """config.json under the names kvchat reads: the family's `key_aliases`, a dotted one
+    read from nested objects (DBRX's attn_config.kv_n_heads) where they hold it."""
+    out = {fam.key_aliases.get(k, k): v for k, v in cfg.items()}
+    for path, key in fam.key_aliases.items():
+        if "." not in path:
+            continue
+        node: Any = cfg
+        parts = path.split(".")
+        for i, part in enumerate(parts):
+            if node is None:
+                break
+            if not isinstance(node, dict):
+                raise ConfigError(f"config.json: {'.'.join(parts[:i])} must be an object,"
+                                  f" got {node!r:.60}")
+            if part not in node:
+                break
+            node = node[part]
+        else:
+            out[key] = node
+    return out
+
+
 def _derived_keys(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
     """Keys a family spells as something else to derive (GPT-J: n_inner = null, rotary_dim)."""
     try:
@@ -992,9 +1061,18 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
     elif spec.shared == "plain":
         shared_size = int(cfg.get(spec.shared_count_key) or 0) * _positive(
             cfg, spec.expert_size_key)
+    norm_topk = spec.norm_topk_always or bool(cfg.get("norm_topk_prob"))
+    norm_p = 1.0
+    if spec.norm_p_key is not None:
+        p = cfg.get(spec.norm_p_key)
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float))
+                              or not p > 0):  # NaN fails too
+            raise ConfigError(f"config.json: {spec.norm_p_key} must be a number > 0 or null,"
+                              f" got {p!r:.60}")
+        norm_topk, norm_p = p is not None, float(p or 1.0)
     moe = MoeConfig(
         experts=experts, top_k=top_k, expert_size=_positive(cfg, spec.expert_size_key),
-        score=spec.score, norm_topk=spec.norm_topk_always or bool(cfg.get("norm_topk_prob")),
+        score=spec.score, norm_topk=norm_topk, norm_p=norm_p,
         scaling=float(cfg.get("routed_scaling_factor") or 1.0), groups=groups,
         topk_groups=topk_groups, group_score=spec.group_score if groups > 1 else None,
         correction_bias=spec.correction_bias, shared_size=shared_size,
@@ -1180,6 +1258,7 @@ def load_config(path: str | Path) -> ModelConfig:
     text, _ = unwrap(cfg)
     fam = family_of(text)
     # the family first, then its checks: keys the family ignores are not checked
+    text = aliased(text, fam)
     check_config(text if fam.window_used(text) else
                  {k: v for k, v in text.items() if k != "sliding_window"})
     return ModelConfig.from_dict(cfg)

@@ -57,7 +57,10 @@ def route(logits: mx.array, moe: MoeConfig, bias: mx.array | None = None
         choice = grouped.reshape(choice.shape)
     idx = _top_k(choice, moe.top_k)
     w = mx.take_along_axis(scores, idx, axis=-1)
-    if moe.norm_topk:
+    if moe.norm_topk and moe.norm_p != 1.0:  # DBRX: ÷ the p-norm (weights are positive)
+        w = w / (w.max(axis=-1, keepdims=True) if moe.norm_p == mx.inf else
+                 (w**moe.norm_p).sum(axis=-1, keepdims=True) ** (1.0 / moe.norm_p))
+    elif moe.norm_topk:
         w = w / (w.sum(axis=-1, keepdims=True) + (1e-20 if moe.score == "sigmoid" else 0.0))
     if moe.scaling != 1.0:
         w = w * moe.scaling
@@ -245,13 +248,26 @@ def _gate_and_up(w: mx.array, layout: str) -> tuple[mx.array, mx.array]:
     return gate, up
 
 
-def unfuse_experts(weights: dict[str, mx.array], layout: str) -> dict[str, mx.array]:
+def unfuse_experts(weights: dict[str, mx.array], layout: str, experts: int
+                   ) -> dict[str, mx.array]:
     """transformers' fused experts: `P.experts.gate_up_proj` (experts, in, 2·size), gate
     and up `layout` "interleaved" column by column (gpt-oss) or "halves" (Llama 4),
     `P.experts.down_proj` (experts, size, out), and their `_bias` -> our
-    `P.switch_mlp.{gate,up,down}_proj.{weight,bias}`."""
+    `P.switch_mlp.{gate,up,down}_proj.{weight,bias}`. Layout "rows" (DBRX): each of
+    `P.experts.{gate,up,down}_proj` is (experts × size, hidden), every expert's
+    (size, hidden) rows one after the other (down's being its transpose)."""
     out: dict[str, mx.array] = {}
     for name, w in weights.items():
+        if layout == "rows" and name.endswith(
+                (".experts.gate_proj", ".experts.up_proj", ".experts.down_proj")):
+            if w.ndim != 2 or w.shape[0] % experts:
+                raise ModelLoadError(f"tensor {name!r} has shape {tuple(w.shape)}; it should"
+                                     f" hold {experts} experts' rows (experts × size, hidden)")
+            w = w.reshape(experts, -1, w.shape[-1])  # (experts, size, hidden)
+            if not name.endswith(".down_proj"):
+                p, proj = name.rsplit(".experts.", 1)
+                out[f"{p}.switch_mlp.{proj}.weight"] = w
+                continue
         if name.endswith(".experts.gate_up_proj"):
             p = name[: -len(".experts.gate_up_proj")] + ".switch_mlp"
             gate, up = _gate_and_up(w, layout)

@@ -59,7 +59,7 @@ def our_names(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.ar
     if cfg.moe is None:
         return weights
     fused = FAMILIES[cfg.model_type].moe.fused_experts  # type: ignore[union-attr]
-    return split_gate_up(stack_experts(unfuse_experts(weights, fused)))
+    return split_gate_up(stack_experts(unfuse_experts(weights, fused, cfg.moe.experts)))
 
 
 def conv1d_weight(cfg: ModelConfig, name: str) -> bool:

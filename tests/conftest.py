@@ -127,7 +127,7 @@ def _randomize(model: Any, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
-            if "norm" in name:
+            if "norm" in ("." + name).rsplit(".", 2)[-2]:  # a norm's own (not DBRX's Wqkv)
                 p.copy_(1.0 + 0.2 * noise)
             elif name.endswith(".bias"):
                 p.copy_(0.2 * noise)

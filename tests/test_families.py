@@ -60,6 +60,10 @@ class FamilySpec:
     mlx_lm_converts: bool = True
     config_class: str | None = None  # when not the model class's own (InternLM3 runs as Llama)
     seed: int = 0
+    own_keys: bool = False  # the config class reads none of _BASE's keys: overrides only
+    # the spec (same weights) whose folder transformers reads as the reference, where
+    # transformers misreads this one's spelling
+    reference: str | None = None
 
 
 LONGROPE = {
@@ -132,6 +136,15 @@ _MLA: dict[str, Any] = {
     "v_head_dim": 16, "num_key_value_heads": 4,
 }
 _GLM4_MOE_LITE: dict[str, Any] = {**_MLA, "n_group": 1, "topk_group": 1}
+# DBRX spells its own keys and nests most of them; clip_qkv 2 bites (q/k/v std ≈ 1.2)
+_DBRX: dict[str, Any] = {
+    "d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 256, "vocab_size": 256,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    "attn_config": {"kv_n_heads": 2, "clip_qkv": 2.0, "rope_theta": 5e5},
+    "ffn_config": {"ffn_hidden_size": 96, "moe_num_experts": 4, "moe_top_k": 2,
+                   "moe_normalize_expert_weights": 1.0},
+    "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+}
 
 FAMILY_SPECS: dict[str, FamilySpec] = {
     # head_dim 32 while hidden / heads = 16; layer 1 slides (max_window_layers 1)
@@ -436,6 +449,16 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
         "rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}, mlx_lm="fails",
         note="mlx-lm needs rope_theta, post_norm, qk_norm", mlx_lm_converts=False, seed=72),
+    # DBRX: transformers 5 writes rope_parameters beside attn_config.rope_theta; classic
+    # configs (databricks') only the latter, which transformers 5 ignores (it runs theta
+    # 1e4): the classic twin is checked against transformers on the first folder
+    "dbrx": FamilySpec("DbrxForCausalLM", _DBRX, own_keys=True, seed=78),
+    "dbrx_classic": FamilySpec("DbrxForCausalLM", _DBRX, own_keys=True, rope_form="classic",
+                               reference="dbrx", seed=78),
+    # top-k weights ÷ their 2-norm (mlx-lm always divides by the 1-norm)
+    "dbrx_norm_p2": FamilySpec("DbrxForCausalLM", {**_DBRX, "ffn_config": {
+        **_DBRX["ffn_config"], "moe_normalize_expert_weights": 2.0}}, own_keys=True,
+        mlx_lm="off", note="mlx-lm ignores moe_normalize_expert_weights", seed=79),
     "internlm3": FamilySpec("LlamaForCausalLM", {"head_dim": 16, "qkv_bias": True, "bias": True},
                             config_class="InternLM3Config", mlx_lm="fails",
                             note="mlx-lm's internlm3 has no q/k/v/o or MLP biases",
@@ -448,6 +471,8 @@ NAMES = list(FAMILY_SPECS)
 _CLASSIC_KEYS = {
     "qwen3_moe": {"num_local_experts": "num_experts"},
     "gpt_neox": {"partial_rotary_factor": "rotary_pct", "rope_theta": "rotary_emb_base"},
+    "dbrx": {"rope_theta": "attn_config.rope_theta",
+             "num_key_value_heads": "attn_config.kv_n_heads"},
 }
 
 
@@ -472,7 +497,8 @@ def _to_classic(folder: Path) -> None:
         _to_classic_rope(folder)
     cfg = json.loads(path.read_text())
     for new, old in _CLASSIC_KEYS.get(cfg["model_type"], {}).items():
-        cfg[old] = cfg.pop(new)
+        *outer, key = old.split(".")  # a dotted name: inside a nested object
+        functools.reduce(lambda d, k: d[k], outer, cfg)[key] = cfg.pop(new)
     path.write_text(json.dumps(cfg, indent=2))
 
 
@@ -485,6 +511,8 @@ def build(spec: FamilySpec, folder: Path) -> Path:
     overrides = json.loads(json.dumps(spec.overrides))
     if "text_config" in overrides:  # a multimodal wrapper around a tiny text model
         overrides["text_config"] = {**_BASE, **overrides["text_config"]}
+        cfg = config_cls(**overrides)
+    elif spec.own_keys:
         cfg = config_cls(**overrides)
     else:
         cfg = config_cls(**{**_BASE, **overrides})
@@ -713,6 +741,14 @@ def _to_transformers_layout(folder: Path) -> None:
             elif rest.startswith("gate_proj."):
                 up = weights[f"{prefix}.switch_mlp.up_proj.weight"]
                 out[f"{prefix}.input_linear.weight"] = mx.concatenate([w, up], axis=1)
+        elif ".ffn.experts." in name:  # DBRX: one Linear per expert -> all experts' rows
+            prefix, rest = name.split(".ffn.experts.")
+            i, proj, _ = rest.split(".")
+            if i == "0":
+                n = cfg["ffn_config"]["moe_num_experts"]
+                parts = [weights[f"{prefix}.ffn.experts.{e}.{proj}.weight"] for e in range(n)]
+                out[f"{prefix}.ffn.experts.mlp.{proj}"] = mx.concatenate(
+                    [w.T if proj == "w2" else w for w in parts])  # w2: (size, hidden) each
         elif ".switch_mlp." in name:
             prefix, rest = name.split(".switch_mlp.")
             proj, param = rest.split(".")
@@ -744,7 +780,7 @@ def errors(ours: Path, reference: Path, name: str) -> tuple[float, float]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_family_matches_transformers(name: str, family: Callable[[str], Path]) -> None:
-    whole, step = errors(family(name), family(name), name)
+    whole, step = errors(family(name), family(FAMILY_SPECS[name].reference or name), name)
     print(f"\n{name}: ours vs transformers, whole {whole:.1e}, token by token {step:.1e}")
     assert whole <= 1e-4 and step <= 1e-4
 
@@ -775,7 +811,7 @@ def test_mlx_lm_on_the_same_folder(name: str, family: Callable[[str], Path]) -> 
 
     spec = FAMILY_SPECS[name]
     folder = family(name)
-    ref = hf_logits(folder)
+    ref = hf_logits(family(spec.reference or name))
     ours = rel_err(ours_whole(folder), ref)
     if spec.mlx_lm == "fails":
         # any failure to build or run it (mlx-lm exits when a model needs a missing package)
@@ -894,6 +930,7 @@ GEMMA3 = {
 
 PHIMOE = {"model_type": "phimoe", "layer_types": None, "sliding_window": None,
           "num_local_experts": 4, "num_experts_per_tok": 2}
+DBRX_FFN = {"ffn_hidden_size": 96, "moe_num_experts": 4, "moe_top_k": 2}
 
 
 @pytest.mark.parametrize(
@@ -917,6 +954,10 @@ PHIMOE = {"model_type": "phimoe", "layer_types": None, "sliding_window": None,
         ({**PHIMOE, "rope_scaling": {**LONGROPE, "short_factor": [1.0] * 4,
                                       "long_factor": [1.0] * 4, "short_mscale": 1.2,
                                       "long_mscale": 1.3}}, "long_mscale"),
+        ({"model_type": "dbrx", "ffn_config": {**DBRX_FFN, "moe_top_k": 5}}, "moe_top_k"),
+        ({"model_type": "dbrx", "ffn_config": {**DBRX_FFN, "moe_normalize_expert_weights": 0}},
+         "moe_normalize_expert_weights"),
+        ({"model_type": "dbrx", "ffn_config": DBRX_FFN, "attn_config": [2]}, "attn_config"),
     ],
 )
 def test_inconsistent_config_names_the_key(change: dict[str, Any], key: str) -> None:
@@ -1071,7 +1112,7 @@ def test_latent_cache_holds_the_latent_and_says_what_it_saves(
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe_lite",
-                                  "gpt_oss", "gpt2", "llama4_text"])
+                                  "gpt_oss", "gpt2", "llama4_text", "dbrx"])
 def test_compiled_step_serves_moe_and_latent_models(
     name: str, family: Callable[[str], Path]
 ) -> None:
@@ -1092,6 +1133,7 @@ def test_compiled_step_serves_moe_and_latent_models(
                                        compiled=compiled, progress=prog)))
         assert prog.compiled == compiled
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # as ours: no stop, and eos not suppressed
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
                           min_new_tokens=20)[0, len(prompt):].tolist()
@@ -1134,6 +1176,26 @@ def test_missing_expert_names_the_tensor(family: Callable[[str], Path], tmp_path
     with pytest.raises(ModelLoadError, match=r"experts\.2\.up_proj") as e:
         load_model(bad)
     assert "\n" not in str(e.value)
+
+
+def test_dbrx_experts_that_do_not_split_name_the_tensor(
+    family: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """DBRX's w1/v1/w2 hold every expert's rows: a count that does not split evenly
+    into moe_num_experts is refused with the tensor's name, in one line."""
+    from safetensors.numpy import load_file, save_file
+
+    from kvchat.model.errors import ModelLoadError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(family("dbrx"), bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    name = "transformer.blocks.1.ffn.experts.mlp.v1"
+    tensors[name] = tensors[name][:-1]
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"layers\.1\.mlp\.experts\.up_proj") as e:
+        load_model(bad)
+    assert "4 experts" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_gathered_experts_are_one_matmul_per_projection(family: Callable[[str], Path]) -> None:
