@@ -796,7 +796,7 @@ def test_family_4bit_matches_transformers_on_dequantized(
     model = load_model(q4)
     assert model.quantization["bits"] == 4
     layers = {int(m[1]) for k in _checkpoint(q4) if k.endswith(".scales")
-              and (m := re.search(r"\.(?:layers|h)\.(\d+)\.", k))}
+              and (m := re.search(r"\.(?:layers|h|blocks)\.(\d+)\.", k))}
     assert layers == set(range(model.config.num_hidden_layers)), sorted(layers)
     whole, step = errors(q4, deq, name)
     print(f"\n{name} 4-bit: ours vs transformers (dequantized), whole {whole:.1e},"
