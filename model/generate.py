@@ -9,7 +9,9 @@ traces the step once per buffer shape and replays it. A trace bakes in every Pyt
 value it saw, so nothing that changes per token may be a Python int inside it: the
 position, the slot to write and the mask's bounds enter as one int32 array, K/V are
 written with `mx.slice_update` into buffers of fixed capacity (grown outside the trace,
-a whole step at a time), and attention reads the whole buffer under a mask.
+a whole step at a time), and attention reads the slots in use under a mask: the first
+`view_slots(length)` of them, a size that is part of the trace's key (so a trace serves
+a range of lengths, and the work grows with the context, not with the allocation).
 
 The caches stay the source of truth. Before each step each cache plans its own write
 (`next_slot`: grow the buffers if needed, then the int32 row of offset, slot, length and
@@ -36,6 +38,7 @@ from kvchat import metal_kernels
 from . import threads
 from .cache import (
     Buf,
+    first_slots,
     map_parts,
     maybe_quantize,
     parts,
@@ -45,6 +48,16 @@ from .cache import (
 from .kv_quant import Packed
 
 PREFILL_CHUNK = 512
+# The compiled step attends over the slots in use, not the whole allocation (softmax and
+# the score matmuls scale with the slots read), rounded up so that a trace serves many
+# tokens: to an eighth of the next power of two, at least VIEW_STEP (≤ 12.5 % extra
+# slots, ~8 traces per doubling of the context, each traced once per model)
+VIEW_STEP = 32
+
+
+def view_slots(used: int, allocated: int) -> int:
+    step = max(VIEW_STEP, (1 << max(used - 1, 0).bit_length()) // 8)
+    return min(allocated, -(-used // step) * step)
 
 Sample = Callable[[mx.array], mx.array]  # logits (1, V) -> ids (1,)
 
@@ -100,9 +113,10 @@ class _TracedCache:
     """Stands in for one cache inside the trace: same interface, array offsets."""
 
     def __init__(self, static: tuple[Any, ...], row: mx.array, keys: Buf,
-                 values: Buf, masks: dict[Any, mx.array]):
+                 values: Buf, masks: dict[Any, mx.array], view: int):
         self.static, self.row = static, row
         self.keys, self.values = keys, values
+        self.view = view  # slots attention reads: every slot in use, rounded up
         self.offset = row[0]
         self._packed: Packed | None = static[1]
         self._masks = masks  # shared by layers with the same layout and row
@@ -121,12 +135,12 @@ class _TracedCache:
 
         self.keys = map_parts(put, self.keys, keys)
         self.values = map_parts(put, self.values, values)
-        return self.keys, self.values
+        return first_slots(self.keys, self.view), first_slots(self.values, self.view)
 
     def make_mask(self, n: int, return_array: bool = False,
                   window_size: int | None = None) -> mx.array:
         assert n == 1, "the compiled step decodes one token"
-        capacity = slots(self.keys)
+        capacity = self.view
         key = (self.static, id(self.row), capacity, window_size)
         if key not in self._masks:
             self._masks[key] = _slot_mask(self.static, self.row, capacity, window_size)
@@ -159,7 +173,8 @@ class CompiledStep:
         self._fns: dict[tuple[Any, ...], Any] = model.__dict__.setdefault(
             "_kvchat_decode_traces", {})
 
-    def _build(self, layout: tuple[tuple[Any, ...], ...], groups: tuple[int, ...]) -> Any:
+    def _build(self, layout: tuple[tuple[Any, ...], ...], groups: tuple[int, ...],
+               views: tuple[int, ...]) -> Any:
         model = self.model
 
         def step(y: mx.array, rows: mx.array, *buffers: mx.array) -> list[mx.array]:
@@ -171,7 +186,8 @@ class CompiledStep:
                 keys = _unflatten(n, buffers[at : at + n])
                 values = _unflatten(n, buffers[at + n : at + 2 * n])
                 at += 2 * n
-                proxies.append(_TracedCache(static, group_rows[groups[i]], keys, values, masks))
+                proxies.append(_TracedCache(static, group_rows[groups[i]], keys, values, masks,
+                                            views[i]))
             logits = model(y[None], cache=proxies)[:, -1, :]
             out = [logits]
             for p in proxies:
@@ -183,9 +199,10 @@ class CompiledStep:
     def __call__(self, y: mx.array) -> mx.array:
         rows: list[list[int]] = []
         index: dict[tuple[Any, ...], int] = {}
-        groups, buffers = [], []
+        groups, buffers, views = [], [], []
         for c, static in zip(self.caches, self.layout, strict=True):
             r = list(c.next_slot())
+            views.append(view_slots(r[2], slots(c.keys)))
             key = (*static, *r)
             g = index.setdefault(key, len(rows))
             if g == len(rows):
@@ -194,10 +211,10 @@ class CompiledStep:
             buffers += [*parts(c.keys), *parts(c.values)]
         layout = self.layout
         # the kernel backend can be switched at run time: a trace keeps the one it saw
-        fkey = (layout, tuple(groups), metal_kernels.backend())
+        fkey = (layout, tuple(groups), tuple(views), metal_kernels.backend())
         fn = self._fns.get(fkey)
         if fn is None:
-            fn = self._fns[fkey] = self._build(layout, tuple(groups))
+            fn = self._fns[fkey] = self._build(layout, tuple(groups), tuple(views))
         out = fn(y, mx.array(rows, dtype=mx.int32), *buffers)
         # hand the new buffers to the caches before anything evaluates: the old ones
         # are then referenced by the graph alone, so MLX donates them and slice_update
@@ -276,7 +293,9 @@ def generate_step(
     pending = pending_quantization(caches) if isinstance(caches, list) else None
     if pending is not None and maybe_quantize(caches):  # type: ignore[arg-type]
         pending = pending_quantization(caches)
-    threads.apply(1, *shape)
+    work = threads.step_work(model)
+    threads.apply_decode(work)
+    adapts = threads.policy().adapts(work)
     step = decode_step(model, caches, compiled)
     prog.compiled = isinstance(step, CompiledStep)
     y = sample(logits)
@@ -287,6 +306,9 @@ def generate_step(
         while True:
             next_y = None
             if n + 1 < max_tokens:
+                if adapts and n and n % threads.RECHECK_TOKENS == 0:
+                    mx.eval(y)  # MLX idle: OpenBLAS's count changes between calls only
+                    threads.apply_decode(work)  # another program may have started
                 if pending is not None and maybe_quantize(caches):  # type: ignore[arg-type]
                     # the caches changed class: a step for the new ones
                     pending = pending_quantization(caches)

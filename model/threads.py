@@ -1,21 +1,21 @@
 """How many threads OpenBLAS may use for one model call, and telling OpenBLAS so.
 
 Why: OpenBLAS starts one thread per core and splits every GEMM/GEMV across them. A
-decode step multiplies a single row by matrices of a few hundred columns; split two
-ways, each half is microseconds of work and the threads spend longer waking and
+small model's decode step multiplies a single row by matrices of a few hundred columns;
+split two ways, each half is microseconds of work and the threads spend longer waking and
 synchronising than computing, and on a core shared with anything else (the chat's UI
 process, a browser, a build) one of them waits for a time slice while the other spins.
-Measured (README, "Fast by default"): one thread decodes as fast or faster for every
-model here; a prefill chunk of hundreds of tokens through a large model on free cores is
-the one shape where a second thread can pay.
+Measured on this project's 2-core machine (README, "Fast by default"): on free cores a
+second thread pays for a 135M-class model's decode and for prefill chunks of a few
+million multiply-adds and up; on a core another program holds it is 2-10x slower.
 
-The policy is a table keyed on the work of the call's largest matmul (tokens × rows ×
-columns of the largest weight) and on how many cores are free right now: below
-`MIN_WORK_PER_THREAD` multiply-adds per thread, one thread; above, one more thread per
-`MIN_WORK_PER_THREAD`, capped at the cores this process may run on minus the other
-programs running at this instant (`/proc/loadavg`'s runnable count, read per call: a
-second thread on a core another program holds waits a whole time slice, measured at
-2-10x slower than one thread on this project's shared 2-core machine).
+So the count follows the work and the load. A prefill chunk: one thread per
+`MIN_WORK_PER_THREAD` multiply-adds of its largest matmul (tokens × rows × columns); a
+decode step: one per `DECODE_MIN_WORK` of the model's multiply-adds per token
+(`step_work`); either way at least one, and at most the cores this process may run on
+minus the programs running on the machine at this instant (`/proc/loadavg`'s runnable
+count, less this process's own running threads), read before each chunk and every
+`RECHECK_TOKENS` tokens of a decode that could use more than one.
 `KVCHAT_THREADS` (or the settings entry `threads`) fixes the count for every call
 instead ("auto" keeps the table).
 
@@ -35,13 +35,21 @@ ENV = "KVCHAT_THREADS"
 LIB_ENV = "KVCHAT_BLAS_LIB"  # the bound library's path, handed to the engine's child process
 _SOURCE_ENV = "KVCHAT_THREADS_FROM"  # so the child's label names the parent's source
 AUTO = "auto"
-# multiply-adds of one matmul per thread. From the matmul timings in README ("Fast by
-# default", 2 cores): a decode step (1 × 576 × 1536 = 8.8e5) gains little from a second
-# thread even on free cores, and on busy ones every shape up to 4.5e8 ran 2-10x slower
-# with two. 1e8 (a few ms per thread, OpenBLAS's own order of magnitude; no idle machine
-# was available to measure the crossover) keeps kvchat-mini and stories260K on one
-# thread for every call; a 135M-class model's chunks of >= 227 tokens (2e8) may use two.
-MIN_WORK_PER_THREAD = 1.0e8
+# multiply-adds of a prefill chunk's largest matmul per thread. Measured on the idle
+# 2-core machine (README, "Fast by default"): two threads prefilled a 135M-class model's
+# 128-token chunk (1.1e8) 1.5x faster than one and kvchat-mini's 256-token prompt (2.5e7)
+# 1.2x faster, stories260K's (2.8e6) no faster; 1e7 puts the line between. On a core
+# another program holds, a second thread ran 2-10x slower at every size: the count is
+# capped by the free cores (`runnable_others`), read per call.
+MIN_WORK_PER_THREAD = 1.0e7
+# a decode step runs every matmul of the model once for one row: its work is the model's
+# multiply-adds per token (`step_work`). Measured on the idle 2-core machine (README,
+# "Fast by default"): a 135M-class model (1.5e8 per token) decoded at 9.9 tok/s on two
+# threads against 6.7 on one, while kvchat-mini (2.4e6) and stories260K (2.2e5) gained
+# nothing; 5e7 per thread puts the line between them.
+DECODE_MIN_WORK = 5.0e7
+# how often (tokens) a multi-threaded decode re-reads the machine's load
+RECHECK_TOKENS = 32
 
 
 class ThreadsError(ValueError):
@@ -63,14 +71,33 @@ def parse(value: str | int | None) -> int | None:
     return n
 
 
+def _own_running(tasks: str = "/proc/self/task") -> int:
+    """This process's threads that are runnable now (MLX's stream thread computing while
+    Python asks, OpenBLAS's spinning workers): they are not "other programs"."""
+    n = 0
+    try:
+        names = os.listdir(tasks)
+    except OSError:
+        return 1
+    for name in names:
+        try:
+            with open(f"{tasks}/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        end = stat.rfind(b")")  # the state follows the command name, which may hold spaces
+        n += stat[end + 2 : end + 3] == b"R"
+    return max(1, n)
+
+
 def runnable_others(path: str = "/proc/loadavg") -> int:
-    """Tasks runnable on the machine right now besides the caller (Linux; else 0)."""
+    """Tasks runnable on the machine right now outside this process (Linux; else 0)."""
     try:
         with open(path) as f:
             running = int(f.read().split()[3].split("/")[0])
     except (OSError, ValueError, IndexError):
         return 0
-    return max(0, running - 1)
+    return max(0, running - _own_running())
 
 
 def available_cores() -> int:
@@ -98,14 +125,24 @@ class Policy:
         work = float(tokens) * rows * cols
         return max(1, min(self.cores - others, int(work // self.min_work)))
 
+    def decode_threads(self, work: float, others: int = 0) -> int:
+        """Threads for decode steps of `work` multiply-adds per token (`step_work`)."""
+        if self.fixed is not None:
+            return self.fixed
+        return max(1, min(self.cores - others, int(work // DECODE_MIN_WORK)))
+
+    def adapts(self, work: float) -> bool:
+        """Whether decode's count can change with the load (else it is fixed at 1 or N)."""
+        return self.fixed is None and self.cores > 1 and work >= 2 * DECODE_MIN_WORK
+
     def label(self) -> str:
         """One line for --version, the side panel and bench."""
         if self.fixed is not None:
             return f"{self.fixed} fixed ({self.source})"
         if self.cores == 1:
             return "auto: 1 (one core)"
-        return (f"auto: 1 for decode, up to {self.cores} for large prefill chunks"
-                " on free cores")
+        return (f"auto: 1 for small models' decode, up to {self.cores} for large models'"
+                " decode and large prefill chunks on free cores")
 
 
     def short_label(self) -> str:
@@ -190,6 +227,36 @@ def apply(tokens: int, rows: int, cols: int) -> int:
     n = p.threads_for(tokens, rows, cols, busy)
     _blas.set(n)
     return n
+
+
+def apply_decode(work: float) -> int:
+    """Set OpenBLAS's thread count for decode steps of `work` multiply-adds per token
+    (call it while MLX is idle: between evaluations, never during one)."""
+    p = _policy
+    busy = runnable_others() if p.adapts(work) else 0
+    n = p.decode_threads(work, busy)
+    _blas.set(n)
+    return n
+
+
+def step_work(model: object) -> float:
+    """Multiply-adds of one decode step: every layer's projections for one row (the
+    routed experts' share only, for a mixture) plus the LM head. Reads kvchat's config
+    or an mlx-lm model's `args` (bench gives mlx-lm the same count); 0 without either."""
+    cfg = getattr(model, "config", None) or getattr(model, "args", None)
+
+    def get(name: str) -> int:
+        return int(getattr(cfg, name, 0) or 0)
+
+    h, heads = get("hidden_size"), get("num_attention_heads")
+    if not h or not heads:
+        return 0.0
+    hd = get("head_dim") or h // heads
+    attn = h * hd * (2 * heads + 2 * (get("num_key_value_heads") or heads))
+    moe = getattr(cfg, "moe", None)
+    width = (moe.top_k * moe.expert_size + moe.shared_size if moe is not None
+             else get("intermediate_size"))
+    return float(get("num_hidden_layers") * (attn + 3 * h * width) + get("vocab_size") * h)
 
 
 def matmul_shape(model: object) -> tuple[int, int]:

@@ -101,3 +101,25 @@ def test_compiled_step_writes_kv_in_place(stories260k: Path) -> None:
         seen.add(address(caches[0].keys))
     steps.close()
     assert len(seen) == 1
+
+
+def test_view_slots_round_up_to_an_eighth_of_the_next_power_of_two() -> None:
+    from kvchat.model.generate import view_slots
+
+    assert [view_slots(u, 4096) for u in (1, 32, 33, 160, 257, 1000, 1025, 4096)] == [
+        32, 32, 64, 160, 320, 1024, 1280, 4096]
+    assert view_slots(300, 256) == 256  # never past what is allocated
+
+
+def test_compiled_step_attends_over_the_slots_in_use(stories260k: Path) -> None:
+    """A 40-token context in a 256-slot buffer: the traces attend over 64 and then 96
+    slots (view_slots), not the 256 allocated; the ids equal the plain step's."""
+    model = load_model(stories260k)
+    model.__dict__.pop("_kvchat_decode_traces", None)
+    caches = [KVCache() for _ in model.layers]
+    prompt = [1, 403, 407, 261, 426, 297] * 6
+    ids = list(generate_step(model, prompt, caches, max_tokens=40))
+    assert caches[0].keys.shape[2] == 256
+    views = {v for key in model._kvchat_decode_traces for v in key[2]}
+    assert views == {64, 96}
+    assert ids == _ids(model, prompt, "unbounded", False, 40)

@@ -29,21 +29,20 @@ def _restore_policy(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 @pytest.mark.parametrize(("tokens", "shape", "cores", "others", "want"), [
-    (1, SMOL, 2, 0, 1),            # decode: 8.8e5 multiply-adds, never worth a thread
+    (1, SMOL, 2, 0, 1),            # one row: 8.8e5 multiply-adds, under one thread's worth
     (1, SMOL, 16, 0, 1),
-    (512, MINI, 2, 0, 1),          # kvchat-mini's full chunk: 5.0e7 < 1e8
-    (128, SMOL, 2, 0, 1),          # 1.13e8 -> one thread's worth
-    (256, SMOL, 2, 0, 2),          # 2.26e8 -> two threads' worth, two cores free
-    (512, SMOL, 2, 0, 2),          # 4.5e8: capped at the cores
-    (512, SMOL, 8, 0, 4),          # 4.5e8 // 1e8 = 4 on a big machine
+    (16, MINI, 2, 0, 1),           # 1.6e6
+    (256, MINI, 2, 0, 2),          # kvchat-mini's 256-token prompt: 2.5e7 -> two
+    (128, SMOL, 2, 0, 2),          # 1.13e8: capped at the two cores
+    (512, SMOL, 8, 0, 8),          # 4.5e8 // 1e7 = 45, capped at 8 cores
     (512, SMOL, 2, 1, 1),          # another program runs: only one core is free
-    (512, SMOL, 8, 5, 3),          # 8 cores, 5 busy -> 3 free (< 4 by work)
+    (512, SMOL, 8, 5, 3),          # 8 cores, 5 busy -> 3 free
     (512, SMOL, 2, 9, 1),          # overloaded: never below one
     (512, (0, 0), 2, 0, 1),        # a model without a config
 ])
 def test_threads_for_shape_and_load(tokens: int, shape: tuple[int, int], cores: int,
                                     others: int, want: int) -> None:
-    assert MIN_WORK_PER_THREAD == 1e8  # the table above is computed for this threshold
+    assert MIN_WORK_PER_THREAD == 1e7  # the table above is computed for this threshold
     assert Policy(cores=cores).threads_for(tokens, *shape, others) == want
 
 
@@ -51,7 +50,8 @@ def test_fixed_count_ignores_shape_and_load() -> None:
     p = Policy(fixed=3, cores=2, source="settings")
     assert {p.threads_for(t, *SMOL, o) for t in (1, 512) for o in (0, 5)} == {3}
     assert p.label() == "3 fixed (settings)" and p.short_label() == "3 fixed"
-    assert Policy(cores=2).label().startswith("auto: 1 for decode, up to 2")
+    assert Policy(cores=2).label().startswith("auto: 1 for small models' decode, up to 2")
+    assert {p.decode_threads(w, o) for w in (1e6, 1e9) for o in (0, 5)} == {3}
 
 
 @pytest.mark.parametrize(("value", "want"), [
@@ -89,13 +89,65 @@ def test_child_process_gets_the_parents_choice(monkeypatch: pytest.MonkeyPatch) 
     assert p.fixed == 2 and p.source == "settings"
 
 
-def test_runnable_others_reads_loadavg(tmp_path: Path) -> None:
+def test_runnable_others_reads_loadavg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     f = tmp_path / "loadavg"
     f.write_text("3.10 2.50 1.20 4/312 9999\n")
+    monkeypatch.setattr(threads, "_own_running", lambda: 1)
     assert threads.runnable_others(str(f)) == 3  # 4 runnable, one of them the caller
+    monkeypatch.setattr(threads, "_own_running", lambda: 2)  # MLX's thread computing too
+    assert threads.runnable_others(str(f)) == 2
     f.write_text("0.00 0.00 0.00 1/100 1\n")
     assert threads.runnable_others(str(f)) == 0
     assert threads.runnable_others(str(tmp_path / "absent")) == 0
+
+
+def test_own_running_counts_this_process_runnable_threads(tmp_path: Path) -> None:
+    for tid, stat in [("10", "10 (python3) R 1 10 10"), ("11", "11 (mlx (stream) 1) R 10"),
+                      ("12", "12 (openblas) S 10"), ("13", "13 (x) D 10")]:
+        (tmp_path / tid).mkdir()
+        (tmp_path / tid / "stat").write_text(stat)
+    assert threads._own_running(str(tmp_path)) == 2  # a ")" in a name does not confuse it
+    assert threads._own_running(str(tmp_path / "absent")) == 1  # at least the caller
+    assert threads._own_running() >= 1  # the real /proc/self/task: this thread runs
+
+
+# SmolLM-135M's config: 30 layers, hidden 576, 9 heads / 3 K/V heads of 64, MLP 1536,
+# vocabulary 49,152: per token 30 × (576·64·(2·9 + 2·3) + 3·576·1536) + 49,152·576
+SMOL_STEP = 30 * (576 * 64 * 24 + 3 * 576 * 1536) + 49152 * 576
+
+
+class _Cfg:
+    hidden_size, num_attention_heads, num_key_value_heads, head_dim = 576, 9, 3, 64
+    intermediate_size, num_hidden_layers, vocab_size, moe = 1536, 30, 49152, None
+
+
+def test_step_work_is_the_models_multiply_adds_per_token() -> None:
+    class Model:
+        config = _Cfg()
+
+    class MlxLmModel:  # mlx-lm's models carry `args`, head_dim possibly None
+        args = _Cfg()
+
+    MlxLmModel.args.head_dim = None  # hidden / heads = 64 again
+    assert SMOL_STEP == 134_479_872
+    assert threads.step_work(Model()) == threads.step_work(MlxLmModel()) == SMOL_STEP
+    assert threads.step_work(object()) == 0
+
+
+@pytest.mark.parametrize(("work", "cores", "others", "want"), [
+    (2.1e6, 2, 0, 1),          # kvchat-mini: one thread, whatever the load
+    (2.6e5, 16, 0, 1),         # stories260K
+    (SMOL_STEP, 2, 0, 2),      # a 135M model on two free cores
+    (SMOL_STEP, 2, 1, 1),      # ... with another program running
+    (SMOL_STEP, 16, 0, 2),     # 1.3e8 // 5e7: two threads' worth
+    (1e9, 16, 3, 13),          # a 1B model: capped by the free cores
+])
+def test_decode_threads_by_work_and_load(work: float, cores: int, others: int,
+                                         want: int) -> None:
+    p = Policy(cores=cores)
+    assert threads.DECODE_MIN_WORK == 5e7
+    assert p.decode_threads(work, others) == want
+    assert p.adapts(work) == (work >= 1e8)  # below, the answer is 1 whatever the load
 
 
 _CHILD = """
@@ -149,14 +201,39 @@ def test_generate_step_sets_threads_per_chunk_then_for_decode(
     from kvchat.model.weights import load_model
 
     model = load_model(tiny_checkpoint("llama"))
-    calls: list[tuple[int, int, int]] = []
+    calls: list[tuple[Any, ...]] = []
     monkeypatch.setattr(threads, "apply", lambda t, r, c: calls.append((t, r, c)) or 1)
+    monkeypatch.setattr(threads, "apply_decode", lambda w: calls.append(("decode", w)) or 1)
     caches = model.make_cache(max_kv_size=64, keep=4)
     out = list(generate_step(model, list(range(3, 23)), caches, max_tokens=3, prefill_chunk=8))
     assert len(out) == 3
-    # conftest's tiny llama: hidden 64, MLP 128; chunks of 8, 8, 4, then decode
-    assert calls == [(8, 64, 128), (8, 64, 128), (4, 64, 128), (1, 64, 128)]
+    # conftest's tiny llama: hidden 64, MLP 128; chunks of 8, 8, 4, then decode (once:
+    # its work is far below two threads' worth)
+    work = threads.step_work(model)
+    assert calls == [(8, 64, 128), (8, 64, 128), (4, 64, 128), ("decode", work)]
     mx.eval(caches[0].state)
+
+
+def test_large_models_decode_rechecks_the_load(
+        tiny_checkpoint: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where decode may run on several threads, the count follows the load: re-read
+    every RECHECK_TOKENS tokens, with MLX idle, and the tokens are the same."""
+    from kvchat.model.generate import generate_step
+    from kvchat.model.weights import load_model
+
+    model = load_model(tiny_checkpoint("llama"))
+    ids = list(range(3, 23))
+    base = list(generate_step(model, ids, model.make_cache(), max_tokens=70))
+    threads._policy = Policy(cores=2)
+    monkeypatch.setattr(threads, "step_work", lambda m: 3e8)  # as a large model
+    loads = iter([0, 0, 1])  # free, free, then another program starts
+    seen: list[int] = []
+    monkeypatch.setattr(threads, "runnable_others", lambda: next(loads))
+    monkeypatch.setattr(threads, "apply", lambda t, r, c: 1)  # the prefill's own rule
+    monkeypatch.setattr(threads._blas, "set", seen.append)
+    out = list(generate_step(model, ids, model.make_cache(), max_tokens=70))
+    assert out == base
+    assert seen == [2, 2, 1]  # at the start, after 32 and after 64 tokens
 
 
 def test_settings_entry(tmp_path: Path) -> None:

@@ -149,9 +149,9 @@ class _MlxLm:
         from mlx_lm.generate import generate_step
 
         mx = self.mx
-        # the same OpenBLAS as ours, at the count our policy gives a decode step (mlx-lm
-        # cannot switch counts between its prefill and its decode)
-        self.threads = threads.apply(1, 0, 0)
+        # the same OpenBLAS as ours, at the count our policy gives this model's decode
+        # steps (mlx-lm cannot switch counts between its prefill and its decode)
+        self.threads = threads.apply_decode(threads.step_work(self.model))
         mx.reset_peak_memory()
         prompt = mx.array(ids)
         t0 = time.perf_counter()

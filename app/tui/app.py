@@ -49,7 +49,7 @@ def _default_engine(on_event: Callable[[Event], None], model_path: str | None) -
     return engine
 
 
-UI_NICE = 5  # the UI process's niceness above the engine's (README, "The chat's speed")
+UI_NICE = 15  # the UI process's niceness above the engine's (README, "The chat's speed")
 _ui_niced = False
 
 
