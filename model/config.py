@@ -325,6 +325,18 @@ FAMILIES: dict[str, Family] = {
         layer_rule=None, bias_key="use_bias", mlp_bias_key="use_bias", rope_traditional=True,
         tie_word_embeddings=True,
     ),
+    # EXAONE 3.0/3.5: Llama under GPT-2-style names and keys (transformers runs it as Llama)
+    "exaone": Family(
+        layer_rule=None,
+        key_aliases={"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
+                     "activation_function": "hidden_act"},
+        renames=(("transformer.wte.", "model.embed_tokens."), ("transformer.h.", "model.layers."),
+                 ("transformer.ln_f.", "model.norm."), (".attn.attention.", ".self_attn."),
+                 (".self_attn.out_proj.", ".self_attn.o_proj."), (".ln_1.", ".input_layernorm."),
+                 (".ln_2.", ".post_attention_layernorm."), (".mlp.c_fc_0.", ".mlp.gate_proj."),
+                 (".mlp.c_fc_1.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj.")),
+        defaults={"rope_theta": 5e5, "rms_norm_eps": 1e-5},
+    ),
     # transformers runs internlm3 configs as Llama (qkv_bias and bias name Llama's keys)
     "internlm3": Family(
         layer_rule=None, key_aliases={"qkv_bias": "attention_bias", "bias": "mlp_bias"},

@@ -459,6 +459,13 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
     "dbrx_norm_p2": FamilySpec("DbrxForCausalLM", {**_DBRX, "ffn_config": {
         **_DBRX["ffn_config"], "moe_normalize_expert_weights": 2.0}}, own_keys=True,
         mlx_lm="off", note="mlx-lm ignores moe_normalize_expert_weights", seed=79),
+    # EXAONE 3.x: Llama with GPT-2-style tensor names; classic configs say num_layers,
+    # layer_norm_epsilon and activation_function
+    "exaone": FamilySpec("LlamaForCausalLM", {}, config_class="ExaoneConfig", mlx_lm="fails",
+                         note="mlx-lm needs num_layers and rope_theta", convert_classic=True,
+                         seed=80),
+    "exaone_classic": FamilySpec("LlamaForCausalLM", {}, config_class="ExaoneConfig",
+                                 rope_form="classic", seed=80),
     "internlm3": FamilySpec("LlamaForCausalLM", {"head_dim": 16, "qkv_bias": True, "bias": True},
                             config_class="InternLM3Config", mlx_lm="fails",
                             note="mlx-lm's internlm3 has no q/k/v/o or MLP biases",
@@ -469,6 +476,8 @@ NAMES = list(FAMILY_SPECS)
 
 # keys transformers 5 writes under a new name -> the one classic configs (and mlx-lm) use
 _CLASSIC_KEYS = {
+    "exaone": {"num_hidden_layers": "num_layers", "rms_norm_eps": "layer_norm_epsilon",
+               "hidden_act": "activation_function"},
     "qwen3_moe": {"num_local_experts": "num_experts"},
     "gpt_neox": {"partial_rotary_factor": "rotary_pct", "rope_theta": "rotary_emb_base"},
     "dbrx": {"rope_theta": "attn_config.rope_theta",
