@@ -4,7 +4,8 @@ The file is what `mlx_lm.models.cache.save_prompt_cache` writes for these caches
 "<layer>.<i>" from each cache's `state`, its scalars stored as arrays and listed in the
 metadata, plus the class names), so `mlx_lm.models.cache.load_prompt_cache` reads it
 back into mlx-lm's own classes where it has one of that name (KVCache, RotatingKVCache,
-QuantizedKVCache); kvchat's quantized rotating cache loads with our loader only. Our
+QuantizedKVCache); kvchat's quantized rotating and chunked caches load with our loader
+only. Our
 loader reads the same file into our classes through `from_state(state)`, then restores
 each layer's `extras` (what mlx-lm's state has no place for: a trimmed ring's lowest
 valid position, a padded head_dim) from the metadata. Writes are atomic: a temporary
@@ -26,6 +27,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .cache import (
     CacheError,
+    ChunkedKVCache,
     KVCache,
     QuantizedKVCache,
     QuantizedRotatingKVCache,
@@ -34,9 +36,12 @@ from .cache import (
 from .cache_integrity import CHECKSUM_KEY, seal, verify
 from .errors import one_line
 
+# ChunkedKVCache (Llama 4's chunked layers) is kvchat's ring of one chunk: mlx-lm's class
+# of that name keeps another state, so such a file is for kvchat's loader only
 CLASSES: dict[str, type] = {
     c.__name__: c
-    for c in (KVCache, RotatingKVCache, QuantizedKVCache, QuantizedRotatingKVCache)
+    for c in (KVCache, RotatingKVCache, QuantizedKVCache, QuantizedRotatingKVCache,
+              ChunkedKVCache)
 }
 EXTRAS_KEY = "kvchat_extras"  # no dots: tree_unflatten splits keys at dots
 LEGACY_KEY = "kvchat_meta_state"  # files before the mlx-lm 0.32 protocol

@@ -1226,3 +1226,34 @@ def test_multimodal_checkpoint_runs_its_language_model(
     model = load_model(family(wrapper))
     assert model.config.model_type == text and model.config.wrapper == wrapper
     assert f"{left_out} is not loaded" in model.config.note
+
+
+def test_llama4_chat_cache_is_saved_and_reopens_warm(family: Callable[[str], Path],
+                                                    tmp_path: Path) -> None:
+    """Through the real engine: a Llama 4 chat's cache (chunked layers of 16 and a global
+    NoPE layer) is saved past a chunk boundary, restored whole, and the next reply equals
+    the one after a cold prefill."""
+    from kvchat.model.cache import ChunkedKVCache
+    from kvchat.model.client import EngineClient
+    from kvchat.model.events import CacheRestored, CacheSaved, GenParams, Started
+
+    folder, path = family("llama4_text"), tmp_path / "chat.kv.safetensors"
+    params = GenParams(max_tokens=12, temp=0.0, ignore_eos=True)
+    first = [int(i) for i in IDS[0, :20]]  # 20 + 11 fed tokens: past the first chunk
+    with EngineClient(folder, timeout=60) as c:
+        done = c.run(first, params)
+        assert any(isinstance(x, ChunkedKVCache) for x in c.engine._cache)
+        c.engine.save_cache(path)
+        saved = c.wait(CacheSaved)
+        assert isinstance(saved, CacheSaved) and saved.error is None
+        follow = first + list(done.ids) + [7, 9]
+        c.reset()
+        cold = c.run(follow, params)
+    with EngineClient(folder, timeout=60) as c:
+        c.engine.restore_cache(path)
+        ev = c.wait(CacheRestored)
+        warm = c.run(follow, params)
+        started = [e for e in c.events if isinstance(e, Started)][-1]
+    assert isinstance(ev, CacheRestored) and ev.error is None and ev.tokens == saved.tokens
+    assert started.cached_tokens == saved.tokens == len(first) + len(done.ids) - 1
+    assert list(warm.ids) == list(cold.ids)
