@@ -261,10 +261,10 @@ def test_dedup_by_resolved_path_and_sort(
     tmp_path: Path, isolated_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     lm = isolated_home / ".lmstudio" / "models"
-    make_model(lm / "pub" / "shared")
+    make_model(lm / "pub" / "Linked")
     make_model(lm / "pub" / "Alpha")
     link = tmp_path / "linked"
-    link.symlink_to(lm / "pub" / "shared")
+    link.symlink_to(lm / "pub" / "Linked")
     other = tmp_path / "other"
     make_model(other / "zeta")
     make_model(other / "Beta")
