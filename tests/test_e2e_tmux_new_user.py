@@ -33,6 +33,17 @@ def _session(tmux: Tmux, name: str, size: tuple[int, int], command: str) -> None
          "new-session", "-d", "-s", name, "-x", str(w), "-y", str(h), command)
 
 
+def _chat_env(tmp_path: Path, settings: dict[str, object]) -> tuple[dict[str, str], Path]:
+    """(the environment, the exit-status file) for the chat in tmux with its own settings
+    and data folders under tmp_path."""
+    config, data = tmp_path / "config", tmp_path / "data"
+    config.mkdir()
+    (config / "settings.json").write_text(json.dumps(settings))
+    env = {"KVCHAT_CONFIG_DIR": str(config), "KVCHAT_DATA_DIR": str(data),
+           "TERM": "xterm-256color", "LD_PRELOAD": os.environ.get("LD_PRELOAD", "")}
+    return env, tmp_path / "status"
+
+
 def _wait_file(path: Path, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while not path.exists() and time.monotonic() < deadline:
@@ -72,13 +83,7 @@ def test_pull_progress_bars_in_a_terminal(tmp_path: Path) -> None:
 
 
 def test_footer_at_80_columns_and_ctrl_c_stops(tmp_path: Path) -> None:
-    config, data = tmp_path / "config", tmp_path / "data"
-    config.mkdir()
-    (config / "settings.json").write_text(
-        json.dumps({"temp": 0.0, "max_tokens": 3000, "max_kv_size": 256}))
-    status = tmp_path / "status"
-    env = {"KVCHAT_CONFIG_DIR": str(config), "KVCHAT_DATA_DIR": str(data),
-           "TERM": "xterm-256color", "LD_PRELOAD": os.environ.get("LD_PRELOAD", "")}
+    env, status = _chat_env(tmp_path, {"temp": 0.0, "max_tokens": 3000, "max_kv_size": 256})
     tmux = Tmux(f"kvchat-80-{os.getpid()}")
     try:
         _session(tmux, "chat", (80, 24),

@@ -4,23 +4,16 @@ Quit are in the footer, and F3 brings the panel back."""
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 from pathlib import Path
 
 from .test_e2e_tmux import STORIES, Tmux, pytestmark  # noqa: F401
-from .test_e2e_tmux_new_user import _command, _session, _wait_file
+from .test_e2e_tmux_new_user import _chat_env, _command, _session, _wait_file
 
 
 def test_chat_at_80x24(tmp_path: Path) -> None:
-    config, data = tmp_path / "config", tmp_path / "data"
-    config.mkdir()
-    (config / "settings.json").write_text(
-        json.dumps({"temp": 0.0, "max_tokens": 40, "max_kv_size": 64}))
-    status = tmp_path / "status"
-    env = {"KVCHAT_CONFIG_DIR": str(config), "KVCHAT_DATA_DIR": str(data),
-           "TERM": "xterm-256color", "LD_PRELOAD": os.environ.get("LD_PRELOAD", "")}
+    env, status = _chat_env(tmp_path, {"temp": 0.0, "max_tokens": 40, "max_kv_size": 64})
     tmux = Tmux(f"kvchat-small-{os.getpid()}")
     try:
         _session(tmux, "chat", (80, 24),
