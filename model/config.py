@@ -257,6 +257,10 @@ _GPT2_NAMES = (("transformer.wte.", "model.embed_tokens."),
                (".attn.c_attn.", ".self_attn.c_attn."), (".mlp.c_fc.", ".mlp.up_proj."),
                (".mlp.c_proj.", ".mlp.down_proj."))
 
+# Mixtral's checkpoint names (Phi-MoE saves the same)
+_MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
+                  (".w2.", ".down_proj."), (".w3.", ".up_proj."))
+
 FAMILIES: dict[str, Family] = {
     # Llama 2, 3, 3.1, 3.2, SmolLM 1/2, TinyLlama, stories260K
     "llama": Family(),
@@ -557,16 +561,14 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(
         qkv_bias=False, o_bias=False,
         moe=MoeFamily(expert_size_key="intermediate_size", norm_topk_always=True),
-        renames=((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
-                 (".w2.", ".down_proj."), (".w3.", ".up_proj.")),
+        renames=_MIXTRAL_NAMES,
         defaults={"rope_theta": 1e6},
     ),
     # Phi-3.5-MoE: Mixtral's layout, LayerNorms, and the sparse mixer's routing
     "phimoe": Family(
         norm="layer", head_bias_key="lm_head_bias",
         moe=MoeFamily(score="sparsemixer", expert_size_key="intermediate_size"),
-        renames=((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
-                 (".w2.", ".down_proj."), (".w3.", ".up_proj.")),
+        renames=_MIXTRAL_NAMES,
         defaults={"rope_theta": 1e6},
     ),
     "qwen2_moe": Family(

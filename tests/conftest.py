@@ -150,13 +150,18 @@ def _write_tokenizer(folder: Path, vocab_size: int) -> None:
     fast.save_pretrained(str(folder))
 
 
+def classic_rope(cfg: dict[str, Any]) -> None:
+    """A config dict's `rope_parameters` as `rope_theta` + `rope_scaling`, in place."""
+    params = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = params.pop("rope_theta")
+    cfg["rope_scaling"] = None if params.get("rope_type", "default") == "default" else params
+
+
 def _to_classic_rope(folder: Path) -> None:
     """Rewrite config.json from `rope_parameters` to `rope_theta` + `rope_scaling`."""
     cfg_path = folder / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    params = dict(cfg.pop("rope_parameters"))
-    cfg["rope_theta"] = params.pop("rope_theta")
-    cfg["rope_scaling"] = None if params.get("rope_type", "default") == "default" else params
+    classic_rope(cfg)
     cfg_path.write_text(json.dumps(cfg, indent=2))
 
 

@@ -28,7 +28,7 @@ from kvchat.model import load_model
 from kvchat.model.config import FAMILIES, SLIDING, ModelConfig
 from kvchat.model.errors import ConfigError
 
-from .conftest import _randomize, _to_classic_rope, _write_tokenizer
+from .conftest import _randomize, _to_classic_rope, _write_tokenizer, classic_rope
 
 SEQ = 40
 WINDOW = 16
@@ -492,9 +492,7 @@ def _to_classic(folder: Path) -> None:
     cfg = json.loads(path.read_text())
     text = cfg.get("text_config")
     if isinstance(text, dict) and "rope_parameters" in text:  # a multimodal wrapper's
-        rope = dict(text.pop("rope_parameters"))
-        text["rope_theta"] = rope.pop("rope_theta")
-        text["rope_scaling"] = None if rope.get("rope_type") == "default" else rope
+        classic_rope(text)
     rope = cfg.get("rope_parameters") or {}
     if "full_attention" in rope:
         cfg["rope_parameters"] = rope = rope["full_attention"]
