@@ -108,7 +108,6 @@ def test_own_running_counts_this_process_runnable_threads(tmp_path: Path) -> Non
         (tmp_path / tid / "stat").write_text(stat)
     assert threads._own_running(str(tmp_path)) == 2  # a ")" in a name does not confuse it
     assert threads._own_running(str(tmp_path / "absent")) == 1  # at least the caller
-    assert threads._own_running() >= 1  # the real /proc/self/task: this thread runs
 
 
 # SmolLM-135M's config: 30 layers, hidden 576, 9 heads / 3 K/V heads of 64, MLP 1536,
