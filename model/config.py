@@ -250,12 +250,14 @@ _GPT2_KEYS = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers",
               "n_head": "num_attention_heads", "n_positions": "max_position_embeddings",
               "n_inner": "intermediate_size", "layer_norm_epsilon": "layer_norm_eps",
               "activation_function": "hidden_act"}
-_GPT2_NAMES = (("transformer.wte.", "model.embed_tokens."),
-               ("transformer.wpe.", "model.embed_positions."), ("transformer.h.", "model.layers."),
-               ("transformer.ln_f.", "model.norm."), (".ln_1.", ".input_layernorm."),
-               (".ln_2.", ".post_attention_layernorm."), (".attn.c_proj.", ".self_attn.o_proj."),
-               (".attn.c_attn.", ".self_attn.c_attn."), (".mlp.c_fc.", ".mlp.up_proj."),
-               (".mlp.c_proj.", ".mlp.down_proj."))
+# GPT-2-style checkpoint names: the body (also EXAONE 3's), then GPT-2's own layers
+_GPT_BODY_NAMES = (("transformer.wte.", "model.embed_tokens."),
+                   ("transformer.h.", "model.layers."), ("transformer.ln_f.", "model.norm."),
+                   (".ln_1.", ".input_layernorm."), (".ln_2.", ".post_attention_layernorm."),
+                   (".mlp.c_proj.", ".mlp.down_proj."))
+_GPT2_NAMES = (*_GPT_BODY_NAMES, ("transformer.wpe.", "model.embed_positions."),
+               (".attn.c_proj.", ".self_attn.o_proj."), (".attn.c_attn.", ".self_attn.c_attn."),
+               (".mlp.c_fc.", ".mlp.up_proj."))
 
 # Mixtral's checkpoint names (Phi-MoE saves the same)
 _MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
@@ -334,11 +336,9 @@ FAMILIES: dict[str, Family] = {
         layer_rule=None,
         key_aliases={"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
                      "activation_function": "hidden_act"},
-        renames=(("transformer.wte.", "model.embed_tokens."), ("transformer.h.", "model.layers."),
-                 ("transformer.ln_f.", "model.norm."), (".attn.attention.", ".self_attn."),
-                 (".self_attn.out_proj.", ".self_attn.o_proj."), (".ln_1.", ".input_layernorm."),
-                 (".ln_2.", ".post_attention_layernorm."), (".mlp.c_fc_0.", ".mlp.gate_proj."),
-                 (".mlp.c_fc_1.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj.")),
+        renames=(*_GPT_BODY_NAMES, (".attn.attention.", ".self_attn."),
+                 (".self_attn.out_proj.", ".self_attn.o_proj."),
+                 (".mlp.c_fc_0.", ".mlp.gate_proj."), (".mlp.c_fc_1.", ".mlp.up_proj.")),
         defaults={"rope_theta": 5e5, "rms_norm_eps": 1e-5},
     ),
     # transformers runs internlm3 configs as Llama (qkv_bias and bias name Llama's keys)
