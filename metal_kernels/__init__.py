@@ -4,7 +4,8 @@
 `rope_qk` — so a backend can be swapped with no change in the model. Backends:
 
 - `metal`: our `.metal` sources through `mx.fast.metal_kernel` (default where Metal exists);
-- `fast`:  `mx.fast.rms_norm` / `mx.fast.rope` (default elsewhere);
+- `fast`:  `mx.fast.rms_norm` / `mx.fast.rope` (default elsewhere; on the CPU, where
+           `mx.fast.rope` is a composite of ops, a leaner rotation: `fast.py`);
 - `ops`:   plain mlx ops written from the formulas — the readable reference.
 
 `KVCHAT_KERNELS=metal|fast|ops` forces one (and wins over the settings entry, see

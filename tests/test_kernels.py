@@ -201,6 +201,61 @@ def test_rope_fast_equals_ops(case: dict) -> None:
 
 
 @METAL
+class _MlxFastRope:
+    """`mx.fast.rope` itself, as the reference for the `fast` backend's CPU rotation
+    (which replaces it there, see metal_kernels/fast.py)."""
+
+    @staticmethod
+    def rope(x, dims, traditional, base, scale, offset, freqs):
+        return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale,
+                            offset=offset, freqs=freqs)
+
+    def rope_qk(self, q, k, *args):
+        return self.rope(q, *args), self.rope(k, *args)
+
+
+@pytest.fixture
+def mlx_fast_rope():
+    metal_kernels.register_backend("mlx_fast_rope", _MlxFastRope())
+    yield "mlx_fast_rope"
+    metal_kernels.unregister_backend("mlx_fast_rope")
+
+
+@pytest.mark.parametrize("case", ROPE_CASES, ids=case_id)
+def test_rope_fast_on_cpu_equals_mlx_fast_rope(case: dict, mlx_fast_rope: str) -> None:
+    with mx.stream(mx.cpu):
+        check_rope_pair("fast", mlx_fast_rope, case)
+
+
+def test_rope_fast_compiled_shares_angles_and_matches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU the `fast` backend rotates without `mx.fast.rope`; four layers'
+    rotations in one compiled function (the angles merged into one computation) give what
+    four separate calls give."""
+    if mx.default_device().type != mx.cpu:
+        pytest.skip("the CPU rotation")
+
+    def refuse(*a, **k):
+        raise AssertionError("mx.fast.rope called on the CPU")
+    q, k = qk_inputs(1, 8, 2, 1, 24, mx.float32)
+    rows = mx.array([[150, 3]], dtype=mx.int32)
+
+    def layers(q: mx.array, k: mx.array, rows: mx.array) -> tuple[mx.array, mx.array]:
+        for _ in range(4):
+            q, k = metal_kernels.rope_qk(q, k, 24, traditional=False, base=10000.0,
+                                         scale=1.0, offset=rows[0, 0], freqs=None)
+        return q, k
+
+    with metal_kernels.using("fast"), monkeypatch.context() as m:
+        m.setattr(mx.fast, "rope", refuse)
+        got = mx.compile(layers)(q, k, rows)
+        ref = layers(q, k, rows)
+    with metal_kernels.using("ops"):
+        ops = layers(q, k, rows)
+    for g, r, o in zip(got, ref, ops, strict=True):
+        assert mx.array_equal(g, r)
+        assert mx.allclose(g, o, atol=2e-5).item()
+
+
 @pytest.mark.parametrize("reference", ["ops", "fast"])
 @pytest.mark.parametrize("case", NORM_CASES, ids=case_id)
 def test_norms_metal_equal_reference(case: dict, reference: str) -> None:
