@@ -200,7 +200,6 @@ def test_rope_fast_equals_ops(case: dict) -> None:
     check_rope_pair("fast", "ops", case)
 
 
-@METAL
 class _MlxFastRope:
     """`mx.fast.rope` itself, as the reference for the `fast` backend's CPU rotation
     (which replaces it there, see metal_kernels/fast.py)."""
@@ -256,6 +255,7 @@ def test_rope_fast_compiled_shares_angles_and_matches(monkeypatch: pytest.Monkey
         assert mx.allclose(g, o, atol=2e-5).item()
 
 
+@METAL
 @pytest.mark.parametrize("reference", ["ops", "fast"])
 @pytest.mark.parametrize("case", NORM_CASES, ids=case_id)
 def test_norms_metal_equal_reference(case: dict, reference: str) -> None:

@@ -4,7 +4,6 @@ busy by `yes > /dev/null` beside it.
 
     python -m kvchat.app.cli.bench_threads [--models mini stories 135m] [--runs 3]
         [--prompt-tokens 256] [--gen-tokens 48] [--loads none busy] [--matmuls] [--json]
-    python -m kvchat.app.cli.bench_threads --forwarding [--models ...] [--runs 3]
 
 Runs through kvchat's own decode loop (`model.generate.generate_step`) with OpenBLAS
 preloaded the way `kvchat` does it (this module re-executes itself once with it). Each
@@ -12,8 +11,6 @@ round times every setting once, in turn, so a machine that gets busier or quiete
 all columns alike; the median of --runs rounds is printed. The last column says how far
 `auto` is from the best fixed setting in that row (the policy's goal: within 10 %).
 The machine's load average is printed beside each block: on a shared machine say so.
-`--forwarding` times decode with the one-row forwarding (app/core/gemv_forward.c) on and
-off instead, alternating in one process (its switch is a variable in the library).
 
 Models: `mini` the shipped kvchat-mini (4-bit, dequantized to float32 as the engine
 does), `stories` stories260K (the checkout's tests/models copy, or --stories DIR), `135m`
@@ -133,33 +130,6 @@ def measure(model: Any, cores: int, kinds: list[str], runs: int, prompt_tokens: 
     return rows
 
 
-def forwarding(model: Any, runs: int, prompt_tokens: int, gen: int) -> dict[str, Any]:
-    """Decode tok/s with the one-row forwarding (app/core/gemv_forward.c) on and off, in
-    this process, alternating, under the automatic thread policy."""
-    vocab = model.config.vocab_size
-    prompt = [16 + (31 * i) % (vocab - 16) for i in range(prompt_tokens)]
-    _use("auto")
-    got: dict[str, list[float]] = {"on": [], "off": []}
-    for r in range(runs + 1):  # round 0 warms both up
-        for side in ("on", "off") if r % 2 else ("off", "on"):
-            blas.set_gemv_forward(side == "on")
-            tps = once(model, prompt, gen)[1]
-            if r:
-                got[side].append(tps)
-    blas.set_gemv_forward(True)
-    med = {k: statistics.median(v) for k, v in got.items()}
-    return {"median": med, "runs": got, "ratio": med["on"] / med["off"]}
-
-
-def render_forwarding(rows: dict[str, dict[str, Any]]) -> str:
-    lines = ["decode tok/s, one-row products as GEMV on / off (median; on ÷ off):"]
-    for name, r in rows.items():
-        lines.append(f"  {name:<9}{r['median']['on']:>10,.1f}{r['median']['off']:>10,.1f}"
-                     f"{r['ratio']:>8.2f}   on: " + ", ".join(f"{x:.1f}" for x in r["runs"]["on"])
-                     + "; off: " + ", ".join(f"{x:.1f}" for x in r["runs"]["off"]))
-    return "\n".join(lines)
-
-
 MATMULS = ((1, 192, 512), (1, 576, 1536), (128, 576, 1536), (256, 576, 1536),
            (512, 192, 512), (512, 576, 1536))  # (tokens, rows, cols): the models' shapes
 
@@ -231,8 +201,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen-tokens", type=int, default=48)
     p.add_argument("--matmuls", action="store_true",
                    help="also time single matmuls of the models' shapes per thread count")
-    p.add_argument("--forwarding", action="store_true",
-                   help="instead: decode with the one-row forwarding on and off, per model")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     from kvchat.model import threads
@@ -243,14 +211,6 @@ def main(argv: list[str] | None = None) -> int:
         "cores": cores, "blas": blas.describe(), "policy": policy,
         "settings": settings(cores), "prompt_tokens": a.prompt_tokens,
         "gen_tokens": a.gen_tokens, "runs": a.runs, "loads": LOADS, "models": {}}
-    if a.forwarding:
-        if not blas.set_gemv_forward(True):
-            p.error("the one-row forwarding is not loaded (KVCHAT_GEMV=0, no C compiler,"
-                    " or no OpenBLAS)")
-        rows = {name: forwarding(_load(name, a.stories), a.runs, a.prompt_tokens,
-                                 a.gen_tokens) for name in a.models}
-        print(json.dumps({**result, "forwarding": rows}) if a.json else render_forwarding(rows))
-        return 0
     if a.matmuls:
         result["matmuls"] = {}
         for kind in a.loads:

@@ -14,6 +14,8 @@ step, so --resume continues exactly), and the initial weights.
 
 On a CPU, preload OpenBLAS first (MLX CPU matmuls are ~30x faster with it):
     export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0
+and `export OPENBLAS_CORETYPE=` the kernels `kvchat --version` names (`kvchat` does both;
+an OpenBLAS older than the CPU falls back to its 5x slower generic "Prescott" kernels).
 """
 
 # data.py: corpus -> tokenizer -> packed rows; loop.py: the model and the training loop;
