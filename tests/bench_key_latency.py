@@ -1,5 +1,6 @@
 """Key → screen latency of the real chat in tmux while a reply streams (the cost of the
-UI process's niceness, app/tui/app.py UI_NICE): python -m tests.bench_key_latency [MODEL]
+UI process's niceness and idle class, app/tui/app.py yield_to_engine):
+python -m tests.bench_key_latency [MODEL]
 
 A private tmux server runs `kvchat` on MODEL (default stories260K, whose greedy reply to
 "One day" runs for seconds) with a 256-token window; once the reply streams, each of 15

@@ -298,8 +298,9 @@ def test_thread_table_columns_and_auto_vs_best(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_ui_process_yields_to_the_engine() -> None:
-    """`yield_to_engine` nices every thread of the UI process (Linux niceness is per
-    thread), once; run in a child so this test process keeps its priority."""
+    """`yield_to_engine` nices every thread of the UI process and puts it in the
+    SCHED_IDLE class (both are per thread on Linux), once; run in a child so this test
+    process keeps its priority."""
     import os
     import sys
 
@@ -313,10 +314,12 @@ t = threading.Thread(target=ev.wait, daemon=True)
 t.start()
 def nice():
     return sorted(os.getpriority(os.PRIO_PROCESS, int(x)) for x in os.listdir("/proc/self/task"))
+def classes():
+    return sorted(os.sched_getscheduler(int(x)) for x in os.listdir("/proc/self/task"))
 before = nice()
 app.yield_to_engine()
 app.yield_to_engine()  # once only
-print(json.dumps([before, nice()]))
+print(json.dumps([before, nice(), classes(), os.SCHED_IDLE]))
 """
     out = processes.run([sys.executable, "-c", code], capture_output=True, text=True,
                         timeout=120, check=True).stdout
@@ -324,6 +327,7 @@ print(json.dumps([before, nice()]))
 
     from kvchat.app.tui.app import UI_NICE
 
-    before, after = json.loads(out.strip().splitlines()[-1])
+    before, after, classes, idle = json.loads(out.strip().splitlines()[-1])
     assert len(before) >= 2 and len(after) == len(before)
     assert after == [min(19, n + UI_NICE) for n in before]
+    assert classes == [idle] * len(before)  # every thread in the idle class
