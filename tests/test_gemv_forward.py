@@ -207,3 +207,25 @@ def test_probe_reads_the_library_once_per_cpu(tmp_path, monkeypatch) -> None:
     assert len(cached) == 1 and json.loads(cached[0].read_text()) == first
     monkeypatch.setattr(blas.subprocess, "run", lambda *a, **k: pytest.fail("probed again"))
     assert blas.probe_openblas(*found) == first
+
+
+def test_damaged_cache_files_are_rebuilt(monkeypatch, tmp_path) -> None:
+    """A probe result or compiled forwarding damaged in the cache is made again, not
+    trusted: startup neither crashes on it nor preloads a file that cannot load."""
+    found = blas.find_fast_blas() if sys.platform == "linux" else None
+    if found is None:
+        pytest.skip("no OpenBLAS on this machine")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("KVCHAT_GEMV", raising=False)
+    first = blas.probe_openblas(*found)
+    (cached,) = (tmp_path / "kvchat" / "blas-shim").glob("probe-*.json")
+    for damage in ('{"core": 5}', "[1, 2]", "{not json"):
+        cached.write_text(damage)
+        assert blas.probe_openblas(*found) == first
+        assert json.loads(cached.read_text()) == first
+    lib = blas.gemv_forward_lib()
+    if lib is None:
+        pytest.skip("no C compiler to build the forwarding")
+    lib.write_bytes(b"not a shared library")
+    again = blas.gemv_forward_lib()
+    assert again == lib and again.read_bytes()[:4] == b"\x7fELF"

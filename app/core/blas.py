@@ -40,6 +40,7 @@ import functools
 import hashlib
 import json
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -133,6 +134,11 @@ def best_core(flags: frozenset[str]) -> str | None:
     return next((c for c in BEST_FIRST if CORE_NEEDS[c.lower()] <= flags), None)
 
 
+def _is_probe(found: Any) -> bool:
+    return isinstance(found, dict) and all(
+        isinstance(found.get(k), str) for k in ("config", "core"))
+
+
 def probe_openblas(lib: Path, lib_dir: Path | None = None) -> dict[str, str] | None:
     """{"config", "core"}: an OpenBLAS's build and the kernels it picks on this CPU, read
     in a child process (a build this CPU cannot run dies there, not here) and cached per
@@ -145,9 +151,10 @@ def probe_openblas(lib: Path, lib_dir: Path | None = None) -> dict[str, str] | N
     cached = _cache_dir() / f"probe-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     try:
         found = json.loads(cached.read_text())
-        return found or None
+        if found == {} or _is_probe(found):
+            return found or None  # {}: the library did not load here
     except (OSError, ValueError):
-        pass
+        pass  # missing or damaged: probe again
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "OPENBLAS_CORETYPE")}
     env["OPENBLAS_NUM_THREADS"] = "1"
     if lib_dir is not None:
@@ -156,7 +163,7 @@ def probe_openblas(lib: Path, lib_dir: Path | None = None) -> dict[str, str] | N
         out = subprocess.run([sys.executable, "-I", "-S", "-c", _PROBE, str(lib)], env=env,
                              capture_output=True, text=True, timeout=60)
         found = json.loads(out.stdout) if out.returncode == 0 else {}
-        if found and not {"config", "core"} <= found.keys():
+        if not _is_probe(found):
             found = {}
     except (OSError, ValueError, subprocess.SubprocessError):
         return None  # not cached: it may work next time
@@ -217,9 +224,14 @@ def gemv_forward_lib() -> Path | None:
         source = GEMV_SOURCE.read_bytes()
     except OSError:
         return None
-    out = _cache_dir() / f"libkvchat-gemv-{hashlib.sha256(source).hexdigest()[:12]}.so"
+    tag = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:12]
+    out = _cache_dir() / f"libkvchat-gemv-{tag}.so"
     if out.is_file():
-        return out
+        try:
+            ctypes.CDLL(str(out))  # loads (local scope: it replaces nothing in this process)
+            return out
+        except OSError:
+            out.unlink(missing_ok=True)  # damaged: build it again
     cc = shlex.split(os.environ.get("CC", "")) or [
         c for c in (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"),) if c]
     if not cc:
