@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import mlx.core as mx
 
@@ -51,14 +52,12 @@ def _partner(dims: int, traditional: bool, dtype: mx.Dtype) -> mx.array:
     """P with (x @ P)[j] = the feature j turns with, signed: -x[j + h] for j < h and
     x[j - h] above (rotate-half), or -x[2i + 1] / x[2i] (adjacent pairs)."""
     half = dims // 2
-    rows = [0] * dims
+    p = [[0.0] * dims for _ in range(dims)]
     for j in range(dims):
         if traditional:
-            rows[j] = (j + 1, -1.0) if j % 2 == 0 else (j - 1, 1.0)
+            i, sign = (j + 1, -1.0) if j % 2 == 0 else (j - 1, 1.0)
         else:
-            rows[j] = (j + half, -1.0) if j < half else (j - half, 1.0)
-    p = [[0.0] * dims for _ in range(dims)]
-    for j, (i, sign) in enumerate(rows):
+            i, sign = (j + half, -1.0) if j < half else (j - half, 1.0)
         p[i][j] = sign
     return mx.array(p, dtype=dtype)
 
@@ -100,13 +99,18 @@ def _on_cpu() -> bool:
     return mx.default_device().type == mx.cpu
 
 
-def rope(x: mx.array, dims: int, traditional: bool, base: float | None, scale: float,
-         offset: int | mx.array, freqs: mx.array | None) -> mx.array:
-    if _on_cpu():
-        return _rope_cpu(x, dims, traditional, base, scale, offset, freqs)
+def mlx_rope(x: mx.array, dims: int, traditional: bool, base: float | None, scale: float,
+             offset: int | mx.array, freqs: mx.array | None) -> mx.array:
+    """`mx.fast.rope` itself: a kernel on a GPU."""
     return mx.fast.rope(
         x, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs
     )
+
+
+def rope(x: mx.array, dims: int, traditional: bool, base: float | None, scale: float,
+         offset: int | mx.array, freqs: mx.array | None) -> mx.array:
+    return (_rope_cpu if _on_cpu() else mlx_rope)(x, dims, traditional, base, scale, offset,
+                                                   freqs)
 
 
 def rope_qk(q: mx.array, k: mx.array, dims: int, traditional: bool, base: float | None,
@@ -114,3 +118,16 @@ def rope_qk(q: mx.array, k: mx.array, dims: int, traditional: bool, base: float 
             freqs: mx.array | None) -> tuple[mx.array, mx.array]:
     args = (dims, traditional, base, scale, offset, freqs)
     return rope(q, *args), rope(k, *args)
+
+
+class WithMlxRope:
+    """This backend with `mx.fast.rope` on every device, the CPU included (what it was
+    before its own CPU rotation): the reference the tests and `bench_ab` compare with;
+    register it with `metal_kernels.register_backend`."""
+
+    rms_norm = staticmethod(rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
+    rope = staticmethod(mlx_rope)
+
+    def rope_qk(self, q: mx.array, k: mx.array, *args: Any) -> tuple[mx.array, mx.array]:
+        return mlx_rope(q, *args), mlx_rope(k, *args)

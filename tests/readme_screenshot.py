@@ -51,22 +51,8 @@ async def screenshot() -> str:
     return svg
 
 
-def with_fast_blas() -> None:
-    """Run as `kvchat` runs (app/core/blas.py): re-exec once with a fast BLAS preloaded,
-    so the panel's BLAS row shows what a user sees."""
-    found = blas.find_fast_blas() if sys.platform == "linux" else None
-    if found is None or "blas" in os.environ.get("LD_PRELOAD", ""):
-        return
-    lib, lib_dir = found
-    env = {**os.environ, "LD_PRELOAD": lib}
-    if lib_dir is not None:
-        env["LD_LIBRARY_PATH"] = str(lib_dir)
-    os.execve(sys.executable, [sys.executable, "-m", "tests.readme_screenshot",
-                               *sys.argv[1:]], env)
-
-
 def main() -> None:
-    with_fast_blas()
+    blas.reexec_with_fast_blas("tests.readme_screenshot")
     target = Path(sys.argv[1] if len(sys.argv) > 1 else "assets/screenshot.svg")
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["KVCHAT_CONFIG_DIR"] = f"{tmp}/config"

@@ -200,22 +200,11 @@ def test_rope_fast_equals_ops(case: dict) -> None:
     check_rope_pair("fast", "ops", case)
 
 
-class _MlxFastRope:
-    """`mx.fast.rope` itself, as the reference for the `fast` backend's CPU rotation
-    (which replaces it there, see metal_kernels/fast.py)."""
-
-    @staticmethod
-    def rope(x, dims, traditional, base, scale, offset, freqs):
-        return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale,
-                            offset=offset, freqs=freqs)
-
-    def rope_qk(self, q, k, *args):
-        return self.rope(q, *args), self.rope(k, *args)
-
-
 @pytest.fixture
 def mlx_fast_rope():
-    metal_kernels.register_backend("mlx_fast_rope", _MlxFastRope())
+    from kvchat.metal_kernels import fast
+
+    metal_kernels.register_backend("mlx_fast_rope", fast.WithMlxRope())
     yield "mlx_fast_rope"
     metal_kernels.unregister_backend("mlx_fast_rope")
 

@@ -277,7 +277,7 @@ def test_thread_table_columns_and_auto_vs_best(monkeypatch: pytest.MonkeyPatch) 
     assert bt.settings(8) == ["1", "2", "8", "auto"]
     speeds = {"1": (100.0, 50.0), "2": (180.0, 40.0), "auto": (170.0, 49.0)}
     using: list[str] = []
-    monkeypatch.setattr(bt, "_use", using.append)
+    monkeypatch.setattr(bt, "use_setting", using.append)
     monkeypatch.setattr(bt, "once", lambda _m, prompt, _g: speeds[using[-1]]
                         if len(prompt) > 16 else (1.0, 1.0))
     model = SimpleNamespace(config=SimpleNamespace(vocab_size=64))
@@ -295,6 +295,39 @@ def test_thread_table_columns_and_auto_vs_best(monkeypatch: pytest.MonkeyPatch) 
                       "models": {"mini": rows}})
     assert "auto÷best" in text and "1 thr" in text and "0.94" in text and "0.98" in text
     assert "one core busy (yes > /dev/null)" in text
+
+
+def test_bench_ab_alternates_and_labels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench_ab` (app/cli/bench_ab.py): one warm-up pair, then with / without in
+    alternating order, medians and `with ÷ without`; its `rope` switch moves the kernels
+    backend between ours and `mx.fast.rope`. No timing involved."""
+    from types import SimpleNamespace
+
+    from kvchat import metal_kernels
+    from kvchat.app.cli import bench_ab
+
+    state: list[bool] = []
+    monkeypatch.setattr(bench_ab, "use_setting", lambda s: None)
+    monkeypatch.setattr(bench_ab, "once",
+                        lambda _m, _p, _g: (1.0, 300.0 if state[-1] else 200.0))
+    model = SimpleNamespace(config=SimpleNamespace(vocab_size=64))
+    r = bench_ab.measure(model, state.append, runs=4, prompt_tokens=8, gen=4)
+    assert state[:2] == [False, True] and state[2:4] == [True, False]  # warm-up, then swap
+    assert state[-1] is True  # left switched on
+    assert r["median"] == {"with": 300.0, "without": 200.0} and r["ratio"] == 1.5
+    assert len(r["runs"]["with"]) == len(r["runs"]["without"]) == 4
+    text = bench_ab.render("rope", {"mini": r})
+    assert "kvchat's / mx.fast.rope" in text and "1.50" in text and "with ÷ without" in text
+    before = metal_kernels.backend()
+    try:
+        use_ours = bench_ab.switch("rope")
+        use_ours(False)
+        assert metal_kernels.backend() == "mx-fast-rope"
+        use_ours(True)
+        assert metal_kernels.backend() == "fast"
+    finally:
+        metal_kernels.set_backend(before)
+        metal_kernels.unregister_backend("mx-fast-rope")
 
 
 def test_ui_process_yields_to_the_engine() -> None:

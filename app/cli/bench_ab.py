@@ -24,30 +24,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvchat.app.cli.bench_threads import STORIES, _load, _use, once
+from kvchat.app.cli.bench_threads import STORIES, bench_model, once, use_setting
 from kvchat.app.core import blas
 
 WHAT = {"forwarding": ("GEMV", "GEMM"), "rope": ("kvchat's", "mx.fast.rope")}
-
-
-def _mlx_fast_rope() -> Any:
-    """The `fast` backend with `mx.fast.rope` on the CPU too (what it was)."""
-    import types
-
-    import mlx.core as mx
-
-    from kvchat.metal_kernels import fast
-
-    def rope(x: mx.array, dims: int, traditional: bool, base: float | None, scale: float,
-             offset: int | mx.array, freqs: mx.array | None) -> mx.array:
-        return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale,
-                            offset=offset, freqs=freqs)
-
-    def rope_qk(q: mx.array, k: mx.array, *args: Any) -> tuple[mx.array, mx.array]:
-        return rope(q, *args), rope(k, *args)
-
-    return types.SimpleNamespace(rms_norm=fast.rms_norm, add_rms_norm=fast.add_rms_norm,
-                                 rope=rope, rope_qk=rope_qk)
 
 
 def switch(what: str) -> Callable[[bool], object]:
@@ -59,7 +39,9 @@ def switch(what: str) -> Callable[[bool], object]:
             raise SystemExit("bench_ab: the one-row forwarding is not loaded (KVCHAT_GEMV=0,"
                              " no C compiler, or no OpenBLAS)")
         return blas.set_gemv_forward
-    metal_kernels.register_backend("mx-fast-rope", _mlx_fast_rope())
+    from kvchat.metal_kernels import fast
+
+    metal_kernels.register_backend("mx-fast-rope", fast.WithMlxRope())
 
     def use_ours(on: bool) -> str:
         return metal_kernels.set_backend("fast" if on else "mx-fast-rope")
@@ -71,7 +53,7 @@ def measure(model: Any, set_on: Callable[[bool], object], runs: int, prompt_toke
             gen: int) -> dict[str, Any]:
     vocab = model.config.vocab_size
     prompt = [16 + (31 * i) % (vocab - 16) for i in range(prompt_tokens)]
-    _use("auto")
+    use_setting("auto")
     got: dict[str, list[float]] = {"with": [], "without": []}
     for r in range(runs + 1):  # round 0 warms both up (traces, buffers)
         for side in ("with", "without") if r % 2 else ("without", "with"):
@@ -113,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
              f" median of {a.runs} alternating pairs"]
     for what in a.what:
         set_on = switch(what)
-        rows = {name: measure(_load(name, a.stories), set_on, a.runs, a.prompt_tokens,
+        rows = {name: measure(bench_model(name, a.stories), set_on, a.runs, a.prompt_tokens,
                               a.gen_tokens) for name in a.models}
         result[what] = rows
         texts.append(render(what, rows))

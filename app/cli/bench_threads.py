@@ -45,7 +45,8 @@ SMOL_135M = {  # HuggingFaceTB/SmolLM-135M's config.json, the parts that shape t
 LOADS = {"none": "nothing added", "busy": "one core busy (yes > /dev/null)"}
 
 
-def _load(name: str, stories: str) -> Any:
+def bench_model(name: str, stories: str) -> Any:
+    """`mini`, `stories` or `135m` (the module's docstring says which is what)."""
     import mlx.core as mx
 
     from kvchat.model.config import ModelConfig
@@ -96,7 +97,7 @@ def settings(cores: int) -> list[str]:
     return [str(n) for n in fixed] + ["auto"]
 
 
-def _use(setting: str) -> None:
+def use_setting(setting: str) -> None:
     from kvchat.model import threads
 
     os.environ[threads.ENV] = setting
@@ -112,13 +113,13 @@ def measure(model: Any, cores: int, kinds: list[str], runs: int, prompt_tokens: 
     for kind in kinds:
         with load(kind):
             for s in cols:  # warm-up: compile traces, allocator caches, OpenBLAS threads
-                _use(s)
+                use_setting(s)
                 once(model, prompt[:16], 4)
             got: dict[str, list[tuple[float, float]]] = {s: [] for s in cols}
             la0 = os.getloadavg()[0]
             for r in range(runs):  # rounds; the order rotates so no setting always goes first
                 for s in cols[r % len(cols):] + cols[:r % len(cols)]:
-                    _use(s)
+                    use_setting(s)
                     got[s].append(once(model, prompt, gen))
             la1 = os.getloadavg()[0]
         for i, metric in enumerate(("prefill_tps", "decode_tps")):
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["matmuls"][kind] = matmuls(cores)
             print(render_matmuls(result["matmuls"][kind], kind), file=sys.stderr, flush=True)
     for name in a.models:
-        model = _load(name, a.stories)
+        model = bench_model(name, a.stories)
         result["models"][name] = measure(model, cores, a.loads, a.runs, a.prompt_tokens,
                                          a.gen_tokens)
         del model

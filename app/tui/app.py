@@ -58,10 +58,11 @@ def yield_to_engine() -> None:
     started later inherits it): niceness + UI_NICE and, on Linux, the SCHED_IDLE class.
 
     Measured in round 5: a 40 %-of-a-core loop at nice 15 beside a decode slowed it by
-    17-27 %, the same loop under SCHED_IDLE by ~1 % (a waking engine thread always
+    16-29 %, the same loop under SCHED_IDLE by 1-2 % (a waking engine thread always
     preempts an idle-class one; a niced one keeps its slice); the chat's decode against
-    `generate` went from a median of 0.875 to 0.995 (14 pairs each), and keys reached the
-    screen as fast (median 112 ms either way). The class is per thread, like niceness, so
+    `generate` went from a median of 0.875 to 0.995 (14 pairs each); keys reached the
+    screen in a median of 113 ms against 111-112, with a longer tail (README, round 5).
+    The class is per thread, like niceness, so
     every thread is set; threads started later inherit it. The UI process runs no
     matmuls, so it also keeps OpenBLAS to one thread."""
     global _ui_niced
