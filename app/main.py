@@ -107,8 +107,8 @@ def _main(argv: list[str]) -> int:
     from kvchat import metal_kernels
     from kvchat.app.core import hosts
     from kvchat.app.core.settings import load_settings
-    from kvchat.model import threads
     from kvchat.model.errors import KVChatError
+    from kvchat.model.runtime import threads
 
     try:
         args = build_parser().parse_args(argv)

@@ -1,7 +1,9 @@
-"""kvchat's decoder and runtime. `from model import load_model`.
+"""kvchat's decoder and runtime: `from kvchat.model import load_model`.
 
-Names are imported on first use (PEP 562), so `import model.events` or `model.kv_math`
-does not pull in MLX: only the modules that compute import it.
+Subpackages by job, imports pointing down (docs/design.md, "Layout"): `decoder` <- `cache`
+<- `distributed` <- `runtime` <- `explain` <- `training`; `text` beside them; `errors` and
+`files` under all. Names here are imported on first use (PEP 562), so importing a light
+module (events, kv_math) does not pull in MLX.
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ _EXPORTS = {
     "ConfigError": "errors",
     "KVChatError": "errors",
     "ModelLoadError": "errors",
-    "ModelConfig": "config",
-    "load_config": "config",
-    "Tokenizer": "tokenizer",
-    "load_tokenizer": "tokenizer",
-    "Transformer": "transformer",
-    "load_model": "weights",
+    "ModelConfig": "decoder.config",
+    "load_config": "decoder.config",
+    "Tokenizer": "text.tokenizer",
+    "load_tokenizer": "text.tokenizer",
+    "Transformer": "decoder.transformer",
+    "load_model": "decoder.weights",
 }
 
 __all__ = [
@@ -34,11 +36,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .config import ModelConfig, load_config
+    from kvchat.model.decoder.config import ModelConfig, load_config
+    from kvchat.model.decoder.transformer import Transformer
+    from kvchat.model.decoder.weights import load_model
+    from kvchat.model.text.tokenizer import Tokenizer, load_tokenizer
+
     from .errors import ConfigError, KVChatError, ModelLoadError
-    from .tokenizer import Tokenizer, load_tokenizer
-    from .transformer import Transformer
-    from .weights import load_model
 
 
 def __getattr__(name: str) -> Any:

@@ -292,3 +292,19 @@ def read_json_object(path: Path, error: type[KVChatError]) -> dict[str, Any]:
     except BadJSONFile as e:
         raise error(str(e)) from None
     return data if isinstance(data, dict) else {}
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def model_name(folder: str | Path) -> str:
+    """What to call a model folder: org/name for a Hugging Face cache snapshot
+    (models--org--name/snapshots/<commit>), else the folder's name."""
+    p = Path(folder)
+    if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
+        return p.parent.parent.name[len("models--"):].replace("--", "/")
+    return p.name
+
+
+def has_tokenizer(folder: str | Path) -> bool:
+    return any((Path(folder) / n).is_file() for n in TOKENIZER_FILES)

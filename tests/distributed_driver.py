@@ -40,8 +40,8 @@ def main() -> int:
     procs = hosts.start_ranks(args.hostfile, args.model, Path(tempfile.mkdtemp()))
     hosts.join_if_launched(argparse.Namespace(model=args.model))
 
-    from kvchat.model.engine import Engine
-    from kvchat.model.events import (
+    from kvchat.model.runtime.engine import Engine
+    from kvchat.model.runtime.events import (
         Done,
         GenParams,
         Loaded,

@@ -13,7 +13,7 @@ Bounded: it stops itself after `max_requests` requests or `lifetime_s` seconds, 
 test that forgets it cannot hang CI. `throttle_bps` slows the CDN (to watch the bar), and
 `cut_after` drops the connection after that many bytes of one CDN response (once).
 
-Hostile modes (tests/test_hostile_hub.py), each off by default: `etag` and `sha` replace
+Hostile modes (tests/test_pull_bad_server.py), each off by default: `etag` and `sha` replace
 the ETag / commit the hub announces (path-shaped ones), `cdn_url` sends the LFS redirect
 to another server, `stall_after` holds a CDN response after that many bytes, `cut_always`
 drops every CDN response after that many bytes and ignores Range, `endless` sends a CDN

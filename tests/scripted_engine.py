@@ -27,12 +27,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvchat.model.cache import make_cache
-from kvchat.model.config import ModelConfig
-from kvchat.model.engine import Engine
+from kvchat.model.cache.kv import make_cache
+from kvchat.model.decoder.config import ModelConfig
 from kvchat.model.errors import KVChatError
-from kvchat.model.events import Event, GenParams, Prompt, TurnStats
-from kvchat.model.tokenizer import StreamDetokenizer
+from kvchat.model.runtime.engine import Engine
+from kvchat.model.runtime.events import Event, GenParams, Prompt, TurnStats
+from kvchat.model.text.tokenizer import StreamDetokenizer
 
 REPLY = (
     "Once upon a time, a little **robot** named Kiv lived in a *cache*. "

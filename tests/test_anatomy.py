@@ -1,4 +1,4 @@
-"""`kvchat explain` / model/anatomy.py: every annotation against config.json, every worked
+"""`kvchat explain` / model/explain/anatomy.py: every annotation against config.json, every worked
 number against an independent NumPy computation (or the design's hand-computed figure)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 
 from kvchat import metal_kernels
 from kvchat.app.main import main
-from kvchat.model.anatomy import explain, render_text
-from kvchat.model.config import ModelConfig
+from kvchat.model.decoder.config import ModelConfig
+from kvchat.model.explain.anatomy import explain, render_text
 
 MINI = Path(__file__).resolve().parents[1] / "assets" / "kvchat-mini"
 GiB = 1024**3
@@ -128,7 +128,7 @@ def test_relative_position_demo_matches_numpy(mini: dict[str, Any],
                                               mini_config: dict[str, Any]) -> None:
     """q·k of the model's own layer-0 q and k at (2, 5) and (102, 105), recomputed in
     NumPy from the (dequantized) weights."""
-    from kvchat.model.weights import load_model
+    from kvchat.model.decoder.weights import load_model
 
     rel = mini["worked"]["rope_relative"]
     assert rel["equal"] and rel["layer"] == 0

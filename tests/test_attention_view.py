@@ -1,4 +1,4 @@
-"""The attention view (model/attention_view.py) against transformers' own attention
+"""The attention view (model/explain/attention_view.py) against transformers' own attention
 weights (eager attention, output_attentions=True) over the same tokens: stories260K with
 a 64-token rotating cache (4 sinks, then eviction; transformers gets the rotation as an
 explicit mask) and a tiny Gemma 2 (soft-capping, a query_pre_attn_scalar scale, a
@@ -15,10 +15,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvchat.model.attention_view import attention_view, newest_token_attention
-from kvchat.model.events import AttentionView, Event
-from kvchat.model.generate import generate_step
-from kvchat.model.weights import load_model
+from kvchat.model.cache.kv import make_prompt_cache
+from kvchat.model.decoder.weights import load_model
+from kvchat.model.explain.attention_view import attention_view, newest_token_attention
+from kvchat.model.explain.views import VIEWS
+from kvchat.model.runtime.events import AttentionView, Event
+from kvchat.model.runtime.generate import generate_step
 
 MAX_KV, KEEP = 64, 4
 PROMPT = [1, 403, 17, 29, 261, 45, 99, 300, 12, 77, 150, 8, 64, 201, 33, 90]
@@ -53,7 +55,7 @@ def _run(folder: Path, prompt: list[int], n: int, **cache_kw: Any) -> tuple[Any,
     """Greedy decode through the compiled step; returns the model, its caches and the
     ids the caches hold."""
     model = load_model(folder)
-    caches = model.make_cache(**cache_kw)
+    caches = make_prompt_cache(model, **cache_kw)
     gen = list(generate_step(model, prompt, caches, max_tokens=n))
     return model, caches, prompt + gen[:-1]  # the last id was sampled, never fed
 
@@ -137,8 +139,8 @@ def test_softcap_sinks_and_window_match_transformers(tmp_path: Path, name: str) 
 
 
 def test_engine_sends_views_only_while_watched(stories260k: Path) -> None:
-    from kvchat.model.engine import Engine
-    from kvchat.model.events import Done, GenParams, Loaded
+    from kvchat.model.runtime.engine import Engine
+    from kvchat.model.runtime.events import Done, GenParams, Loaded
 
     events: list[Event] = []
     done = threading.Event()
@@ -148,7 +150,7 @@ def test_engine_sends_views_only_while_watched(stories260k: Path) -> None:
         if isinstance(ev, (Done, Loaded)):
             done.set()
 
-    engine = Engine(on_event, str(stories260k))
+    engine = Engine(on_event, str(stories260k), views=VIEWS)
     try:
         assert done.wait(60)
         done.clear()
@@ -181,8 +183,8 @@ def test_engine_sends_views_only_while_watched(stories260k: Path) -> None:
 def test_engine_process_forwards_explain_and_views(stories260k: Path) -> None:
     """The chat's engine runs in a child process: both requests cross the pipe and the
     events come back (the anatomy computed there, on the child's kernels)."""
-    from kvchat.model.engine_process import EngineProcess
-    from kvchat.model.events import Done, Explained, GenParams, Loaded
+    from kvchat.model.runtime.engine_process import EngineProcess
+    from kvchat.model.runtime.events import Done, Explained, GenParams, Loaded
 
     events: list[Event] = []
     got = threading.Condition()
@@ -197,7 +199,7 @@ def test_engine_process_forwards_explain_and_views(stories260k: Path) -> None:
             assert got.wait_for(lambda: any(isinstance(e, kind) for e in events), 60)
             return [e for e in events if isinstance(e, kind)][-1]
 
-    engine = EngineProcess(on_event, str(stories260k))
+    engine = EngineProcess(on_event, str(stories260k), views=VIEWS)
     try:
         wait(Loaded)
         engine.submit(PROMPT, GenParams(max_tokens=8, max_kv_size=MAX_KV, keep=KEEP))

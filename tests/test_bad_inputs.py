@@ -13,8 +13,8 @@ import mlx.core as mx
 import pytest
 
 from kvchat.model import load_model
+from kvchat.model.decoder.weights import safetensors_header
 from kvchat.model.errors import KVChatError
-from kvchat.model.weights import safetensors_header
 
 
 def load_error(path: Path, **kwargs: Any) -> str:
@@ -83,7 +83,7 @@ def test_unknown_model_type_lists_supported(llama: Path) -> None:
     edit_config(llama, lambda c: c.update(model_type="mamba"))
     msg = load_error(llama)
     assert "'mamba'" in msg
-    from kvchat.model.config import FAMILIES
+    from kvchat.model.decoder.config import FAMILIES
 
     assert "supported: " + ", ".join(sorted(FAMILIES)) in msg
 

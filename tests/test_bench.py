@@ -111,9 +111,9 @@ def test_text_output_names_dtypes_and_roofline(stories260k: Path, capsys) -> Non
 
 
 def test_bench_chat_runs_both_sides(stories260k: Path, capsys) -> None:
-    """`python -m kvchat.app.tui.bench_chat`: the real app and the UI-less client decode the
+    """`python -m tests.benchmarks.chat`: the real app and the UI-less client decode the
     same number of tokens and each reports a rate (README's chat-vs-generate table)."""
-    from kvchat.app.tui import bench_chat
+    from tests.benchmarks import chat as bench_chat
 
     assert bench_chat.main(["--model", str(stories260k), "--tokens", "48", "--runs", "1",
                             "--json"]) == 0
@@ -129,7 +129,7 @@ def test_bench_chat_runs_both_sides(stories260k: Path, capsys) -> None:
 def test_bench_chat_drives_the_real_app_in_tmux(stories260k: Path, capsys) -> None:
     """`bench_chat --tmux`: the real app in a real terminal answers the typed prompt with
     exactly --tokens tokens, and reports the UI process's CPU time over the reply."""
-    from kvchat.app.tui import bench_chat
+    from tests.benchmarks import chat as bench_chat
 
     assert bench_chat.main(["--model", str(stories260k), "--tokens", "48", "--runs", "1",
                             "--tmux", "--json"]) == 0

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from kvchat.model.anatomy import explain
-from kvchat.model.config import ModelConfig
-from kvchat.model.generate import generate_step
+from kvchat.model.cache.kv import make_prompt_cache
+from kvchat.model.decoder.config import ModelConfig
+from kvchat.model.decoder.transformer import Transformer
+from kvchat.model.explain.anatomy import explain
+from kvchat.model.runtime.generate import generate_step
 from kvchat.model.training import loop as L
-from kvchat.model.transformer import Transformer
 
 CFG = {"model_type": "kvchat2017", "hidden_size": 32, "num_hidden_layers": 2,
        "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 48,
@@ -79,12 +80,13 @@ def test_forward_matches_numpy(model: Transformer) -> None:
 def test_decode_through_caches_equals_the_full_pass(model: Transformer) -> None:
     ids = [3, 17, 5, 9, 22, 1, 30, 8, 2, 11]
     full = np.array(model(mx.array([ids])))
-    cache = model.make_cache()
+    cache = make_prompt_cache(model)
     steps = np.array(mx.concatenate([model(mx.array([[t]]), cache=cache) for t in ids], 1))
     np.testing.assert_allclose(steps, full, atol=1e-5)
-    compiled = list(generate_step(model, [3, 17], model.make_cache(max_kv_size=8), max_tokens=20))
-    plain = list(generate_step(model, [3, 17], model.make_cache(max_kv_size=8), max_tokens=20,
-                               compiled=False))
+    compiled = list(generate_step(model, [3, 17], make_prompt_cache(model, max_kv_size=8),
+                                  max_tokens=20))
+    plain = list(generate_step(model, [3, 17], make_prompt_cache(model, max_kv_size=8),
+                               max_tokens=20, compiled=False))
     assert compiled == plain  # sinusoidal positions follow the rotating cache's offset
 
 

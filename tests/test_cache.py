@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvchat.model.cache import (
+from kvchat.model.cache.kv import (
     CacheError,
     KVCache,
     RotatingKVCache,
@@ -26,9 +26,9 @@ from kvchat.model.cache import (
     make_cache,
     trim_to,
 )
-from kvchat.model.config import ModelConfig
-from kvchat.model.events import TurnStats
-from kvchat.model.transformer import Transformer
+from kvchat.model.cache.stats import CacheStats
+from kvchat.model.decoder.config import ModelConfig
+from kvchat.model.decoder.transformer import Transformer
 
 from .conftest import STORIES260K as STORIES
 
@@ -283,7 +283,7 @@ def test_greedy_rotation_matches_mlx_lm_on_stories260k(stories: Path) -> None:
     from mlx_lm.models.cache import RotatingKVCache as MlxRotating
     from mlx_lm.utils import load_model as mlx_load_model
 
-    from kvchat.model.weights import load_model
+    from kvchat.model.decoder.weights import load_model
 
     ours, theirs = load_model(stories), mlx_load_model(stories)[0]
     prompt = mx.array([1, 100, 200, 300, 50])  # BOS + 4 ids: short, same prefill both sides
@@ -329,7 +329,7 @@ def test_stats_and_nbytes_match_the_formula() -> None:
     model(mx.array([list(range(9))]), cache=caches)
     s = cache_stats(caches, cfg)
     per_tok = 2 * 2 * 16 * 4  # K+V × kv heads × head_dim × float32
-    assert s == TurnStats(
+    assert s == CacheStats(
         cache_offset=9, cache_tokens=9, cache_capacity=20,
         cache_bytes=2 * per_tok * 9, mha_bytes=2 * 2 * per_tok * 9, gqa_saving=2.0,
         evicted_tokens=0, keep=4, wrapped=False, sliding_layers=0, sliding_bytes=0,

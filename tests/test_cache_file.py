@@ -11,10 +11,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as mlx_cache
 
-from kvchat.model.cache import ChunkedKVCache, KVCache, RotatingKVCache
-from kvchat.model.cache_file import load_cache, save_cache
-from kvchat.model.config import ModelConfig
-from kvchat.model.transformer import Transformer
+from kvchat.model.cache.file import load_cache, save_cache
+from kvchat.model.cache.kv import ChunkedKVCache, KVCache, RotatingKVCache
+from kvchat.model.decoder.config import ModelConfig
+from kvchat.model.decoder.transformer import Transformer
 
 PROMPT = [1, 17, 42, 5, 88, 23, 61, 9, 14, 70, 33, 2]
 BEFORE, AFTER = 40, 40  # greedy tokens before the save and after the restore
@@ -108,7 +108,7 @@ def test_state_follows_mlx_lm_032_protocol() -> None:
 
 
 def test_unreadable_file_is_one_line(tmp_path: Path) -> None:
-    from kvchat.model.cache import CacheError
+    from kvchat.model.cache.kv import CacheError
 
     bad = tmp_path / "x.kv.safetensors"
     bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
@@ -119,8 +119,8 @@ def test_unreadable_file_is_one_line(tmp_path: Path) -> None:
 def test_engine_restores_only_for_the_model_that_saved(tmp_path: Path) -> None:
     """Through the real Engine (scripted model): a cache saved for one model is refused,
     in one line, by another; for the same model the next turn reuses all of it."""
-    from kvchat.model.client import EngineClient
-    from kvchat.model.events import CacheRestored, CacheSaved, GenParams, Started
+    from kvchat.model.runtime.client import EngineClient
+    from kvchat.model.runtime.events import CacheRestored, CacheSaved, GenParams, Started
     from tests.scripted_engine import ScriptedEngine
 
     chat = [{"role": "user", "content": "hello there"}]

@@ -18,9 +18,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from kvchat.model.cache_integrity import CHECKSUM_KEY, checksum, model_fingerprint
-from kvchat.model.client import EngineClient
-from kvchat.model.events import CacheRestored, CacheSaved, GenParams, Started
+from kvchat.model.cache.integrity import CHECKSUM_KEY, checksum, model_fingerprint
+from kvchat.model.runtime.client import EngineClient
+from kvchat.model.runtime.events import CacheRestored, CacheSaved, GenParams, Started
 
 from .conftest import STORIES260K as _BESIDE
 

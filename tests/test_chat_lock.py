@@ -20,8 +20,8 @@ from tests import processes
 from tests.scripted_engine import async_test, record_notifications, wait_for
 
 from .conftest import REPO_ROOT
-from .test_new_user import env, make_app  # noqa: F401 (env: a fixture)
 from .test_tui_app import ready, turn
+from .test_tui_flows import env, make_app  # noqa: F401 (env: a fixture)
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="flock is POSIX")
 

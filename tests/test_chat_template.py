@@ -10,9 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.model.chat_template import PLAIN_FALLBACK, TemplateError, load_chat_template, render
 from kvchat.model.errors import KVChatError
-from kvchat.model.tokenizer import load_tokenizer
+from kvchat.model.text.chat_template import (
+    PLAIN_FALLBACK,
+    TemplateError,
+    load_chat_template,
+    render,
+)
+from kvchat.model.text.tokenizer import load_tokenizer
 from tests.conftest import STORIES260K as STORIES
 from tests.tokenizer_fixtures import (
     STYLES,

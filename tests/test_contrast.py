@@ -24,7 +24,7 @@ from kvchat.app.core.settings import Settings
 from kvchat.app.tui import readable
 from kvchat.app.tui.app import KVChatApp
 from kvchat.app.tui.turn_notices import overflow_message
-from kvchat.model.events import Overflow
+from kvchat.model.runtime.events import Overflow
 from tests.scripted_engine import ScriptedEngine, async_test, wait_for
 
 MODEL = "/models/stories260K"

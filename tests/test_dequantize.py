@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from kvchat.model.weights import dequantize_on_load, load_model, parameter_count
+from kvchat.model.decoder.weights import dequantize_on_load, load_model, parameter_count
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -40,6 +40,6 @@ def test_cpu_default_dequantizes_unless_asked_not_to(mlx_quantized: Any, monkeyp
 
 def test_no_dequantize_when_it_would_not_fit(monkeypatch) -> None:
     monkeypatch.delenv("KVCHAT_KEEP_QUANTIZED", raising=False)
-    monkeypatch.setattr("kvchat.model.weights._available_memory", lambda: 1_000_000)
+    monkeypatch.setattr("kvchat.model.decoder.weights._available_memory", lambda: 1_000_000)
     assert not dequantize_on_load(1_000_000, mx.float32)  # 4 MB of float32 > half of 1 MB
     assert dequantize_on_load(100_000, mx.float32) == (mx.default_device() == mx.cpu)

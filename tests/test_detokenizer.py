@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvchat.model.tokenizer import StreamDetokenizer, Tokenizer, load_tokenizer
+from kvchat.model.text.tokenizer import StreamDetokenizer, Tokenizer, load_tokenizer
 from tests.conftest import STORIES260K as STORIES
 from tests.tokenizer_fixtures import (
     byte_level_bpe,

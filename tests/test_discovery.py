@@ -323,7 +323,7 @@ def test_real_model(stories260k: Path) -> None:
 )
 def test_human_bytes(n: int, text: str) -> None:
     # discovery re-exports kv_math's formatter rather than keeping a second one
-    from kvchat.model import kv_math
+    from kvchat.model.cache import kv_math
 
     assert human_bytes is kv_math.human_bytes
     assert human_bytes(n) == text

@@ -83,8 +83,8 @@ def _lines(proc: subprocess.Popen[str], timeout: float = 60) -> list[dict[str, A
 def _single(model: Path, prompt: str, max_tokens: int, max_kv: int | None
             ) -> tuple[list[int], dict[str, Any]]:
     """The single-process Engine's greedy ids and model info: the reference."""
-    from kvchat.model.client import EngineClient
-    from kvchat.model.events import GenParams
+    from kvchat.model.runtime.client import EngineClient
+    from kvchat.model.runtime.events import GenParams
 
     with EngineClient(model) as runner:
         done = runner.run(prompt, GenParams(max_tokens=max_tokens, max_kv_size=max_kv))
@@ -129,9 +129,9 @@ def test_split_gemma3_equals_single_process(gemma3: Path, tmp_path: Path) -> Non
 def test_plan_is_the_byte_optimal_contiguous_split(stories260k: Path) -> None:
     from itertools import combinations
 
-    from kvchat.model.config import load_config
+    from kvchat.model.decoder.config import load_config
+    from kvchat.model.distributed.pipeline import plan
     from kvchat.model.files import tensor_bytes
-    from kvchat.model.pipeline import plan
 
     cfg, sizes = load_config(stories260k), tensor_bytes(stories260k)
     total_layer = sum(b for k, b in sizes.items() if k.startswith("model.layers."))
@@ -237,7 +237,7 @@ def test_greedy_ids_equal_single_process(
 def test_rank_weight_bytes_are_its_slice(ranks: int, wide_llama: Path, tmp_path: Path) -> None:
     """Tolerance: MLX active memory after load within 5 % + 1 MiB of the slice's bytes
     planned from the safetensors headers (lazy loading: no rank reads others' tensors)."""
-    from kvchat.model.facts import model_facts
+    from kvchat.model.explain.facts import model_facts
 
     total = model_facts(wide_llama).file_bytes
     lines = _lines(_driver(_hostfile(tmp_path, ranks), wide_llama, "--max-tokens", "2"))

@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from kvchat.model.client import EngineClient
-from kvchat.model.engine import Engine, common_prefix_len
-from kvchat.model.events import (
+from kvchat.model.runtime.client import EngineClient
+from kvchat.model.runtime.engine import Engine, common_prefix_len
+from kvchat.model.runtime.events import (
     Done,
     Event,
     GenParams,

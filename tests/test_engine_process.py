@@ -6,9 +6,9 @@ from __future__ import annotations
 import queue
 from pathlib import Path
 
-from kvchat.model.engine import Engine
-from kvchat.model.engine_process import EngineProcess
-from kvchat.model.events import Done, Event, GenParams, Loaded, Started, TextDelta
+from kvchat.model.runtime.engine import Engine
+from kvchat.model.runtime.engine_process import EngineProcess
+from kvchat.model.runtime.events import Done, Event, GenParams, Loaded, Started, TextDelta
 
 
 def _turn(engine: Engine | EngineProcess, events: queue.Queue[Event], prompt: str,
@@ -78,7 +78,7 @@ def test_kernels_switch_where_the_model_runs(stories260k: Path) -> None:
     """The palette's switch goes to the child: its next turn runs on the new backend (this
     process's own backend is not what decodes), with the same greedy ids."""
     import kvchat.metal_kernels as metal_kernels
-    from kvchat.model.events import KernelsSwitched
+    from kvchat.model.runtime.events import KernelsSwitched
 
     params = GenParams(max_tokens=20, ignore_eos=True)
     events: queue.Queue[Event] = queue.Queue()

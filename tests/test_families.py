@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 from kvchat.model import load_model
-from kvchat.model.config import FAMILIES, SLIDING, ModelConfig
+from kvchat.model.cache.kv import make_prompt_cache
+from kvchat.model.decoder.config import FAMILIES, SLIDING, ModelConfig
 from kvchat.model.errors import ConfigError
 
 from .conftest import _randomize, _to_classic_rope, _write_tokenizer, classic_rope
@@ -590,7 +591,7 @@ def ours_whole(folder: Path) -> np.ndarray:
 def ours_stepwise(folder: Path) -> np.ndarray:
     model = load_model(folder)
     # the dynamic-NTK fixture's context (32) is shorter than the sequence: no rotation
-    cache = model.make_cache(max_kv_size=max(SEQ, model.config.max_position_embeddings))
+    cache = make_prompt_cache(model, max_kv_size=max(SEQ, model.config.max_position_embeddings))
     steps = [model(mx.array(IDS[:, t : t + 1]), cache=cache) for t in range(SEQ)]
     return np.array(mx.concatenate(steps, axis=1))
 
@@ -663,8 +664,8 @@ def _quantizable(src: Path, weights: dict[str, mx.array]) -> dict[str, bool]:
     drops (a vision tower) reach nothing and stay as they are. Fused experts stored
     without `.weight` (gpt-oss's and Llama 4's `experts.gate_up_proj`, `down_proj`,
     (experts, in, out)) have no quantized form under transformers' names: left float."""
-    from kvchat.model.config import load_config
-    from kvchat.model.weights import conv1d_weight, our_names, rename
+    from kvchat.model.decoder.config import load_config
+    from kvchat.model.decoder.weights import conv1d_weight, our_names, rename
 
     cfg = load_config(src)
     modules = dict(load_model(src).named_modules())
@@ -903,11 +904,11 @@ def test_sliding_window_changes_logits(family: Callable[[str], Path], tmp_path: 
 
 def test_mixed_caches_keep_window_and_full(family: Callable[[str], Path]) -> None:
     model = load_model(family("gemma3_text"))
-    cache = model.make_cache()
+    cache = make_prompt_cache(model)
     assert [c.max_size for c in cache] == [WINDOW, WINDOW, 256, WINDOW]
     assert [c.keep for c in cache] == [0, 0, 4, 0]
     model(mx.array(IDS), cache=cache)
-    from kvchat.model.cache import cache_stats, layer_stats
+    from kvchat.model.cache.kv import cache_stats, layer_stats
 
     s = cache_stats(cache, model.config)
     per = 2 * 2 * 16 * 4  # K+V × kv heads × head_dim × float32
@@ -923,7 +924,7 @@ def test_mixed_caches_keep_window_and_full(family: Callable[[str], Path]) -> Non
 def test_user_bound_smaller_than_window(family: Callable[[str], Path]) -> None:
     """--max-kv-size below the window bounds every layer; keep applies to the global ones."""
     model = load_model(family("gemma3_text"))
-    cache = model.make_cache(max_kv_size=8, keep=2)
+    cache = make_prompt_cache(model, max_kv_size=8, keep=2)
     assert [(c.max_size, c.keep) for c in cache] == [(8, 2)] * 4
 
 
@@ -1005,8 +1006,8 @@ def _turns(folder: Path, prompts: list[list[int]], **kw: Any) -> list[tuple[Any,
     """(Started, Done) of each prompt, in one engine (greedy, 3 tokens each)."""
     import queue
 
-    from kvchat.model.engine import Engine
-    from kvchat.model.events import Done, GenParams, Loaded, LoadFailed, Started
+    from kvchat.model.runtime.engine import Engine
+    from kvchat.model.runtime.events import Done, GenParams, Loaded, LoadFailed, Started
 
     events: queue.Queue[Any] = queue.Queue()
     engine = Engine(events.put, folder, **kw)
@@ -1048,10 +1049,10 @@ def test_prompt_reuse_stays_exact_with_sliding_layers(family: Callable[[str], Pa
 
 def test_layer_view_summary_shows_window_and_gqa_savings(family: Callable[[str], Path]) -> None:
     from kvchat.app.tui.screens.layers import summary
-    from kvchat.model.cache import layer_stats
+    from kvchat.model.cache.kv import layer_stats
 
     model = load_model(family("gemma3_text"))
-    cache = model.make_cache()
+    cache = make_prompt_cache(model)
     model(mx.array(IDS), cache=cache)
     text = summary(layer_stats(cache, model.config))
     per = 2 * 2 * 16 * 4  # K+V × kv heads × head_dim × float32
@@ -1091,10 +1092,10 @@ def test_latent_cache_holds_the_latent_and_says_what_it_saves(
 
     from kvchat.app.cli import inspect as inspect_cmd
     from kvchat.app.tui.screens.layers import summary
-    from kvchat.model.cache import cache_stats, layer_stats
+    from kvchat.model.cache.kv import cache_stats, layer_stats
 
     model = load_model(family("deepseek_v3"))
-    cache = model.make_cache()
+    cache = make_prompt_cache(model)
     model(mx.array(IDS), cache=cache)
     layers, heads, f32 = 3, 4, 4
     latent = SEQ * layers * (16 + 8) * f32  # (kv_lora_rank + rope_dim) per token and layer
@@ -1128,7 +1129,7 @@ def test_compiled_step_serves_moe_and_latent_models(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvchat.model.generate import Progress, generate_step
+    from kvchat.model.runtime.generate import Progress, generate_step
 
     folder = family(name)
     model = load_model(folder)
@@ -1136,7 +1137,7 @@ def test_compiled_step_serves_moe_and_latent_models(
     runs = []
     for compiled in (True, False):
         prog = Progress()
-        runs.append(list(generate_step(model, prompt, model.make_cache(), max_tokens=20,
+        runs.append(list(generate_step(model, prompt, make_prompt_cache(model), max_tokens=20,
                                        compiled=compiled, progress=prog)))
         assert prog.compiled == compiled
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
@@ -1150,7 +1151,7 @@ def test_compiled_step_serves_moe_and_latent_models(
 def test_family_lookup_comes_before_the_generic_checks(tmp_path: Path) -> None:
     """transformers 5 writes qwen2_moe with sliding_window 0 (its flag off): it loads;
     an unknown type is always 'unknown architecture', whatever else is wrong."""
-    from kvchat.model.config import load_config
+    from kvchat.model.decoder.config import load_config
 
     cfg = {"model_type": "qwen2_moe", "hidden_size": 64, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
@@ -1208,7 +1209,7 @@ def test_dbrx_experts_that_do_not_split_name_the_tensor(
 def test_gathered_experts_are_one_matmul_per_projection(family: Callable[[str], Path]) -> None:
     """Every routed expert of a layer is one stacked (experts, out, in) weight: the
     layer runs three gathered matmuls whatever the number of experts."""
-    from kvchat.model.moe import MoE, SwitchLinear
+    from kvchat.model.decoder.moe import MoE, SwitchLinear
 
     model = load_model(family("mixtral"))
     moe = model.layers[0].mlp
@@ -1231,9 +1232,9 @@ def test_llama4_chat_cache_is_saved_and_reopens_warm(family: Callable[[str], Pat
     """Through the real engine: a Llama 4 chat's cache (chunked layers of 16 and a global
     NoPE layer) is saved past a chunk boundary, restored whole, and the next reply equals
     the one after a cold prefill."""
-    from kvchat.model.cache import ChunkedKVCache
-    from kvchat.model.client import EngineClient
-    from kvchat.model.events import CacheRestored, CacheSaved, GenParams, Started
+    from kvchat.model.cache.kv import ChunkedKVCache
+    from kvchat.model.runtime.client import EngineClient
+    from kvchat.model.runtime.events import CacheRestored, CacheSaved, GenParams, Started
 
     folder, path = family("llama4_text"), tmp_path / "chat.kv.safetensors"
     params = GenParams(max_tokens=12, temp=0.0, ignore_eos=True)

@@ -11,17 +11,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvchat.model.cache import KVCache, trim_to
-from kvchat.model.generate import CompiledStep, Progress, generate_step
-from kvchat.model.weights import load_model
+from kvchat.model.cache.kv import KVCache, make_prompt_cache, trim_to
+from kvchat.model.decoder.weights import load_model
+from kvchat.model.runtime.generate import CompiledStep, Progress, generate_step
 
 
 def _caches(model: Any, kind: str) -> list[Any]:
     if kind == "unbounded":
         return [KVCache() for _ in model.layers]
     if kind == "context":
-        return model.make_cache()
-    return model.make_cache(max_kv_size=40, keep=4)  # wraps within these runs
+        return make_prompt_cache(model)
+    return make_prompt_cache(model, max_kv_size=40, keep=4)  # wraps within these runs
 
 
 def _ids(model: Any, prompt: list[int], kind: str, compiled: bool, n: int) -> list[int]:
@@ -56,7 +56,7 @@ def test_compiled_logits_match_after_trim_past_evicted(stories260k: Path) -> Non
     model = load_model(stories260k)
     runs = []
     for compiled in (False, True):
-        caches = model.make_cache(max_kv_size=24, keep=2)
+        caches = make_prompt_cache(model, max_kv_size=24, keep=2)
         list(generate_step(model, [1], caches, max_tokens=60, compiled=compiled))
         trim_to(caches, caches[0].offset - 30)
         step = CompiledStep(model, caches) if compiled else None
@@ -73,7 +73,7 @@ def test_compiled_logits_match_after_trim_past_evicted(stories260k: Path) -> Non
 def test_caches_consistent_after_early_close(stories260k: Path) -> None:
     """Closing the generator mid-way leaves the caches holding prompt + `fed` ids."""
     model = load_model(stories260k)
-    caches = model.make_cache()
+    caches = make_prompt_cache(model)
     prog = Progress()
     gen = generate_step(model, [1, 403, 407], caches, max_tokens=50, progress=prog)
     got = [next(gen) for _ in range(7)]
@@ -87,7 +87,7 @@ def test_compiled_step_writes_kv_in_place(stories260k: Path) -> None:
     cache no longer holds the old ones): the K buffer keeps its address step after
     step. A copy would move it, and cost a whole buffer per layer every token."""
     model = load_model(stories260k)
-    caches = model.make_cache(max_kv_size=8192)
+    caches = make_prompt_cache(model, max_kv_size=8192)
     steps = generate_step(model, list(range(3, 503)) * 8, caches, max_tokens=40)
     next(steps)  # prefill 4,000 tokens: each layer's K and V buffers hold 4,096 slots
 
@@ -104,7 +104,7 @@ def test_compiled_step_writes_kv_in_place(stories260k: Path) -> None:
 
 
 def test_view_slots_round_up_to_an_eighth_of_the_next_power_of_two() -> None:
-    from kvchat.model.generate import view_slots
+    from kvchat.model.runtime.generate import view_slots
 
     assert [view_slots(u, 4096) for u in (1, 32, 33, 160, 257, 1000, 1025, 4096)] == [
         32, 32, 64, 160, 320, 1024, 1280, 4096]

@@ -32,7 +32,7 @@ import pytest
 
 from kvchat import metal_kernels
 from kvchat.metal_kernels import KernelError
-from kvchat.model.layers import rope_periods
+from kvchat.model.decoder.layers import rope_periods
 from tests import processes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +94,7 @@ def qk_inputs(B: int, hq: int, hk: int, T: int, D: int, dtype: mx.Dtype, seed: i
 
 
 def llama3_periods(dims: int) -> mx.array:
-    from kvchat.model.config import RopeConfig
+    from kvchat.model.decoder.config import RopeConfig
 
     return rope_periods(dims, RopeConfig(type="llama3", theta=500000.0, factor=8.0,
                                          low_freq_factor=1.0, high_freq_factor=4.0,

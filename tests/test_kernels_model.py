@@ -20,6 +20,7 @@ import pytest
 from kvchat import metal_kernels
 from kvchat.metal_kernels.metal import MetalBackend
 from kvchat.model import load_model
+from kvchat.model.cache.kv import make_prompt_cache
 
 IDS = np.random.default_rng(99).integers(3, 256, size=(1, 40))
 
@@ -32,7 +33,7 @@ def logits_on(name: str, model, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray
     """(whole-sequence logits, token-by-token logits through the KV cache) on a backend."""
     with metal_kernels.using(name):
         whole = np.array(model(mx.array(ids)))
-        cache = model.make_cache()
+        cache = make_prompt_cache(model)
         steps = [model(mx.array(ids[:, t : t + 1]), cache=cache) for t in range(ids.shape[1])]
         return whole, np.array(mx.concatenate(steps, axis=1))
 

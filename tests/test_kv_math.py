@@ -1,11 +1,10 @@
-"""Pure KV-cache arithmetic (model/kv_math.py)."""
+"""Pure KV-cache arithmetic (model/cache/kv_math.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvchat.model.config import ModelConfig
-from kvchat.model.kv_math import (
+from kvchat.model.cache.kv_math import (
     BudgetError,
     attention_table,
     dtype_bytes_of,
@@ -15,6 +14,7 @@ from kvchat.model.kv_math import (
     parse_size,
     tokens_that_fit,
 )
+from kvchat.model.decoder.config import ModelConfig
 
 from .conftest import STORIES260K as STORIES
 
@@ -85,8 +85,8 @@ def test_dtype_bytes() -> None:
 
 
 def test_weights_bytes_from_headers() -> None:
-    from kvchat.model.facts import model_facts
-    from kvchat.model.weights import load_model, weight_bytes
+    from kvchat.model.decoder.weights import load_model, weight_bytes
+    from kvchat.model.explain.facts import model_facts
 
     facts = model_facts(STORIES)
     # the model loads as float32 on the CPU, as stored: every header byte is a parameter byte

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from mlx_lm.models import cache as mlx_cache
 
-from kvchat.model.cache import (
+from kvchat.model.cache.file import load_cache, save_cache
+from kvchat.model.cache.kv import (
     KVCache,
     QuantizedKVCache,
     QuantizedRotatingKVCache,
@@ -24,12 +25,12 @@ from kvchat.model.cache import (
     make_cache,
     parts,
 )
-from kvchat.model.cache_file import load_cache, save_cache
-from kvchat.model.config import ModelConfig
-from kvchat.model.generate import CompiledStep, Progress, generate_step
-from kvchat.model.kv_math import KVQuant, KVQuantError, kv_bytes_at
-from kvchat.model.kv_quant import Packed, quantized_attention
-from kvchat.model.transformer import Transformer
+from kvchat.model.cache.kv_math import kv_bytes_at
+from kvchat.model.decoder.config import ModelConfig
+from kvchat.model.decoder.kv_format import KVQuant, KVQuantError
+from kvchat.model.decoder.kv_quant import Packed, quantized_attention
+from kvchat.model.decoder.transformer import Transformer
+from kvchat.model.runtime.generate import CompiledStep, Progress, generate_step
 
 REPO = Path(__file__).resolve().parents[1]
 MINI = REPO / "assets" / "kvchat-mini"
@@ -284,9 +285,9 @@ def _agreement(folder: Path) -> float:
     """Share of 512 positions where the 8-bit rotating cache picks the float rotating
     cache's greedy token, both given the float run's ids (a 128-token window: the run
     rotates past it). The float run is greedy, so its ids are its own argmaxes."""
-    from kvchat.model.kv_quality import stepwise_logprobs, texts
-    from kvchat.model.tokenizer import load_tokenizer
-    from kvchat.model.weights import load_model
+    from kvchat.model.decoder.weights import load_model
+    from kvchat.model.explain.kv_quality import stepwise_logprobs, texts
+    from kvchat.model.text.tokenizer import load_tokenizer
 
     model = load_model(folder)
     prompt, _ = texts(load_tokenizer(folder))
@@ -319,8 +320,8 @@ def test_engine_saves_a_quantized_cache_and_reopens_warm(tmp_path: Path) -> None
     """Through the real Engine on the shipped model: an 8-bit chat's cache saves beside
     the chat and a new engine continues from it without prefilling the history again,
     giving the ids the uninterrupted engine gives."""
-    from kvchat.model.client import EngineClient
-    from kvchat.model.events import CacheRestored, CacheSaved, GenParams, Started
+    from kvchat.model.runtime.client import EngineClient
+    from kvchat.model.runtime.events import CacheRestored, CacheSaved, GenParams, Started
 
     params = GenParams(max_tokens=12, temp=0.0, kv_bits=8)
     chat = [{"role": "user", "content": "Tell me about the cache."}]
@@ -379,7 +380,7 @@ def test_agreement_line_reads_what_bench_recorded(tmp_path: Path,
 
 def test_side_panel_rows_for_a_quantized_cache() -> None:
     from kvchat.app.tui.widgets.stats_panel import quant_rows
-    from kvchat.model.events import TurnStats
+    from kvchat.model.runtime.events import TurnStats
 
     assert quant_rows(TurnStats(kv_bits=32, cache_bytes=10, float_bytes=10)) == []
     rows = [r.plain for r in quant_rows(TurnStats(

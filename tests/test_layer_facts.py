@@ -9,9 +9,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from kvchat.model import layers
-from kvchat.model.config import ModelConfig, RopeConfig
-from kvchat.model.layers import MLP, Attention, RMSNorm, RoPE
+from kvchat.model.decoder import layers
+from kvchat.model.decoder.config import ModelConfig, RopeConfig
+from kvchat.model.decoder.layers import MLP, Attention, RMSNorm, RoPE
 
 X = [2.4, -1.2, 0.8, 3.1]
 
@@ -198,8 +198,8 @@ def test_swiglu_mlp_by_hand() -> None:
 def test_logits_to_keep_equals_the_tail_of_all_logits():
     import mlx.core as mx
 
-    from kvchat.model.config import ModelConfig
-    from kvchat.model.transformer import Transformer
+    from kvchat.model.decoder.config import ModelConfig
+    from kvchat.model.decoder.transformer import Transformer
 
     cfg = ModelConfig.from_dict({
         "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2,

@@ -18,23 +18,51 @@ PACKAGE = "kvchat"
 SOURCES = ("app", "model", "metal_kernels")
 
 # Which layer may import which. A face never imports another face; `main` picks one.
+# Inside `model` (docs/design.md, "Layout"): `base` (errors, files) under everything, then
+# decoder <- cache <- distributed <- runtime <- explain <- training, with `text` beside
+# the decoder and the cache. `api` is the package's own lazy front (`kvchat.model`).
 FACES = ("cli", "tui", "serve")
-ALLOWED = {
-    "main": {"main", "root", *FACES, "core", "model", "kernels"},
-    **{face: {face, "root", "core", "model", "kernels"} for face in FACES},
-    "core": {"core", "root", "model", "kernels"},
-    "root": {"root"},
-    "model": {"model", "kernels"},
-    "kernels": {"kernels"},
+MODEL_FLOORS = {
+    "model.base": {"model.base"},
+    "model.decoder": {"model.base", "model.decoder", "kernels"},
+    "model.cache": {"model.base", "model.decoder", "model.cache", "kernels"},
+    "model.text": {"model.base", "model.text"},
+    "model.distributed": {"model.base", "model.decoder", "model.cache", "model.distributed",
+                          "kernels"},
+    "model.runtime": {"model.base", "model.decoder", "model.cache", "model.text",
+                      "model.distributed", "model.runtime", "kernels"},
+    "model.explain": {"model.base", "model.decoder", "model.cache", "model.text",
+                      "model.distributed", "model.runtime", "model.explain", "kernels"},
+    "model.training": {"model.base", "model.decoder", "model.cache", "model.text",
+                       "model.runtime", "model.explain", "model.training", "kernels"},
 }
+MODEL = {*MODEL_FLOORS, "model.api"}
+ALLOWED = {
+    "main": {"main", "root", *FACES, "core", *MODEL, "kernels"},
+    **{face: {face, "root", "core", *MODEL, "kernels"} for face in FACES},
+    "core": {"core", "root", *MODEL, "kernels"},
+    "root": {"root"},
+    "model.api": {*MODEL, "kernels"},
+    **MODEL_FLOORS,
+    "kernels": {"kernels"},
+    "tests": set(),  # product code never imports the tests
+}
+TESTS = "tests"  # the node every import of the test suite maps to
 
 
 def layer(module: str) -> str:
+    if module == TESTS:
+        return "tests"
     parts = module.split(".")[1:]  # drop "kvchat"
     if parts[:1] == ["metal_kernels"]:
         return "kernels"
+    if parts == ["model"]:
+        return "model.api"
     if parts[:1] == ["model"]:
-        return "model"
+        if parts[1] in ("errors", "files"):
+            return "model.base"
+        if f"model.{parts[1]}" in MODEL_FLOORS:
+            return f"model.{parts[1]}"
     if parts == ["app"]:
         return "root"
     if parts[:2] == ["app", "main"] or parts[:2] == ["app", "__main__"]:
@@ -77,6 +105,9 @@ def imports(module: str, path: Path, known: dict[str, Path]) -> set[str]:
         else:
             continue
         for name in names:
+            if name.split(".")[0] == TESTS or name.startswith(f"{PACKAGE}.{TESTS}."):
+                out.add(TESTS)
+                continue
             while name and name not in known:  # `import kvchat.model.x.attr` -> the module
                 name = name.rpartition(".")[0]
             if name and name != module:
@@ -152,7 +183,7 @@ def test_imports_point_one_way() -> None:
 def test_every_module_belongs_to_a_layer() -> None:
     g = graph(ROOT)
     assert len(g) > 60  # the walk found the package (not an empty folder)
-    assert {layer(m) for m in g} == {"main", "root", *FACES, "core", "model", "kernels"}
+    assert {layer(m) for m in g} == {"main", "root", *FACES, "core", *MODEL, "kernels"}
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -193,15 +224,28 @@ def test_a_model_cycle_through_a_relative_import_is_found(tmp_path: Path) -> Non
     ("app/cli/x.py", "from kvchat.app.tui.app import run_tui\n", "(cli) imports"),
     ("app/tui/x.py", "import kvchat.app.serve.api\n", "(tui) imports"),
     ("app/core/x.py", "from kvchat.app.cli import generate\n", "(core) imports"),
-    ("model/x.py", "def f():\n    from kvchat.app.core import text\n", "(model) imports"),
-    ("metal_kernels/x.py", "from kvchat.model import config\n", "(kernels) imports"),
+    ("model/runtime/x.py", "def f():\n    from kvchat.app.core import text\n",
+     "(model.runtime) imports"),
+    ("metal_kernels/x.py", "from kvchat.model.decoder import config\n", "(kernels) imports"),
+    # the decoder never builds a cache; the runtime never imports the views that explain it
+    ("model/decoder/x.py", "from kvchat.model.cache.kv import make_cache\n",
+     "(model.decoder) imports"),
+    ("model/runtime/x.py", "def f():\n    from ..explain.anatomy import explain\n",
+     "(model.runtime) imports"),
+    ("model/text/x.py", "from kvchat.model.decoder.config import load_config\n",
+     "(model.text) imports"),
+    # product code never imports the test suite, not even its helpers
+    ("app/serve/x.py", "from tests.helpers.server_process import ServerProcess\n",
+     "imports tests (tests)"),
+    ("metal_kernels/x.py", "def f():\n    import tests.metal_emulator\n",
+     "imports tests (tests)"),
 ])
 def test_an_import_against_the_direction_is_found(tmp_path: Path, rel: str, text: str,
                                                    needle: str) -> None:
     root = _tree(tmp_path, {
         rel: text,
         "app/tui/app.py": "", "app/serve/api.py": "", "app/cli/generate.py": "",
-        "app/core/text.py": "", "model/config.py": "",
+        "app/core/text.py": "", "model/decoder/config.py": "",
     })
     found = violations(graph(root))
     assert len(found) == 1 and needle in found[0], found

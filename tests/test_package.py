@@ -26,7 +26,8 @@ def imported_after(statement: str) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "module", ["model", "model.events", "model.kv_math", "model.files", "model.errors"]
+    "module", ["model", "model.runtime.events", "model.cache.kv_math", "model.cache.stats",
+               "model.decoder.kv_format", "model.files", "model.errors"]
 )
 def test_light_modules_do_not_import_mlx(module: str) -> None:
     mods = imported_after(f"import {PREFIX}{module}")

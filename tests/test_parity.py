@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from kvchat.model import load_model
+from kvchat.model.cache.kv import make_prompt_cache
 
 from .conftest import LLAMA3_ROPE, TINY_SPECS
 
@@ -132,7 +133,7 @@ def test_token_by_token_through_cache(
 ) -> None:
     ref = reference(name, fmt)
     model = load_model(folder_for(name, fmt))
-    cache = model.make_cache()
+    cache = make_prompt_cache(model)
     steps = [model(mx.array(IDS[:, t : t + 1]), cache=cache) for t in range(SEQ_LEN)]
     ours = np.array(mx.concatenate(steps, axis=1))
     assert cache[0].offset == SEQ_LEN
@@ -144,7 +145,7 @@ def test_chunked_prefill_through_cache(name: str, folder_for: Callable, referenc
     """A prefill chunk after earlier tokens: causal mask offset by the cache."""
     ref = reference(name, "fp32")
     model = load_model(folder_for(name, "fp32"))
-    cache = model.make_cache()
+    cache = make_prompt_cache(model)
     a = model(mx.array(IDS[:, :17]), cache=cache)
     b = model(mx.array(IDS[:, 17:]), cache=cache)
     ours = np.array(mx.concatenate([a, b], axis=1))

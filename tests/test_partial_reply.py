@@ -8,13 +8,13 @@ from pathlib import Path
 from kvchat.app.core.store import ConversationStore
 from tests.scripted_engine import async_test
 
-from .test_new_user import env  # noqa: F401 (a fixture)
 from .test_tui_app import ready, turn
+from .test_tui_flows import env  # noqa: F401 (a fixture)
 
 
 def test_engine_keeps_the_partial_reply_and_its_ids() -> None:
-    from kvchat.model.client import EngineClient
-    from kvchat.model.events import GenParams, TextDelta
+    from kvchat.model.runtime.client import EngineClient
+    from kvchat.model.runtime.events import GenParams, TextDelta
     from tests.scripted_engine import ScriptedEngine
 
     with EngineClient("/models/a", timeout=30,

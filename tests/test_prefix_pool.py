@@ -1,4 +1,4 @@
-"""model/prefix_pool.py: longest-prefix choice, LRU within a byte budget, and clones that
+"""model/cache/prefix_pool.py: longest-prefix choice, LRU within a byte budget, and clones that
 never write into the entry they came from (checked against NumPy copies)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from kvchat.model.cache import KVCache, RotatingKVCache, trim_to
-from kvchat.model.prefix_pool import PrefixPool
+from kvchat.model.cache.kv import KVCache, RotatingKVCache, trim_to
+from kvchat.model.cache.prefix_pool import PrefixPool
 
 H, D = 2, 4  # KV heads, head_dim
 KEY = (None, 4)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvchat.app.core.hub_download import PullCancelled, PullError, pull, repo_folder
-from kvchat.model.facts import check_model_folder
+from kvchat.model.explain.facts import check_model_folder
 from tests import processes
 
 from .conftest import REPO_ROOT
@@ -73,9 +73,9 @@ def test_cli_pull_downloads_verifies_and_lists(cache: Path) -> None:
     assert "/s" in totals[-1] and "ETA" in totals[-1]
     check_model_folder(snap)
     # the chat names it org/name (the engine's model info), not by its snapshot hash
-    from kvchat.model.engine import model_info
-    from kvchat.model.tokenizer import load_tokenizer
-    from kvchat.model.weights import load_model
+    from kvchat.model.decoder.weights import load_model
+    from kvchat.model.runtime.engine import model_info
+    from kvchat.model.text.tokenizer import load_tokenizer
 
     assert model_info(load_model(snap), load_tokenizer(snap))["name"] == REPO
     listed = json.loads(kvchat("models", "--json", env=env).stdout)["models"]

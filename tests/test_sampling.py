@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvchat.model.errors import KVChatError
-from kvchat.model.sampling import (
+from kvchat.model.runtime.sampling import (
     Sampler,
     SamplingError,
     SamplingParams,

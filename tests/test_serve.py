@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from kvchat.app.serve.process import ServerProcess, free_port
 from tests import processes
+from tests.helpers.server_process import ServerProcess, free_port
 
 from .conftest import REPO_ROOT
 
@@ -48,7 +48,7 @@ REFUSE = ("{%- for m in messages -%}{%- if m['content'] == 'boom' -%}"
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shipped model with a chat template that renders as the plain fallback, except
     that it refuses a message 'boom'."""
-    from kvchat.model.chat_template import PLAIN_FALLBACK
+    from kvchat.model.text.chat_template import PLAIN_FALLBACK
 
     d = tmp_path_factory.mktemp("serve") / "kvchat-mini"
     shutil.copytree(MODEL, d)
@@ -158,8 +158,8 @@ def test_raw_completion_equals_generate_raw(server: Server, model_dir: Path) -> 
 def test_ten_turn_conversations_prefill_like_the_chat(server: Server, model_dir: Path) -> None:
     """Two conversations interleaved through the server prefill (prompt minus cached
     tokens) about what the chat's single-conversation engine prefills for each alone."""
-    from kvchat.model.client import EngineClient
-    from kvchat.model.events import GenParams
+    from kvchat.model.runtime.client import EngineClient
+    from kvchat.model.runtime.events import GenParams
 
     c = server.client()
     convs = {"a": [{"role": "system", "content": SYSTEM}], "b": []}

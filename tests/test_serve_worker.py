@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvchat.app.serve import protocol
 from kvchat.app.serve.log import RequestLog
 from kvchat.app.serve.worker import EngineWorker, NotReady, QueueFull
-from kvchat.model.events import Done, GenParams
+from kvchat.model.runtime.events import Done, GenParams
 
 from .scripted_engine import REPLY, ScriptedEngine
 

@@ -17,7 +17,7 @@ from kvchat.app.core.settings import (
     settings_path,
 )
 from kvchat.model.errors import KVChatError
-from kvchat.model.events import GenParams
+from kvchat.model.runtime.events import GenParams
 
 
 @pytest.fixture(autouse=True)

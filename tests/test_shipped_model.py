@@ -11,10 +11,10 @@ import mlx.nn as nn
 import pytest
 
 from kvchat.model import load_model
-from kvchat.model.client import EngineClient
-from kvchat.model.events import GenParams
-from kvchat.model.tokenizer import load_tokenizer
-from kvchat.model.weights import parameter_count
+from kvchat.model.decoder.weights import parameter_count
+from kvchat.model.runtime.client import EngineClient
+from kvchat.model.runtime.events import GenParams
+from kvchat.model.text.tokenizer import load_tokenizer
 
 MODEL = Path(__file__).resolve().parents[1] / "assets" / "kvchat-mini"
 FILES = ("config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json",

@@ -17,8 +17,8 @@ from kvchat.app.core.discovery import ModelEntry, ModelRow
 from kvchat.app.core.settings import Settings
 from kvchat.app.tui.app import KVChatApp
 from kvchat.app.tui.widgets import StatsPanel
-from kvchat.model.events import TurnStats
-from kvchat.model.facts import ModelFacts
+from kvchat.model.explain.facts import ModelFacts
+from kvchat.model.runtime.events import TurnStats
 from tests.scripted_engine import (
     REPLY,
     ScriptedEngine,
@@ -39,7 +39,7 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr("kvchat.app.core.blas.active_blas",
                         lambda: {"name": "OpenBLAS", "path": None, "fast": True})
     # and its threads row the test machine's cores: pin a 2-core automatic policy
-    from kvchat.model import threads
+    from kvchat.model.runtime import threads
 
     monkeypatch.setattr(threads, "_policy", threads.Policy(cores=2))
     return tmp_path

@@ -16,7 +16,7 @@ import pytest
 from kvchat.app.core.settings import Settings
 from kvchat.app.tui.app import KVChatApp
 from kvchat.app.tui.screens import AnatomyScreen, AttentionScreen, HelpScreen
-from kvchat.model.events import AttentionView, Done
+from kvchat.model.runtime.events import AttentionView, Done
 from tests.scripted_engine import ScriptedEngine, wait_for
 from tests.test_snapshots import MODEL, env, settle  # noqa: F401  (env: autouse fixture)
 

@@ -8,6 +8,7 @@ import mlx.core as mx
 import pytest
 
 from kvchat.model import load_model
+from kvchat.model.cache.kv import make_prompt_cache
 
 BOS = 1
 STEPS = 60
@@ -16,7 +17,7 @@ STEPS = 60
 def greedy_ids(folder: Path, steps: int) -> list[int]:
     """Greedy argmax for `steps` tokens from BOS through our KV cache (one token per step)."""
     model = load_model(folder)
-    cache = model.make_cache()
+    cache = make_prompt_cache(model)
     ids = [BOS]
     for _ in range(steps):
         logits = model(mx.array([ids[-1:]]), cache=cache)

@@ -1,4 +1,4 @@
-"""The OpenBLAS thread policy (model/threads.py): which count for which shape and load,
+"""The OpenBLAS thread policy (model/runtime/threads.py): which count for which shape and load,
 the overrides, the runtime call reaching OpenBLAS, and where the policy acts."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from kvchat.model import threads
-from kvchat.model.threads import MIN_WORK_PER_THREAD, Policy
+from kvchat.model.cache.kv import make_prompt_cache
+from kvchat.model.runtime import threads
+from kvchat.model.runtime.threads import MIN_WORK_PER_THREAD, Policy
 from tests import processes
 
 # kvchat-mini: hidden 192, MLP 512; SmolLM-135M: hidden 576, MLP 1536 (their config.json)
@@ -152,7 +153,7 @@ def test_decode_threads_by_work_and_load(work: float, cores: int, others: int,
 _CHILD = """
 import ctypes, json
 from kvchat.app.core import blas
-from kvchat.model import threads
+from kvchat.model.runtime import threads
 threads.runnable_others = lambda: 0  # as on free cores
 threads.configure(None, blas.active_blas()["path"])
 threads._policy = threads.Policy(cores=2)
@@ -196,14 +197,14 @@ def test_without_openblas_apply_does_nothing() -> None:
 
 def test_generate_step_sets_threads_per_chunk_then_for_decode(
         tiny_checkpoint: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvchat.model.generate import generate_step
-    from kvchat.model.weights import load_model
+    from kvchat.model.decoder.weights import load_model
+    from kvchat.model.runtime.generate import generate_step
 
     model = load_model(tiny_checkpoint("llama"))
     calls: list[tuple[Any, ...]] = []
     monkeypatch.setattr(threads, "apply", lambda t, r, c: calls.append((t, r, c)) or 1)
     monkeypatch.setattr(threads, "apply_decode", lambda w: calls.append(("decode", w)) or 1)
-    caches = model.make_cache(max_kv_size=64, keep=4)
+    caches = make_prompt_cache(model, max_kv_size=64, keep=4)
     out = list(generate_step(model, list(range(3, 23)), caches, max_tokens=3, prefill_chunk=8))
     assert len(out) == 3
     # conftest's tiny llama: hidden 64, MLP 128; chunks of 8, 8, 4, then decode (once:
@@ -217,12 +218,12 @@ def test_large_models_decode_rechecks_the_load(
         tiny_checkpoint: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where decode may run on several threads, the count follows the load: re-read
     every RECHECK_TOKENS tokens, with MLX idle, and the tokens are the same."""
-    from kvchat.model.generate import generate_step
-    from kvchat.model.weights import load_model
+    from kvchat.model.decoder.weights import load_model
+    from kvchat.model.runtime.generate import generate_step
 
     model = load_model(tiny_checkpoint("llama"))
     ids = list(range(3, 23))
-    base = list(generate_step(model, ids, model.make_cache(), max_tokens=70))
+    base = list(generate_step(model, ids, make_prompt_cache(model), max_tokens=70))
     threads._policy = Policy(cores=2)
     monkeypatch.setattr(threads, "step_work", lambda m: 3e8)  # as a large model
     loads = iter([0, 0, 1])  # free, free, then another program starts
@@ -230,7 +231,7 @@ def test_large_models_decode_rechecks_the_load(
     monkeypatch.setattr(threads, "runnable_others", lambda: next(loads))
     monkeypatch.setattr(threads, "apply", lambda t, r, c: 1)  # the prefill's own rule
     monkeypatch.setattr(threads._blas, "set", seen.append)
-    out = list(generate_step(model, ids, model.make_cache(), max_tokens=70))
+    out = list(generate_step(model, ids, make_prompt_cache(model), max_tokens=70))
     assert out == base
     assert seen == [2, 2, 1]  # at the start, after 32 and after 64 tokens
 
@@ -267,11 +268,11 @@ def test_version_names_the_policy(capsys: pytest.CaptureFixture[str],
 
 
 def test_thread_table_columns_and_auto_vs_best(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The thread-policy table (app/cli/bench_threads.py): one column per fixed count and
+    """The thread-policy table (tests/benchmarks/threads.py): one column per fixed count and
     auto, medians per cell, and auto ÷ the best fixed column; no timing involved."""
     from types import SimpleNamespace
 
-    from kvchat.app.cli import bench_threads as bt
+    from tests.benchmarks import threads as bt
 
     assert bt.settings(2) == ["1", "2", "auto"]
     assert bt.settings(8) == ["1", "2", "8", "auto"]
@@ -298,13 +299,13 @@ def test_thread_table_columns_and_auto_vs_best(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_bench_ab_alternates_and_labels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`bench_ab` (app/cli/bench_ab.py): one warm-up pair, then with / without in
+    """`bench_ab` (tests/benchmarks/ab.py): one warm-up pair, then with / without in
     alternating order, medians and `with ÷ without`; its `rope` switch moves the kernels
     backend between ours and `mx.fast.rope`. No timing involved."""
     from types import SimpleNamespace
 
     from kvchat import metal_kernels
-    from kvchat.app.cli import bench_ab
+    from tests.benchmarks import ab as bench_ab
 
     state: list[bool] = []
     monkeypatch.setattr(bench_ab, "use_setting", lambda s: None)

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvchat.model.errors import KVChatError, ModelLoadError
-from kvchat.model.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from kvchat.model.text.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from tests.conftest import STORIES260K as STORIES
 from tests.tokenizer_fixtures import (
     byte_level_bpe,

@@ -10,9 +10,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from kvchat.model.chat_template import render
-from kvchat.model.client import EngineClient
-from kvchat.model.events import GenParams
+from kvchat.model.runtime.client import EngineClient
+from kvchat.model.runtime.events import GenParams
+from kvchat.model.text.chat_template import render
 from kvchat.model.training import corpus as chatdata
 from kvchat.model.training import data as D
 from kvchat.model.training import export as E
@@ -128,7 +128,7 @@ def test_resume_without_checkpoint_is_one_line_error(tmp_path: Path) -> None:
 
 def test_export_writes_a_loadable_4bit_folder(tiny_data: Path, tmp_path: Path) -> None:
     from kvchat.model import load_model
-    from kvchat.model.tokenizer import load_tokenizer
+    from kvchat.model.text.tokenizer import load_tokenizer
 
     L.train(_run(tiny_data, tmp_path / "run", 10))
     out = tmp_path / "export"

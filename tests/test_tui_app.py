@@ -34,7 +34,7 @@ from kvchat.app.tui.turn import Phase
 from kvchat.app.tui.widgets import ChatMessage, ContextGauge
 from kvchat.app.tui.widgets.format import context_level, fmt_saving, human_bytes
 from kvchat.model.errors import ModelLoadError
-from kvchat.model.events import Done, Loaded, Started, Stats, TextDelta, TurnStats
+from kvchat.model.runtime.events import Done, Loaded, Started, Stats, TextDelta, TurnStats
 from tests.scripted_engine import (
     REPLY,
     WEIGHT_BYTES,

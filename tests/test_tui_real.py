@@ -27,8 +27,8 @@ from kvchat.app.tui.screens import HistoryScreen, ModelPickerScreen
 from kvchat.app.tui.screens.settings_form import SettingsScreen
 from kvchat.app.tui.widgets import ChatMessage
 from kvchat.app.tui.widgets.format import human_bytes
-from kvchat.model.engine_process import EngineProcess
-from kvchat.model.events import CacheRestored, Done, Event, GenParams, Loaded, Started
+from kvchat.model.runtime.engine_process import EngineProcess
+from kvchat.model.runtime.events import CacheRestored, Done, Event, GenParams, Loaded, Started
 from tests.conftest import STORIES260K as STORIES
 from tests.scripted_engine import async_test, record_notifications, wait_for
 
@@ -309,7 +309,7 @@ async def test_real_persistence_round_trip_and_export(env: Path) -> None:
     assert (env / "data" / "chats" / f"{conv_id}.json").is_file()
 
     # a fresh app (a restart): reopen the chat from history and continue it (the
-    # automatic reopening of the last chat is off here; tests/test_new_user*.py cover it)
+    # automatic reopening of the last chat is off here; tests/test_tui_flows*.py cover it)
     app2, seen2 = real_app(settings(max_tokens=24, restore_session=False))
     async with app2.run_test(size=SIZE) as pilot:
         notes = record_notifications(app2)

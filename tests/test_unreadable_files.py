@@ -17,8 +17,8 @@ from kvchat.app.core.settings import load_settings
 from kvchat.app.core.store import ConversationStore, StoreError, new_id
 from kvchat.app.main import main
 from kvchat.app.tui.session import load_session
-from kvchat.model.cache_integrity import model_fingerprint
-from kvchat.model.pipeline_link import folder_fingerprint
+from kvchat.model.cache.integrity import model_fingerprint
+from kvchat.model.distributed.link import folder_fingerprint
 
 from .conftest import STORIES260K
 

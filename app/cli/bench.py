@@ -11,7 +11,7 @@ Honest by construction:
 - one decode roofline: kvchat's bytes read per generated token (its weights + resident
   K/V at the middle of the reply) over a measured memory bandwidth; both sides' tok/s
   are given as a fraction of that same roofline, and every ratio is kvchat ÷ mlx-lm;
-- the OpenBLAS thread policy in effect is printed (model/threads.py).
+- the OpenBLAS thread policy in effect is printed (model/runtime/threads.py).
 
 A quantized folder (the shipped kvchat-mini) is dequantized by kvchat on the CPU; mlx-lm's
 own 4-bit CPU path is no comparison, so give mlx-lm a float copy of the same weights made
@@ -41,10 +41,11 @@ from kvchat.app.core import blas, kv_quality
 from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.errors import UsageError, report
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
-from kvchat.model import threads
-from kvchat.model.client import EngineClient
-from kvchat.model.events import GenParams
-from kvchat.model.kv_math import KVQuant, kv_bytes_per_token
+from kvchat.model.cache.kv_math import kv_bytes_per_token
+from kvchat.model.decoder.kv_format import KVQuant
+from kvchat.model.runtime import threads
+from kvchat.model.runtime.client import EngineClient
+from kvchat.model.runtime.events import GenParams
 
 METRICS = ("prefill_tps", "decode_tps", "ttft_s")
 RATIO = "kvchat ÷ mlx-lm"  # how every ratio is taken (the label printed beside it)
@@ -318,10 +319,10 @@ def _mlx_lm_kv(q: KVQuant | None, head_dim: int) -> tuple[dict[str, Any], str | 
 
 def _agreement(path: str, q: KVQuant, n: int) -> dict[str, Any]:
     """Greedy agreement, KL and perplexity of `q`'s cache against the float one on this
-    model (model/kv_quality.py), kept for the settings screen (app/core/kv_quality)."""
-    from kvchat.model.kv_quality import measure, texts
-    from kvchat.model.tokenizer import load_tokenizer
-    from kvchat.model.weights import load_model
+    model (model/explain/kv_quality.py), kept for the settings screen (app/core/kv_quality)."""
+    from kvchat.model.decoder.weights import load_model
+    from kvchat.model.explain.kv_quality import measure, texts
+    from kvchat.model.text.tokenizer import load_tokenizer
 
     model = load_model(path)
     prompt, held_out = texts(load_tokenizer(path))

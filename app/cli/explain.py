@@ -3,7 +3,7 @@
 The four swaps of a modern block (RMSNorm with pre-norm, SwiGLU, RoPE, GQA on a KV
 cache) annotated from the model's config, the design's worked numbers computed by the
 app's kernels on the active backend, and the cache the block implies against MHA and
-MQA. The data is model/anatomy.py's; the chat's Anatomy screen shows the same.
+MQA. The data is model/explain/anatomy.py's; the chat's Anatomy screen shows the same.
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ def explain_folder(folder: str | Path, context: int | None = None, gap: int = 3,
                    block: str = "model") -> dict[str, Any]:
     """Load the model (its q and k show RoPE's relative property) and explain it, or the
     same model with the 2017 block."""
-    from kvchat.model.anatomy import explain
-    from kvchat.model.config import ModelConfig, as_2017_block
-    from kvchat.model.facts import check_model_folder, model_name
-    from kvchat.model.weights import load_model
+    from kvchat.model.decoder.config import ModelConfig, as_2017_block
+    from kvchat.model.decoder.weights import load_model
+    from kvchat.model.explain.anatomy import explain
+    from kvchat.model.explain.facts import check_model_folder
+    from kvchat.model.files import model_name
 
     path = Path(folder).expanduser()
     if not path.is_dir():
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        from kvchat.model.anatomy import render_text
+        from kvchat.model.explain.anatomy import render_text
 
         print(render_text(out), end="")
     return 0

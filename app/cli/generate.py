@@ -13,10 +13,10 @@ from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.errors import UsageError, debug, interrupted, report
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
 from kvchat.app.core.text import SafeStream
-from kvchat.model.client import EngineClient
+from kvchat.model.cache.kv_math import human_bytes
 from kvchat.model.errors import KVChatError, error_line
-from kvchat.model.events import Done, GenParams, stats_json
-from kvchat.model.kv_math import human_bytes
+from kvchat.model.runtime.client import EngineClient
+from kvchat.model.runtime.events import Done, GenParams, stats_json
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:

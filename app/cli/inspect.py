@@ -16,10 +16,7 @@ from typing import Any
 
 from kvchat.app.core.errors import UsageError, report
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
-from kvchat.model.config import ModelConfig, load_config
-from kvchat.model.errors import ConfigError, KVChatError, ModelLoadError
-from kvchat.model.facts import model_facts
-from kvchat.model.kv_math import (
+from kvchat.model.cache.kv_math import (
     BudgetError,
     KVQuant,
     attention_name,
@@ -33,6 +30,9 @@ from kvchat.model.kv_math import (
     kv_saving,
     parse_size,
 )
+from kvchat.model.decoder.config import ModelConfig, load_config
+from kvchat.model.errors import ConfigError, KVChatError, ModelLoadError
+from kvchat.model.explain.facts import model_facts
 
 LIVE_TOKENS = 32  # generated tokens in --live (a few dozen: cheap, and enough to fill a step)
 
@@ -93,7 +93,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _dtype_bytes(args: argparse.Namespace, cfg: ModelConfig) -> tuple[int, str]:
     """(bytes, where it came from): --dtype-bytes; for a model folder what this backend
-    will allocate (model/facts.py); for a bare config its torch_dtype, else fp16."""
+    will allocate (model/explain/facts.py); for a bare config its torch_dtype, else fp16."""
     if args.dtype_bytes is not None:
         return args.dtype_bytes, "--dtype-bytes"
     if args.model:
@@ -178,12 +178,12 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
 
 def _ranks(args: argparse.Namespace, source: Path, cfg: ModelConfig, dtype_bytes: int,
            context: int) -> list[dict[str, Any]] | None:
-    """--hosts N: the pipeline split (model/pipeline.py), from the checkpoint's tensor
+    """--hosts N: the pipeline split (model/distributed/pipeline.py), from the checkpoint's tensor
     sizes, or estimated from the config's shapes when there are no weights."""
     if args.hosts is None:
         return None
+    from kvchat.model.distributed.pipeline import config_tensor_bytes, split_table
     from kvchat.model.files import tensor_bytes
-    from kvchat.model.pipeline import config_tensor_bytes, split_table
 
     sizes = tensor_bytes(source) if args.model else config_tensor_bytes(cfg, dtype_bytes)
     return split_table(cfg, sizes, args.hosts, dtype_bytes, context)
@@ -221,10 +221,10 @@ def _live(folder: Path, cfg: ModelConfig, q: KVQuant | None = None) -> dict[str,
     cache from its arrays (resident slices' nbytes, every part of a quantized buffer)
     next to the formula."""
 
-    from kvchat.model.cache import cache_stats, make_cache, parts
-    from kvchat.model.events import CACHE_FIELDS, stats_json
-    from kvchat.model.generate import generate_step
-    from kvchat.model.weights import load_model
+    from kvchat.model.cache.kv import cache_stats, make_cache, parts
+    from kvchat.model.decoder.weights import load_model
+    from kvchat.model.runtime.events import CACHE_FIELDS, stats_json
+    from kvchat.model.runtime.generate import generate_step
 
     model = load_model(folder)
     caches = make_cache(model.config, kv=q)

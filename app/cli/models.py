@@ -1,6 +1,6 @@
 """`kvchat models`: list the local models kvchat can find, with what they cost to load.
 
-MEMORY and DTYPE are what loading allocates on this backend (model/facts.py, the numbers
+MEMORY and DTYPE are what loading allocates on this backend (model/explain/facts.py, the numbers
 `inspect`, the picker and the side panel show too); a folder kvchat cannot load is listed
 with the reason instead.
 """

@@ -397,7 +397,7 @@ def version_text() -> str:
     import mlx.core as mx
 
     from kvchat.app import __version__
-    from kvchat.model import threads
+    from kvchat.model.runtime import threads
 
     if not threads.bound():  # --version runs before main() configures the policy
         threads.configure(None, active_blas()["path"])  # a bad KVCHAT_THREADS: ThreadsError
@@ -413,7 +413,7 @@ class VersionAction(argparse.Action):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
-        from kvchat.model.threads import ThreadsError
+        from kvchat.model.runtime.threads import ThreadsError
 
         try:
             text = version_text()

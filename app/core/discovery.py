@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvchat.model.config import FAMILIES
-from kvchat.model.facts import ModelFacts, folder_status
-from kvchat.model.kv_math import human_bytes  # one formatter for the whole app; re-exported here
+from kvchat.model.cache.kv_math import (
+    human_bytes,  # one formatter for the whole app; re-exported here
+)
+from kvchat.model.decoder.config import FAMILIES
+from kvchat.model.explain.facts import ModelFacts, folder_status
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """kvchat across several hosts: joining a pipeline, and starting one for the chat.
 
-Two ways in, one runtime (model/pipeline.py):
+Two ways in, one runtime (model/distributed/pipeline.py):
 
 - `mlx.launch --backend ring --hostfile hosts.json -- kvchat generate --model M ...`:
   every rank runs the same command line; `join_if_launched()` (called by the CLI right
@@ -79,7 +79,8 @@ def join_if_launched(args: argparse.Namespace) -> int | None:
     """None when this process is not one of several ranks, or is rank 0 (the command then
     runs as usual and its engine loads the pipeline); else serve the model's layers for
     rank 0 and return this rank's exit status."""
-    from kvchat.model import pipeline, pipeline_link
+    from kvchat.model.distributed import link as pipeline_link
+    from kvchat.model.distributed import pipeline
 
     if not pipeline_link.launched():
         return None
@@ -141,7 +142,7 @@ def check_hosts(spec: dict[str, Any], model: str) -> None:
     every host has the model folder it is to load (locally, or over ssh). HostsError, one
     line naming the host and the folder; without this a missing folder or too many ranks
     left the chat waiting 65-100 s for a ring that never formed."""
-    from kvchat.model.config import load_config
+    from kvchat.model.decoder.config import load_config
 
     hosts = spec["hosts"]
     layers = load_config(Path(model)).num_hidden_layers

@@ -512,7 +512,7 @@ def _pull(
 def verify_pulled(folder: Path) -> dict[str, Any]:
     """The checks the loader makes, without loading weights: config, tokenizer, weight
     headers (pickles refused). Returns a summary; raises KVChatError (one line)."""
-    from kvchat.model.facts import check_model_folder
+    from kvchat.model.explain.facts import check_model_folder
 
     facts = check_model_folder(folder)
     return facts.to_dict()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 
 from kvchat.app.core.errors import UsageError
+from kvchat.model.decoder.kv_format import BITS, GROUP_SIZES, KVQuant, kv_quant
 from kvchat.model.errors import KVChatError
-from kvchat.model.kv_math import BITS, GROUP_SIZES, KVQuant, kv_quant
 
 
 def add_kv_arguments(p: argparse.ArgumentParser, start: bool = True) -> None:

@@ -26,12 +26,12 @@ import platformdirs
 
 from kvchat import metal_kernels
 from kvchat.app.core.store import atomic_write_text
-from kvchat.model import threads
+from kvchat.model.decoder.kv_format import BITS, GROUP_SIZES
 from kvchat.model.errors import KVChatError
-from kvchat.model.events import GenParams
 from kvchat.model.files import BadJSONFile, load_json
-from kvchat.model.kv_math import BITS, GROUP_SIZES
-from kvchat.model.sampling import SamplingParams
+from kvchat.model.runtime import threads
+from kvchat.model.runtime.events import GenParams
+from kvchat.model.runtime.sampling import SamplingParams
 
 SETTINGS_FILE = "settings.json"
 
@@ -65,7 +65,7 @@ class Settings:
     model_dirs: list[str] = field(default_factory=list)
     last_model: str | None = None
     kernels: str | None = None  # RMSNorm/RoPE backend (metal|fast|ops); None: the default
-    threads: str | int = "auto"  # OpenBLAS threads: "auto" (model/threads.py) or a count
+    threads: str | int = "auto"  # OpenBLAS threads: "auto" (model/runtime/threads.py) or a count
     # warm chats: save each chat's K/V cache beside it, unless larger than the cap (MiB)
     save_kv_cache: bool = True
     kv_cache_max_mib: int = 256

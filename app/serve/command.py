@@ -25,10 +25,10 @@ from kvchat.app.core.errors import UsageError
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
 from kvchat.app.serve.worker import EngineMaker
 from kvchat.model.errors import KVChatError
-from kvchat.model.events import GenParams
+from kvchat.model.runtime.events import GenParams
 
 DEFAULT_PORT = 8080
-DEFAULT_POOL_MB = 256  # idle caches kept for other conversations (model/prefix_pool.py)
+DEFAULT_POOL_MB = 256  # idle caches kept for other conversations (model/cache/prefix_pool.py)
 DEFAULT_MAX_QUEUE = 16
 
 
@@ -116,13 +116,13 @@ def _engine_maker(model: str, args: argparse.Namespace) -> EngineMaker:
     opts = engine_options(args)
 
     def make(on_event: Any) -> Any:
-        from kvchat.model import pipeline_link
+        from kvchat.model.distributed import link as pipeline_link
 
         if pipeline_link.launched():  # rank 0 of a pipeline: the link lives in this process
-            from kvchat.model.engine import Engine
+            from kvchat.model.runtime.engine import Engine
 
             return Engine(on_event, model, **opts)
-        from kvchat.model.engine_process import EngineProcess
+        from kvchat.model.runtime.engine_process import EngineProcess
 
         # Ctrl+C reaches the whole process group: the server shuts down and closes the
         # engine; the engine itself must not die of it mid-turn (an ignored SIGINT is
@@ -156,8 +156,8 @@ def _local_models(model: str, dirs: list[str]) -> list[dict[str, Any]]:
     if not dirs:
         return []
     from kvchat.app.core.discovery import model_rows
-    from kvchat.model.config import load_config
-    from kvchat.model.facts import model_name
+    from kvchat.model.decoder.config import load_config
+    from kvchat.model.files import model_name
 
     found = [{"id": r.entry.name, **r.to_dict()}
              for r in model_rows(dirs, include_defaults=False) if r.loadable]
@@ -168,7 +168,7 @@ def _local_models(model: str, dirs: list[str]) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     bound = _check(args)
-    from kvchat.model.facts import check_model_folder
+    from kvchat.model.explain.facts import check_model_folder
 
     model = str(Path(args.model or DEFAULT_MODEL).expanduser().resolve())
     check_model_folder(model)  # a folder we cannot load: one line before anything starts

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvchat.model.errors import KVChatError
-from kvchat.model.events import Done, GenParams, stats_json
+from kvchat.model.runtime.events import Done, GenParams, stats_json
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 16

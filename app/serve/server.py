@@ -28,7 +28,7 @@ from kvchat.app.serve import protocol
 from kvchat.app.serve.log import RequestLog
 from kvchat.app.serve.protocol import ApiError, Limits
 from kvchat.app.serve.worker import RETRY_AFTER_S, EngineWorker, Job, NotReady, QueueFull
-from kvchat.model.events import Done, Started, TextDelta, stats_json
+from kvchat.model.runtime.events import Done, Started, TextDelta, stats_json
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 

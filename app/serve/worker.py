@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvchat.model.events import (
+from kvchat.model.runtime.events import (
     Done,
     EngineLike,
     Event,

@@ -2,7 +2,7 @@
 screens. The chat itself is app/tui/screens/chat.py; the keys are app/tui/actions.py's table.
 
 Threading (DESIGN.md): every MLX call happens in the engine, by default in a child process
-(model/engine_process.py; a pipeline's rank 0 keeps it on a thread of this process); the
+(model/runtime/engine_process.py; a pipeline's rank 0 keeps it on a thread of this process); the
 chat screen hears from it through app/tui/bridge.py. The UI never runs MLX in a Textual
 worker; the only worker thread (model discovery in the picker) reads files.
 """
@@ -27,13 +27,13 @@ from kvchat.app.core.text import SafeNotify, visible
 from kvchat.app.tui.actions import bindings, help_rows, palette
 from kvchat.app.tui.readable import readable_variables
 from kvchat.app.tui.screens import ChatScreen, HelpScreen
-from kvchat.model.events import EngineFactory, EngineLike, Event
+from kvchat.model.runtime.events import EngineFactory, EngineLike, Event
 
 
 def validate_model_path(path: str | Path) -> Path:
     """Check a model folder before the UI starts; raises ModelLoadError/ConfigError
     (one line) so the CLI can print it and exit 1."""
-    from kvchat.model.facts import check_model_folder
+    from kvchat.model.explain.facts import check_model_folder
 
     check_model_folder(path)  # config, weights' headers, tokenizer
     return Path(path).expanduser().resolve()  # saved as last_model: must work from any cwd
@@ -42,9 +42,10 @@ def validate_model_path(path: str | Path) -> Path:
 def _default_engine(on_event: Callable[[Event], None], model_path: str | None) -> EngineLike:
     """The engine in a child process: the UI and the model never share an interpreter;
     then this (the UI's) process steps back so the engine wins a contended core."""
-    from kvchat.model.engine_process import EngineProcess
+    from kvchat.model.explain.views import VIEWS
+    from kvchat.model.runtime.engine_process import EngineProcess
 
-    engine = EngineProcess(on_event, model_path)
+    engine = EngineProcess(on_event, model_path, views=VIEWS)
     yield_to_engine()
     return engine
 
@@ -81,16 +82,17 @@ def yield_to_engine() -> None:
                 os.sched_setscheduler(tid, idle, os.sched_param(0))
         except OSError:
             pass  # a thread that ended meanwhile
-    from kvchat.model import threads
+    from kvchat.model.runtime import threads
 
     threads.set_threads(1)
 
 
 def in_process_engine(on_event: Callable[[Event], None], model_path: str | None) -> EngineLike:
     """The engine on a thread of this process (a pipeline's rank 0 must be this process)."""
-    from kvchat.model.engine import Engine  # imports MLX; kept out of module import time
+    from kvchat.model.explain.views import VIEWS
+    from kvchat.model.runtime.engine import Engine  # imports MLX; kept out of module import time
 
-    return Engine(on_event, model_path)
+    return Engine(on_event, model_path, views=VIEWS)
 
 
 TEXTUAL_COMMANDS_KEPT = ("Theme", "Quit")

@@ -13,7 +13,7 @@ import threading
 from textual.message import Message
 from textual.message_pump import MessagePump
 
-from kvchat.model.events import Event, Started, TextDelta
+from kvchat.model.runtime.events import Event, Started, TextDelta
 
 
 class EngineEvent(Message):

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvchat.app.tui.widgets import ChatMessage, StatsPanel
-from kvchat.model.events import Overflow, PrefillProgress
+from kvchat.model.runtime.events import Overflow, PrefillProgress
 
 # a prompt read faster than this shows no progress (it would only flicker)
 PREFILL_SHOW_AFTER_S = 0.5

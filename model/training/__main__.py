@@ -7,7 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..errors import KVChatError
+from kvchat.model.errors import KVChatError
+
 from . import __doc__ as USAGE
 from .data import build_data
 from .export import BITS, GROUP_SIZE, export

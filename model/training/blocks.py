@@ -10,9 +10,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import ModelConfig
-from ..generate import generate_step
-from ..kv_math import kv_bytes_per_token
+from kvchat.model.cache.kv import make_prompt_cache
+from kvchat.model.cache.kv_math import kv_bytes_per_token
+from kvchat.model.decoder.config import ModelConfig
+from kvchat.model.runtime.generate import generate_step
+
 from .data import TrainError
 from .loop import build_model, load_checkpoint_meta
 
@@ -21,7 +23,7 @@ def _decode_tps(run: Path, cfg: dict[str, Any], tokens: int) -> float:
     model = build_model(cfg, 0)
     model.load_weights(str(run / "ckpt" / "model.safetensors"))
     mx.eval(model.parameters())
-    caches = model.make_cache()
+    caches = make_prompt_cache(model)
     steps = generate_step(model, [1], caches, max_tokens=tokens + 1)
     next(steps)  # the first token: prefill and the step's trace
     t = time.perf_counter()

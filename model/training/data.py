@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import KVChatError
+from kvchat.model.errors import KVChatError
+
 from . import corpus
 
 BOS_ID, EOS_TEXT = 1, corpus.IM_END

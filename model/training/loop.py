@@ -19,8 +19,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..config import ModelConfig, as_2017_block
-from ..transformer import Transformer
+from kvchat.model.decoder.config import ModelConfig, as_2017_block
+from kvchat.model.decoder.transformer import Transformer
+
 from .data import BOS_ID, EOS_TEXT, TrainError, batch_rows, load_sp, log, pack_rows
 
 # Architecture presets: "mini" is the shipped model, "tiny" is for tests (seconds).

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..client import EngineClient
-from ..events import GenParams
+from kvchat.model.runtime.client import EngineClient
+from kvchat.model.runtime.events import GenParams
+
 from .data import log, pack_rows
 from .loop import evaluate
 
@@ -82,7 +83,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from ..weights import load_model
+    from kvchat.model.decoder.weights import load_model
 
     model = load_model(Path(args.model))
     ids, mask = pack_rows(Path(args.data) / "val_tokens.npz", args.seq_len, None)

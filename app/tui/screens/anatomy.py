@@ -1,6 +1,6 @@
 """F4: the loaded model's anatomy — its decoder block stage by stage, annotated from its
 config, with the design's worked numbers computed by the engine's kernels and the cache
-it implies against MHA and MQA (model/anatomy.py's data, as `kvchat explain` prints it)."""
+it implies against MHA and MQA (model/explain/anatomy.py's data, as `kvchat explain` prints it)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from kvchat.app.core.text import literal
-from kvchat.model.anatomy import DEFAULT_GAP, text_sections
-from kvchat.model.events import Explained
+from kvchat.model.explain.anatomy import DEFAULT_GAP, text_sections
+from kvchat.model.runtime.events import Explained
 
 
 def sections_text(data: dict[str, Any]) -> Text:

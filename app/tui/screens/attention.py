@@ -4,7 +4,7 @@ A strip over the chosen layer's cache slots, left to right in slot order: the si
 (kept forever), the rotating window, empty slots, and the slot the next token overwrites;
 under it the share of attention on the sinks, on the last 64 tokens and on the rest.
 The engine computes it only while this screen is open (`watch_attention`), from the
-cache's K and the newest token's query (model/attention_view.py)."""
+cache's K and the newest token's query (model/explain/attention_view.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from textual.screen import ModalScreen
 from textual.widget import Widget
 from textual.widgets import Static
 
-from kvchat.model.events import AttentionView
+from kvchat.model.runtime.events import AttentionView
 
 LEVELS = " ▁▂▃▄▅▆▇█"
 KIND_STYLE = {"sink": "bold yellow", "held": "bold cyan", "empty": "grey37"}

@@ -5,7 +5,7 @@ Engine events arrive through a `Bridge` (app/tui/bridge.py) as messages; each ki
 method (`on_started`, `on_text`, `on_stats`, `on_done`, `on_loading`, `on_loaded`,
 `on_load_failed`, `on_cache_saved`, `on_cache_restored`, `on_kernels_switched`,
 `on_turn_notice`), the place to hook into. The screen never runs MLX: the engine does
-all of it, in its own process (model/engine_process.py) or, for a pipeline's rank 0, on
+all of it, in its own process (model/runtime/engine_process.py) or, for a pipeline's rank 0, on
 its own thread.
 """
 
@@ -61,7 +61,7 @@ from kvchat.app.tui.widgets import (
 )
 from kvchat.app.tui.widgets.format import fmt_bytes
 from kvchat.model.errors import KVChatError
-from kvchat.model.events import (
+from kvchat.model.runtime.events import (
     AttentionView,
     CacheRestored,
     CacheSaved,

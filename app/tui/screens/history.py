@@ -14,7 +14,7 @@ from textual.widgets import DataTable, Static
 from kvchat.app.core.store import Conversation, ConversationStore, StoreError
 from kvchat.app.core.text import literal
 from kvchat.app.tui.widgets.format import fmt_bytes
-from kvchat.model.facts import model_name
+from kvchat.model.files import model_name
 
 
 def _when(ts: float) -> str:

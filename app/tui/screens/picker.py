@@ -29,7 +29,7 @@ from kvchat.app.core.pull_progress import progress_lines
 from kvchat.app.core.text import literal
 from kvchat.app.tui.widgets.format import fmt_bytes
 from kvchat.model.errors import KVChatError
-from kvchat.model.facts import check_model_folder
+from kvchat.model.explain.facts import check_model_folder
 
 
 class ModelPickerScreen(ModalScreen[str | None]):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvchat.model.kv_math import human_bytes
+from kvchat.model.cache.kv_math import human_bytes
 
 __all__ = [
     "context_level",

@@ -26,8 +26,8 @@ from kvchat.app.tui.widgets.format import (
     fmt_saving,
     fmt_seconds,
 )
-from kvchat.model import threads
-from kvchat.model.events import CACHE_FIELDS, TURN_FIELDS, TurnStats
+from kvchat.model.runtime import threads
+from kvchat.model.runtime.events import CACHE_FIELDS, TURN_FIELDS, TurnStats
 
 REFRESH_S = 0.1
 # the "now" rate spans at least this much decode time: the last Stats of a turn can

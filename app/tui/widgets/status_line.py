@@ -8,7 +8,7 @@ from textual.widgets import Static
 
 from kvchat.app.tui.widgets.format import fmt_bytes, fmt_count, fmt_rate, fmt_saving
 from kvchat.app.tui.widgets.stats_panel import REFRESH_S, StatsPanel
-from kvchat.model.events import TurnStats
+from kvchat.model.runtime.events import TurnStats
 
 
 def status_text(stats: TurnStats, bound: int | None, full: bool = False) -> str:

@@ -1,0 +1,327 @@
+"""The one decode loop: chunked prefill, then a compiled single-token step, pipelined.
+
+`generate_step` serves the engine, `kvchat bench`, `inspect --live` and the training
+script's sampler. It yields token ids as ints; the caller decides when to stop.
+
+Why a compiled step: at small model sizes a decode step is ~100 tiny MLX operations and
+their per-operation dispatch (Python and MLX) costs more than the arithmetic. `mx.compile`
+traces the step once per buffer shape and replays it. A trace bakes in every Python
+value it saw, so nothing that changes per token may be a Python int inside it: the
+position, the slot to write and the mask's bounds enter as one int32 array, K/V are
+written with `mx.slice_update` into buffers of fixed capacity (grown outside the trace,
+a whole step at a time), and attention reads the slots in use under a mask: the first
+`view_slots(length)` of them, a size that is part of the trace's key (so a trace serves
+a range of lengths, and the work grows with the context, not with the allocation).
+
+The caches stay the source of truth. Before each step each cache plans its own write
+(`next_slot`: grow the buffers if needed, then the int32 row of offset, slot, length and
+lowest valid position; `slot_layout` names its kind and bounds); inside the trace,
+proxies with the caches' own duck-typed interface (`offset`, `update_and_fetch`,
+`make_mask`) stand in for them, so the model code is unchanged; after
+it, `commit_one` hands each cache its new buffers. A cache kind without these methods
+runs the plain (uncompiled) step. A quantized cache's buffers travel as their parts
+(packed, scales, biases) and its layout (bits, group) is in `slot_layout`: the trace
+quantizes the new token's row and writes each part with `slice_update`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from kvchat import metal_kernels
+from kvchat.model.cache.kv import (
+    Buf,
+    first_slots,
+    map_parts,
+    maybe_quantize,
+    parts,
+    pending_quantization,
+    slots,
+)
+from kvchat.model.decoder.kv_quant import Packed
+
+from . import threads
+
+PREFILL_CHUNK = 512
+# The compiled step attends over the slots in use, not the whole allocation (softmax and
+# the score matmuls scale with the slots read), rounded up so that a trace serves many
+# tokens: to an eighth of the next power of two, at least VIEW_STEP (≤ 12.5 % extra
+# slots, ~8 traces per doubling of the context, each traced once per model)
+VIEW_STEP = 32
+
+
+def view_slots(used: int, allocated: int) -> int:
+    step = max(VIEW_STEP, (1 << max(used - 1, 0).bit_length()) // 8)
+    return min(allocated, -(-used // step) * step)
+
+Sample = Callable[[mx.array], mx.array]  # logits (1, V) -> ids (1,)
+
+
+def greedy(logits: mx.array) -> mx.array:
+    return mx.argmax(logits, axis=-1)
+
+
+@dataclass
+class Progress:
+    """What `generate_step` has done so far (read by the caller between yields)."""
+
+    prefilled: int = 0  # prompt tokens run through the model this call
+    prefill_s: float = 0.0
+    fed: int = 0  # generated tokens run through the model (their K/V are in the cache)
+    compiled: bool = False  # whether the compiled step served this call
+
+
+# ---- which caches the compiled step can drive -------------------------------------------
+def _steppable(cache: Any) -> bool:
+    """A cache that plans its own single-token writes (slot_layout / next_slot /
+    commit_one: model/cache/kv.py's KVCache and RotatingKVCache) and holds concrete buffers."""
+    return (
+        getattr(cache, "keys", None) is not None
+        and not isinstance(cache.offset, mx.array)
+        and all(hasattr(cache, m) for m in ("slot_layout", "next_slot", "commit_one"))
+    )
+
+
+# ---- trace side -------------------------------------------------------------------------
+def _slot_mask(static: tuple[Any, ...], row: mx.array, capacity: int,
+               window: int | None) -> mx.array:
+    """Boolean (1, capacity) mask over buffer slots for the one query at position row[0]."""
+    o, length, lo = row[0], row[2], row[3]
+    s = mx.arange(capacity)
+    if static[0] == "full":
+        pos = s
+        valid = s < length
+    else:
+        M, K = static[2], static[3]
+        R = M - K
+        ring_pos = o - mx.remainder(o - s, R)
+        pos = mx.where(s < K, s, ring_pos)
+        valid = (s < length) & mx.where(s < K, s < K, ring_pos >= lo)
+        if len(static) > 4:  # a chunked ring (Llama 4): the query's own chunk only
+            valid = valid & (pos // static[4] == o // static[4])
+    if window is not None:
+        valid = valid & (o - pos < window)
+    return valid[None]
+
+
+class _TracedCache:
+    """Stands in for one cache inside the trace: same interface, array offsets."""
+
+    def __init__(self, static: tuple[Any, ...], row: mx.array, keys: Buf,
+                 values: Buf, masks: dict[Any, mx.array], view: int):
+        self.static, self.row = static, row
+        self.keys, self.values = keys, values
+        self.view = view  # slots attention reads: every slot in use, rounded up
+        self.offset = row[0]
+        self._packed: Packed | None = static[1]
+        self._masks = masks  # shared by layers with the same layout and row
+
+    def packed(self) -> Packed:
+        assert self._packed is not None
+        return self._packed
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buf, Buf]:
+        slot = self.row[1:2]
+        if self._packed is not None:  # quantize the token, then write each part
+            keys, values = self._packed.encode(keys), self._packed.encode(values)
+
+        def put(buf: mx.array, new: mx.array) -> mx.array:
+            return mx.slice_update(buf, new, slot, axes=(2,))
+
+        self.keys = map_parts(put, self.keys, keys)
+        self.values = map_parts(put, self.values, values)
+        return first_slots(self.keys, self.view), first_slots(self.values, self.view)
+
+    def make_mask(self, n: int, return_array: bool = False,
+                  window_size: int | None = None) -> mx.array:
+        assert n == 1, "the compiled step decodes one token"
+        capacity = self.view
+        key = (self.static, id(self.row), capacity, window_size)
+        if key not in self._masks:
+            self._masks[key] = _slot_mask(self.static, self.row, capacity, window_size)
+        return self._masks[key]
+
+
+def _n_parts(static: tuple[Any, ...]) -> int:
+    """Arrays per K or V buffer of a cache with this layout: 1 float, 3 quantized."""
+    return 1 if static[1] is None else 3
+
+
+def _unflatten(n: int, arrays: Sequence[mx.array]) -> Buf:
+    return arrays[0] if n == 1 else tuple(arrays)
+
+
+class CompiledStep:
+    """`step(y (1,) ids) -> logits (1, V)` for one token, through `mx.compile`.
+
+    One instance per cache list; `supported` is False when some cache cannot plan its
+    single-token writes (call the model directly then)."""
+
+    def __init__(self, model: Any, caches: Sequence[Any]):
+        self.model = model
+        self.caches = list(caches)
+        self.supported = all(_steppable(c) for c in self.caches)
+        # each cache's kind and bounds: fixed for the cache, part of every trace's key
+        self.layout = tuple(c.slot_layout() for c in self.caches) if self.supported else ()
+        # traces live with the model (its weights are constants in them), so a new
+        # cache list, e.g. every new chat, reuses them instead of tracing again
+        self._fns: dict[tuple[Any, ...], Any] = model.__dict__.setdefault(
+            "_kvchat_decode_traces", {})
+
+    def _build(self, layout: tuple[tuple[Any, ...], ...], groups: tuple[int, ...],
+               views: tuple[int, ...]) -> Any:
+        model = self.model
+
+        def step(y: mx.array, rows: mx.array, *buffers: mx.array) -> list[mx.array]:
+            masks: dict[Any, mx.array] = {}
+            group_rows = [rows[g] for g in range(rows.shape[0])]
+            proxies, at = [], 0
+            for i, static in enumerate(layout):
+                n = _n_parts(static)
+                keys = _unflatten(n, buffers[at : at + n])
+                values = _unflatten(n, buffers[at + n : at + 2 * n])
+                at += 2 * n
+                proxies.append(_TracedCache(static, group_rows[groups[i]], keys, values, masks,
+                                            views[i]))
+            logits = model(y[None], cache=proxies)[:, -1, :]
+            out = [logits]
+            for p in proxies:
+                out += [*parts(p.keys), *parts(p.values)]
+            return out
+
+        return mx.compile(step)
+
+    def __call__(self, y: mx.array) -> mx.array:
+        rows: list[list[int]] = []
+        index: dict[tuple[Any, ...], int] = {}
+        groups, buffers, views = [], [], []
+        for c, static in zip(self.caches, self.layout, strict=True):
+            r = list(c.next_slot())
+            views.append(view_slots(r[2], slots(c.keys)))
+            key = (*static, *r)
+            g = index.setdefault(key, len(rows))
+            if g == len(rows):
+                rows.append(r)
+            groups.append(g)
+            buffers += [*parts(c.keys), *parts(c.values)]
+        layout = self.layout
+        # the kernel backend can be switched at run time: a trace keeps the one it saw
+        fkey = (layout, tuple(groups), tuple(views), metal_kernels.backend())
+        fn = self._fns.get(fkey)
+        if fn is None:
+            fn = self._fns[fkey] = self._build(layout, tuple(groups), tuple(views))
+        out = fn(y, mx.array(rows, dtype=mx.int32), *buffers)
+        # hand the new buffers to the caches before anything evaluates: the old ones
+        # are then referenced by the graph alone, so MLX donates them and slice_update
+        # writes in place (holding them would copy every buffer every token)
+        del buffers
+        at = 1
+        for c, static in zip(self.caches, layout, strict=True):
+            n = _n_parts(static)
+            c.commit_one(_unflatten(n, out[at : at + n]), _unflatten(n, out[at + n : at + 2 * n]))
+            at += 2 * n
+        return out[0]
+
+
+def plain_step(model: Any, caches: Sequence[Any]) -> Callable[[mx.array], mx.array]:
+    def step(y: mx.array) -> mx.array:
+        return model(y[None], cache=caches)[:, -1, :]
+
+    return step
+
+
+def decode_step(model: Any, caches: Sequence[Any], compiled: bool = True
+                ) -> Callable[[mx.array], mx.array]:
+    """The single-token step for these caches: compiled where every cache supports it."""
+    if compiled and caches:
+        step = CompiledStep(model, caches)
+        if step.supported:
+            return step
+    return plain_step(model, caches)
+
+
+def generate_step(
+    model: Any,
+    prompt: Sequence[int],
+    caches: Sequence[Any],
+    *,
+    sample: Sample = greedy,
+    max_tokens: int = 256,
+    prefill_chunk: int = PREFILL_CHUNK,
+    compiled: bool = True,
+    cancelled: Callable[[], bool] | None = None,
+    progress: Progress | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    on_prefill: Callable[[int, float], None] | None = None,
+) -> Iterator[int]:
+    """Prefill `prompt` (the ids not yet in `caches`) in chunks, then yield up to
+    `max_tokens` sampled ids.
+
+    The next step is queued (`mx.async_eval`) before the current id is read, so the host
+    only waits for the id it needs. `cancelled()` is checked between prefill chunks (a
+    cancelled prefill yields nothing; `progress.prefilled` says how far it got). Closing
+    the generator waits for the in-flight step, so the caches are consistent afterwards:
+    they hold the prompt and the first `progress.fed` yielded ids.
+    """
+    prog = progress if progress is not None else Progress()
+    if not prompt:
+        raise ValueError("generate_step needs at least one prompt token")
+    t0 = clock()
+    logits = None
+    shape = threads.matmul_shape(model)
+    for i in range(0, len(prompt), prefill_chunk):
+        if cancelled is not None and cancelled():
+            return
+        chunk = prompt[i : i + prefill_chunk]
+        if isinstance(caches, list):  # --quantized-kv-start reached: quantize from here
+            maybe_quantize(caches)
+        threads.apply(len(chunk), *shape)  # OpenBLAS threads for this chunk's size
+        logits = model(mx.array([chunk]), cache=caches, logits_to_keep=1)[:, -1, :]
+        last = i + prefill_chunk >= len(prompt)
+        mx.eval(logits if last else [c.state for c in caches])
+        prog.prefilled = i + len(chunk)
+        if on_prefill is not None:  # prompt tokens done, seconds so far
+            on_prefill(prog.prefilled, clock() - t0)
+    prog.prefill_s = clock() - t0
+    if max_tokens < 1:
+        return
+    pending = pending_quantization(caches) if isinstance(caches, list) else None
+    if pending is not None and maybe_quantize(caches):  # type: ignore[arg-type]
+        pending = pending_quantization(caches)
+    work = threads.step_work(model)
+    threads.apply_decode(work)
+    adapts = threads.policy().adapts(work)
+    step = decode_step(model, caches, compiled)
+    prog.compiled = isinstance(step, CompiledStep)
+    y = sample(logits)
+    mx.async_eval(y)
+    next_y = None
+    n = 0
+    try:
+        while True:
+            next_y = None
+            if n + 1 < max_tokens:
+                if adapts and n and n % threads.RECHECK_TOKENS == 0:
+                    mx.eval(y)  # MLX idle: OpenBLAS's count changes between calls only
+                    threads.apply_decode(work)  # another program may have started
+                if pending is not None and maybe_quantize(caches):  # type: ignore[arg-type]
+                    # the caches changed class: a step for the new ones
+                    pending = pending_quantization(caches)
+                    step = decode_step(model, caches, compiled)
+                next_y = sample(step(y))
+                mx.async_eval(next_y)
+                prog.fed += 1
+            token = int(y.item())
+            n += 1
+            yield token
+            if next_y is None:
+                return
+            y = next_y
+    finally:
+        if next_y is not None:
+            mx.eval(next_y)  # the in-flight step finishes before anyone touches the cache

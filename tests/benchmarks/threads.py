@@ -1,0 +1,238 @@
+"""The thread-policy table: prefill and decode tok/s per model at 1, 2 and all OpenBLAS
+threads and under the automatic policy, on the machine as it is and with one core kept
+busy by `yes > /dev/null` beside it.
+
+    python -m tests.benchmarks.threads [--models mini stories 135m] [--runs 3]
+        [--prompt-tokens 256] [--gen-tokens 48] [--loads none busy] [--matmuls] [--json]
+
+Runs through kvchat's own decode loop (`model.generate.generate_step`) with OpenBLAS
+preloaded the way `kvchat` does it (this module re-executes itself once with it). Each
+round times every setting once, in turn, so a machine that gets busier or quieter moves
+all columns alike; the median of --runs rounds is printed. The last column says how far
+`auto` is from the best fixed setting in that row (the policy's goal: within 10 %).
+The machine's load average is printed beside each block: on a shared machine say so.
+
+Models: `mini` the shipped kvchat-mini (4-bit, dequantized to float32 as the engine
+does), `stories` stories260K (the checkout's tests/models copy, or --stories DIR), `135m`
+a random float32 model of SmolLM-135M's shape (speed only; the weights do not matter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from kvchat.app.core import blas
+from kvchat.app.core.discovery import DEFAULT_MODEL
+from kvchat.model.cache.kv import make_prompt_cache
+
+# the checkout's copy (tests/models, MIT, with provenance); --stories for another
+STORIES = str(Path(__file__).resolve().parents[2] / "tests" / "models" / "stories260K")
+SMOL_135M = {  # HuggingFaceTB/SmolLM-135M's config.json, the parts that shape the model
+    "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "vocab_size": 49152, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "tie_word_embeddings": True, "hidden_act": "silu",
+}
+LOADS = {"none": "nothing added", "busy": "one core busy (yes > /dev/null)"}
+
+
+def bench_model(name: str, stories: str) -> Any:
+    """`mini`, `stories` or `135m` (the module's docstring says which is what)."""
+    import mlx.core as mx
+
+    from kvchat.model.decoder.config import ModelConfig
+    from kvchat.model.decoder.transformer import Transformer
+    from kvchat.model.decoder.weights import load_model
+
+    if name == "mini":
+        return load_model(DEFAULT_MODEL)
+    if name == "stories":
+        return load_model(stories)
+    mx.random.seed(0)
+    model = Transformer(ModelConfig.from_dict(SMOL_135M))
+    mx.eval(model.parameters())
+    return model
+
+
+def once(model: Any, prompt: list[int], gen: int) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) of one reply, kvchat's definitions (DESIGN.md)."""
+    from kvchat.model.runtime.generate import generate_step
+
+    caches = make_prompt_cache(model, max_kv_size=len(prompt) + gen + 1, keep=4)
+    t0 = time.perf_counter()
+    t_first = t_last = t0
+    for i, _ in enumerate(generate_step(model, prompt, caches, max_tokens=gen)):
+        t_last = time.perf_counter()
+        if i == 0:
+            t_first = t_last
+    return len(prompt) / (t_first - t0), (gen - 1) / (t_last - t_first)
+
+
+@contextmanager
+def load(kind: str) -> Iterator[None]:
+    """`busy`: a `yes > /dev/null` beside the measurement, as another program would."""
+    proc = None
+    if kind == "busy":
+        proc = subprocess.Popen(["yes"], stdout=subprocess.DEVNULL)
+        time.sleep(0.2)
+    try:
+        yield
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+
+
+def settings(cores: int) -> list[str]:
+    fixed = sorted({1, 2, cores})
+    return [str(n) for n in fixed] + ["auto"]
+
+
+def use_setting(setting: str) -> None:
+    from kvchat.model.runtime import threads
+
+    os.environ[threads.ENV] = setting
+    threads.configure(None, blas.active_blas()["path"])
+
+
+def measure(model: Any, cores: int, kinds: list[str], runs: int, prompt_tokens: int,
+            gen: int) -> list[dict[str, Any]]:
+    vocab = model.config.vocab_size
+    prompt = [16 + (31 * i) % (vocab - 16) for i in range(prompt_tokens)]
+    cols = settings(cores)
+    rows = []
+    for kind in kinds:
+        with load(kind):
+            for s in cols:  # warm-up: compile traces, allocator caches, OpenBLAS threads
+                use_setting(s)
+                once(model, prompt[:16], 4)
+            got: dict[str, list[tuple[float, float]]] = {s: [] for s in cols}
+            la0 = os.getloadavg()[0]
+            for r in range(runs):  # rounds; the order rotates so no setting always goes first
+                for s in cols[r % len(cols):] + cols[:r % len(cols)]:
+                    use_setting(s)
+                    got[s].append(once(model, prompt, gen))
+            la1 = os.getloadavg()[0]
+        for i, metric in enumerate(("prefill_tps", "decode_tps")):
+            med = {s: statistics.median(v[i] for v in got[s]) for s in cols}
+            best = max(med[s] for s in cols if s != "auto")
+            rows.append({"load": kind, "metric": metric, "median": med,
+                         "runs": {s: [v[i] for v in got[s]] for s in cols},
+                         "auto_vs_best": med["auto"] / best, "loadavg": [la0, la1]})
+    return rows
+
+
+MATMULS = ((1, 192, 512), (1, 576, 1536), (128, 576, 1536), (256, 576, 1536),
+           (512, 192, 512), (512, 576, 1536))  # (tokens, rows, cols): the models' shapes
+
+
+def matmuls(cores: int, rounds: int = 3) -> list[dict[str, Any]]:
+    """Microseconds per fp32 matmul of each shape at each fixed thread count (best of
+    `rounds`): where a second thread starts to pay (model/runtime/threads.py's threshold)."""
+    import mlx.core as mx
+
+    from kvchat.model.runtime import threads
+
+    out = []
+    for m, k, n in MATMULS:
+        a, b = mx.random.normal((m, k)), mx.random.normal((k, n))
+        mx.eval(a, b)
+        reps = max(5, int(2e9 / (m * k * n)))
+        best: dict[int, float] = {}
+        for _ in range(rounds):
+            for t in sorted({1, 2, cores}):
+                threads.set_threads(t)
+                mx.eval(a @ b)
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    mx.eval(a @ b)
+                best[t] = min(best.get(t, 1e9), (time.perf_counter() - t0) / reps * 1e6)
+        out.append({"shape": [m, k, n], "work": m * k * n, "us": best,
+                    "auto": threads.policy().threads_for(m, k, n)})
+    return out
+
+
+def render_matmuls(rows: list[dict[str, Any]], load: str) -> str:
+    cols = sorted(rows[0]["us"])
+    lines = [f"matmul µs ({LOADS[load]}):  tokens × rows × cols" + "".join(
+        f"{str(c) + ' thr':>10}" for c in cols) + f"{'auto (free cores)':>19}"]
+    for r in rows:
+        m, k, n = r["shape"]
+        lines.append(f"{m:>6} × {k:>4} × {n:>4} ({r['work']:.1e})" + "".join(
+            f"{r['us'][c]:>10,.0f}" for c in cols) + f"{r['auto']:>19}")
+    return "\n".join(lines)
+
+
+def render(result: dict[str, Any]) -> str:
+    cols = result["settings"]
+    head = (f"{'model':<9}{'load':<6}{'metric':<13}" + "".join(f"{c + ' thr':>11}" for c in cols)
+            + f"{'auto÷best':>11}  loadavg")
+    lines = [f"thread policy: {result['policy']}; {result['cores']} cores;"
+             f" BLAS {result['blas']}; prompt {result['prompt_tokens']} tokens, decode"
+             f" {result['gen_tokens']}; median of {result['runs']} rounds", head]
+    for m, rows in result["models"].items():
+        for row in rows:
+            lines.append(f"{m:<9}{row['load']:<6}{row['metric']:<13}"
+                         + "".join(f"{row['median'][c]:>11,.1f}" for c in cols)
+                         + f"{row['auto_vs_best']:>11.2f}"
+                         + "  {:.1f}→{:.1f}".format(*row["loadavg"]))
+    lines.append("load: " + "; ".join(f"{k} = {v}" for k, v in LOADS.items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.benchmarks.threads",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="*", choices=["mini", "stories", "135m"],
+                   default=["mini", "stories", "135m"])
+    p.add_argument("--stories", default=STORIES, metavar="DIR")
+    p.add_argument("--loads", nargs="+", choices=list(LOADS), default=list(LOADS))
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--gen-tokens", type=int, default=48)
+    p.add_argument("--matmuls", action="store_true",
+                   help="also time single matmuls of the models' shapes per thread count")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    from kvchat.model.runtime import threads
+
+    cores = threads.available_cores()
+    policy = threads.configure(None, blas.active_blas()["path"]).label()
+    result: dict[str, Any] = {
+        "cores": cores, "blas": blas.describe(), "policy": policy,
+        "settings": settings(cores), "prompt_tokens": a.prompt_tokens,
+        "gen_tokens": a.gen_tokens, "runs": a.runs, "loads": LOADS, "models": {}}
+    if a.matmuls:
+        result["matmuls"] = {}
+        for kind in a.loads:
+            with load(kind):
+                result["matmuls"][kind] = matmuls(cores)
+            print(render_matmuls(result["matmuls"][kind], kind), file=sys.stderr, flush=True)
+    for name in a.models:
+        model = bench_model(name, a.stories)
+        result["models"][name] = measure(model, cores, a.loads, a.runs, a.prompt_tokens,
+                                         a.gen_tokens)
+        del model
+        one = {**result, "models": {name: result["models"][name]}}
+        print("\n".join(render(one).splitlines()[2:-1]), file=sys.stderr, flush=True)
+    text = render(result) if a.models else ""
+    for kind, rows in result.get("matmuls", {}).items():
+        text += "\n" + render_matmuls(rows, kind)
+    print(json.dumps(result) if a.json else text.strip())
+    return 0
+
+
+if __name__ == "__main__":
+    blas.reexec_with_fast_blas(__spec__.name if __spec__ else "tests.benchmarks.threads")
+    raise SystemExit(main())

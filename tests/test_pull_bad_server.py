@@ -1,0 +1,296 @@
+"""`kvchat pull` against a hostile Hub (tests/fake_hub.py on 127.0.0.1): whatever the
+server answers, nothing is written outside the cache, the token stays with the endpoint's
+host, and a stalled, cut-short, endless or wrong body ends in one line, bounded."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from kvchat.app.core import hub_download
+from kvchat.app.core.hub_download import PullError, pull, repo_folder
+from tests.scripted_engine import async_test, wait_for
+
+from .conftest import REPO_ROOT
+from .fake_hub import FakeHub, FakeRepo
+from .test_tui_flows import env, make_app, open_picker, ready  # noqa: F401 (env: a fixture)
+
+MINI = REPO_ROOT / "assets" / "kvchat-mini"
+REPO = "kvchat-test/mini"
+WEIGHTS = (MINI / "model.safetensors").read_bytes()
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    c = tmp_path / "home" / "hf-cache"
+    monkeypatch.setenv("HF_HUB_CACHE", str(c))
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(hub_download, "RETRY_WAIT_S", 0.0, raising=False)
+    return c
+
+
+def _files_outside(root: Path, cache: Path) -> list[Path]:
+    """Every file or link under `root` (the test's tmp dir) that is not in the cache."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            p = Path(dirpath) / n
+            if cache not in p.parents:
+                out.append(p)
+    return out
+
+
+@pytest.mark.parametrize("etag", ["{victim}", "../../../../victim", "../../victim",
+                                  "W/\"zz\"", "a" * 300])
+def test_path_shaped_etag_never_names_a_file(cache: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch, etag: str) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    etag = etag.format(victim=victim)
+    with FakeHub({REPO: FakeRepo.from_folder(MINI)}, etag=etag) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        snap = pull(REPO)
+    assert victim.read_text() == "precious"
+    assert _files_outside(tmp_path, cache) == [victim]
+    # the blob is named by a hash of the odd ETag, and the snapshot still reads right
+    blobs = [p.name for p in (repo_folder(REPO, cache) / "blobs").iterdir()]
+    assert hashlib.sha256(etag.strip('"').encode()).hexdigest() in blobs or \
+        etag.startswith("W/")
+    assert (snap / "model.safetensors").read_bytes() == WEIGHTS
+
+
+@pytest.mark.parametrize("sha", ["{target}", "../../../target", "..", "0" * 39 + "/",
+                                 "ABCDEF0123ABCDEF0123ABCDEF0123ABCDEF0123"])
+def test_path_shaped_commit_is_refused(cache: Path, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch, sha: str) -> None:
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("mine")
+    sha = sha.format(target=target)
+    with FakeHub({REPO: FakeRepo.from_folder(MINI)}, sha=sha) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        with pytest.raises(PullError, match="not a 40-digit hex hash"):
+            pull(REPO)
+        assert not [p for m, p, _ in hub.requests if "/resolve/" in p]  # refused first
+    assert (target / "config.json").read_text() == "mine"
+    assert not (target / "config.json").is_symlink()
+    assert _files_outside(tmp_path, cache) == [target / "config.json"]
+
+
+@pytest.mark.parametrize("revision", ["../../x", "/etc/x", "a/../../x", "..", "main/", "a\\b",
+                                      "main\n", ".hidden", "x.lock", "a//b", "a\x00b"])
+def test_revision_traversal_is_refused_before_any_request(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, revision: str) -> None:
+    with FakeHub({REPO: FakeRepo.from_folder(MINI)}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        with pytest.raises(PullError, match="not a valid revision name"):
+            pull(REPO, revision)
+        assert hub.requests == []
+    assert _files_outside(tmp_path, cache) == []
+
+
+def test_branch_namespaces_are_valid_revisions() -> None:
+    for ok in ("main", "refs/pr/1", "v1.0", "feature/x-y_z", "0" * 40):
+        assert hub_download.check_revision(ok) == ok
+
+
+def test_file_names_and_paths_stay_inside(tmp_path: Path) -> None:
+    for bad in ("../x.json", "/etc/passwd", "a/../../b", "", "a\\b.json", "./a.json", "a//b"):
+        with pytest.raises(PullError):
+            hub_download.check_file_name(bad)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "link").symlink_to(tmp_path)
+    with pytest.raises(PullError, match="outside the cache"):
+        hub_download.inside(tmp_path / "cache", tmp_path / "cache" / "link" / "x")
+    with pytest.raises(PullError, match="outside the cache"):
+        hub_download.inside(tmp_path / "cache", tmp_path / "cache" / ".." / "x")
+    # a link as the last component is replaced, never written through: allowed
+    assert hub_download.inside(tmp_path / "cache", tmp_path / "cache" / "link")
+
+
+def test_token_goes_only_to_the_endpoint_host(cache: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    repos = {REPO: FakeRepo.from_folder(MINI)}
+    with FakeHub(repos) as cdn, FakeHub(repos, cdn_url=cdn.url) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_secret_token")
+        snap = pull(REPO)
+        to_hub = [h for _, _, h in hub.requests]
+        to_cdn = [h for _, _, h in cdn.requests]
+    assert (snap / "model.safetensors").read_bytes() == WEIGHTS
+    assert to_cdn, "the LFS file came from the other host"
+    assert all("hf_secret_token" in str(h) for h in to_hub)  # the endpoint gets the token
+    assert not any("hf_secret_token" in str(h) for h in to_cdn)
+
+
+def test_stalled_server_gives_one_line_in_bounded_time(cache: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hub_download, "READ_TIMEOUT_S", 1.0)
+    with FakeHub({REPO: FakeRepo.from_folder(MINI)}, stall_after=100_000, lifetime_s=30) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        t0 = time.monotonic()
+        with pytest.raises(PullError, match="stopped sending for 1 s") as e:
+            pull(REPO)
+        took = time.monotonic() - t0
+    assert took < 10, took
+    assert "\n" not in str(e.value)
+    parts = list((repo_folder(REPO, cache) / "blobs").glob("*.incomplete"))
+    assert parts and parts[0].stat().st_size > 0  # kept for the next run
+
+
+def test_short_bodies_without_range_use_a_bounded_budget(cache: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    with FakeHub({REPO: FakeRepo.from_folder(MINI)}, cut_always=200_000) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        with pytest.raises(PullError, match="gave up after 5 retries"):
+            pull(REPO)
+        gets = [p for m, p, _ in hub.requests if m == "GET" and p.startswith("/cdn/")]
+    assert len(gets) == hub_download.FILE_RETRIES + 1
+
+
+def test_pull_budget_spans_files(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    r = hub_download.Retries(pull_left=2)
+    r.spend("a", "x")
+    r.file_left = hub_download.FILE_RETRIES  # the next file
+    r.spend("b", "x")
+    with pytest.raises(PullError, match="gave up"):
+        r.spend("b", "x")
+
+
+def test_endless_body_stops_at_the_announced_size(cache: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    with FakeHub({REPO: FakeRepo.from_folder(MINI)}, endless=True) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        with pytest.raises(PullError, match="more than the 1,349,713 bytes it announced"):
+            pull(REPO)
+    # nothing larger than the file itself was kept anywhere
+    sizes = [p.stat().st_size for p in tmp_path.rglob("*") if p.is_file()]
+    assert max(sizes) <= len(WEIGHTS)
+    assert not list((repo_folder(REPO, cache) / "blobs").glob("*.incomplete"))
+
+
+def test_wrong_sha256_is_deleted_and_reported(cache: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    with FakeHub({REPO: FakeRepo.from_folder(MINI)}, corrupt=True) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        with pytest.raises(PullError, match="model.safetensors: its sha256 does not match"):
+            pull(REPO)
+    blobs = repo_folder(REPO, cache) / "blobs"
+    assert not [p for p in blobs.iterdir() if p.stat().st_size == len(WEIGHTS)]
+
+
+def test_free_space_is_checked_before_the_first_byte(cache: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(hub_download.shutil, "disk_usage",
+                        lambda p: real(p)._replace(free=1000))
+    with FakeHub({REPO: FakeRepo.from_folder(MINI)}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        with pytest.raises(PullError, match="not enough disk space"):
+            pull(REPO)
+        assert not [p for m, p, _ in hub.requests if m == "GET" and "/api/" not in p]
+
+
+
+@async_test
+async def test_picker_esc_stops_a_stalled_pull_at_once_and_quit_is_not_held(
+        env: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """The chat's picker, with a server that stalls mid-file and the default (20 s) read
+    timeout: Esc says "stopped" at once, and the pull runs on a daemon thread (a Textual
+    thread worker would be joined at interpreter exit, holding Ctrl+Q)."""
+    import threading
+
+    from textual.widgets import Input, Static
+
+    with FakeHub({REPO: FakeRepo.from_folder(MINI)}, stall_after=100_000, lifetime_s=30) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        app = make_app(env)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await ready(pilot)
+            picker = await open_picker(pilot)
+            picker.query_one("#path", Input).value = REPO
+            await pilot.press("enter")
+            box = picker.query_one("#pull-progress", Static)
+            await wait_for(pilot, lambda: any(p.startswith("/cdn/") for _, p, _ in hub.requests),
+                           timeout=30)
+            await pilot.pause(0.5)  # the server now holds the body
+            assert picker.pulling is not None and "✓" not in str(box.render())
+            pulls = [t for t in threading.enumerate() if t.name == "kvchat-pull"]
+            assert pulls and all(t.daemon for t in pulls)
+            t0 = time.monotonic()
+            await pilot.press("escape")
+            await pilot.pause()
+            assert "download stopped" in str(box.render())
+            assert time.monotonic() - t0 < 2
+            assert picker.pulling is None and app.screen is picker  # still choosing
+
+
+@pytest.mark.parametrize("info", [{"sha": "0" * 40}, [1, 2], 5, {"id": REPO, "siblings": 3}])
+def test_model_info_of_another_shape_is_one_line_naming_the_hub(
+        cache: Path, monkeypatch: pytest.MonkeyPatch, info: object) -> None:
+    with FakeHub({REPO: FakeRepo.from_folder(MINI)}, info=info) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        url = hub.url
+        with pytest.raises(PullError) as e:
+            pull(REPO)
+    msg = str(e.value)
+    assert url in msg and "\n" not in msg, msg
+
+
+def test_hostfile_fields_of_the_wrong_type_name_the_host(tmp_path: Path) -> None:
+    import json
+
+    from kvchat.app.core.hosts import HostsError, read_hostfile
+
+    f = tmp_path / "hosts.json"
+    for hosts, want in (
+        ([{"ssh": "a", "ips": ["1"]}, {"ssh": "b", "ips": 5}], r"host 1 \(b\) needs \"ips\""),
+        ([{"ssh": "a", "ips": ["1"]}, {"ssh": "b", "ips": ["2"], "model": 3}],
+         r"host 1 \(b\): \"model\" is not a path"),
+    ):
+        f.write_text(json.dumps({"hosts": hosts}))
+        with pytest.raises(HostsError, match=want):
+            read_hostfile(f)
+    f.write_text("[" * 10_000)
+    with pytest.raises(HostsError, match="hosts.json: nested deeper"):
+        read_hostfile(f)
+
+
+def test_free_space_counts_only_what_is_not_cached(cache: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    with FakeHub({REPO: FakeRepo.from_folder(MINI)}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        pull(REPO)  # everything cached; now a disk with room for the small files only
+        real = shutil.disk_usage
+        monkeypatch.setattr(hub_download.shutil, "disk_usage",
+                            lambda p: real(p)._replace(free=len(WEIGHTS) // 2))
+        pull(REPO)
+
+
+def test_a_range_answer_for_other_bytes_starts_over(cache: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 206 whose Content-Range is not the part asked for is never appended."""
+    with FakeHub({REPO: FakeRepo.from_folder(MINI)}, cut_after=100_000, bad_range=True) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        snap = pull(REPO)
+        ranges = [h.get("Range") for m, p, h in hub.requests if p.startswith("/cdn/")]
+    assert any(r and r != "bytes=0-" for r in ranges)  # it did ask for the rest
+    assert (snap / "model.safetensors").read_bytes() == WEIGHTS
+
+
+def test_an_empty_file_in_the_repo_is_fetched(cache: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = FakeRepo({**FakeRepo.from_folder(MINI).files, "added_tokens.json": b""})
+    with FakeHub({REPO: repo}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        snap = pull(REPO)
+    assert (snap / "added_tokens.json").read_bytes() == b""
