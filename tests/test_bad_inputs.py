@@ -83,7 +83,7 @@ def test_unknown_model_type_lists_supported(llama: Path) -> None:
     edit_config(llama, lambda c: c.update(model_type="mamba"))
     msg = load_error(llama)
     assert "'mamba'" in msg
-    from kvchat.model.decoder.config import FAMILIES
+    from kvchat.model.decoder.families import FAMILIES
 
     assert "supported: " + ", ".join(sorted(FAMILIES)) in msg
 

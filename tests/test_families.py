@@ -1,4 +1,4 @@
-"""Every family in config.FAMILIES against transformers (the reference) on a fresh random
+"""Every family in families.FAMILIES against transformers (the reference) on a fresh random
 tiny checkpoint: logits of a 40-token sequence, whole and token by token through our
 per-layer caches, with a sliding window (16) shorter than the sequence where the family
 has one; the same 4-bit (mlx-lm's conversion, or the test's own quantizer where mlx-lm
@@ -26,7 +26,8 @@ import pytest
 
 from kvchat.model import load_model
 from kvchat.model.cache.kv import make_prompt_cache
-from kvchat.model.decoder.config import FAMILIES, SLIDING, ModelConfig
+from kvchat.model.decoder.config import ModelConfig
+from kvchat.model.decoder.families import FAMILIES, SLIDING
 from kvchat.model.errors import ConfigError
 
 from .conftest import _randomize, _to_classic_rope, _write_tokenizer, classic_rope

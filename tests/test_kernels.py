@@ -94,7 +94,7 @@ def qk_inputs(B: int, hq: int, hk: int, T: int, D: int, dtype: mx.Dtype, seed: i
 
 
 def llama3_periods(dims: int) -> mx.array:
-    from kvchat.model.decoder.config import RopeConfig
+    from kvchat.model.decoder.rope import RopeConfig
 
     return rope_periods(dims, RopeConfig(type="llama3", theta=500000.0, factor=8.0,
                                          low_freq_factor=1.0, high_freq_factor=4.0,

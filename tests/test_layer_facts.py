@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from kvchat.model.decoder import layers
-from kvchat.model.decoder.config import ModelConfig, RopeConfig
+from kvchat.model.decoder.config import ModelConfig
 from kvchat.model.decoder.layers import MLP, Attention, RMSNorm, RoPE
+from kvchat.model.decoder.rope import RopeConfig
 
 X = [2.4, -1.2, 0.8, 3.1]
 

@@ -20,7 +20,7 @@ from typing import Any
 from kvchat.model.cache.kv_math import (
     human_bytes,  # one formatter for the whole app; re-exported here
 )
-from kvchat.model.decoder.config import FAMILIES
+from kvchat.model.decoder.families import FAMILIES
 from kvchat.model.explain.facts import ModelFacts, folder_status
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@
 - `mla.LatentAttention` where the config has latent attention (DeepSeek-V2/V3);
 - blocks: `PreNormBlock`, `SandwichBlock` (4 norms, Gemma 2/3), `PostNormBlock` (OLMo 2).
 
-`config.FAMILIES` picks them; `make_block` is the only place that maps a resolved
+`families.FAMILIES` picks them; `make_block` is the only place that maps a resolved
 config to classes. Parameter names mirror Hugging Face so checkpoints load as they are.
 """
 
@@ -24,10 +24,12 @@ import mlx.nn as nn
 
 from kvchat import metal_kernels
 
-from .config import FULL, LayerSpec, ModelConfig, RopeConfig
+from .config import LayerSpec, ModelConfig
+from .families import FULL, BlockKind, NormKind
 from .kv_quant import packed_of, quantized_attention
 from .mask import causal_mask
 from .moe import MoE
+from .rope import RopeConfig
 
 ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
     "silu": nn.silu,
@@ -116,7 +118,7 @@ class PlainRMSNorm(nn.Module):
         return h, self(h)
 
 
-NORMS: dict[str, Callable[[Any, float], nn.Module]] = {
+NORMS: dict[NormKind, Callable[[Any, float], nn.Module]] = {
     "rms": RMSNorm,
     "rms_noparam": PlainRMSNorm,
     "offset": OffsetRMSNorm,
@@ -580,7 +582,7 @@ class ParallelBlock(Block):
         return x + a + self.mlp(normed)
 
 
-BLOCKS: dict[str, type[Block]] = {
+BLOCKS: dict[BlockKind, type[Block]] = {
     "pre": PreNormBlock,
     "sandwich": SandwichBlock,
     "post": PostNormBlock,

@@ -18,7 +18,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from kvchat.model.errors import ModelLoadError
 from kvchat.model.files import mlx_path, safetensors_header, weight_files
 
-from .config import FAMILIES, ModelConfig, load_config
+from .config import ModelConfig, load_config
+from .families import FAMILIES
 from .mla import QuantizedMultiLinear, split_kv_b
 from .moe import QuantizedSwitchLinear, split_gate_up, stack_experts, unfuse_experts
 from .transformer import Transformer

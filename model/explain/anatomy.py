@@ -28,8 +28,9 @@ from kvchat.model.cache.kv_math import (
     kv_bytes_by_kind,
     kv_bytes_per_token,
 )
-from kvchat.model.decoder.config import ModelConfig, RopeConfig
+from kvchat.model.decoder.config import ModelConfig
 from kvchat.model.decoder.layers import ACTIVATIONS, RoPE
+from kvchat.model.decoder.rope import RopeConfig
 
 # ---- the design's worked examples ---------------------------------------------------------
 SEED_X = (2.4, -1.2, 0.8, 3.1)
@@ -44,7 +45,7 @@ RECENT = 64  # the attention view's "last 64 tokens" (model/explain/attention_vi
 
 ATTENTION_NAMES = {"MHA": "multi-head", "GQA": "grouped-query", "MQA": "multi-query",
                    "MLA": "multi-head latent"}
-NORM_NAMES = {  # config.Family.norm -> (name, gain)
+NORM_NAMES = {  # families.NormKind -> (name, gain)
     "rms": ("RMSNorm", "w"), "rms_noparam": ("RMSNorm without a gain", "none"),
     "offset": ("offset RMSNorm", "(1 + w)"), "layer": ("LayerNorm", "w, bias b"),
     "layer_nobias": ("LayerNorm without bias", "w"), "layer1p": ("LayerNorm1P", "(1 + w), b"),
