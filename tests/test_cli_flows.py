@@ -1,9 +1,11 @@
 """Issue 14 on the command line and in the engine: special tokens, --overflow refuse,
 empty prompts, folders without a tokenizer, one set of numbers, prefill/overflow events,
---version, and the README's key table and command list against the app and --help."""
+--version, and the README's key table and command table (and docs/design.md's command
+synopsis) against the app and --help."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -160,7 +162,7 @@ def test_engine_reports_prefill_progress_and_overflow() -> None:
     assert final.stats.evicted_tokens == over[0].dropped + over[1].dropped
 
 
-# ---- 7. --version, and the README matching --help and the app ------------------------
+# ---- 7. --version, and the README and docs matching --help and the app ---------------
 
 
 def test_version() -> None:
@@ -175,11 +177,24 @@ def _readme() -> str:
     return (REPO_ROOT / "README.md").read_text(encoding="utf-8")
 
 
-def test_readme_command_list_matches_help() -> None:
-    block = _readme().split("## The command line", 1)[1].split("```", 2)[1]
-    parser = build_parser()
-    sub = next(a for a in parser._subparsers._group_actions)  # type: ignore[union-attr]
-    for name, p in sub.choices.items():  # type: ignore[union-attr]
+def _section(text: str, heading: str) -> str:
+    """The body of the Markdown section under `heading` (up to the next heading of any
+    level)."""
+    body = text.split(f"\n{heading}\n", 1)[1]
+    return re.split(r"^#{1,6} ", body, maxsplit=1, flags=re.M)[0]
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in build_parser()._subparsers._group_actions)  # type: ignore[union-attr]
+    return dict(sub.choices)  # type: ignore[union-attr]
+
+
+def test_design_command_synopsis_matches_help() -> None:
+    """docs/design.md's synopsis (the CLI contract) names every command and every option of
+    each, with the metavar --help shows."""
+    design = (REPO_ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    block = _section(design, "## Command line").split("```", 2)[1]
+    for name, p in _commands().items():
         assert f"kvchat {name}" in block, name
         # the command's own entry: its line and the indented lines under it (two commands
         # may give one flag different values: inspect --hosts N, serve --hosts HOSTFILE)
@@ -190,7 +205,7 @@ def test_readme_command_list_matches_help() -> None:
                 continue
             for opt in action.option_strings:
                 if opt.startswith("--"):
-                    assert opt in block, f"{name} {opt} missing from the README"
+                    assert opt in block, f"{name} {opt} missing from docs/design.md"
             if action.option_strings and action.metavar:
                 opt = action.option_strings[-1]
                 shown = re.search(re.escape(opt) + r" ([A-Z_.|]+)", entry.group())
@@ -199,18 +214,49 @@ def test_readme_command_list_matches_help() -> None:
         assert opt in block
 
 
+def test_readme_command_table_matches_help() -> None:
+    """The README's command table has a row for every command, and every option a row
+    names is one that command (or, for `kvchat` itself, the top level) accepts."""
+    table = _section(_readme(), "## Commands")
+    rows = []  # (command, its row); "" for `kvchat` itself
+    for line in table.splitlines():
+        m = re.match(r"\| `kvchat(?: ([a-z]+))?[^`]*` \|", line)
+        if m:
+            rows.append((m.group(1) or "", line))
+    commands = _commands()
+    named = {name for name, _ in rows}
+    assert set(commands) <= named, set(commands) - named
+    assert named <= {"", *commands}, named - {"", *commands}
+    top = {o for a in build_parser()._actions for o in a.option_strings}
+    for name, line in rows:
+        known = top if not name else {o for a in commands[name]._actions
+                                      for o in a.option_strings}
+        for opt in re.findall(r"(?<![\w-])--[a-z][a-z-]*", line):
+            assert opt in known, f"README: kvchat {name} {opt} is not an option"
+
+
 def test_readme_key_table_matches_the_app() -> None:
-    table = _readme().split("## The chat", 1)[1].split("\n\n", 2)[1]
+    """Every key the chat binds (app/tui/actions.py: the chat screen's and the app's, which
+    the help screen lists) is in the README's key table, and every key the table names is
+    bound or is one of the input box's keys the help lists."""
+    from kvchat.app.tui.actions import ACTIONS, bindings
+
+    table = _section(_readme(), "## Keys in the chat").strip().split("\n\n", 1)[0]
     readme_keys = {
         k.strip().lower()
         for row in table.splitlines()[2:]
         for k in row.split("|")[1].split(" / ")
     }
     app = KVChatApp(None)
-    for b in app.BINDINGS:
+    bound = set()
+    for b in [*bindings("chat"), *bindings("app")]:
         key = re.sub(r"^\^", "ctrl+", app.get_key_display(b).lower())  # type: ignore[arg-type]
-        key = {"esc": "esc"}.get(key, key)
+        bound.add(key)
         assert key in readme_keys, f"{key} is not in the README's key table"
+    labels = {k.strip() for a in ACTIONS if a.key_label for k in a.key_label.split(" / ")}
+    for key in readme_keys:
+        if re.fullmatch(r"ctrl\+\w|f\d+|esc", key):
+            assert key in bound | labels, f"the README's {key} is bound to nothing"
     assert "ctrl+h" not in readme_keys
 
 
