@@ -4,8 +4,8 @@
     app/cli/        the command line: one module per command (generate, inspect, ...)
     app/tui/        the chat: the Textual App, screens, widgets, actions, turn state
     app/serve/      `kvchat serve`: the OpenAI-compatible API
-    app/core/       services every face uses: store, settings, discovery, hub download,
-                    BLAS, hosts, text safety, error lines
+    app/core/       services every face uses: the engine, store, settings, discovery,
+                    hub download, BLAS, hosts, text safety, error lines
 
 Imports point one way: main -> faces (cli, tui, serve) -> core -> kvchat.model ->
 kvchat.metal_kernels. No face imports another face; core imports no face; model never

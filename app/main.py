@@ -129,7 +129,9 @@ def _main(argv: list[str]) -> int:
             from kvchat.app.tui.app import run_chat
 
             return run_chat(args.hostfile, args.tui_model)
-        if (code := hosts.join_if_launched(args)) is not None:
+        # under mlx.launch: ranks other than 0 serve the model's layers and stop here
+        model = getattr(args, "model", None) or args.tui_model
+        if (code := hosts.join_if_launched(model)) is not None:
             return code  # a pipeline rank other than 0: it served its layers
         if args.command is None:
             from kvchat.app.tui.app import run_tui

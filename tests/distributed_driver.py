@@ -1,5 +1,6 @@
-"""Rank 0 for the distributed tests, as `kvchat --hosts` runs it: start the other ranks
-with app.core.hosts, join, drive the real Engine, print one JSON line per event of interest.
+"""Rank 0 for the distributed tests, as `kvchat --hosts` runs it: the engine service
+(app/core/engine_service.py) starts the other ranks, joins them and builds the engine;
+drive it, print one JSON line per event of interest.
 
     python -m tests.distributed_driver HOSTFILE MODEL [--turns N] [--pause] ...
 
@@ -15,9 +16,7 @@ import argparse
 import json
 import queue
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 
 def main() -> int:
@@ -35,12 +34,12 @@ def main() -> int:
                     help="with --pause: how long to wait for the other ranks to exit")
     args = ap.parse_args()
 
-    from kvchat.app.core import hosts
+    from kvchat.app.core.engine_service import EngineService
 
-    procs = hosts.start_ranks(args.hostfile, args.model, Path(tempfile.mkdtemp()))
-    hosts.join_if_launched(argparse.Namespace(model=args.model))
+    service = EngineService()
+    service.split_across(args.hostfile, args.model)
+    procs = service.ranks
 
-    from kvchat.model.runtime.engine import Engine
     from kvchat.model.runtime.events import (
         Done,
         GenParams,
@@ -66,13 +65,12 @@ def main() -> int:
             sys.stdin.readline()
         events.put(ev)
 
-    engine = Engine(on_event, args.model)
+    engine = service.build(on_event, args.model)  # rank 0: on a thread of this process
     while not isinstance(ev := events.get(), Loaded | LoadFailed):
         pass
     if isinstance(ev, LoadFailed):
         say({"load_failed": ev.message})
-        engine.close()
-        hosts.stop_ranks(procs)
+        service.close()
         return 1
     say({"loaded": ev.info})
     params = GenParams(max_tokens=args.max_tokens, max_kv_size=args.max_kv_size)
@@ -89,8 +87,7 @@ def main() -> int:
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.1)
         say({"rank_exit": [p.poll() for p in procs]})
-    engine.close()
-    hosts.stop_ranks(procs)
+    service.close()
     return 0
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from kvchat.app.cli import generate as generate_cmd
+from kvchat.app.core.engine_service import EngineService
 from kvchat.app.main import main
 from kvchat.model.runtime.events import Done, TurnStats
 from tests import processes
@@ -139,7 +139,7 @@ HOSTILE = ["Hello ", "\x1b]52;c;aGVsbG8=\x07", "\x1b]0;pwned\x07", "\x1b[2J", "\
 class FakeRunner:
     """EngineClient's shape; streams a reply full of terminal escapes."""
 
-    def __init__(self, model_path: str, on_delta: Any = None, tokenizer: str = "auto"):
+    def __init__(self, model_path: str, on_delta: Any = None, timeout: float | None = None):
         self.on_delta = on_delta
 
     def run(self, prompt: Any, params: Any) -> Done:
@@ -154,10 +154,16 @@ class FakeRunner:
         pass
 
 
+def use_runner(monkeypatch: pytest.MonkeyPatch, runner: type[FakeRunner]) -> None:
+    """`generate` gets `runner` from the engine service in place of a real client."""
+    monkeypatch.setattr(EngineService, "client",
+                        lambda self, model_path, **kw: runner(model_path, **kw))
+
+
 def test_plain_output_makes_controls_visible_json_keeps_them(
     monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    monkeypatch.setattr(generate_cmd, "EngineClient", FakeRunner)
+    use_runner(monkeypatch, FakeRunner)
     assert main(["generate", "--prompt", "hi"]) == 0
     out = capsys.readouterr().out
     assert not any(c in RAW_CONTROL for c in out), repr(out)
@@ -175,7 +181,7 @@ def test_error_line_from_a_template_makes_controls_visible(
         def run(self, prompt: Any, params: Any) -> Done:
             return Done("error", "", [], [], TurnStats(), error="chat template error: \x1b]0;x\x07")
 
-    monkeypatch.setattr(generate_cmd, "EngineClient", Failing)
+    use_runner(monkeypatch, Failing)
     assert main(["generate", "--prompt", "hi"]) == 1
     line = one_line(capsys.readouterr().err.encode())
     assert line.endswith("␛]0;x␇")

@@ -329,39 +329,3 @@ def test_bench_ab_alternates_and_labels(monkeypatch: pytest.MonkeyPatch) -> None
     finally:
         metal_kernels.set_backend(before)
         metal_kernels.unregister_backend("mx-fast-rope")
-
-
-def test_ui_process_yields_to_the_engine() -> None:
-    """`yield_to_engine` nices every thread of the UI process and puts it in the
-    SCHED_IDLE class (both are per thread on Linux), once; run in a child so this test
-    process keeps its priority."""
-    import os
-    import sys
-
-    if not hasattr(os, "setpriority") or not os.path.isdir("/proc/self/task"):
-        pytest.skip("per-thread niceness is Linux's")
-    code = """
-import os, threading, json
-from kvchat.app.tui import app
-ev = threading.Event()
-t = threading.Thread(target=ev.wait, daemon=True)
-t.start()
-def nice():
-    return sorted(os.getpriority(os.PRIO_PROCESS, int(x)) for x in os.listdir("/proc/self/task"))
-def classes():
-    return sorted(os.sched_getscheduler(int(x)) for x in os.listdir("/proc/self/task"))
-before = nice()
-app.yield_to_engine()
-app.yield_to_engine()  # once only
-print(json.dumps([before, nice(), classes(), os.SCHED_IDLE]))
-"""
-    out = processes.run([sys.executable, "-c", code], capture_output=True, text=True,
-                        timeout=120, check=True).stdout
-    import json
-
-    from kvchat.app.tui.app import UI_NICE
-
-    before, after, classes, idle = json.loads(out.strip().splitlines()[-1])
-    assert len(before) >= 2 and len(after) == len(before)
-    assert after == [min(19, n + UI_NICE) for n in before]
-    assert classes == [idle] * len(before)  # every thread in the idle class

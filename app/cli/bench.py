@@ -39,12 +39,12 @@ import numpy as np
 from kvchat.app.cli.generate import add_model_argument
 from kvchat.app.core import blas, kv_quality
 from kvchat.app.core.discovery import DEFAULT_MODEL
+from kvchat.app.core.engine_service import EngineOptions, EngineService
 from kvchat.app.core.errors import UsageError, report
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
 from kvchat.model.cache.kv_math import kv_bytes_per_token
 from kvchat.model.decoder.kv_format import KVQuant
 from kvchat.model.runtime import threads
-from kvchat.model.runtime.client import EngineClient
 from kvchat.model.runtime.events import GenParams
 
 METRICS = ("prefill_tps", "decode_tps", "ttft_s")
@@ -113,7 +113,8 @@ def weights_label(bits: int | None, dequantized: bool, dtype: str) -> str:
 
 class _Ours:
     def __init__(self, path: str, compiled: bool, q: KVQuant | None = None):
-        self.runner = EngineClient(path, compiled=compiled)
+        # on a thread of this process, as `generate` runs it (and its tokenizer is read)
+        self.runner = EngineService("thread", EngineOptions(compiled=compiled)).client(path)
         self.info = self.runner.info
         self.kv = {} if q is None else {"kv_bits": q.bits, "kv_group_size": q.group_size,
                                         "quantized_kv_start": q.start}

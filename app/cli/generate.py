@@ -10,12 +10,12 @@ import traceback
 from typing import Any
 
 from kvchat.app.core.discovery import DEFAULT_MODEL
+from kvchat.app.core.engine_service import EngineOptions, EngineService
 from kvchat.app.core.errors import UsageError, debug, interrupted, report
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
 from kvchat.app.core.text import SafeStream
 from kvchat.model.cache.kv_math import human_bytes
 from kvchat.model.errors import KVChatError, error_line
-from kvchat.model.runtime.client import EngineClient
 from kvchat.model.runtime.events import Done, GenParams, stats_json
 
 
@@ -178,10 +178,9 @@ def run(args: argparse.Namespace) -> int:
     rc = 0
     try:
         prompt, params = _prompt(args)
-        runner = EngineClient(
-            args.model or DEFAULT_MODEL, on_delta=None if args.json else stream,
-            tokenizer=args.tokenizer,
-        )
+        service = EngineService("thread", EngineOptions(tokenizer=args.tokenizer))
+        runner = service.client(args.model or DEFAULT_MODEL,
+                                on_delta=None if args.json else stream)
         try:
             done = runner.run(prompt, params)
         except BaseException:

@@ -1,2 +1,2 @@
-"""Services every face uses: store, settings, discovery, hub download, BLAS, hosts,
-text safety and error lines. No module here imports a face."""
+"""Services every face uses: the engine (engine_service), store, settings, discovery, hub
+download, BLAS, hosts, text safety and error lines. No module here imports a face."""

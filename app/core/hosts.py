@@ -6,9 +6,10 @@ Two ways in, one runtime (model/distributed/pipeline.py):
   every rank runs the same command line; `join_if_launched()` (called by the CLI right
   after parsing) makes rank 0 run the command as usual, over a `PipelineModel`, while
   every other rank serves its layers and prints nothing.
-- `kvchat --hosts hosts.json [--model M]`: the chat. This process is rank 0 and keeps
-  the terminal; ranks 1..N-1 are started with MLX's own launch script (ssh, or a local
-  shell for 127.0.0.1), their output goes to log files, and they exit with the chat.
+- `kvchat --hosts hosts.json [--model M]` (the chat; `kvchat serve --hosts` alike): this
+  process is rank 0 and keeps the terminal; ranks 1..N-1 are started with MLX's own
+  launch script (ssh, or a local shell for 127.0.0.1), their output goes to log files,
+  and they exit with the chat (app/core/engine_service.py starts and stops them).
 
 hosts.json is mlx.launch's format, plus an optional per-host "model" (the folder's path
 on that host when it differs):
@@ -20,7 +21,6 @@ on that host when it differs):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -41,13 +41,6 @@ TERM_GRACE_S = 10.0  # after mlx.launch's SIGTERM, time for rank 0 to print its 
 
 class HostsError(KVChatError):
     """A hostfile we cannot use."""
-
-
-def _model_arg(args: argparse.Namespace) -> str:
-    from kvchat.app.core.discovery import DEFAULT_MODEL
-
-    return str(getattr(args, "model", None) or getattr(args, "tui_model", None)
-               or DEFAULT_MODEL)
 
 
 def _quiet_native_stderr() -> None:
@@ -75,10 +68,10 @@ def _grace_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, on_term)
 
 
-def join_if_launched(args: argparse.Namespace) -> int | None:
+def join_if_launched(model: str | Path | None) -> int | None:
     """None when this process is not one of several ranks, or is rank 0 (the command then
-    runs as usual and its engine loads the pipeline); else serve the model's layers for
-    rank 0 and return this rank's exit status."""
+    runs as usual and its engine loads the pipeline); else serve the layers of `model`
+    (None: the shipped model) for rank 0 and return this rank's exit status."""
     from kvchat.model.distributed import link as pipeline_link
     from kvchat.model.distributed import pipeline
 
@@ -90,7 +83,11 @@ def join_if_launched(args: argparse.Namespace) -> int | None:
         _grace_on_sigterm()
         return None
     try:
-        pipeline.serve(link, _model_arg(args))
+        if model is None:
+            from kvchat.app.core.discovery import DEFAULT_MODEL
+
+            model = DEFAULT_MODEL
+        pipeline.serve(link, str(model))
     except Exception:  # rank 0 reports; a rank's own traceback only when debugging
         if debug():
             raise
@@ -185,7 +182,9 @@ def start_ranks(
     hostfile: str | Path, model: str, log_dir: Path
 ) -> list[subprocess.Popen[bytes]]:
     """Start ranks 1..N-1 of `hostfile` serving `model` and make this process rank 0
-    (its environment then says so; call `join_if_launched` next)."""
+    (its environment then says so; call `join_if_launched` next). Each rank runs in a
+    session of its own, so a Ctrl+C at this terminal never reaches it; `stop_ranks`
+    ends it."""
     from mlx._distributed_utils.launch import RemoteProcess
 
     spec = read_hostfile(hostfile)

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from kvchat.app.core.discovery import DEFAULT_MODEL
+from kvchat.app.core.engine_service import EngineOptions, EngineService
 from kvchat.app.core.errors import UsageError
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
-from kvchat.app.serve.worker import EngineMaker
 from kvchat.model.errors import KVChatError
 from kvchat.model.runtime.events import GenParams
 
@@ -105,35 +105,11 @@ def kv_fields(args: argparse.Namespace) -> dict[str, Any]:
             "quantized_kv_start": args.quantized_kv_start}
 
 
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Engine keyword arguments from the flags (the place where new engine options,
-    such as a quantized cache's bits, reach the server)."""
-    return {"tokenizer": args.tokenizer,
-            "prefix_pool_bytes": int(args.cache_pool_mb * 1024 * 1024)}
-
-
-def _engine_maker(model: str, args: argparse.Namespace) -> EngineMaker:
-    opts = engine_options(args)
-
-    def make(on_event: Any) -> Any:
-        from kvchat.model.distributed import link as pipeline_link
-
-        if pipeline_link.launched():  # rank 0 of a pipeline: the link lives in this process
-            from kvchat.model.runtime.engine import Engine
-
-            return Engine(on_event, model, **opts)
-        from kvchat.model.runtime.engine_process import EngineProcess
-
-        # Ctrl+C reaches the whole process group: the server shuts down and closes the
-        # engine; the engine itself must not die of it mid-turn (an ignored SIGINT is
-        # inherited, and Python keeps it ignored)
-        before = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            return EngineProcess(on_event, model, **opts)
-        finally:
-            signal.signal(signal.SIGINT, before)
-
-    return make
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The engine's settings from the flags (the place where new engine options reach
+    the server)."""
+    return EngineOptions(tokenizer=args.tokenizer,
+                         prefix_pool_bytes=int(args.cache_pool_mb * 1024 * 1024))
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -172,28 +148,22 @@ def run(args: argparse.Namespace) -> int:
 
     model = str(Path(args.model or DEFAULT_MODEL).expanduser().resolve())
     check_model_folder(model)  # a folder we cannot load: one line before anything starts
-    procs: list[Any] = []
-    if args.serve_hostfile:
-        import tempfile
-
-        from kvchat.app.core.hosts import join_if_launched, read_hostfile, start_ranks
-
-        read_hostfile(args.serve_hostfile)
-        procs = start_ranks(args.serve_hostfile, model,
-                            Path(tempfile.mkdtemp(prefix="kvchat-ranks-")))
-        join_if_launched(argparse.Namespace(model=model))
+    # Ctrl+C stops the server, which then closes the engine (app/core/engine_service.py)
+    service = EngineService("process", engine_options(args))
     try:
+        if args.serve_hostfile:
+            from kvchat.app.core.hosts import read_hostfile
+
+            read_hostfile(args.serve_hostfile)
+            service.split_across(args.serve_hostfile, model)
         sock = _listen(args.host, args.port)
         stopped = _Stopped()
-        load_error = asyncio.run(_serve(args, model, bound, sock, stopped))
+        load_error = asyncio.run(_serve(args, model, bound, sock, stopped, service))
         if load_error is not None:
             raise KVChatError(load_error)
         return 130 if stopped.signal == signal.SIGINT else 0  # Ctrl+C: the CLI's 130
     finally:
-        if procs:
-            from kvchat.app.core.hosts import stop_ranks
-
-            stop_ranks(procs)
+        service.close(5.0)
 
 
 class _Stopped:
@@ -224,7 +194,7 @@ def _uvicorn_server(config: Any, stopped: _Stopped) -> Any:
 
 
 async def _serve(args: argparse.Namespace, model: str, bound: GenParams,
-                 sock: socket.socket, stopped: _Stopped) -> str | None:
+                 sock: socket.socket, stopped: _Stopped, service: EngineService) -> str | None:
     """Serve until SIGINT/SIGTERM; the load error when the model could not load."""
     import uvicorn
 
@@ -237,7 +207,8 @@ async def _serve(args: argparse.Namespace, model: str, bound: GenParams,
                          allow_origins=args.allow_origins,
                          local_models=_local_models(model, args.models_dirs))
     log = RequestLog(args.json_logs)
-    worker = EngineWorker(_engine_maker(model, args), args.max_queue, log.notice)
+    worker = EngineWorker(lambda on_event: service.build(on_event, model), args.max_queue,
+                          log.notice)
     server = KVChatServer(worker, config, log)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host

@@ -1,16 +1,16 @@
 """The kvchat Textual app: it wires the engine, the settings and the store, and pushes
 screens. The chat itself is app/tui/screens/chat.py; the keys are app/tui/actions.py's table.
 
-Threading (DESIGN.md): every MLX call happens in the engine, by default in a child process
-(model/runtime/engine_process.py; a pipeline's rank 0 keeps it on a thread of this process); the
-chat screen hears from it through app/tui/bridge.py. The UI never runs MLX in a Textual
-worker; the only worker thread (model discovery in the picker) reads files.
+Threading (docs/design.md, "Data flow of one chat turn"): every MLX call happens in the
+engine, which app/core/engine_service.py builds (a child process; a pipeline's rank 0
+keeps it on a thread of this process); the chat screen hears from it through
+app/tui/bridge.py. The UI never runs MLX in a Textual worker; the only worker thread
+(model discovery in the picker) reads files. The UI process runs at normal priority.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -21,13 +21,14 @@ from textual.screen import Screen
 
 from kvchat import metal_kernels
 from kvchat.app.core.discovery import DEFAULT_MODEL
+from kvchat.app.core.engine_service import EngineService
 from kvchat.app.core.settings import Settings, load_settings
 from kvchat.app.core.store import ConversationStore, StoreError, write_near_data
 from kvchat.app.core.text import SafeNotify, visible
 from kvchat.app.tui.actions import bindings, help_rows, palette
 from kvchat.app.tui.readable import readable_variables
 from kvchat.app.tui.screens import ChatScreen, HelpScreen
-from kvchat.model.runtime.events import EngineFactory, EngineLike, Event
+from kvchat.model.runtime.events import EngineFactory
 
 
 def validate_model_path(path: str | Path) -> Path:
@@ -37,62 +38,6 @@ def validate_model_path(path: str | Path) -> Path:
 
     check_model_folder(path)  # config, weights' headers, tokenizer
     return Path(path).expanduser().resolve()  # saved as last_model: must work from any cwd
-
-
-def _default_engine(on_event: Callable[[Event], None], model_path: str | None) -> EngineLike:
-    """The engine in a child process: the UI and the model never share an interpreter;
-    then this (the UI's) process steps back so the engine wins a contended core."""
-    from kvchat.model.explain.views import VIEWS
-    from kvchat.model.runtime.engine_process import EngineProcess
-
-    engine = EngineProcess(on_event, model_path, views=VIEWS)
-    yield_to_engine()
-    return engine
-
-
-UI_NICE = 15  # the UI process's niceness above the engine's (README, "The chat's speed")
-_ui_niced = False
-
-
-def yield_to_engine() -> None:
-    """Lower this process's priority, once, after the engine's child started (a child
-    started later inherits it): niceness + UI_NICE and, on Linux, the SCHED_IDLE class.
-
-    Measured in round 5: a 40 %-of-a-core loop at nice 15 beside a decode slowed it by
-    16-29 %, the same loop under SCHED_IDLE by 1-2 % (a waking engine thread always
-    preempts an idle-class one; a niced one keeps its slice); the chat's decode against
-    `generate` went from a median of 0.875 to 0.995 (14 pairs each); keys reached the
-    screen in a median of 113 ms against 111-112, with a longer tail (README, round 5).
-    The class is per thread, like niceness, so
-    every thread is set; threads started later inherit it. The UI process runs no
-    matmuls, so it also keeps OpenBLAS to one thread."""
-    global _ui_niced
-    if _ui_niced or not hasattr(os, "setpriority"):
-        return
-    _ui_niced = True
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [0]  # not Linux: the calling process
-    idle = getattr(os, "SCHED_IDLE", None)  # Linux only
-    for tid in tids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + UI_NICE)
-            if idle is not None:
-                os.sched_setscheduler(tid, idle, os.sched_param(0))
-        except OSError:
-            pass  # a thread that ended meanwhile
-    from kvchat.model.runtime import threads
-
-    threads.set_threads(1)
-
-
-def in_process_engine(on_event: Callable[[Event], None], model_path: str | None) -> EngineLike:
-    """The engine on a thread of this process (a pipeline's rank 0 must be this process)."""
-    from kvchat.model.explain.views import VIEWS
-    from kvchat.model.runtime.engine import Engine  # imports MLX; kept out of module import time
-
-    return Engine(on_event, model_path, views=VIEWS)
 
 
 TEXTUAL_COMMANDS_KEPT = ("Theme", "Quit")
@@ -123,7 +68,7 @@ class KVChatApp(SafeNotify, App[int]):
         self.chat = ChatScreen(
             settings if settings is not None else load_settings(),
             store if store is not None else ConversationStore(),
-            engine_factory or _default_engine,
+            engine_factory or EngineService().build,
             model_path,
         )
 
@@ -195,42 +140,42 @@ def run_tui(
     model_path: str | None,
     settings: Settings | None = None,
     engine_factory: EngineFactory | None = None,
+    service: EngineService | None = None,
 ) -> int:
     """Entry point for `kvchat [--model DIR]`. A bad --model folder raises a one-line
-    KVChatError before the UI starts (app.main prints it and exits 1)."""
+    KVChatError before the UI starts (app.main prints it and exits 1). The engine comes
+    from `engine_factory`, else from `service` (default: an engine process)."""
     settings = settings if settings is not None else load_settings()
     if model_path is not None:
         path: str | None = str(validate_model_path(model_path))
     else:
         path = default_model_path(settings)
-    app = KVChatApp(path, settings, engine_factory=engine_factory)
-    app.run()
+    service = service or EngineService()
+    try:
+        app = KVChatApp(path, settings, engine_factory=engine_factory or service.build)
+        app.run()
+    finally:
+        # the screen closed the engine on unmount: this ends what is left (ranks)
+        service.close(CLOSE_WAIT_S)
     return app.return_code or 0
+
+
+CLOSE_WAIT_S = 1.0  # as the chat screen's own close: app.main.finish waits for the rest
 
 
 def run_chat(hostfile: str, model: str | None) -> int:
     """`kvchat --hosts hosts.json [--model M]`: the chat on this terminal, the model split
     across the hosts. Errors before the UI starts are one line (exit 1)."""
-    import argparse
-    import tempfile
-
-    from kvchat.app.core.hosts import (
-        HostsError,
-        join_if_launched,
-        read_hostfile,
-        start_ranks,
-        stop_ranks,
-    )
+    from kvchat.app.core.hosts import HostsError, read_hostfile
 
     read_hostfile(hostfile)  # a bad hostfile: one line, nothing started
     settings = load_settings()
     path = str(validate_model_path(model)) if model else default_model_path(settings)
     if path is None:
         raise HostsError("give --model DIR: no default model to split across hosts")
-    log_dir = Path(tempfile.mkdtemp(prefix="kvchat-ranks-"))
-    procs = start_ranks(hostfile, path, log_dir)
+    service = EngineService()
     try:
-        join_if_launched(argparse.Namespace(model=path))
-        return run_tui(path, settings, engine_factory=in_process_engine)
+        service.split_across(hostfile, path)
+        return run_tui(path, settings, service=service)
     finally:
-        stop_ranks(procs)
+        service.close(CLOSE_WAIT_S)

@@ -11,11 +11,17 @@ args) or None to stop. Child -> parent: the engine's events in order, plus `_Sna
 of the cache statistics after every event that changes them (so `layer_stats()` and
 `cache_stats()` answer from the last snapshot without a round trip), and None when the
 child is done.
+
+SIGINT: the child never acts on it. Ctrl+C at a terminal reaches the whole foreground
+process group, the child included; the parent decides what it means (cancel the turn,
+shut down) and ends the child through `close`, so a turn never dies half-written. The
+child is born with SIGINT blocked and ignores it from its first line on.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -64,10 +70,17 @@ class EngineProcess:
         evt_r, evt_w = os.pipe()
         # the kernels backend and thread policy this process chose (environment or settings)
         env = {**os.environ, "KVCHAT_KERNELS": metal_kernels.backend(), **threads.child_env()}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(cmd_r), str(evt_w)],
-            pass_fds=(cmd_r, evt_w), env=env, stdin=subprocess.DEVNULL,
-        )
+        # the child inherits this thread's signal mask across exec: blocked, a SIGINT that
+        # comes while the interpreter starts waits until `_child` ignores it (discarded
+        # then); a mask, unlike a handler, works from any thread and loses no signal here
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(cmd_r), str(evt_w)],
+                pass_fds=(cmd_r, evt_w), env=env, stdin=subprocess.DEVNULL,
+            )
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(cmd_r)
         os.close(evt_w)
         self._cmd = Connection(cmd_w, readable=False)
@@ -174,6 +187,8 @@ class EngineProcess:
 
 
 def _child(cmd_fd: int, evt_fd: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's (see the module docstring)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     from .engine import Engine
 
     threads.configure_from_env()  # the parent's resolved policy and OpenBLAS (environment)

@@ -5,7 +5,7 @@
         [--tmux] [--json]
 
 --tmux drives the real app in a real terminal: a private tmux server runs `kvchat`'s
-App (the default engine process, the UI process niced, full rendering at --size), the
+App (the default engine process, full rendering at --size), the
 prompt is typed with send-keys, and the app writes its reply's Done stats to a file.
 Without --tmux the app runs headless under Textual's Pilot (layout and Markdown work,
 no terminal output). Both sides get the same conversation and GenParams (greedy, EOS
@@ -62,9 +62,12 @@ def run_generate(model: str, tokens: int) -> dict[str, Any]:
 
 def _factory(tokens: int, in_process: bool, stamps: list[float], finished: list[Done],
              on_loaded: Any = None) -> Any:
-    """The app's engine factory (the default one, or the in-process engine) with every
-    turn's GenParams forced to the benchmark's, and the events watched."""
-    from kvchat.app.tui import app as tui_app
+    """The app's engine factory (the engine service's: an engine process, or the engine
+    on a thread of this process) with every turn's GenParams forced to the benchmark's,
+    and the events watched."""
+    from kvchat.app.core.engine_service import EngineService
+
+    service = EngineService("thread" if in_process else "process")
 
     def factory(on_event: Any, path: str | None) -> Any:
         def spy(ev: Event) -> None:
@@ -76,8 +79,7 @@ def _factory(tokens: int, in_process: bool, stamps: list[float], finished: list[
                 on_loaded()
             on_event(ev)
 
-        make = tui_app.in_process_engine if in_process else tui_app._default_engine
-        engine = make(spy, path)
+        engine = service.build(spy, path)
         submit = engine.submit
         engine.submit = lambda prompt, params=None: submit(  # type: ignore[method-assign]
             prompt, dataclasses.replace(params or GenParams(), **dataclasses.asdict(

@@ -1,5 +1,5 @@
-"""Key → screen latency of the real chat in tmux while a reply streams (the cost of the
-UI process's niceness and idle class, app/tui/app.py yield_to_engine):
+"""Key → screen latency of the real chat in tmux while a reply streams (the UI process at
+normal priority, the engine in its child process):
 python -m tests.benchmarks.key_latency [MODEL]
 
 A private tmux server runs `kvchat` on MODEL (default stories260K, whose greedy reply to

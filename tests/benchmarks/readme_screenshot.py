@@ -17,9 +17,9 @@ import tempfile
 from pathlib import Path
 
 from kvchat.app.core import blas
+from kvchat.app.core.engine_service import EngineService
 from kvchat.app.core.settings import Settings
 from kvchat.app.tui.app import KVChatApp
-from kvchat.model.runtime.engine_process import EngineProcess
 from tests.conftest import REPO_ROOT
 from tests.scripted_engine import wait_for
 from tests.test_tui_real import busy, press_now, replies, turn
@@ -29,7 +29,7 @@ MODEL = REPO_ROOT / "assets" / "kvchat-mini"
 
 async def screenshot() -> str:
     s = Settings(temp=0.0, top_p=1.0, min_p=0.0, max_tokens=60, max_kv_size=256)
-    app = KVChatApp(str(MODEL), s, engine_factory=EngineProcess)
+    app = KVChatApp(str(MODEL), s, engine_factory=EngineService().build)
     async with app.run_test(size=(120, 36)) as pilot:
         await wait_for(pilot, lambda: bool(app.chat.model_info), timeout=120)
         await turn(pilot, "Tell me a story about a robot.")

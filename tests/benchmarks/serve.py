@@ -85,13 +85,12 @@ class Level:
 def bench_engine(model: str, requests: list[Any], max_tokens: int) -> Level:
     """The same turns on the engine directly, one after another: in its own process, as
     the server runs it (and with the same BLAS), without the HTTP layer."""
-    from kvchat.model.runtime.client import EngineClient
-    from kvchat.model.runtime.engine_process import EngineProcess
+    from kvchat.app.core.engine_service import EngineService
     from kvchat.model.runtime.events import GenParams
 
     params = GenParams(max_tokens=max_tokens, ignore_eos=True)
     level = Level("generate (engine)", 1)
-    with EngineClient(model, engine=EngineProcess) as engine:
+    with EngineService("process").client(model) as engine:
         engine.run(requests[0], params)  # warm-up: compile the step, as the server's is
         child = engine.engine._proc.pid  # type: ignore[attr-defined]
         t0, cpu0 = time.perf_counter(), tree_cpu_s(child)
