@@ -117,7 +117,7 @@ def _main(argv: list[str]) -> int:
     try:  # KVCHAT_KERNELS / KVCHAT_THREADS (an unusable value is a usage error), else the
         settings = load_settings()  # settings entries
         metal_kernels.configure(settings.kernels)
-        threads.configure(settings.threads, blas.active_blas()["path"])
+        threads.configure(settings.threads)  # the OpenBLAS entry() loaded, if any
     except (metal_kernels.KernelError, threads.ThreadsError) as e:
         return _usage_error(str(e), argv)
     try:
@@ -190,7 +190,7 @@ def finish(rc: int) -> None:
 def entry() -> None:
     """Console-script entry point."""
     try:
-        blas.reexec_with_fast_blas()
+        blas.load_fast_blas()  # before anything imports MLX
         rc = main()
     except KeyboardInterrupt:
         rc = 130

@@ -153,9 +153,10 @@ def test_decode_threads_by_work_and_load(work: float, cores: int, others: int,
 _CHILD = """
 import ctypes, json
 from kvchat.app.core import blas
+blas.load_fast_blas()  # as `kvchat` starts: in this process, before MLX
 from kvchat.model.runtime import threads
 threads.runnable_others = lambda: 0  # as on free cores
-threads.configure(None, blas.active_blas()["path"])
+threads.configure(None)
 threads._policy = threads.Policy(cores=2)
 get = ctypes.CDLL(None).openblas_get_num_threads
 out = []
@@ -166,26 +167,67 @@ print(json.dumps({"bound": threads.bound(), "calls": out}))
 
 
 def test_apply_reaches_openblas() -> None:
-    """In a process with OpenBLAS preloaded as `kvchat` does it, the runtime call sets
+    """In a process where OpenBLAS was loaded as `kvchat` loads it, the runtime call sets
     OpenBLAS's own count (read back with its getter)."""
     import json
     import os
     import sys
 
-    from kvchat.app.core import blas
+    from kvchat.app.core import linux_blas
 
-    found = blas.find_fast_blas()
-    if found is None:
+    if sys.platform != "linux" or not linux_blas.candidates():
         pytest.skip("no OpenBLAS on this machine")
-    lib, lib_dir = found
-    env = {**os.environ, "LD_PRELOAD": str(lib)}
-    if lib_dir is not None:
-        env["LD_LIBRARY_PATH"] = str(lib_dir)
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "KVCHAT_NO_OPENBLAS")}
     out = processes.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
                         text=True, timeout=120, check=True).stdout
     r = json.loads(out.strip().splitlines()[-1])
     assert r["bound"] is True
     assert r["calls"] == [[1, 1], [2, 2], [1, 1]]
+
+
+def test_thread_timeout_is_set_only_while_the_library_loads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenBLAS reads OPENBLAS_THREAD_TIMEOUT when it loads: set for that call only (no
+    child inherits it), and a value of the user's is left as it is."""
+    import os
+
+    seen: list[str | None] = []
+
+    class Lib:
+        cblas_sgemm = openblas_set_num_threads = staticmethod(lambda *a: None)
+
+    def fake_cdll(path: str | None, mode: int = 0) -> Lib:
+        seen.append(os.environ.get("OPENBLAS_THREAD_TIMEOUT"))
+        return Lib()
+
+    monkeypatch.setattr(threads.ctypes, "CDLL", fake_cdll)
+    monkeypatch.delenv("OPENBLAS_THREAD_TIMEOUT", raising=False)
+    assert threads.load("/some/libopenblas.so.0") is None
+    assert seen[0] == str(threads.THREAD_TIMEOUT) and "OPENBLAS_THREAD_TIMEOUT" not in os.environ
+    assert threads.bound() and threads.child_env()[threads.LIB_ENV] == "/some/libopenblas.so.0"
+    monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", "4")
+    threads.load("/some/libopenblas.so.0")
+    assert seen[-1] == "4" and os.environ["OPENBLAS_THREAD_TIMEOUT"] == "4"
+
+
+def test_a_library_without_cblas_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    class NotBlas:
+        pass
+
+    monkeypatch.setattr(threads.ctypes, "CDLL", lambda path, mode=0: NotBlas())
+    assert threads.load("/usr/lib/libz.so.1") == "it exports no cblas_sgemm"
+    monkeypatch.setattr(threads.ctypes, "CDLL", lambda path, mode=0: (_ for _ in ()).throw(
+        OSError("/x.so: cannot open shared object file:\n No such file")))
+    assert threads.load("/x.so") == "/x.so: cannot open shared object file: No such file"
+
+
+def test_load_blind_policy_never_reads_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`shape` (the benchmark's column): the same table with the load not read."""
+    monkeypatch.setattr(threads, "runnable_others", lambda: pytest.fail("read the load"))
+    threads.set_policy(Policy(cores=2, reads_load=False))
+    assert threads.apply(512, *SMOL) == 2 and threads.apply_decode(3e8) == 2
+    assert not threads.policy().adapts(3e8)
+    assert not threads.policy().label().endswith("on free cores")
 
 
 def test_without_openblas_apply_does_nothing() -> None:
@@ -268,34 +310,65 @@ def test_version_names_the_policy(capsys: pytest.CaptureFixture[str],
 
 
 def test_thread_table_columns_and_auto_vs_best(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The thread-policy table (tests/benchmarks/threads.py): one column per fixed count and
-    auto, medians per cell, and auto ÷ the best fixed column; no timing involved."""
+    """The thread-policy table (tests/benchmarks/threads.py): one column per fixed count,
+    `shape` and `auto`, medians per cell, each rule ÷ the best fixed column, and the
+    verdict line; no timing involved."""
     from types import SimpleNamespace
 
     from tests.benchmarks import threads as bt
 
-    assert bt.settings(2) == ["1", "2", "auto"]
-    assert bt.settings(8) == ["1", "2", "8", "auto"]
-    speeds = {"1": (100.0, 50.0), "2": (180.0, 40.0), "auto": (170.0, 49.0)}
+    assert bt.settings(2) == ["1", "2", "shape", "auto"]
+    assert bt.settings(8) == ["1", "2", "8", "shape", "auto"]
+    speeds = {"1": (100.0, 50.0), "2": (180.0, 40.0), "shape": (175.0, 48.0),
+              "auto": (170.0, 49.0)}
     using: list[str] = []
     monkeypatch.setattr(bt, "use_setting", using.append)
     monkeypatch.setattr(bt, "once", lambda _m, prompt, _g: speeds[using[-1]]
                         if len(prompt) > 16 else (1.0, 1.0))
     model = SimpleNamespace(config=SimpleNamespace(vocab_size=64))
-    rows = bt.measure(model, 2, ["none"], runs=3, prompt_tokens=32, gen=4)
+    rows = bt.measure(model, 2, ["none"], runs=4, prompt_tokens=32, gen=4)
     assert [(r["load"], r["metric"]) for r in rows] == [("none", "prefill_tps"),
                                                         ("none", "decode_tps")]
-    assert rows[0]["median"] == {"1": 100.0, "2": 180.0, "auto": 170.0}
-    assert rows[0]["auto_vs_best"] == pytest.approx(170 / 180)
-    assert rows[1]["auto_vs_best"] == pytest.approx(49 / 50)
+    assert rows[0]["median"] == {"1": 100.0, "2": 180.0, "shape": 175.0, "auto": 170.0}
+    assert rows[0]["vs_best"]["auto"] == pytest.approx(170 / 180)
+    assert rows[1]["vs_best"]["auto"] == pytest.approx(49 / 50)
     # every setting timed once per round, rotating which goes first
-    timed = using[3:]  # after one warm-up each
-    assert sorted(timed) == sorted(["1", "2", "auto"] * 3) and timed[:3] != timed[3:6]
+    timed = using[4:]  # after one warm-up each
+    assert sorted(timed) == sorted(["1", "2", "shape", "auto"] * 4) and timed[:4] != timed[4:8]
     text = bt.render({"policy": "auto", "cores": 2, "blas": "OpenBLAS", "prompt_tokens": 32,
-                      "gen_tokens": 4, "runs": 3, "settings": bt.settings(2),
+                      "gen_tokens": 4, "runs": 4, "settings": bt.settings(2),
                       "models": {"mini": rows}})
-    assert "auto÷best" in text and "1 thr" in text and "0.94" in text and "0.98" in text
+    assert "auto÷best" in text and "shape÷best" in text and "1 thr" in text
+    assert "0.94" in text and "0.98" in text
     assert "one core busy (yes > /dev/null)" in text
+    # neither fixed count is within 5 % everywhere; the load-blind table is (0.96, 0.97)
+    assert text.splitlines()[-1].startswith("verdict: replace auto with the load-blind table")
+
+
+def _rows(*cells: dict[str, float]) -> dict[str, list[dict]]:
+    return {"m": [{"vs_best": c} for c in cells]}
+
+
+@pytest.mark.parametrize(("cells", "want"), [
+    # auto 15 % better than every fixed count in one cell, never worse than 0.95: kept
+    (({"1": 1.0, "2": 0.8, "shape": 1.0, "auto": 1.0}, {"1": 0.7, "2": 1.0, "shape": 0.9,
+                                                          "auto": 1.15}), "keep auto"),
+    # no gain anywhere: the simplest rule within 5 % everywhere, fixed counts first
+    (({"1": 1.0, "2": 0.97, "shape": 1.0, "auto": 1.0}, {"1": 0.96, "2": 1.0, "shape": 1.0,
+                                                           "auto": 1.0}),
+     "replace auto with 1 thread(s) fixed"),
+    (({"1": 1.0, "2": 0.5, "shape": 0.99, "auto": 1.0}, {"1": 0.5, "2": 1.0, "shape": 0.98,
+                                                           "auto": 1.0}),
+     "replace auto with the load-blind table"),
+    # a gain somewhere but a loss elsewhere: not kept
+    (({"1": 1.0, "2": 0.5, "shape": 0.5, "auto": 0.8}, {"1": 0.5, "2": 1.0, "shape": 0.5,
+                                                          "auto": 1.2}),
+     "no rule within 0.95 of the best fixed count everywhere; closest: auto"),
+])
+def test_verdict_follows_the_stated_rule(cells: tuple[dict[str, float], ...], want: str) -> None:
+    from tests.benchmarks import threads as bt
+
+    assert bt.verdict(_rows(*cells)).startswith(f"verdict: {want}")
 
 
 def test_bench_ab_alternates_and_labels(monkeypatch: pytest.MonkeyPatch) -> None:

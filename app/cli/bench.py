@@ -343,7 +343,7 @@ def _render(r: dict[str, Any]) -> str:
         f"model {r['model']}: prompt {r['prompt_tokens']} tokens, generate {r['gen_tokens']},"
         f" {r['runs']} runs per side ({r['order']})",
         f"machine: {m['cpu']}, {m['cores']} cores, {m['device']}, mlx {m['mlx']},"
-        f" BLAS {blas.label(b)}" + ("" if b["fast"] else f" ({blas.HINT})"),
+        f" BLAS {blas.label(b)}" + (f" ({tip})" if (tip := blas.advice(b)) else ""),
         f"threads: {m['threads']}",
     ]
     sides = [("kvchat", r["kvchat"])] + ([("mlx-lm", r["mlx_lm"])] if "mlx_lm" in r else [])

@@ -31,8 +31,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from kvchat import metal_kernels
-
 from . import threads
 from .events import (
     CacheRestored,
@@ -66,6 +64,8 @@ class EngineProcess:
         self._turn = 0
         self._pending = 0  # turns submitted and not yet Done
         self._snapshot = _Snapshot([], TurnStats())
+        from kvchat import metal_kernels  # here: the child must not import MLX before its BLAS
+
         cmd_r, cmd_w = os.pipe()
         evt_r, evt_w = os.pipe()
         # the kernels backend and thread policy this process chose (environment or settings)
@@ -191,8 +191,6 @@ def _child(cmd_fd: int, evt_fd: int) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     from .engine import Engine
 
-    threads.configure_from_env()  # the parent's resolved policy and OpenBLAS (environment)
-
     cmd = Connection(cmd_fd, writable=False)
     evt = Connection(evt_fd, readable=False)
     lock = threading.Lock()
@@ -225,6 +223,9 @@ def _child(cmd_fd: int, evt_fd: int) -> None:
 
 
 if __name__ == "__main__":
+    # the parent's thread policy and OpenBLAS, loaded before anything imports MLX so that
+    # MLX's matmuls run in it (app/core/linux_blas.py); nothing above imports MLX
+    threads.configure_from_env()
     # through the package module, so pickled classes resolve in the parent (a class of
     # `__main__` would not); the parent passes this module's name, see EngineProcess
     import importlib

@@ -20,8 +20,13 @@ count, less this process's own running threads), read before each chunk and ever
 instead ("auto" keeps the table).
 
 The count is set with OpenBLAS's own runtime call, `openblas_set_num_threads`, found in
-the library the CLI preloaded (app/core/blas.py passes its path to `bind`); with any
-other BLAS, or none found, `apply` does nothing and `describe` says so.
+the library `load` put in this process (app/core/linux_blas.py chooses it; the engine's
+child process loads the same one from `child_env`); with any other BLAS, or none, `apply`
+does nothing and `describe` says so.
+
+Whether reading the load earns its place is measured by `python -m tests.benchmarks.threads`
+against fixed counts and against the same table blind to the load (`Policy.reads_load`);
+its last line says which rule the numbers support.
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ MIN_WORK_PER_THREAD = 1.0e7
 DECODE_MIN_WORK = 5.0e7
 # how often (tokens) a multi-threaded decode re-reads the machine's load
 RECHECK_TOKENS = 32
+# OpenBLAS's idle threads spin 2^28 cycles (~0.1 s) after each threaded call before they
+# sleep; on a shared core that spin steals the time slice of the single-threaded decode
+# steps that follow a prefill. 2^14 cycles is a few µs. Read by OpenBLAS when it loads.
+THREAD_TIMEOUT = 14
 
 
 class ThreadsError(ValueError):
@@ -116,6 +125,7 @@ class Policy:
     cores: int = 1
     min_work: float = MIN_WORK_PER_THREAD
     source: str = ENV  # where a fixed count came from (the label says)
+    reads_load: bool = True  # False: the table by shape alone (the benchmark's `shape`)
 
     def threads_for(self, tokens: int, rows: int, cols: int, others: int = 0) -> int:
         """Threads for a call of `tokens` rows through a largest weight of rows × cols,
@@ -133,7 +143,8 @@ class Policy:
 
     def adapts(self, work: float) -> bool:
         """Whether decode's count can change with the load (else it is fixed at 1 or N)."""
-        return self.fixed is None and self.cores > 1 and work >= 2 * DECODE_MIN_WORK
+        return (self.fixed is None and self.reads_load and self.cores > 1
+                and work >= 2 * DECODE_MIN_WORK)
 
     def label(self) -> str:
         """One line for --version, the side panel and bench."""
@@ -142,14 +153,30 @@ class Policy:
         if self.cores == 1:
             return "auto: 1 (one core)"
         return (f"auto: 1 for small models' decode, up to {self.cores} for large models'"
-                " decode and large prefill chunks on free cores")
-
+                " decode and large prefill chunks" + (" on free cores" if self.reads_load
+                                                      else ""))
 
     def short_label(self) -> str:
         """For the side panel's narrow column."""
         if self.fixed is not None:
             return f"{self.fixed} fixed"
         return f"auto · 1–{self.cores} by shape" if self.cores > 1 else "auto · 1"
+
+
+def _open(path: str | None) -> ctypes.CDLL:
+    """`path` in this process's global scope (None: that scope itself), with OpenBLAS's
+    idle spin bounded while it loads (THREAD_TIMEOUT) unless OPENBLAS_THREAD_TIMEOUT is
+    the user's: set only for the load, so no child process inherits it."""
+    if path is None:
+        return ctypes.CDLL(None)
+    ours = "OPENBLAS_THREAD_TIMEOUT" not in os.environ
+    if ours:
+        os.environ["OPENBLAS_THREAD_TIMEOUT"] = str(THREAD_TIMEOUT)
+    try:
+        return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    finally:
+        if ours:
+            del os.environ["OPENBLAS_THREAD_TIMEOUT"]
 
 
 class _Blas:
@@ -161,11 +188,11 @@ class _Blas:
         self.current: int | None = None
 
     def bind(self, path: str | None) -> bool:
-        """Find `openblas_set_num_threads` in `path` (None: the process's global scope,
-        where an LD_PRELOADed OpenBLAS lives). True when found."""
+        """Find `openblas_set_num_threads` in `path`, loading it into the global scope if
+        it is not there yet (None: the global scope as it is, where a user's LD_PRELOAD
+        puts a library). True when found."""
         try:
-            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL) if path else ctypes.CDLL(None)
-            fn = lib.openblas_set_num_threads
+            fn = _open(path).openblas_set_num_threads
         except (OSError, AttributeError):
             self.path, self._set = None, None
             return False
@@ -187,17 +214,45 @@ _blas = _Blas()
 _policy = Policy(cores=available_cores())
 
 
+def load(path: str) -> str | None:
+    """Load the BLAS at `path` into this process's global scope and bind its thread
+    control. Before MLX's first import this makes MLX's `cblas_*` calls bind to it
+    (app/core/linux_blas.py says why). None when it serves, else why not, in one line."""
+    try:
+        lib = _open(path)
+    except OSError as e:
+        return " ".join(str(e).split())
+    if not hasattr(lib, "cblas_sgemm"):
+        return "it exports no cblas_sgemm"
+    _blas.bind(path)
+    return None
+
+
+def bind(path: str) -> bool:
+    """Thread control from the library at `path` (already loaded: the user's LD_PRELOAD)."""
+    return _blas.bind(path)
+
+
 def configure(setting: str | int | None = None, blas_path: str | None = None) -> Policy:
     """The process's policy: KVCHAT_THREADS, else `setting`, else automatic; bind the
-    OpenBLAS at `blas_path`. The resolved value goes into the environment so the
-    engine's child process makes the same choice (`child_env`). Raises ThreadsError."""
+    OpenBLAS at `blas_path` (None: keep the one `load` bound, else look in the global
+    scope). The resolved value goes into the environment so the engine's child process
+    makes the same choice (`child_env`). Raises ThreadsError."""
     global _policy
     raw = os.environ.get(ENV, "").strip()
     source = os.environ.get(_SOURCE_ENV) or (ENV if raw else "settings")
     fixed = parse(raw or setting)
     _policy = Policy(fixed=fixed, cores=available_cores(), source=source)
-    _blas.bind(blas_path)
+    if blas_path is not None or not _blas.bound:
+        _blas.bind(blas_path)
     return _policy
+
+
+def set_policy(p: Policy) -> Policy:
+    """Use `p` as it is (the thread-policy benchmark's columns)."""
+    global _policy
+    _policy = p
+    return p
 
 
 def child_env() -> dict[str, str]:
@@ -209,7 +264,8 @@ def child_env() -> dict[str, str]:
 
 
 def configure_from_env() -> Policy:
-    """In the engine's child process: what the parent resolved (`child_env`)."""
+    """In the engine's child process, before MLX is imported: what the parent resolved
+    (`child_env`), its OpenBLAS loaded here too."""
     try:
         return configure(None, os.environ.get(LIB_ENV) or None)
     except ThreadsError:
@@ -223,8 +279,8 @@ def policy() -> Policy:
 def apply(tokens: int, rows: int, cols: int) -> int:
     """Set OpenBLAS's thread count for a call of this shape; returns the count chosen."""
     p = _policy
-    busy = runnable_others() if p.fixed is None and p.cores > 1 and tokens > 1 else 0
-    n = p.threads_for(tokens, rows, cols, busy)
+    reads = p.fixed is None and p.reads_load and p.cores > 1 and tokens > 1
+    n = p.threads_for(tokens, rows, cols, runnable_others() if reads else 0)
     _blas.set(n)
     return n
 

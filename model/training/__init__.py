@@ -12,10 +12,11 @@ Everything is deterministic for a seed: the corpus (model/training/corpus.py), t
 the packing of conversations into rows, the order of batches (a pure function of the
 step, so --resume continues exactly), and the initial weights.
 
-On a CPU, preload OpenBLAS first (MLX CPU matmuls are ~30x faster with it):
+On a CPU, preload OpenBLAS first (MLX CPU matmuls are ~30x faster with it; `kvchat`
+loads it itself, these scripts do not):
     export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0
-and `export OPENBLAS_CORETYPE=` the kernels `kvchat --version` names (`kvchat` does both;
-an OpenBLAS older than the CPU falls back to its 5x slower generic "Prescott" kernels).
+and, where `kvchat --version` names one, the `OPENBLAS_CORETYPE` it says (an OpenBLAS
+older than the CPU falls back to its 5x slower generic "Prescott" kernels).
 """
 
 # data.py: corpus -> tokenizer -> packed rows; loop.py: the model and the training loop;

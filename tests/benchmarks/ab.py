@@ -1,17 +1,15 @@
 """Decode speed with and without one of the CPU path's changes, in one process:
 
-    python -m tests.benchmarks.ab [--what forwarding rope] [--models mini stories 135m]
+    python -m tests.benchmarks.ab [--what rope] [--models mini stories 135m]
         [--runs 5] [--prompt-tokens 128] [--gen-tokens 64] [--json]
 
-- `forwarding`: one-row products as GEMV (app/core/gemv_forward.c) on / off, through the
-  library's own switch;
 - `rope`: the `fast` kernels backend's CPU rotation (metal_kernels/fast.py) / the same
   backend with `mx.fast.rope`, registered as a backend for the run.
 
 Both sides run in this process through kvchat's decode loop (`generate_step`, compiled
 step, `auto` threads), alternating, after one warm-up each, so a machine that gets busier
-moves both alike; the median of --runs is printed with `with ÷ without`. This module
-re-executes itself once with the fast BLAS preloaded, as `kvchat` does. Models as in
+moves both alike; the median of --runs is printed with `with ÷ without`. The fast BLAS
+is loaded as `kvchat` loads it (tests/benchmarks/__init__.py). Models as in
 `bench_threads`.
 """
 
@@ -27,18 +25,12 @@ from typing import Any
 from kvchat.app.core import blas
 from tests.benchmarks.threads import STORIES, bench_model, once, use_setting
 
-WHAT = {"forwarding": ("GEMV", "GEMM"), "rope": ("kvchat's", "mx.fast.rope")}
+WHAT = {"rope": ("kvchat's", "mx.fast.rope")}
 
 
 def switch(what: str) -> Callable[[bool], object]:
-    """`set(with_it)` for one change; SystemExit with one line when it cannot be switched."""
+    """`set(with_it)` for one change (`what`: a key of WHAT)."""
     from kvchat import metal_kernels
-
-    if what == "forwarding":
-        if not blas.set_gemv_forward(True):
-            raise SystemExit("bench_ab: the one-row forwarding is not loaded (KVCHAT_GEMV=0,"
-                             " no C compiler, or no OpenBLAS)")
-        return blas.set_gemv_forward
     from kvchat.metal_kernels import fast
 
     metal_kernels.register_backend("mx-fast-rope", fast.WithMlxRope())
@@ -105,5 +97,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    blas.reexec_with_fast_blas(__spec__.name if __spec__ else "tests.benchmarks.ab")
     raise SystemExit(main())

@@ -221,10 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-app", metavar="RESULT", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    from kvchat.app.core import blas
     from kvchat.model.runtime import threads
 
-    threads.configure(None, blas.active_blas()["path"])
+    threads.configure(None)
     if a.serve_app:
         return serve_app(a.model, a.tokens, a.serve_app)
     import shutil
@@ -279,7 +278,4 @@ def _compare(a: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from kvchat.app.core import blas
-
-    blas.reexec_with_fast_blas(__spec__.name if __spec__ else "tests.benchmarks.chat")
     raise SystemExit(main())

@@ -182,10 +182,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quant-gen", type=int, default=16)
     p.add_argument("--out", default=str(ROOT / "assets" / "decode_vs_context.png"))
     a = p.parse_args(argv)
-    if argv is None:  # run as a script: on the fast BLAS, as `kvchat` runs
-        from kvchat.app.core import blas
-
-        blas.reexec_with_fast_blas("tests.benchmarks.decode_vs_context")
     if a.model:
         from kvchat.model.decoder.weights import load_model
 

@@ -136,10 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--record", action="store_true",
                    help="keep the no-rotation figures for the settings screen")
     a = p.parse_args(argv)
-    if argv is None:  # run as a script: on the fast BLAS, as `kvchat` runs
-        from kvchat.app.core import blas
-
-        blas.reexec_with_fast_blas("tests.benchmarks.kv_quality_table")
     with tempfile.TemporaryDirectory() as tmp:
         hf = Path(a.hf) if a.hf else build_hf_checkpoint(Path(tmp), Path(a.stories))
         models = [("stories260K", Path(a.stories)), ("kvchat-mini", MINI),

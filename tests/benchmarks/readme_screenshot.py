@@ -16,7 +16,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvchat.app.core import blas
 from kvchat.app.core.engine_service import EngineService
 from kvchat.app.core.settings import Settings
 from kvchat.app.tui.app import KVChatApp
@@ -52,7 +51,6 @@ async def screenshot() -> str:
 
 
 def main() -> None:
-    blas.reexec_with_fast_blas("tests.benchmarks.readme_screenshot")
     target = Path(sys.argv[1] if len(sys.argv) > 1 else "assets/screenshot.svg")
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["KVCHAT_CONFIG_DIR"] = f"{tmp}/config"

@@ -8,6 +8,10 @@ Every request has its own prompt and generates exactly --max-tokens tokens (igno
 so each level does the same work; the reference runs the same requests one after another
 on an in-process engine. The machine's load average is printed with the numbers: on a
 shared machine they are only comparable within one run. Standard library HTTP only.
+
+Every process runs on the BLAS `kvchat` itself would use: kvchat's server and engine
+process load it themselves, mlx-lm's server gets it as LD_PRELOAD. Run it as
+`KVCHAT_NO_OPENBLAS=1 python -m tests.benchmarks.serve` for MLX's own BLAS everywhere.
 """
 
 from __future__ import annotations
@@ -175,23 +179,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--against", choices=["mlx-lm"], default=None,
                    help="run the same levels against mlx-lm's server too (it knows no"
                    " ignore_eos: its replies may end early; tok/s counts what it generated)")
-    p.add_argument("--no-fast-blas", action="store_true",
-                   help="run everything on MLX's own BLAS (as KVCHAT_NO_OPENBLAS=1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
-    # every process this benchmark starts runs on the BLAS `kvchat` itself would use
-    if args.no_fast_blas:
-        os.environ["KVCHAT_NO_OPENBLAS"] = "1"
-    elif (env := blas.fast_blas_env()) is not None:
-        os.environ.update(env)
-    fast_blas = "LD_PRELOAD" in os.environ and "blas" in os.environ["LD_PRELOAD"]
+    b = blas.active_blas()  # this process's, loaded as `kvchat` loads it
+    preload = {"LD_PRELOAD": b["path"]} if b["fast"] and b["path"] else {}
     levels = [int(x) for x in args.clients.split(",")]
     load_before = os.getloadavg()
     reqs = prompts(args.requests)
     rows = [bench_engine(args.model, reqs, args.max_tokens).row()]
     for mlx_lm in (False, True) if args.against else (False,):
         extra = () if mlx_lm else ("--max-queue", "64")
-        server = ServerProcess(args.model, *extra, mlx_lm=mlx_lm)
+        server = ServerProcess(args.model, *extra, mlx_lm=mlx_lm,
+                               env=preload if mlx_lm else None)
         try:
             stream(server, reqs[0], args.max_tokens)  # warm-up
             for c in levels:
@@ -206,14 +205,14 @@ def main(argv: list[str] | None = None) -> int:
         r["vs_generate"] = round(r["tok_per_s"] / ref, 3)
     meta = {"model": args.model, "cpus": os.cpu_count(), "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(), "max_tokens": args.max_tokens,
-            "fast_blas": fast_blas}
+            "blas": blas.describe()}
     if args.json:
         print(json.dumps({**meta, "levels": rows}))
         return 0
     print(f"model {args.model}; {args.requests} requests x {args.max_tokens} tokens per level;"
           f" {meta['cpus']} CPUs, load average {load_before[0]:.1f} before,"
           f" {meta['loadavg_after'][0]:.1f} after; "
-          f"{'preloaded fast BLAS' if fast_blas else 'MLX BLAS'}")
+          f"BLAS {meta['blas']}")
     cols = ("mode", "clients", "requests", "wall_s", "requests_per_s", "tok_per_s",
             "vs_generate", "latency_p50_s", "ttft_mean_s", "cpu_ms_per_token")
     print("  ".join(f"{c:>17}" if i == 0 else f"{c:>8}" for i, c in enumerate(

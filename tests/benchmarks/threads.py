@@ -1,16 +1,19 @@
 """The thread-policy table: prefill and decode tok/s per model at 1, 2 and all OpenBLAS
-threads and under the automatic policy, on the machine as it is and with one core kept
+threads, under the automatic policy (`auto`: by shape and by the machine's load) and under
+the same table blind to the load (`shape`), on the machine as it is and with one core kept
 busy by `yes > /dev/null` beside it.
 
     python -m tests.benchmarks.threads [--models mini stories 135m] [--runs 3]
         [--prompt-tokens 256] [--gen-tokens 48] [--loads none busy] [--matmuls] [--json]
 
 Runs through kvchat's own decode loop (`model.generate.generate_step`) with OpenBLAS
-preloaded the way `kvchat` does it (this module re-executes itself once with it). Each
-round times every setting once, in turn, so a machine that gets busier or quieter moves
-all columns alike; the median of --runs rounds is printed. The last column says how far
-`auto` is from the best fixed setting in that row (the policy's goal: within 10 %).
-The machine's load average is printed beside each block: on a shared machine say so.
+loaded the way `kvchat` loads it (tests/benchmarks/__init__.py). Each round times every
+setting once, in turn, so a machine that gets busier or quieter moves all columns alike;
+the median of --runs rounds is printed, with `auto` and `shape` each ÷ the best fixed
+count in that row. The last line is the verdict (`verdict`): `auto` stays only if it beats
+the best fixed count by GAIN somewhere and falls below LOSS of it nowhere; otherwise the
+simplest rule within LOSS everywhere (a fixed count, then `shape`). The machine's load
+average is printed beside each row: measure on a quiet machine, and say the load.
 
 Models: `mini` the shipped kvchat-mini (4-bit, dequantized to float32 as the engine
 does), `stories` stories260K (the checkout's tests/models copy, or --stories DIR), `135m`
@@ -28,6 +31,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,9 @@ SMOL_135M = {  # HuggingFaceTB/SmolLM-135M's config.json, the parts that shape t
     "rope_theta": 10000.0, "tie_word_embeddings": True, "hidden_act": "silu",
 }
 LOADS = {"none": "nothing added", "busy": "one core busy (yes > /dev/null)"}
+RULES = ("shape", "auto")  # the columns that are rules, not fixed counts (simplest first)
+GAIN = 1.10  # a rule earns its place by beating the best fixed count by this much somewhere
+LOSS = 0.95  # and by not falling below this fraction of it anywhere (medians; noise)
 
 
 def bench_model(name: str, stories: str) -> Any:
@@ -93,16 +100,31 @@ def load(kind: str) -> Iterator[None]:
             proc.wait()
 
 
+def cpu_model() -> str:
+    """The CPU's name as /proc/cpuinfo gives it (with its family/model numbers)."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text()
+                    .split("\n\n")[0].splitlines() if ":" in line)
+    except OSError:
+        return "unknown CPU"
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    return (f"{info.get('model name', 'unknown CPU')} (family {info.get('cpu family', '?')},"
+            f" model {info.get('model', '?')})")
+
+
 def settings(cores: int) -> list[str]:
     fixed = sorted({1, 2, cores})
-    return [str(n) for n in fixed] + ["auto"]
+    return [str(n) for n in fixed] + list(RULES)
 
 
 def use_setting(setting: str) -> None:
+    """A fixed count, `auto`, or `shape` (the automatic table with the load not read)."""
     from kvchat.model.runtime import threads
 
-    os.environ[threads.ENV] = setting
-    threads.configure(None, blas.active_blas()["path"])
+    os.environ[threads.ENV] = "auto" if setting == "shape" else setting
+    p = threads.configure(None)
+    if setting == "shape":
+        threads.set_policy(replace(p, reads_load=False))
 
 
 def measure(model: Any, cores: int, kinds: list[str], runs: int, prompt_tokens: int,
@@ -115,7 +137,7 @@ def measure(model: Any, cores: int, kinds: list[str], runs: int, prompt_tokens: 
         with load(kind):
             for s in cols:  # warm-up: compile traces, allocator caches, OpenBLAS threads
                 use_setting(s)
-                once(model, prompt[:16], 4)
+                once(model, prompt, 4)  # the measured prompt: its shapes traced too
             got: dict[str, list[tuple[float, float]]] = {s: [] for s in cols}
             la0 = os.getloadavg()[0]
             for r in range(runs):  # rounds; the order rotates so no setting always goes first
@@ -125,11 +147,34 @@ def measure(model: Any, cores: int, kinds: list[str], runs: int, prompt_tokens: 
             la1 = os.getloadavg()[0]
         for i, metric in enumerate(("prefill_tps", "decode_tps")):
             med = {s: statistics.median(v[i] for v in got[s]) for s in cols}
-            best = max(med[s] for s in cols if s != "auto")
+            best = max(med[s] for s in cols if s not in RULES)
             rows.append({"load": kind, "metric": metric, "median": med,
                          "runs": {s: [v[i] for v in got[s]] for s in cols},
-                         "auto_vs_best": med["auto"] / best, "loadavg": [la0, la1]})
+                         "vs_best": {s: med[s] / best for s in cols},
+                         "loadavg": [la0, la1]})
     return rows
+
+
+def verdict(models: dict[str, list[dict[str, Any]]]) -> str:
+    """Which rule the medians support (the module's docstring says how)."""
+    rows = [r for rs in models.values() for r in rs]
+    if not rows:
+        return "verdict: nothing measured"
+    cols = list(rows[0]["vs_best"])
+    worst = {c: min(r["vs_best"][c] for r in rows) for c in cols}
+    top = max(r["vs_best"]["auto"] for r in rows)
+    if top >= GAIN and worst["auto"] >= LOSS:
+        return (f"verdict: keep auto (up to {top:.2f}x the best fixed count, never below"
+                f" {worst['auto']:.2f})")
+    fits = [c for c in cols if c != "auto" and worst[c] >= LOSS]
+    if fits:
+        rule = fits[0]  # fixed counts first, then `shape`: the simplest that measures as well
+        name = f"{rule} thread(s) fixed" if rule not in RULES else "the load-blind table"
+        return (f"verdict: replace auto with {name}: never below {worst[rule]:.2f} of the best"
+                f" fixed count (auto: best {top:.2f}, worst {worst['auto']:.2f})")
+    closest = max(cols, key=lambda c: worst[c])
+    return (f"verdict: no rule within {LOSS:.2f} of the best fixed count everywhere; closest:"
+            f" {closest} (worst {worst[closest]:.2f})")
 
 
 MATMULS = ((1, 192, 512), (1, 576, 1536), (128, 576, 1536), (256, 576, 1536),
@@ -176,17 +221,19 @@ def render_matmuls(rows: list[dict[str, Any]], load: str) -> str:
 def render(result: dict[str, Any]) -> str:
     cols = result["settings"]
     head = (f"{'model':<9}{'load':<6}{'metric':<13}" + "".join(f"{c + ' thr':>11}" for c in cols)
-            + f"{'auto÷best':>11}  loadavg")
-    lines = [f"thread policy: {result['policy']}; {result['cores']} cores;"
+            + "".join(f"{r + '÷best':>12}" for r in RULES) + "  loadavg")
+    lines = [f"thread policy: {result['policy']}; {result['cores']} cores of"
+             f" {result.get('cpu', 'a CPU')}, {result.get('date', '')};"
              f" BLAS {result['blas']}; prompt {result['prompt_tokens']} tokens, decode"
              f" {result['gen_tokens']}; median of {result['runs']} rounds", head]
     for m, rows in result["models"].items():
         for row in rows:
             lines.append(f"{m:<9}{row['load']:<6}{row['metric']:<13}"
                          + "".join(f"{row['median'][c]:>11,.1f}" for c in cols)
-                         + f"{row['auto_vs_best']:>11.2f}"
+                         + "".join(f"{row['vs_best'][r]:>12.2f}" for r in RULES)
                          + "  {:.1f}→{:.1f}".format(*row["loadavg"]))
     lines.append("load: " + "; ".join(f"{k} = {v}" for k, v in LOADS.items()))
+    lines.append(verdict(result["models"]))
     return "\n".join(lines)
 
 
@@ -208,9 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     from kvchat.model.runtime import threads
 
     cores = threads.available_cores()
-    policy = threads.configure(None, blas.active_blas()["path"]).label()
+    policy = threads.configure(None).label()
     result: dict[str, Any] = {
-        "cores": cores, "blas": blas.describe(), "policy": policy,
+        "cores": cores, "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "blas": blas.describe(), "policy": policy,
         "settings": settings(cores), "prompt_tokens": a.prompt_tokens,
         "gen_tokens": a.gen_tokens, "runs": a.runs, "loads": LOADS, "models": {}}
     if a.matmuls:
@@ -225,14 +273,14 @@ def main(argv: list[str] | None = None) -> int:
                                          a.gen_tokens)
         del model
         one = {**result, "models": {name: result["models"][name]}}
-        print("\n".join(render(one).splitlines()[2:-1]), file=sys.stderr, flush=True)
+        print("\n".join(render(one).splitlines()[2:-2]), file=sys.stderr, flush=True)
     text = render(result) if a.models else ""
     for kind, rows in result.get("matmuls", {}).items():
         text += "\n" + render_matmuls(rows, kind)
+    result["verdict"] = verdict(result["models"])
     print(json.dumps(result) if a.json else text.strip())
     return 0
 
 
 if __name__ == "__main__":
-    blas.reexec_with_fast_blas(__spec__.name if __spec__ else "tests.benchmarks.threads")
     raise SystemExit(main())
