@@ -30,6 +30,7 @@ import mlx.core as mx
 from kvchat.model.cache.kv import make_cache
 from kvchat.model.decoder.config import ModelConfig
 from kvchat.model.errors import KVChatError
+from kvchat.model.explain.views import VIEWS
 from kvchat.model.runtime.engine import Engine
 from kvchat.model.runtime.events import Event, GenParams, Prompt, TurnStats
 from kvchat.model.text.tokenizer import StreamDetokenizer
@@ -217,8 +218,8 @@ class ScriptedEngine(Engine):
             on_event(ev)
 
         # the plain step: a compiled trace would replay the script's Python side effects
-        # (its clock, its pauses) only once
-        super().__init__(record, model_path, compiled=False)
+        # (its clock, its pauses) only once; the explain views the app's engines get
+        super().__init__(record, model_path, compiled=False, views=VIEWS)
 
     # ---- model execution (the only overrides of Engine) -------------------------------
     def _open(self, path: str) -> tuple[Any, Any, dict[str, Any]]:
