@@ -28,3 +28,10 @@ def error_line(e: BaseException) -> str:
     if isinstance(e, KVChatError) and text:
         return text
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+# What a failing job lets through: the interpreter's and the user's wish to stop, and a
+# generator being closed. Anything else fails only the job that raised it; that includes
+# BaseExceptions that are not Exceptions, such as a Rust tokenizer's
+# `pyo3_runtime.PanicException`.
+NEVER_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit)

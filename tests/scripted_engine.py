@@ -218,7 +218,7 @@ class ScriptedEngine(Engine):
             on_event(ev)
 
         # the plain step: a compiled trace would replay the script's Python side effects
-        # (its clock, its pauses) only once
+        # (its clock, its pauses) only once; the explain views the app's engines get
         super().__init__(record, model_path, compiled=False, views=VIEWS)
 
     # ---- model execution (the only overrides of Engine) -------------------------------

@@ -171,8 +171,8 @@ def test_engine_sends_views_only_while_watched(stories260k: Path) -> None:
                 break
             threading.Event().wait(0.05)
         last = [e for e in events if isinstance(e, AttentionView) and e.group == 1][-1]
-        assert last.position == engine._cache[2].offset - 1
-        mine = attention_view(engine.model, engine._cache, 2, 1, engine._cache_ids[-1])
+        assert last.position == engine._chat.caches[2].offset - 1
+        mine = attention_view(engine.model, engine._chat.caches, 2, 1, engine._chat.ids[-1])
         assert last.sink_share == pytest.approx(mine.sink_share, abs=1e-6)
         engine.watch_attention(None)
     finally:

@@ -9,8 +9,9 @@ import threading
 
 import pytest
 
+from kvchat.model.cache.prefix_pool import common_prefix_len
 from kvchat.model.runtime.client import EngineClient
-from kvchat.model.runtime.engine import Engine, common_prefix_len
+from kvchat.model.runtime.engine import Engine
 from kvchat.model.runtime.events import (
     Done,
     Event,
@@ -125,6 +126,59 @@ def test_cancel_from_another_thread_keeps_partial_text(client):
     # the cache holds exactly the prompt and every token of the partial reply
     s = client.engine.cache_stats()
     assert s.cache_tokens == len(ev.prompt_ids) + len(ev.ids)
+
+
+class Panic(BaseException):
+    """Like pyo3_runtime.PanicException, a Rust tokenizer's panic: not an Exception."""
+
+
+def _panic(*_args: object, **_kw: object) -> list[int]:
+    raise Panic("tokenizer panicked")
+
+
+def test_a_base_exception_fails_its_turn_and_the_engine_serves_on(client, monkeypatch):
+    """A panic while encoding the prompt, one mid-reply and one escaping the turn job
+    itself: each ends that turn with Done("error") and one line (the reply shown so far
+    kept); the next turn answers as before."""
+    engine = client.engine
+    params = GenParams(max_tokens=8, ignore_eos=True)
+    engine.reset()
+    want, _ = turn(client, "Once upon a time", params)
+    assert want.finish_reason == "length" and len(want.ids) == 8
+
+    monkeypatch.setattr(engine.tokenizer, "encode", _panic)
+    done, _ = turn(client, "Once upon a time", params)
+    assert (done.finish_reason, done.error, done.text, done.ids) == (
+        "error", "Panic: tokenizer panicked", "", [])
+    monkeypatch.undo()
+
+    make_detokenizer = engine.tokenizer.detokenizer
+
+    def panics_at_the_fourth_token(**kw):
+        detok = make_detokenizer(**kw)
+        add, fed = detok.add_token, []
+
+        def add_token(token: int) -> str:
+            fed.append(token)
+            return _panic() if len(fed) == 4 else add(token)
+
+        detok.add_token = add_token
+        return detok
+
+    monkeypatch.setattr(engine.tokenizer, "detokenizer", panics_at_the_fourth_token)
+    done, seen = turn(client, "Once upon a time", params)
+    shown = "".join(e.text for e in seen if isinstance(e, TextDelta))
+    assert (done.finish_reason, done.error) == ("error", "Panic: tokenizer panicked")
+    assert done.text == shown and shown and done.ids == want.ids[:4]
+    monkeypatch.undo()
+
+    monkeypatch.setattr("kvchat.model.runtime.engine.run_turn", _panic)
+    done, _ = turn(client, "Once upon a time", params)
+    assert (done.finish_reason, done.error) == ("error", "Panic: tokenizer panicked")
+    monkeypatch.undo()
+
+    again, _ = turn(client, "Once upon a time", params)
+    assert (again.finish_reason, again.ids, again.text) == ("length", want.ids, want.text)
 
 
 def _chat(client: EngineClient, turns: list[str]) -> tuple[list[str], list[int]]:

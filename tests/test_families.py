@@ -1242,7 +1242,7 @@ def test_llama4_chat_cache_is_saved_and_reopens_warm(family: Callable[[str], Pat
     first = [int(i) for i in IDS[0, :20]]  # 20 + 11 fed tokens: past the first chunk
     with EngineClient(folder, timeout=60) as c:
         done = c.run(first, params)
-        assert any(isinstance(x, ChunkedKVCache) for x in c.engine._cache)
+        assert any(isinstance(x, ChunkedKVCache) for x in c.engine._chat.caches)
         c.engine.save_cache(path)
         saved = c.wait(CacheSaved)
         assert isinstance(saved, CacheSaved) and saved.error is None

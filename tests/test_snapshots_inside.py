@@ -16,6 +16,7 @@ import pytest
 from kvchat.app.core.settings import Settings
 from kvchat.app.tui.app import KVChatApp
 from kvchat.app.tui.screens import AnatomyScreen, AttentionScreen, HelpScreen
+from kvchat.model.runtime.attention_watch import AttentionWatch
 from kvchat.model.runtime.events import AttentionView, Done
 from tests.scripted_engine import ScriptedEngine, wait_for
 from tests.test_snapshots import MODEL, env, settle  # noqa: F401  (env: autouse fixture)
@@ -41,11 +42,21 @@ def fixed_view(layer: int, group: int | None, n_layers: int, n_groups: int) -> A
     )
 
 
+class FixedWatch(AttentionWatch):
+    """Every view is fixed_view, the cache empty or not (nothing to compute it from)."""
+
+    def view(self, model: Any, caches: list[Any] | None, token: int | None
+             ) -> AttentionView | None:
+        if self.target is None or model is None:
+            return None
+        cfg = model.config
+        return fixed_view(*self.target, cfg.num_hidden_layers, cfg.num_key_value_heads)
+
+
 class ViewEngine(ScriptedEngine):
-    def _attention(self, token: int | None) -> None:
-        if self._watch is not None and self.model is not None:
-            cfg = self.model.config
-            self._emit(fixed_view(*self._watch, cfg.num_hidden_layers, cfg.num_key_value_heads))
+    def __init__(self, on_event: Any, model_path: str) -> None:
+        super().__init__(on_event, model_path)
+        self._watch = FixedWatch(None)  # before any client can watch
 
 
 def app_with_views() -> KVChatApp:
@@ -130,8 +141,8 @@ def test_reachable_from_palette_help_and_layer_view() -> None:
             await pilot.press("down", "a")
             await wait_for(pilot, lambda: isinstance(app.screen, AttentionScreen))
             assert app.screen.layer_index == 1  # type: ignore[attr-defined]
-            await wait_for(pilot, lambda: engine._watch == (1, None))
+            await wait_for(pilot, lambda: engine._watch.target == (1, None))
             await pilot.press("escape")
-            await wait_for(pilot, lambda: engine._watch is None)
+            await wait_for(pilot, lambda: engine._watch.target is None)
 
     run()

@@ -1,7 +1,9 @@
 """The one decode loop: chunked prefill, then a compiled single-token step, pipelined.
 
-`generate_step` serves the engine, `kvchat bench`, `inspect --live` and the training
-script's sampler. It yields token ids as ints; the caller decides when to stop.
+`prefill` then `decode` serve the engine's turn (model/runtime/turn.py), which reports
+and stops between prefill chunks; `generate_step`, the two in a row, serves `kvchat bench`,
+`inspect --live` and the training script's sampler. They yield token ids as ints; the
+caller decides when to stop.
 
 Why a compiled step: at small model sizes a decode step is ~100 tiny MLX operations and
 their per-operation dispatch (Python and MLX) costs more than the arithmetic. `mx.compile`
@@ -245,38 +247,25 @@ def decode_step(model: Any, caches: Sequence[Any], compiled: bool = True
     return plain_step(model, caches)
 
 
-def generate_step(
+def prefill(
     model: Any,
     prompt: Sequence[int],
     caches: Sequence[Any],
     *,
-    sample: Sample = greedy,
-    max_tokens: int = 256,
     prefill_chunk: int = PREFILL_CHUNK,
-    compiled: bool = True,
-    cancelled: Callable[[], bool] | None = None,
-    progress: Progress | None = None,
+    progress: Progress,
     clock: Callable[[], float] = time.perf_counter,
-    on_prefill: Callable[[int, float], None] | None = None,
-) -> Iterator[int]:
-    """Prefill `prompt` (the ids not yet in `caches`) in chunks, then yield up to
-    `max_tokens` sampled ids.
+) -> Iterator[mx.array]:
+    """Run `prompt` through the model a chunk at a time; after each chunk yield the logits
+    at its last position (evaluated for the final chunk only: those give the first token).
 
-    The next step is queued (`mx.async_eval`) before the current id is read, so the host
-    only waits for the id it needs. `cancelled()` is checked between prefill chunks (a
-    cancelled prefill yields nothing; `progress.prefilled` says how far it got). Closing
-    the generator waits for the in-flight step, so the caches are consistent afterwards:
-    they hold the prompt and the first `progress.fed` yielded ids.
-    """
-    prog = progress if progress is not None else Progress()
+    A caller that stops between chunks (a cancel) leaves the caches holding the first
+    `progress.prefilled` prompt tokens; `progress.prefill_s` is the time so far."""
     if not prompt:
-        raise ValueError("generate_step needs at least one prompt token")
+        raise ValueError("prefill needs at least one prompt token")
     t0 = clock()
-    logits = None
     shape = threads.matmul_shape(model)
     for i in range(0, len(prompt), prefill_chunk):
-        if cancelled is not None and cancelled():
-            return
         chunk = prompt[i : i + prefill_chunk]
         if isinstance(caches, list):  # --quantized-kv-start reached: quantize from here
             maybe_quantize(caches)
@@ -284,10 +273,28 @@ def generate_step(
         logits = model(mx.array([chunk]), cache=caches, logits_to_keep=1)[:, -1, :]
         last = i + prefill_chunk >= len(prompt)
         mx.eval(logits if last else [c.state for c in caches])
-        prog.prefilled = i + len(chunk)
-        if on_prefill is not None:  # prompt tokens done, seconds so far
-            on_prefill(prog.prefilled, clock() - t0)
-    prog.prefill_s = clock() - t0
+        progress.prefilled = i + len(chunk)
+        progress.prefill_s = clock() - t0
+        yield logits
+
+
+def decode(
+    model: Any,
+    logits: mx.array,
+    caches: Sequence[Any],
+    *,
+    sample: Sample = greedy,
+    max_tokens: int = 256,
+    compiled: bool = True,
+    progress: Progress,
+) -> Iterator[int]:
+    """Yield up to `max_tokens` sampled ids, the first from `logits` (prefill's last).
+
+    The next step is queued (`mx.async_eval`) before the current id is read, so the host
+    only waits for the id it needs. Closing the generator waits for the in-flight step, so
+    the caches are consistent afterwards: they hold the prompt and the first
+    `progress.fed` yielded ids.
+    """
     if max_tokens < 1:
         return
     pending = pending_quantization(caches) if isinstance(caches, list) else None
@@ -297,7 +304,7 @@ def generate_step(
     threads.apply_decode(work)
     adapts = threads.policy().adapts(work)
     step = decode_step(model, caches, compiled)
-    prog.compiled = isinstance(step, CompiledStep)
+    progress.compiled = isinstance(step, CompiledStep)
     y = sample(logits)
     mx.async_eval(y)
     next_y = None
@@ -315,7 +322,7 @@ def generate_step(
                     step = decode_step(model, caches, compiled)
                 next_y = sample(step(y))
                 mx.async_eval(next_y)
-                prog.fed += 1
+                progress.fed += 1
             token = int(y.item())
             n += 1
             yield token
@@ -325,3 +332,30 @@ def generate_step(
     finally:
         if next_y is not None:
             mx.eval(next_y)  # the in-flight step finishes before anyone touches the cache
+
+
+def generate_step(
+    model: Any,
+    prompt: Sequence[int],
+    caches: Sequence[Any],
+    *,
+    sample: Sample = greedy,
+    max_tokens: int = 256,
+    prefill_chunk: int = PREFILL_CHUNK,
+    compiled: bool = True,
+    progress: Progress | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Iterator[int]:
+    """Prefill `prompt` (the ids not yet in `caches`) in chunks, then yield up to
+    `max_tokens` sampled ids (`prefill` then `decode`; the engine's turn drives the two
+    itself, to report and stop between prefill chunks). Closing the generator waits for
+    the in-flight step: the caches then hold the prompt and the first `progress.fed` ids.
+    """
+    prog = progress if progress is not None else Progress()
+    logits = None
+    for chunk_logits in prefill(model, prompt, caches, prefill_chunk=prefill_chunk,
+                                progress=prog, clock=clock):
+        logits = chunk_logits  # the last chunk's give the first token
+    assert logits is not None  # prefill raised on an empty prompt
+    yield from decode(model, logits, caches, sample=sample, max_tokens=max_tokens,
+                      compiled=compiled, progress=prog)

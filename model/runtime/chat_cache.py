@@ -1,0 +1,177 @@
+"""The engine's K/V cache of the conversation: the caches, the ids whose K/V they hold,
+the bound they were made for, and how a new prompt reuses them.
+
+A turn keeps the longest common prefix of its prompt with the ids the cache holds and
+prefills only the rest (docs/design.md, "Data flow of one chat turn"). A server keeps the
+caches of its other conversations in a pool (model/cache/prefix_pool.py) and swaps in the
+one that shares the most with a request. A chat's cache is saved beside it and restored
+only for the same model, bound and files (model/cache/integrity.py).
+
+Used on the engine thread only, except `caches`, read (metadata only) by the engine's
+`layer_stats` from any thread.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvchat.model.cache.file import load_cache, savable, save_cache
+from kvchat.model.cache.integrity import check_layers, model_fingerprint
+from kvchat.model.cache.kv import (
+    can_trim_to,
+    make_prompt_cache,
+    plan_quantization,
+    trim_to,
+    why_not_trimmable,
+)
+from kvchat.model.cache.prefix_pool import PrefixPool, common_prefix_len
+from kvchat.model.errors import KVChatError, error_line
+
+from .events import CacheRestored, CacheSaved, GenParams
+
+CacheKey = tuple[Any, ...]
+
+
+def cache_key(params: GenParams) -> CacheKey:
+    """What makes a cache: a change of any of these starts a new one."""
+    return (params.max_kv_size, params.keep, params.kv_bits, params.kv_group_size,
+            params.quantized_kv_start)
+
+
+def _bound_params(bound: list[Any]) -> GenParams:
+    """The cache settings a saved bound (`cache_key`'s values) stands for."""
+    return GenParams(max_kv_size=bound[0], keep=bound[1], kv_bits=bound[2],
+                     kv_group_size=bound[3], quantized_kv_start=bound[4])
+
+
+def new_cache(model: Any, params: GenParams) -> list[Any]:
+    kv = params.kv_quant()
+    extra = {} if kv is None else {"kv": kv}  # a float cache asks nothing new of the model
+    return make_prompt_cache(model, max_kv_size=params.max_kv_size, keep=params.keep, **extra)
+
+
+def model_identity(model_info: dict[str, Any]) -> str:
+    """What a saved cache's model must match to be reused: the model as loaded, and its
+    weights, config and tokenizer as they are on disk now (fingerprint cached per folder)."""
+    keys = ("path", "architecture", "parameters", "n_layers", "n_kv_heads", "head_dim")
+    identity = {k: model_info.get(k) for k in keys}
+    identity["fingerprint"] = model_fingerprint(str(model_info.get("path") or ""))
+    return json.dumps(identity)
+
+
+class ChatCache:
+    """The current conversation's caches (None: none yet) and the ids whose K/V they hold,
+    in order; a server's pool of other conversations' caches (None: the chat's one)."""
+
+    def __init__(self, pool_bytes: int = 0) -> None:
+        self.caches: list[Any] | None = None
+        self.key: CacheKey | None = None
+        self.ids: list[int] = []
+        self.pool = PrefixPool(pool_bytes) if pool_bytes > 0 else None
+
+    @property
+    def last_id(self) -> int | None:
+        """The newest token whose K/V the cache holds."""
+        return self.ids[-1] if self.ids else None
+
+    def drop(self, pool: bool = False) -> None:
+        """Forget the cache (a new chat, a failed turn that may have half-written a step,
+        a new model); `pool`: the pooled ones too."""
+        self.caches, self.key, self.ids = None, None, []
+        if pool and self.pool is not None:
+            self.pool.clear()
+
+    def prepare(self, model: Any, ids: list[int], params: GenParams, reuse_prefix: bool
+                ) -> tuple[int, int, str | None]:
+        """Make the cache ready for prompt `ids`: reuse the longest common prefix (unless
+        `reuse_prefix` is off). Returns (cached tokens, tokens the cache held that run
+        again, why the prefix was not reused)."""
+        key = cache_key(params)
+        reason = None
+        if self.pool is not None and reuse_prefix:
+            self._swap_from_pool(ids, key)
+        if self.caches is not None and key != self.key:
+            reason = "cache bound changed"
+            self.drop()
+        elif not reuse_prefix:
+            self.drop()
+        if self.caches is None:
+            self.caches = new_cache(model, params)
+            self.key = key
+        else:  # a restored float cache waiting for --quantized-kv-start
+            plan_quantization(self.caches, params.kv_quant())
+        # at least one token must run through the model to give the next logits
+        shared = common_prefix_len(self.ids, ids)
+        keep_n = min(shared, len(ids) - 1)
+        if keep_n < len(self.ids):
+            if can_trim_to(self.caches, keep_n):
+                trim_to(self.caches, keep_n)
+                del self.ids[keep_n:]
+            else:
+                why = why_not_trimmable(self.caches, model.config, keep_n)
+                reason = f"{why}; prefilling again"
+                self.caches = new_cache(model, params)
+                self.ids, keep_n = [], 0
+        return keep_n, shared - keep_n, reason
+
+    def _swap_from_pool(self, ids: list[int], key: CacheKey) -> None:
+        """Make the pooled cache sharing the longest prefix with `ids` the current one;
+        the current one goes back to the pool."""
+        assert self.pool is not None
+        if self.caches is not None and self.key is not None:
+            self.pool.put(self.ids, self.caches, self.key)
+        self.drop()
+        found = self.pool.take(ids, key)
+        if found is not None:
+            self.ids, self.caches = found
+            self.key = key
+
+    def save(self, path: Path, max_bytes: int | None, model_info: dict[str, Any]
+             ) -> CacheSaved | None:
+        """Write the cache to `path`; skipped (and an older file removed) when it would
+        exceed `max_bytes` or cannot be saved; None when there is nothing to save."""
+        caches = self.caches
+        if not caches or not self.ids:
+            return None
+        too_big = max_bytes is not None and sum(c.nbytes for c in caches) > max_bytes
+        if too_big or not savable(caches):
+            path.unlink(missing_ok=True)  # an older, shorter cache would only mislead
+            return None
+        meta = {"kvchat_model": model_identity(model_info),
+                "kvchat_bound": json.dumps(list(self.key or ())),
+                "kvchat_ids": json.dumps(self.ids)}
+        try:
+            written = save_cache(path, caches, meta)
+        except Exception as e:  # a full disk raises from MLX: one notice, the cache stays
+            return CacheSaved(str(path), error=f"K/V cache not saved to {path.name}:"
+                              f" {error_line(e)}; it stays in memory")
+        return CacheSaved(str(path), len(self.ids), written)
+
+    def restore(self, path: Path, model: Any, model_info: dict[str, Any]) -> CacheRestored:
+        """Load a cache `save` wrote for this model (`model` None: none loaded); the next
+        turn reuses its prefix. A file that does not match is refused and the cache kept."""
+        try:
+            if model is None:
+                raise KVChatError("no model loaded")
+            caches, meta = load_cache(path)
+            if meta.get("kvchat_model") != model_identity(model_info):
+                raise KVChatError("it was saved with another model")
+            ids = json.loads(meta["kvchat_ids"])
+            bound = json.loads(meta["kvchat_bound"])
+            if not isinstance(ids, list) or not isinstance(bound, list) or (
+                    len(bound) not in (2, 5)):
+                raise KVChatError("its token ids or bound are malformed")
+            bound = [*bound, None, None, 0][:5]  # files before K/V quantization: float
+            cfg = model.config
+            try:
+                check_layers(caches, ids, new_cache(model, _bound_params(bound)),
+                             n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                             dtype=model_info.get("dtype"), vocab_size=cfg.vocab_size)
+            except KVChatError as e:
+                raise KVChatError(f"{path.name}: {e}") from None
+        except (KVChatError, ValueError, KeyError, TypeError) as e:
+            return CacheRestored(str(path), 0, f"K/V cache not restored: {e}")
+        self.caches, self.key, self.ids = caches, tuple(bound), ids
+        return CacheRestored(str(path), len(ids))

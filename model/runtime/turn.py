@@ -1,0 +1,266 @@
+"""One chat turn as a generator of the events it makes, in order: Started,
+PrefillProgress after each prefill chunk, Overflow, TextDelta, Stats (~10/s),
+AttentionView (while watched), and one Done last, whatever happens.
+
+The engine drives it on its thread and emits what it yields. `TurnContext.stop` is the
+engine's cancel flag: checked while the template renders, between prefill chunks and
+between decode steps, so a cancel ends the turn within one of them (docs/design.md, "Data
+flow of one chat turn"); a stopped reply keeps its text and the cache keeps what ran.
+A failure is the turn's Done("error") with one line; once the model has run, the cache
+may hold a half-written step and is dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from kvchat.model.errors import NEVER_CAUGHT, KVChatError, error_line
+from kvchat.model.text.chat_template import TemplateCancelled
+from kvchat.model.text.tokenizer import Tokenizer
+
+from .attention_watch import AttentionWatch
+from .chat_cache import ChatCache
+from .events import (
+    Done,
+    Event,
+    GenParams,
+    PrefillProgress,
+    Prompt,
+    Started,
+    Stats,
+    TextDelta,
+    TurnStats,
+)
+from .generate import PREFILL_CHUNK, Progress, decode, prefill
+from .sampling import Sampler
+from .stops import StopMatcher
+from .turn_stats import STATS_INTERVAL_S, Evictions, TurnMeter
+
+
+@dataclass(frozen=True)
+class TurnContext:
+    """What a turn runs with, handed in by the engine (on its thread)."""
+
+    model: Any
+    tokenizer: Tokenizer
+    chat: ChatCache
+    stop: Callable[[], bool]  # the cancel flag
+    clock: Callable[[], float]
+    # a turn's numbers -> with the cache's and the runtime's as they are now
+    stats: Callable[[TurnStats], TurnStats]
+    watch: AttentionWatch
+    prefill_chunk: int = PREFILL_CHUNK
+    compiled: bool = True  # off: the plain step (same ids; for comparison)
+    reuse_prefix: bool = True  # off: every turn prefills its whole prompt
+    stats_interval_s: float = STATS_INTERVAL_S
+
+
+class PartialReply(Exception):
+    """A turn that failed after its model work began: the reply shown so far and its ids."""
+
+    def __init__(self, error: BaseException, text: str, ids: list[int]) -> None:
+        super().__init__(str(error))
+        self.error, self.text, self.ids = error, text, list(ids)
+
+
+def is_blank(prompt: Prompt) -> bool:
+    """Nothing to reply to: blank text, no ids, or a conversation whose last message is blank."""
+    if isinstance(prompt, str):
+        return not prompt.strip()
+    if not prompt:
+        return True
+    last = prompt[-1]
+    return isinstance(last, dict) and not str(last.get("content") or "").strip()
+
+
+def prompt_ids(ctx: TurnContext, prompt: Prompt) -> list[int]:
+    """The ids of a prompt: raw text encoded, ids checked against the vocabulary, a
+    conversation rendered by the chat template (a cancel stops a slow one at once)."""
+    if isinstance(prompt, str):
+        return ctx.tokenizer.encode(prompt)
+    if all(isinstance(x, int) for x in prompt):
+        vocab = ctx.model.config.vocab_size
+        bad = [x for x in prompt if not 0 <= x < vocab]  # type: ignore[operator]
+        if bad:  # an embedding lookup out of range reads past the table (a crash)
+            raise KVChatError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return list(prompt)  # type: ignore[arg-type]
+    return ctx.tokenizer.encode_chat(list(prompt), should_stop=ctx.stop)  # type: ignore[arg-type]
+
+
+def fit_context(params: GenParams, n_prompt: int, capacity: int
+                ) -> tuple[GenParams, int | None]:
+    """--overflow refuse: a prompt past the context is an error, and the reply may not run
+    past it. Returns the params to run with and the room the window leaves the reply when
+    it, not max_tokens, ends it (None otherwise)."""
+    if params.overflow != "refuse":
+        return params, None
+    room = capacity - n_prompt + 1
+    if room < 1:
+        raise KVChatError(f"prompt of {n_prompt} tokens exceeds the {capacity}-token context;"
+                          " shorten it or allow rotation")
+    context_room = room if room < params.max_tokens else None
+    return dataclasses.replace(params, max_tokens=min(params.max_tokens, room)), context_room
+
+
+def run_turn(ctx: TurnContext, prompt: Prompt, params: GenParams, t_submit: float
+             ) -> Iterator[Event]:
+    """The events of one turn, ending with its Done (`t_submit`: when it was queued, on
+    `ctx.clock`)."""
+    ids: list[int] = []
+    try:
+        params.validate()
+        if is_blank(prompt):
+            raise KVChatError("empty prompt: type a message first")
+        ids = prompt_ids(ctx, prompt)
+        if not ids:
+            raise KVChatError("empty prompt")
+        capacity = params.max_kv_size or ctx.model.config.max_position_embeddings
+        params, context_room = fit_context(params, len(ids), capacity)
+        yield from _generate(ctx, ids, params, t_submit, context_room)
+    except TemplateCancelled:
+        yield Done("cancelled", "", [], ids)
+    except PartialReply as p:
+        _debug(p.error)
+        ctx.chat.drop()  # it may hold a half-written step
+        # the reply so far is kept (the client marks it), with its ids for --json
+        yield Done("error", p.text, p.ids, ids, error=error_line(p.error))
+    except KVChatError as e:  # before the model ran: the cache is as it was
+        yield Done("error", "", [], ids, error=str(e))
+    except NEVER_CAUGHT:
+        raise
+    except BaseException as e:  # a Rust tokenizer's panic is a BaseException, too
+        _debug(e)
+        ctx.chat.drop()
+        yield Done("error", "", [], ids, error=error_line(e))
+
+
+def _debug(e: BaseException) -> None:
+    if os.environ.get("KVCHAT_DEBUG") == "1":
+        traceback.print_exception(e)
+
+
+class _Every:
+    """True at most once per `interval` seconds of the turn's clock."""
+
+    def __init__(self, interval: float, now: float) -> None:
+        self.interval, self.last = interval, now
+
+    def due(self, now: float) -> bool:
+        if now - self.last < self.interval:
+            return False
+        self.last = now
+        return True
+
+
+def _sampler(ctx: TurnContext, params: GenParams, prompt: list[int]
+             ) -> Callable[[mx.array], mx.array]:
+    """logits -> the next id, with the repetition penalty's window of recent ids."""
+    sampler = Sampler(params.sampling())
+    # embedding tables are often padded past the tokenizer's vocabulary; an id the
+    # tokenizer cannot decode must never be sampled
+    n_ids = min(ctx.model.config.vocab_size, ctx.tokenizer.vocab_size)
+    window = params.repetition_context_size
+    history = mx.array(prompt[-window:], dtype=mx.int32)
+    use_history = params.repetition_penalty != 1.0
+
+    def sample(logits: mx.array) -> mx.array:
+        nonlocal history
+        y = sampler(logits[..., :n_ids], history if use_history else [])
+        if use_history:
+            history = mx.concatenate([history, y.astype(mx.int32)])[-window:]
+        return y
+
+    return sample
+
+
+def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: float,
+              context_room: int | None) -> Iterator[Event]:
+    model, chat = ctx.model, ctx.chat
+    mx.reset_peak_memory()
+    cached, again, reason = chat.prepare(model, ids, params, ctx.reuse_prefix)
+    caches = chat.caches
+    assert caches is not None
+    yield Started(len(ids), cached, reason, again)
+    meter = TurnMeter(TurnStats(prompt_tokens=len(ids), cached_tokens=cached), t_submit)
+    evictions = Evictions(model, caches)
+    todo = ids[cached:]
+    progress = Progress()
+    detok = ctx.tokenizer.detokenizer(skip_special_tokens=True)  # control tokens are never text
+    stops = StopMatcher(params.stop)
+    eos = set(ctx.tokenizer.end_ids)  # EOS, and BOS: a base model starting a new document
+    generated: list[int] = []
+    finish = "length"
+    now = ctx.clock()  # the first stats and attention view come an interval after this
+    stats_tick, view_tick = _Every(ctx.stats_interval_s, now), _Every(ctx.watch.interval_s, now)
+    try:
+        logits = None
+        chunks = prefill(model, todo, caches, prefill_chunk=ctx.prefill_chunk,
+                         progress=progress, clock=ctx.clock)
+        while progress.prefilled < len(todo) and not ctx.stop():
+            logits = next(chunks)
+            yield PrefillProgress(progress.prefilled, len(todo), progress.prefill_s)
+        chat.ids.extend(todo[: progress.prefilled])
+        if progress.prefilled < len(todo):  # cancelled during prefill
+            yield Done("cancelled", "", [], ids, ctx.stats(meter.stats))
+            return
+        assert logits is not None
+        if (overflow := evictions.overflow("prompt")) is not None:  # before decoding
+            yield overflow
+
+        steps = decode(model, logits, caches, sample=_sampler(ctx, params, ids),
+                       max_tokens=params.max_tokens, compiled=ctx.compiled, progress=progress)
+        try:
+            for token in steps:
+                now = ctx.clock()
+                meter.token(now, progress, len(todo))
+                generated.append(token)
+                if token in eos and not params.ignore_eos:
+                    finish = "eos"
+                    break
+                text, hit = stops.feed(detok.add_token(token))
+                if text:
+                    yield TextDelta(text, token)
+                if hit:
+                    finish = "stop"
+                    break
+                if ctx.stop():
+                    finish = "cancelled"
+                    break
+                if stats_tick.due(now):
+                    yield Stats(ctx.stats(meter.decoded(len(generated))))
+                if ctx.watch.target is not None and view_tick.due(now):
+                    # the newest token in the cache: the last one fed
+                    newest = generated[progress.fed - 1] if progress.fed else todo[-1]
+                    if (view := ctx.watch.view(model, caches, newest)) is not None:
+                        yield view
+        except BaseException:
+            with contextlib.suppress(Exception):
+                steps.close()  # the first failure is the one to report
+            raise
+        steps.close()  # waits for the in-flight step before the cache is touched
+    except NEVER_CAUGHT:
+        raise
+    except BaseException as e:  # a pipeline rank died, MLX failed: keep what was shown
+        raise PartialReply(e, stops.shown, generated) from e
+
+    if finish != "stop":  # flush text held for UTF-8 completion or stop matching
+        tail, _ = stops.feed(detok.finalize())
+        tail += stops.flush()
+        if tail:
+            yield TextDelta(tail, generated[-1])
+    chat.ids.extend(generated[: progress.fed])
+    if (overflow := evictions.overflow("reply")) is not None:
+        yield overflow
+    if finish == "length" and context_room is not None and len(generated) >= context_room:
+        finish = "context_full"
+    final = ctx.stats(meter.decoded(len(generated)))
+    yield Stats(final)
+    yield Done(finish, stops.text, generated, ids, final)
