@@ -39,7 +39,7 @@ def test_bench_json_reports_every_field(stories260k: Path, capsys) -> None:
     assert "interleaved" in r["order"]
     m = r["machine"]
     assert m["cores"] >= 1 and m["mlx"] == mx.__version__ and m["device"]
-    assert set(m["blas"]) == {"name", "path", "fast", "core", "note", "fix"}
+    assert set(m["blas"]) == {"name", "path", "fast", "core", "core_chosen", "note", "fix"}
     _check_side(r["kvchat"], 1)
     _check_side(r["mlx_lm"], 1)
     assert r["kvchat"]["compiled_step"] is True

@@ -6,6 +6,12 @@
   linker's own trace (LD_DEBUG=bindings) shows `libmlx.so`'s `cblas_sgemm` bound to it,
   in `kvchat`'s process and in the chat's engine process, with nothing left in the
   environment of children and the interpreter's flags kept (no re-exec).
+- An OpenBLAS on its generic kernels is closed and loaded again with the best set the CPU
+  runs, in-process before MLX: forced here (this CPU's own pick is taken for the generic
+  one), the dynamic linker's trace shows the first copy finalised and unmapped and MLX
+  bound to the second, `openblas_get_corename` changes, MLX's product is right, and
+  nothing is left in the environment. The user's OPENBLAS_CORETYPE wins; where dlclose
+  cannot unload the library the advice stays, and following it gives that set.
 - The advice fits the machine: simulated CPU flags and installed libraries/packages, and
   the advice is never a package that is installed (nor any pip package).
 """
@@ -184,6 +190,170 @@ def test_the_engine_process_loads_the_same_blas_before_mlx(tmp_path: Path) -> No
     assert set(r["child_env"]) == {k for k in env if k.startswith(_WATCHED)}  # none added
 
 
+# --- generic kernels replaced in-process -------------------------------------------------
+
+_OWN_CORE = """
+import ctypes, sys
+get = ctypes.CDLL(sys.argv[1]).openblas_get_corename
+get.restype = ctypes.c_char_p
+print(get().decode())
+"""
+
+
+def _own_core(lib: str) -> str:
+    """The kernel set this OpenBLAS picks for this CPU by itself."""
+    env = {k: v for k, v in _env().items() if k != "OPENBLAS_CORETYPE"}
+    out = processes.run([sys.executable, "-c", _OWN_CORE, lib], env=env, capture_output=True,
+                        text=True, timeout=60, check=True)
+    return out.stdout.strip()
+
+
+def _forced(lib: str) -> tuple[str, str]:
+    """(this library's own pick, another set this CPU runs): the own pick is taken for the
+    generic set, so kvchat must load the library again with the other."""
+    own = _own_core(lib)
+    runs = linux_blas.fitting_cores(linux_blas.cpu_flags())
+    other = [c for c in runs if c.lower() != own.lower()]
+    if not other:
+        pytest.skip(f"this CPU runs no kernel set but {own}")
+    want = "Haswell" if "Haswell" in other else other[0]
+    return own, want
+
+
+_RELOAD = """
+import ctypes, json, os, subprocess, sys
+import numpy as np
+OWN, WANT, HOLD = sys.argv[1:4]
+from kvchat.app.core import blas, linux_blas
+from kvchat.model.runtime import threads
+if HOLD:  # another reference to the library: dlclose cannot unload it
+    held = ctypes.CDLL(HOLD)
+linux_blas.falls_back = lambda core: core is not None and core.lower() == OWN.lower()
+linux_blas.cpu_flags = lambda: dict(linux_blas.CORES)[WANT]  # WANT is the best it runs
+blas.load_fast_blas()  # as `kvchat` starts
+loaded = linux_blas._openblas_core()
+copies = [l for l in open("/proc/self/maps")  # each copy maps its file from offset 0 once
+          if "openblas" in l and "scipy_openblas" not in l and l.split()[2] == "00000000"]
+import mlx.core as mx
+rng = np.random.default_rng(0)
+a = rng.standard_normal((96, 64)).astype(np.float32)
+b = rng.standard_normal((64, 80)).astype(np.float32)
+got = np.array(mx.array(a) @ mx.array(b))
+pid = os.fork()  # OpenBLAS's fork handlers went with the first copy
+if pid == 0:
+    os._exit(0)
+forked = os.waitpid(pid, 0)[1]
+child = subprocess.run(["env"], capture_output=True, text=True).stdout
+print(json.dumps({"blas": blas.active_blas(), "loaded": loaded, "copies": len(copies),
+                  "describe": blas.describe(), "report": vars(linux_blas._report),
+                  "child_env": threads.child_env(), "forked": forked,
+                  "err": float(np.abs(got - a.astype(np.float64) @ b).max()),
+                  "watched": [l.split("=")[0] for l in child.splitlines()
+                              if l.startswith(WATCHED)]}))
+"""
+
+
+def _lib_events(trace_dir: Path, lib: str) -> list[str]:
+    """From LD_DEBUG=files,bindings of the process that loaded MLX, in order until MLX's
+    `cblas_sgemm` is bound: "init"/"fini" of the OpenBLAS at `lib`, "mlx" when libmlx.so
+    is loaded, "bound" when its `cblas_sgemm` binds to `lib`."""
+    pat = re.compile(rf"calling (init|fini): {re.escape(lib)}\s"
+                     r"|file=(libmlx)\.so \[0\];  needed"
+                     rf"|binding file \S*libmlx\.so \[0\] to {re.escape(lib)} \[0\]:"
+                     r" normal symbol `(cblas_sgemm)'")
+    names = {"libmlx": "mlx", "cblas_sgemm": "bound"}
+    for f in trace_dir.iterdir():
+        events = [m.group(1) or names[m.group(2) or m.group(3)]
+                  for m in pat.finditer(f.read_text(errors="replace"))]
+        if "bound" in events:
+            return events[:events.index("bound") + 1]
+    return []
+
+
+def test_generic_kernels_are_replaced_before_mlx_binds(tmp_path: Path) -> None:
+    lib = _openblas()
+    own, want = _forced(lib)
+    env = _env(LD_DEBUG="files,bindings", LD_DEBUG_OUTPUT=str(tmp_path / "ld"))
+    env.pop("OPENBLAS_CORETYPE", None)
+    r = _last_json(_RELOAD.replace("sys.argv[1:4]", repr([own, want, ""])), env)
+    # the first copy (its own pick) finalised and unloaded, a second loaded, MLX bound to it
+    assert _lib_events(tmp_path, lib) == ["init", "fini", "init", "mlx", "bound"]
+    assert r["copies"] == 1 and r["loaded"].lower() == want.lower()
+    b = r["blas"]
+    assert b["core"].lower() == want.lower() and b["core_chosen"] == want
+    assert b["note"] is None and b["fix"] is None and b["fast"] is True
+    assert r["describe"] == (f"OpenBLAS ({lib}), {b['core']} kernels (chosen by kvchat:"
+                             " this OpenBLAS does not know this CPU)")
+    assert r["err"] < 1e-3 and r["forked"] == 0
+    # nothing in the environment; the engine's child is told the set in kvchat's own words
+    assert set(r["watched"]) == {k for k in env if k.startswith(_WATCHED)}
+    assert r["child_env"]["KVCHAT_BLAS_CORE"] == want
+
+
+def test_the_users_coretype_wins(tmp_path: Path) -> None:
+    """Set by the user, OPENBLAS_CORETYPE is what the library runs, even the generic set:
+    kvchat neither loads it again nor advises anything."""
+    lib = _openblas()
+    own, want = _forced(lib)
+    r = _last_json(_RELOAD.replace("sys.argv[1:4]", repr([want, want, ""])),
+                   _env(OPENBLAS_CORETYPE=want))
+    assert r["report"]["core_chosen"] is None and r["report"]["core_kept"] is None
+    assert r["blas"]["core"].lower() == want.lower() and r["blas"]["fix"] is None
+    assert r["err"] < 1e-3
+    assert set(r["watched"]) == {k for k in _env() if k.startswith(_WATCHED)} | {
+        "OPENBLAS_CORETYPE"}
+    # the real generic set, asked for: left as it is
+    code = _RELOAD.replace("sys.argv[1:4]", repr(["Prescott", want, ""]))
+    code = code.replace("linux_blas.falls_back = ", "_ = ")
+    r = _last_json(code, _env(OPENBLAS_CORETYPE="Prescott"))
+    assert r["blas"]["core"] == "Prescott" and r["blas"]["core_chosen"] is None
+    assert r["blas"]["note"] is None and r["blas"]["fix"] is None
+
+
+def test_when_dlclose_cannot_unload_it_the_advice_stays_and_works() -> None:
+    """Another reference holds the library: dlclose leaves it mapped, kvchat says so and
+    gives the command; run as it says, the library picks that set."""
+    lib = _openblas()
+    own, want = _forced(lib)
+    env = _env()
+    env.pop("OPENBLAS_CORETYPE", None)
+    r = _last_json(_RELOAD.replace("sys.argv[1:4]", repr([own, want, lib])), env)
+    b = r["blas"]
+    assert r["report"]["core_kept"] == f"{lib} stays loaded after dlclose"
+    assert b["core"].lower() == own.lower() and b["core_chosen"] is None and r["err"] < 1e-3
+    assert b["note"] == (f"this OpenBLAS does not know this CPU and runs its generic {b['core']}"
+                         f" kernels (kvchat could not load it again: {lib} stays loaded after"
+                         " dlclose)")
+    assert b["fix"] == f"export OPENBLAS_CORETYPE={want}"
+    name, _, value = b["fix"].removeprefix("export ").partition("=")
+    r = _last_json(_RELOAD.replace("sys.argv[1:4]", repr([own, want, lib])),
+                   {**env, name: value})
+    assert r["blas"]["core"].lower() == want.lower() and r["blas"]["fix"] is None
+
+
+_CHILD_LOAD = """
+import ctypes, json, os
+from kvchat.model.runtime import threads
+threads.configure_from_env()  # as the engine's child process starts, before MLX
+get = ctypes.CDLL(None).openblas_get_corename
+get.restype = ctypes.c_char_p
+print(json.dumps({"core": get().decode(), "bound": threads.bound(),
+                  "watched": [k for k in os.environ if k.startswith(WATCHED)]}))
+"""
+
+
+def test_the_engine_process_loads_the_set_kvchat_chose() -> None:
+    """The parent's choice reaches the child in kvchat's own variables (`child_env`);
+    the child loads the library with that set, leaving OPENBLAS_CORETYPE unset."""
+    lib = _openblas()
+    _, want = _forced(lib)
+    env = _env(KVCHAT_BLAS_LIB=lib, KVCHAT_BLAS_CORE=want)
+    env.pop("OPENBLAS_CORETYPE", None)
+    r = _last_json(_CHILD_LOAD, env)
+    assert r["core"].lower() == want.lower() and r["bound"] is True
+    assert set(r["watched"]) == {k for k in env if k.startswith(_WATCHED)}
+
+
 def test_the_engine_process_module_imports_no_mlx() -> None:
     """Its `__main__` loads the BLAS first: nothing it imports before may bring MLX."""
     out = processes.run([sys.executable, "-c", "import sys, kvchat.model.runtime.engine_process;"
@@ -212,11 +382,12 @@ def linux(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     for k in ("KVCHAT_BLAS", "KVCHAT_NO_OPENBLAS", "OPENBLAS_CORETYPE"):
         monkeypatch.delenv(k, raising=False)
     state = {"flags": AVX2, "installed": [], "serving": None, "core": None, "apt": True,
-             "root": False, "report": LoadReport()}
+             "root": False, "report": LoadReport(), "dynamic": True}
     monkeypatch.setattr(linux_blas, "cpu_flags", lambda: state["flags"])
     monkeypatch.setattr(linux_blas, "system_openblas", lambda: state["installed"])
     monkeypatch.setattr(linux_blas, "serving_library", lambda: state["serving"])
     monkeypatch.setattr(linux_blas, "_openblas_core", lambda: state["core"])
+    monkeypatch.setattr(linux_blas, "_dynamic", lambda: state["dynamic"])
     monkeypatch.setattr(linux_blas, "_mlx_reference", lambda: "/x/mlx_cpu.libs/libblas-1.so")
     monkeypatch.setattr(linux_blas.shutil, "which",
                         lambda name: "/usr/bin/apt-get" if state["apt"] else None)
@@ -292,6 +463,71 @@ def test_generic_kernels_on_a_better_cpu_name_the_coretype(linux, monkeypatch, f
     assert read()["fix"] is None
 
 
+def test_generic_kernels_advice_follows_what_kvchat_found(linux) -> None:
+    """Not loaded again (dlclose could not unload it): the reason and the command; asked
+    for every set and ignoring them, or built for one set only: no command would help."""
+    state, read = linux
+    state.update(serving="/usr/lib/x86_64-linux-gnu/libopenblas.so.0", core="Prescott",
+                 flags=AVX512)
+    state["report"] = LoadReport(core_kept="/x/libopenblas.so.0 stays loaded after dlclose")
+    b = read()
+    assert b["note"].endswith("(kvchat could not load it again: /x/libopenblas.so.0 stays"
+                              " loaded after dlclose)")
+    assert b["fix"] == "export OPENBLAS_CORETYPE=SkylakeX"
+    state["report"] = LoadReport(core_ignored=("SkylakeX", "Haswell", "SandyBridge"))
+    b = read()
+    assert b["note"].endswith("it ignored OPENBLAS_CORETYPE=SkylakeX, Haswell, SandyBridge")
+    assert b["fix"] is None
+    state.update(report=LoadReport(), dynamic=False)
+    b = read()
+    assert b["note"] == "this OpenBLAS is built for its generic Prescott kernels only"
+    assert b["fix"] is None
+
+
+@pytest.mark.parametrize(("picks", "reloads", "want"), [
+    # (the core after each load, the cores asked for, what the report says)
+    (["Haswell"], [], {}),  # it knew the CPU
+    (["Prescott", "SkylakeX"], ["SkylakeX"], {"core_chosen": "SkylakeX"}),
+    (["Prescott", "Prescott", "Haswell"], ["SkylakeX", "Haswell"], {"core_chosen": "Haswell"}),
+    (["Prescott"] * 5, ["SkylakeX", "Haswell", "SandyBridge", None],
+     {"core_ignored": ("SkylakeX", "Haswell", "SandyBridge")}),
+], ids=["knows-the-cpu", "best", "next-best", "none-took"])
+def test_fit_kernels_tries_the_sets_the_cpu_runs_best_first(monkeypatch, picks, reloads,
+                                                            want) -> None:
+    seen: list[str | None] = []
+    monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
+    monkeypatch.setattr(linux_blas, "cpu_flags", lambda: AVX512)
+    monkeypatch.setattr(linux_blas, "_dynamic", lambda: True)
+    monkeypatch.setattr(linux_blas, "_openblas_core", lambda: picks[len(seen)])
+    monkeypatch.setattr(linux_blas.threads, "reload", lambda core: seen.append(core))
+    report = LoadReport()
+    linux_blas.fit_kernels(report)
+    assert seen == reloads
+    assert report == LoadReport(**want)
+
+
+def test_fit_kernels_stops_where_dlclose_cannot_unload(monkeypatch) -> None:
+    monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
+    monkeypatch.setattr(linux_blas, "cpu_flags", lambda: AVX2)
+    monkeypatch.setattr(linux_blas, "_dynamic", lambda: True)
+    monkeypatch.setattr(linux_blas, "_openblas_core", lambda: "Prescott")
+    seen: list[str | None] = []
+    monkeypatch.setattr(linux_blas.threads, "reload",
+                        lambda core: seen.append(core) or "/x.so stays loaded after dlclose")
+    report = LoadReport()
+    linux_blas.fit_kernels(report)
+    assert seen == ["Haswell"]
+    assert report == LoadReport(core_kept="/x.so stays loaded after dlclose")
+    # the user's choice, or a build with one set: nothing is reloaded
+    seen.clear()
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Prescott")
+    linux_blas.fit_kernels(LoadReport())
+    monkeypatch.delenv("OPENBLAS_CORETYPE")
+    monkeypatch.setattr(linux_blas, "_dynamic", lambda: False)
+    linux_blas.fit_kernels(LoadReport())
+    assert seen == []
+
+
 def test_version_text_carries_the_advice(linux, monkeypatch) -> None:
     """`kvchat --version`'s BLAS line says the advice, in the shape test_package checks."""
     from kvchat.model.runtime import threads
@@ -310,6 +546,11 @@ def test_version_text_carries_the_advice(linux, monkeypatch) -> None:
     assert blas.version_text().splitlines()[2] == (
         "BLAS: OpenBLAS (/usr/lib/x86_64-linux-gnu/libopenblas.so.0), SkylakeX kernels")
     assert blas.short_label() == "OpenBLAS"
+    state["report"] = LoadReport(core_chosen="SkylakeX")  # kvchat loaded it again with it
+    read()
+    assert blas.version_text().splitlines()[2] == (
+        "BLAS: OpenBLAS (/usr/lib/x86_64-linux-gnu/libopenblas.so.0), SkylakeX kernels"
+        " (chosen by kvchat: this OpenBLAS does not know this CPU)")
 
 
 def test_macos_reports_accelerate_without_advice(monkeypatch) -> None:

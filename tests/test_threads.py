@@ -23,10 +23,11 @@ SMOL = (576, 1536)
 def _restore_policy(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.delenv(threads.ENV, raising=False)
     monkeypatch.delenv("KVCHAT_THREADS_FROM", raising=False)
-    saved = threads._policy, threads._blas.path, threads._blas._set, threads._blas.current
+    b = threads._blas
+    saved = threads._policy, b.path, b._set, b.current, b.core, b.lib
     yield
     threads._policy = saved[0]
-    threads._blas.path, threads._blas._set, threads._blas.current = saved[1:]
+    b.path, b._set, b.current, b.core, b.lib = saved[1:]
 
 
 @pytest.mark.parametrize(("tokens", "shape", "cores", "others", "want"), [
@@ -185,29 +186,112 @@ def test_apply_reaches_openblas() -> None:
     assert r["calls"] == [[1, 1], [2, 2], [1, 1]]
 
 
-def test_thread_timeout_is_set_only_while_the_library_loads(
+class _Lib:
+    """A fake OpenBLAS handle."""
+
+    cblas_sgemm = openblas_set_num_threads = staticmethod(lambda *a: None)
+
+    def __init__(self, n: int = 0) -> None:
+        self._handle = n
+
+
+def test_thread_timeout_and_coretype_are_set_only_while_the_library_loads(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """OpenBLAS reads OPENBLAS_THREAD_TIMEOUT when it loads: set for that call only (no
-    child inherits it), and a value of the user's is left as it is."""
+    """OpenBLAS reads OPENBLAS_THREAD_TIMEOUT and OPENBLAS_CORETYPE when it loads: set for
+    that call only (no child inherits them), and a value of the user's is left as it is."""
     import os
 
-    seen: list[str | None] = []
+    seen: list[tuple[str | None, str | None]] = []
 
-    class Lib:
-        cblas_sgemm = openblas_set_num_threads = staticmethod(lambda *a: None)
-
-    def fake_cdll(path: str | None, mode: int = 0) -> Lib:
-        seen.append(os.environ.get("OPENBLAS_THREAD_TIMEOUT"))
-        return Lib()
+    def fake_cdll(path: str | None, mode: int = 0) -> _Lib:
+        seen.append((os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
+                     os.environ.get("OPENBLAS_CORETYPE")))
+        return _Lib()
 
     monkeypatch.setattr(threads.ctypes, "CDLL", fake_cdll)
     monkeypatch.delenv("OPENBLAS_THREAD_TIMEOUT", raising=False)
+    monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
     assert threads.load("/some/libopenblas.so.0") is None
-    assert seen[0] == str(threads.THREAD_TIMEOUT) and "OPENBLAS_THREAD_TIMEOUT" not in os.environ
+    assert seen[-1] == (str(threads.THREAD_TIMEOUT), None)
     assert threads.bound() and threads.child_env()[threads.LIB_ENV] == "/some/libopenblas.so.0"
+    assert threads.load("/some/libopenblas.so.0", "Haswell") is None
+    assert seen[-1] == (str(threads.THREAD_TIMEOUT), "Haswell")
+    assert "OPENBLAS_THREAD_TIMEOUT" not in os.environ and "OPENBLAS_CORETYPE" not in os.environ
+    assert threads.child_env()[threads.CORE_ENV] == "Haswell"
     monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", "4")
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Prescott")
+    threads.load("/some/libopenblas.so.0", "Haswell")
+    assert seen[-1] == ("4", "Prescott")
+    assert os.environ["OPENBLAS_THREAD_TIMEOUT"] == "4"
+    assert os.environ["OPENBLAS_CORETYPE"] == "Prescott"
+
+
+def test_the_child_loads_the_library_with_the_parents_kernel_set(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    loads: list[tuple[str | None, str | None]] = []
+
+    def fake_cdll(path: str | None, mode: int = 0) -> _Lib:
+        loads.append((path, os.environ.get("OPENBLAS_CORETYPE")))
+        return _Lib()
+
+    monkeypatch.setattr(threads.ctypes, "CDLL", fake_cdll)
+    monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
+    threads.load("/some/libopenblas.so.0", "Haswell")
+    env = threads.child_env()
+    threads._blas.forget()
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    threads.configure_from_env()
+    assert loads[-1] == ("/some/libopenblas.so.0", "Haswell") and threads.bound()
+    assert "OPENBLAS_CORETYPE" not in os.environ
+    threads.load("/some/libopenblas.so.0")  # its own pick: the child is told nothing
+    assert threads.child_env()[threads.CORE_ENV] == ""
+
+
+def test_reload_closes_the_copy_it_opened_and_loads_another(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import os
+
+    opened: list[tuple[int, str | None]] = []
+    closed: list[int] = []
+
+    def fake_cdll(path: str | None, mode: int = 0) -> _Lib:
+        opened.append((len(opened) + 1, os.environ.get("OPENBLAS_CORETYPE")))
+        return _Lib(len(opened))
+
+    monkeypatch.setattr(threads.ctypes, "CDLL", fake_cdll)
+    monkeypatch.setattr(threads._ctypes, "dlclose", closed.append)
+    monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
+    still = {"mapped": False}
+    monkeypatch.setattr(threads, "mapped", lambda path: still["mapped"])
+    threads._blas.forget()
+    assert threads.reload("Haswell") == "kvchat did not load it" and closed == []
     threads.load("/some/libopenblas.so.0")
-    assert seen[-1] == "4" and os.environ["OPENBLAS_THREAD_TIMEOUT"] == "4"
+    assert threads.reload("Haswell") is None
+    assert closed == [1] and opened[-1] == (2, "Haswell") and threads._blas.lib._handle == 2
+    assert threads.child_env()[threads.CORE_ENV] == "Haswell" and threads.bound()
+    # dlclose left it mapped: the same copy, kept open again, and why
+    still["mapped"] = True
+    assert threads.reload("SkylakeX") == "/some/libopenblas.so.0 stays loaded after dlclose"
+    assert closed == [1, 2] and opened[-1] == (3, None) and threads.bound()
+    assert threads.child_env()[threads.CORE_ENV] == "Haswell"  # what that copy runs
+
+
+def test_mapped_reads_the_process_maps(tmp_path: Path) -> None:
+    real = tmp_path / "libopenblasp-r0.3.21.so"
+    real.write_bytes(b"")
+    link = tmp_path / "libopenblas.so.0"
+    link.symlink_to(real)
+    maps = tmp_path / "maps"
+    maps.write_text(f"7f73-7f74 r--p 00000000 fe:00 55 {real}\n"
+                    f"7f75-7f76 r--p 00000000 fe:00 56 {real}.old\n"
+                    "7f77-7f78 rw-p 00000000 00:00 0\n")
+    assert threads.mapped(str(link), str(maps)) and threads.mapped(str(real), str(maps))
+    maps.write_text(f"7f75-7f76 r--p 00000000 fe:00 56 {real}.old\n")
+    assert not threads.mapped(str(link), str(maps))
+    assert threads.mapped(str(link), str(tmp_path / "absent"))  # cannot tell: assume it stays
 
 
 def test_a_library_without_cblas_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,7 @@ import functools
 import sys
 from typing import Any
 
-_QUIET = {"core": None, "note": None, "fix": None}
+_QUIET = {"core": None, "core_chosen": None, "note": None, "fix": None}
 
 
 def load_fast_blas() -> None:
@@ -27,9 +27,10 @@ def load_fast_blas() -> None:
 
 @functools.cache
 def active_blas() -> dict[str, Any]:
-    """{"name", "path", "fast", "core", "note", "fix"}: the BLAS that serves MLX's matmuls
-    in this process, OpenBLAS's kernel set, and, where it is slow, why (`note`) and the one
-    command that would help on this machine (`fix`, or None)."""
+    """{"name", "path", "fast", "core", "core_chosen", "note", "fix"}: the BLAS that serves
+    MLX's matmuls in this process, OpenBLAS's kernel set and the one kvchat loaded it with
+    (`core_chosen`, where OpenBLAS did not know the CPU), and, where it is slow, why (`note`)
+    and the one command that would help on this machine (`fix`, or None)."""
     if sys.platform == "darwin":
         return {"name": "Accelerate", "path": None, "fast": True, **_QUIET}
     if sys.platform == "linux":
@@ -40,8 +41,10 @@ def active_blas() -> dict[str, Any]:
 
 
 def label(b: dict[str, Any], where: str = "") -> str:
-    """`active_blas()`'s answer in words: name, (where,) kernels."""
-    return b["name"] + where + (f", {b['core']} kernels" if b.get("core") else "")
+    """`active_blas()`'s answer in words: name, (where,) kernels, and who chose them."""
+    chosen = " (chosen by kvchat: this OpenBLAS does not know this CPU)"
+    return (b["name"] + where + (f", {b['core']} kernels" if b.get("core") else "")
+            + (chosen if b.get("core_chosen") else ""))
 
 
 def advice(b: dict[str, Any]) -> str:

@@ -21,6 +21,18 @@ CPUs only), and the DYNAMIC_ARCH builds with plain symbols (ngsolve-openblas) ne
 `libgfortran.so.5` a bare machine lacks (the mlx wheel's copy has a hashed name the loader
 does not match). So where nothing is found the advice is the system package.
 
+Which kernels (`fit_kernels`): a DYNAMIC_ARCH OpenBLAS older than the CPU does not know
+it and runs its generic Prescott kernels (Debian's 0.3.21 on an Emerald Rapids Xeon: 19
+GFLOP/s against 90 with its AVX-512 set, a 1024² fp32 matmul on one thread;
+`python -m tests.benchmarks.blas_kernels` measures every set on a machine). OpenBLAS
+picks its set once, as it loads, from OPENBLAS_CORETYPE or the CPU; it cannot be told
+before loading whether it knows the CPU, so kvchat loads it, reads its pick
+(`openblas_get_corename`) and, when that is the generic set on a CPU whose flags
+(/proc/cpuinfo) run a better one, closes it and loads it again with OPENBLAS_CORETYPE set
+for that load only (model/runtime/threads.py, `reload`): before MLX is imported nothing
+points into the first copy, and dlclose unmaps it (checked in /proc/self/maps; Debian's
+build is not NODELETE). A user's OPENBLAS_CORETYPE always wins.
+
 `active` says what serves MLX's matmuls in this process and, when that is slow, why and
 the one command that would help here (`advice`): never a package that is installed.
 """
@@ -48,19 +60,24 @@ SLOW = "matmuls ~30x slower than with OpenBLAS"
 _AVX512 = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
 CORES = (("SkylakeX", _AVX512), ("Haswell", frozenset({"avx2", "fma"})),
          ("SandyBridge", frozenset({"avx"})))
-# What a DYNAMIC_ARCH OpenBLAS older than the CPU runs: its generic SSE3 kernels (Debian's
-# 0.3.21 on an Emerald Rapids Xeon: 19 GFLOP/s against 90 with its AVX-512 set, measured).
+# What a DYNAMIC_ARCH OpenBLAS older than the CPU runs: its generic SSE3 kernels.
 FALLBACK_CORE = "prescott"
+CORETYPE_ENV = "OPENBLAS_CORETYPE"
 
 
 @dataclass
 class LoadReport:
     """What `load` did: the library that serves (`loaded`), those that did not load with
-    the loader's reason, or why nothing was tried (`skipped`)."""
+    the loader's reason, or why nothing was tried (`skipped`); and for the generic kernels
+    (`fit_kernels`), the set it was loaded again with (`core_chosen`), or why it could not
+    be (`core_kept`), or the sets it was asked for and ignored (`core_ignored`)."""
 
     loaded: str | None = None
     failed: list[tuple[str, str]] = field(default_factory=list)
     skipped: str | None = None
+    core_chosen: str | None = None
+    core_kept: str | None = None
+    core_ignored: tuple[str, ...] = ()
 
 
 _report = LoadReport()
@@ -98,10 +115,37 @@ def load() -> LoadReport:
             why = threads.load(str(lib))
             if why is None:
                 _report.loaded = str(lib)
+                fit_kernels(_report)
                 break
             _report.failed.append((str(lib), why))
     active.cache_clear()
     return _report
+
+
+def falls_back(core: str | None) -> bool:
+    """Whether OpenBLAS runs its generic kernels (it did not know the CPU)."""
+    return core is not None and core.lower() == FALLBACK_CORE
+
+
+def fit_kernels(report: LoadReport) -> None:
+    """Just after `threads.load`, before MLX is imported: where the library fell back to
+    its generic kernels on a CPU that runs better, load it again with the best set the
+    CPU's flags allow, then the next (a build may lack one). The user's
+    OPENBLAS_CORETYPE stands; a library that is not DYNAMIC_ARCH has one set only."""
+    if CORETYPE_ENV in os.environ or not falls_back(_openblas_core()) or not _dynamic():
+        return
+    fitting = fitting_cores(cpu_flags())
+    for core in fitting:
+        why = threads.reload(core)
+        if why is not None:
+            report.core_kept = why
+            return
+        if not falls_back(_openblas_core()):
+            report.core_chosen = core
+            return
+    if fitting:  # none took: its own pick again, as the engine's child will load it
+        report.core_ignored = fitting
+        report.core_kept = threads.reload(None)
 
 
 class _DlInfo(ctypes.Structure):
@@ -146,14 +190,25 @@ def _name_of(path: str) -> str:
     return Path(path).name
 
 
-def _openblas_core() -> str | None:
+def _openblas_text(name: str) -> str | None:
+    """A string OpenBLAS reports about itself, from this process's global scope."""
     try:
-        get = ctypes.CDLL(None).openblas_get_corename
+        get = getattr(ctypes.CDLL(None), name)
     except (AttributeError, OSError):
         return None
     get.restype = ctypes.c_char_p
-    core = get()
-    return core.decode(errors="replace") if core else None
+    text = get()
+    return text.decode(errors="replace") if text else None
+
+
+def _openblas_core() -> str | None:
+    """The kernel set OpenBLAS picked as it loaded ("SkylakeX", "Haswell", "Prescott")."""
+    return _openblas_text("openblas_get_corename")
+
+
+def _dynamic() -> bool:
+    """Whether it is a DYNAMIC_ARCH build (else OPENBLAS_CORETYPE is not read)."""
+    return "DYNAMIC_ARCH" in (_openblas_text("openblas_get_config") or "").split()
 
 
 @functools.cache
@@ -169,9 +224,14 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def fitting_cores(flags: frozenset[str]) -> tuple[str, ...]:
+    """The OpenBLAS kernel sets a CPU with these flags runs (OPENBLAS_CORETYPE), best first."""
+    return tuple(name for name, needs in CORES if needs <= flags)
+
+
 def best_core(flags: frozenset[str]) -> str | None:
-    """The best OpenBLAS kernel set a CPU with these flags runs (OPENBLAS_CORETYPE)."""
-    return next((name for name, needs in CORES if needs <= flags), None)
+    """The best OpenBLAS kernel set a CPU with these flags runs."""
+    return next(iter(fitting_cores(flags)), None)
 
 
 def _root() -> bool:
@@ -198,32 +258,41 @@ def advice(report: LoadReport, installed: list[Path], apt: bool,
     return SLOW, pick
 
 
-def core_advice(core: str | None, flags: frozenset[str],
-                env: dict[str, str]) -> tuple[str, str] | None:
-    """For an OpenBLAS that fell back to its generic kernels on a CPU it does not know:
-    (why, the command that picks the best set this CPU runs); None otherwise or when
-    OPENBLAS_CORETYPE is already the user's choice."""
+def core_advice(core: str | None, flags: frozenset[str], env: dict[str, str],
+                dynamic: bool = True, report: LoadReport | None = None,
+                ) -> tuple[str, str | None] | None:
+    """For an OpenBLAS that runs its generic kernels on a CPU that runs better: (why, the
+    command that picks the best set, or None where none would help); None otherwise or
+    when OPENBLAS_CORETYPE is the user's. `report`: what `fit_kernels` found."""
     best = best_core(flags)
-    if core is None or core.lower() != FALLBACK_CORE or best is None:
+    if not falls_back(core) or best is None or CORETYPE_ENV in env:
         return None
-    if "OPENBLAS_CORETYPE" in env:
-        return None
-    return (f"this OpenBLAS does not know this CPU and runs its generic {core} kernels",
-            f"export OPENBLAS_CORETYPE={best}")
+    report = report or LoadReport()
+    if not dynamic:
+        return f"this OpenBLAS is built for its generic {core} kernels only", None
+    why = f"this OpenBLAS does not know this CPU and runs its generic {core} kernels"
+    if report.core_ignored:
+        sets = ", ".join(report.core_ignored)
+        return f"{why}; it ignored {CORETYPE_ENV}={sets}", None
+    if report.core_kept:
+        why += f" (kvchat could not load it again: {report.core_kept})"
+    return why, f"export {CORETYPE_ENV}={best}"
 
 
 @functools.cache
 def active() -> dict[str, Any]:
-    """{"name", "path", "fast", "core", "note", "fix"}: the BLAS that serves MLX's matmuls
-    in this process, OpenBLAS's kernel set, and, when it is slow, why (`note`) and the one
-    command that would help (`fix`, or None)."""
+    """{"name", "path", "fast", "core", "core_chosen", "note", "fix"}: the BLAS that serves
+    MLX's matmuls in this process, OpenBLAS's kernel set and whether kvchat chose it (the
+    OPENBLAS_CORETYPE it loaded the library with, `fit_kernels`), and, when it is slow, why
+    (`note`) and the one command that would help (`fix`, or None)."""
     path = serving_library()
     if path is not None and not is_reference(path):
         core = _openblas_core()
-        tip = core_advice(core, cpu_flags(), dict(os.environ))
+        tip = core_advice(core, cpu_flags(), dict(os.environ), _dynamic(), _report)
         return {"name": _name_of(path), "path": path, "fast": True, "core": core,
-                "note": tip[0] if tip else None, "fix": tip[1] if tip else None}
+                "core_chosen": _report.core_chosen, "note": tip[0] if tip else None,
+                "fix": tip[1] if tip else None}
     note, fix = advice(_report, system_openblas(), shutil.which("apt-get") is not None,
                        _root())
     return {"name": "reference BLAS", "path": path or _mlx_reference(), "fast": False,
-            "core": None, "note": note, "fix": fix}
+            "core": None, "core_chosen": None, "note": note, "fix": fix}

@@ -20,9 +20,10 @@ count, less this process's own running threads), read before each chunk and ever
 instead ("auto" keeps the table).
 
 The count is set with OpenBLAS's own runtime call, `openblas_set_num_threads`, found in
-the library `load` put in this process (app/core/linux_blas.py chooses it; the engine's
-child process loads the same one from `child_env`); with any other BLAS, or none, `apply`
-does nothing and `describe` says so.
+the library `load` put in this process (app/core/linux_blas.py chooses it and, where
+OpenBLAS does not know the CPU, its kernel set: `reload`; the engine's child process loads
+the same library with the same set from `child_env`); with any other BLAS, or none,
+`apply` does nothing and `describe` says so.
 
 Whether reading the load earns its place is measured by `python -m tests.benchmarks.threads`
 against fixed counts and against the same table blind to the load (`Policy.reads_load`);
@@ -31,6 +32,7 @@ its last line says which rule the numbers support.
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import os
 from collections.abc import Callable
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 
 ENV = "KVCHAT_THREADS"
 LIB_ENV = "KVCHAT_BLAS_LIB"  # the bound library's path, handed to the engine's child process
+CORE_ENV = "KVCHAT_BLAS_CORE"  # the kernel set kvchat loaded it with, for the child's load
 _SOURCE_ENV = "KVCHAT_THREADS_FROM"  # so the child's label names the parent's source
 AUTO = "auto"
 # multiply-adds of a prefill chunk's largest matmul per thread. Measured on the idle
@@ -163,20 +166,32 @@ class Policy:
         return f"auto · 1–{self.cores} by shape" if self.cores > 1 else "auto · 1"
 
 
-def _open(path: str | None) -> ctypes.CDLL:
-    """`path` in this process's global scope (None: that scope itself), with OpenBLAS's
-    idle spin bounded while it loads (THREAD_TIMEOUT) unless OPENBLAS_THREAD_TIMEOUT is
-    the user's: set only for the load, so no child process inherits it."""
+def _open(path: str | None, core: str | None = None) -> ctypes.CDLL:
+    """`path` in this process's global scope (None: that scope itself). OpenBLAS reads its
+    settings from the environment while it loads: its idle spin bounded (THREAD_TIMEOUT)
+    and, given `core`, its kernel set (OPENBLAS_CORETYPE), each unless the variable is the
+    user's, and each set only for the load, so no child process inherits it."""
     if path is None:
         return ctypes.CDLL(None)
-    ours = "OPENBLAS_THREAD_TIMEOUT" not in os.environ
-    if ours:
-        os.environ["OPENBLAS_THREAD_TIMEOUT"] = str(THREAD_TIMEOUT)
+    wanted = {"OPENBLAS_THREAD_TIMEOUT": str(THREAD_TIMEOUT),
+              **({"OPENBLAS_CORETYPE": core} if core else {})}
+    ours = {k: v for k, v in wanted.items() if k not in os.environ}
+    os.environ.update(ours)
     try:
         return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     finally:
-        if ours:
-            del os.environ["OPENBLAS_THREAD_TIMEOUT"]
+        for k in ours:
+            del os.environ[k]
+
+
+def mapped(path: str, maps: str = "/proc/self/maps") -> bool:
+    """Whether the file at `path` is mapped into this process (True where unreadable)."""
+    real = os.path.realpath(path)
+    try:
+        with open(maps) as f:
+            return any(line.split(maxsplit=5)[5:] == [real] for line in f.read().splitlines())
+    except OSError:
+        return True
 
 
 class _Blas:
@@ -184,16 +199,32 @@ class _Blas:
 
     def __init__(self) -> None:
         self.path: str | None = None
+        self.core: str | None = None  # the OPENBLAS_CORETYPE kvchat loaded it with
+        self.lib: ctypes.CDLL | None = None  # the handle kvchat opened (`reload` closes it)
         self._set: Callable[[int], None] | None = None
         self.current: int | None = None
 
-    def bind(self, path: str | None) -> bool:
-        """Find `openblas_set_num_threads` in `path`, loading it into the global scope if
-        it is not there yet (None: the global scope as it is, where a user's LD_PRELOAD
-        puts a library). True when found."""
+    def bind(self, path: str | None, core: str | None = None) -> bool:
+        """Find `openblas_set_num_threads` in `path`, loading it into the global scope (with
+        kernel set `core`) if it is not there yet (None: the global scope as it is, where
+        a user's LD_PRELOAD puts a library). True when found."""
         try:
-            fn = _open(path).openblas_set_num_threads
-        except (OSError, AttributeError):
+            lib = _open(path, core)
+        except OSError:
+            self.forget()
+            return False
+        return self.adopt(lib, path, core)
+
+    def forget(self) -> None:
+        """Bound to nothing (no pointer into a library about to be closed)."""
+        self.path, self.core, self.lib, self._set, self.current = None, None, None, None, None
+
+    def adopt(self, lib: ctypes.CDLL, path: str | None, core: str | None) -> bool:
+        """Thread control from `lib`, opened from `path` (None: the global scope)."""
+        self.lib, self.core = (lib if path is not None else None), core
+        try:
+            fn = lib.openblas_set_num_threads
+        except AttributeError:
             self.path, self._set = None, None
             return False
         fn.argtypes, fn.restype = [ctypes.c_int], None
@@ -214,18 +245,35 @@ _blas = _Blas()
 _policy = Policy(cores=available_cores())
 
 
-def load(path: str) -> str | None:
-    """Load the BLAS at `path` into this process's global scope and bind its thread
-    control. Before MLX's first import this makes MLX's `cblas_*` calls bind to it
-    (app/core/linux_blas.py says why). None when it serves, else why not, in one line."""
+def load(path: str, core: str | None = None) -> str | None:
+    """Load the BLAS at `path` into this process's global scope (OpenBLAS's kernel set
+    `core`, or its own pick) and bind its thread control. Before MLX's first import this
+    makes MLX's `cblas_*` calls bind to it (app/core/linux_blas.py says why). None when it
+    serves, else why not, in one line."""
     try:
-        lib = _open(path)
+        lib = _open(path, core)
     except OSError as e:
         return " ".join(str(e).split())
     if not hasattr(lib, "cblas_sgemm"):
         return "it exports no cblas_sgemm"
-    _blas.bind(path)
+    _blas.adopt(lib, path, core)
     return None
+
+
+def reload(core: str | None) -> str | None:
+    """Close the library `load` opened and load a fresh copy with OpenBLAS's kernel set
+    `core` (None: its own pick): OpenBLAS picks its kernels once, as it loads. Only before
+    MLX's first import: nothing may point into the closed copy then (MLX binds its calls
+    as it loads; app/core/linux_blas.py). None when a fresh copy serves, else why not."""
+    lib, path, was = _blas.lib, _blas.path, _blas.core
+    if lib is None or path is None:
+        return "kvchat did not load it"
+    _blas.forget()
+    _ctypes.dlclose(lib._handle)
+    if mapped(path):  # another reference holds it, or it is NODELETE: the same copy stays
+        _blas.adopt(_open(path), path, was)
+        return f"{path} stays loaded after dlclose"
+    return load(path, core)
 
 
 def bind(path: str) -> bool:
@@ -233,18 +281,19 @@ def bind(path: str) -> bool:
     return _blas.bind(path)
 
 
-def configure(setting: str | int | None = None, blas_path: str | None = None) -> Policy:
+def configure(setting: str | int | None = None, blas_path: str | None = None,
+              core: str | None = None) -> Policy:
     """The process's policy: KVCHAT_THREADS, else `setting`, else automatic; bind the
-    OpenBLAS at `blas_path` (None: keep the one `load` bound, else look in the global
-    scope). The resolved value goes into the environment so the engine's child process
-    makes the same choice (`child_env`). Raises ThreadsError."""
+    OpenBLAS at `blas_path`, loaded with kernel set `core` (None: keep the one `load`
+    bound, else look in the global scope). The resolved value goes into the environment so
+    the engine's child process makes the same choice (`child_env`). Raises ThreadsError."""
     global _policy
     raw = os.environ.get(ENV, "").strip()
     source = os.environ.get(_SOURCE_ENV) or (ENV if raw else "settings")
     fixed = parse(raw or setting)
     _policy = Policy(fixed=fixed, cores=available_cores(), source=source)
     if blas_path is not None or not _blas.bound:
-        _blas.bind(blas_path)
+        _blas.bind(blas_path, core if blas_path is not None else None)
     return _policy
 
 
@@ -257,19 +306,21 @@ def set_policy(p: Policy) -> Policy:
 
 def child_env() -> dict[str, str]:
     """Environment for the engine's child process: the policy this process resolved and
-    the OpenBLAS it bound, so the child makes the same choice."""
+    the OpenBLAS it bound with the kernel set kvchat chose (kvchat's own variables: the
+    child sets OPENBLAS_CORETYPE only while it loads), so the child makes the same choice."""
     p = _policy
     return {ENV: str(p.fixed) if p.fixed is not None else AUTO, _SOURCE_ENV: p.source,
-            LIB_ENV: _blas.path or ""}
+            LIB_ENV: _blas.path or "", CORE_ENV: _blas.core or ""}
 
 
 def configure_from_env() -> Policy:
     """In the engine's child process, before MLX is imported: what the parent resolved
-    (`child_env`), its OpenBLAS loaded here too."""
+    (`child_env`), its OpenBLAS loaded here too, with the same kernel set."""
+    lib, core = os.environ.get(LIB_ENV) or None, os.environ.get(CORE_ENV) or None
     try:
-        return configure(None, os.environ.get(LIB_ENV) or None)
+        return configure(None, lib, core)
     except ThreadsError:
-        return configure(AUTO, os.environ.get(LIB_ENV) or None)
+        return configure(AUTO, lib, core)
 
 
 def policy() -> Policy:

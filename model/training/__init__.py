@@ -15,8 +15,9 @@ step, so --resume continues exactly), and the initial weights.
 On a CPU, preload OpenBLAS first (MLX CPU matmuls are ~30x faster with it; `kvchat`
 loads it itself, these scripts do not):
     export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0
-and, where `kvchat --version` names one, the `OPENBLAS_CORETYPE` it says (an OpenBLAS
-older than the CPU falls back to its 5x slower generic "Prescott" kernels).
+and, where `kvchat --version` says kvchat chose the kernels (an OpenBLAS older than the
+CPU falls back to its 3-5x slower generic "Prescott" ones), `OPENBLAS_CORETYPE` set to
+the set it names.
 """
 
 # data.py: corpus -> tokenizer -> packed rows; loop.py: the model and the training loop;

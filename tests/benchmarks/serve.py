@@ -182,7 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     b = blas.active_blas()  # this process's, loaded as `kvchat` loads it
+    # mlx-lm's server on the same library and kernels (the set kvchat chose, if it did)
     preload = {"LD_PRELOAD": b["path"]} if b["fast"] and b["path"] else {}
+    if preload and b.get("core_chosen"):
+        preload["OPENBLAS_CORETYPE"] = b["core_chosen"]
     levels = [int(x) for x in args.clients.split(",")]
     load_before = os.getloadavg()
     reqs = prompts(args.requests)
