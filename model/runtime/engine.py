@@ -91,9 +91,13 @@ def _float_dtype(model: Transformer) -> mx.Dtype:
 
 
 def _cache_key(params: GenParams) -> tuple[Any, ...]:
-    """What makes a cache: a change of any of these starts a new one."""
-    return (params.max_kv_size, params.keep, params.kv_bits, params.kv_group_size,
-            params.quantized_kv_start)
+    """What makes a cache: a change of any of these starts a new one. It is also the key
+    the prefix pool is looked up by, so a server's client (`cache_partition`) never
+    continues another's cache (docs/serve.md); without one, the five values a saved cache
+    records."""
+    bound = (params.max_kv_size, params.keep, params.kv_bits, params.kv_group_size,
+             params.quantized_kv_start)
+    return bound if params.cache_partition is None else (*bound, params.cache_partition)
 
 
 def _bound_params(bound: list[Any]) -> GenParams:
