@@ -1,7 +1,11 @@
-"""model/cache/prefix_pool.py: longest-prefix choice, LRU within a byte budget, and clones that
-never write into the entry they came from (checked against NumPy copies)."""
+"""model/cache/prefix_pool.py: longest-prefix choice, LRU within a byte budget that counts what
+the entries really hold (checked against MLX's allocator), partitions that never match each
+other, and clones that never write into the entry they came from (checked against NumPy
+copies)."""
 
 from __future__ import annotations
+
+import gc
 
 import mlx.core as mx
 import numpy as np
@@ -13,21 +17,23 @@ H, D = 2, 4  # KV heads, head_dim
 KEY = (None, 4)
 
 
-def filled(n: int, seed: int, cls: type = KVCache, **kw) -> list:
+def filled(n: int, seed: int, cls: type = KVCache, heads: int = H, dim: int = D, **kw) -> list:
     """A 2-layer cache holding n tokens of random K/V."""
     rng = np.random.default_rng(seed)
     layers = []
     for _ in range(2):
         c = cls(**kw)
-        c.update_and_fetch(mx.array(rng.standard_normal((1, H, n, D)), dtype=mx.float32),
-                           mx.array(rng.standard_normal((1, H, n, D)), dtype=mx.float32))
+        c.update_and_fetch(mx.array(rng.standard_normal((1, heads, n, dim)), dtype=mx.float32),
+                           mx.array(rng.standard_normal((1, heads, n, dim)), dtype=mx.float32))
         layers.append(c)
-    mx.eval([c.keys for c in layers])
+    mx.eval([c.keys for c in layers], [c.values for c in layers])
     return layers
 
 
-def nbytes(n: int) -> int:
-    return 2 * 2 * H * n * D * 4  # layers x (K and V) x heads x tokens x dim x float32
+def nbytes(n: int, heads: int = H, dim: int = D) -> int:
+    """What a 2-layer cache of n tokens holds: its buffers grow in steps of 256 slots."""
+    slots = -(-n // KVCache.step) * KVCache.step
+    return 2 * 2 * heads * slots * dim * 4  # layers x (K and V) x heads x slots x dim x f32
 
 
 def test_budget_evicts_least_recently_used_first() -> None:
@@ -39,8 +45,39 @@ def test_budget_evicts_least_recently_used_first() -> None:
     assert pool.stats()["evictions"] == 1
     assert pool.take([1, 2, 3], KEY) is None  # gone
     assert pool.stats()["tokens"] == [10, 10]
-    pool.put([40] * 100, filled(100, 3), KEY)  # larger than the whole budget: not kept
+    pool.put([40] * 600, filled(600, 3), KEY)  # larger than the whole budget: not kept
     assert pool.stats()["entries"] == 2 and pool.stats()["evictions"] == 2
+
+
+def test_the_budget_counts_the_memory_the_entries_hold() -> None:
+    """Entries of 10 tokens each hold 256-slot buffers: the pool counts what MLX's
+    allocator gives back when they go (12 MiB here, so that other frees are noise), not
+    the 10 tokens' bytes (25x less)."""
+    pool = PrefixPool(budget_bytes=10**9)
+    for i in range(6):
+        pool.put([100 + i] * 10, filled(10, i, heads=8, dim=64), KEY)
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    counted = pool.total_bytes
+    pool.clear()
+    gc.collect()
+    mx.clear_cache()
+    freed = before - mx.get_active_memory()
+    assert counted == 6 * nbytes(10, heads=8, dim=64)
+    assert abs(freed - counted) <= 0.05 * counted, (freed, counted)
+
+
+def test_partitions_never_match_each_other() -> None:
+    """A server's clients: the same prompt under another partition is a miss."""
+    pool = PrefixPool(budget_bytes=10**9)
+    a, b = (*KEY, "client-a"), (*KEY, "client-b")
+    pool.put([1, 2, 3, 4, 5, 6], filled(6, 0), a)
+    assert pool.take([1, 2, 3, 4, 5, 6, 7], b) is None
+    assert pool.take([1, 2, 3, 4, 5, 6, 7], KEY) is None  # nor the shared partition
+    assert pool.stats()["misses"] == 2 and pool.stats()["reused_tokens"] == 0
+    ids, _ = pool.take([1, 2, 3, 4, 5, 6, 7], a)
+    assert ids == [1, 2, 3, 4, 5, 6]
 
 
 def test_longest_prefix_wins_and_a_full_match_moves_out() -> None:

@@ -1,9 +1,11 @@
 """`kvchat serve`: the engine behind an OpenAI-compatible HTTP API (Starlette on uvicorn).
 
 Safe by default: it listens on 127.0.0.1; another address needs --api-key (a Bearer
-token) or an explicit --insecure. The socket is bound before the model loads (a port in
-use is one line, exit 1; --port 0 takes a free one and says which), the model loads in
-the engine's own process, and /v1/models and /health say when it is ready.
+token) or an explicit --insecure. It answers requests naming it in their Host header,
+refuses web pages from other origins, bounds every request's work and every connection's
+time (docs/serve.md, Who can reach the server). The socket is bound before the model
+loads (a port in use is one line, exit 1; --port 0 takes a free one and says which), the
+model loads in the engine's own process, and /v1/models and /health say when it is ready.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import ipaddress
+import math
 import os
 import signal
 import socket
@@ -25,11 +28,23 @@ from kvchat.app.core.engine_service import EngineOptions, EngineService
 from kvchat.app.core.errors import UsageError
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
 from kvchat.model.errors import KVChatError
-from kvchat.model.runtime.events import GenParams
+from kvchat.model.runtime.events import MAX_KV_SIZE, GenParams
 
 DEFAULT_PORT = 8080
 DEFAULT_POOL_MB = 256  # idle caches kept for other conversations (model/cache/prefix_pool.py)
 DEFAULT_MAX_QUEUE = 16
+DEFAULT_IDLE_TIMEOUT_S = 10.0
+# the numeric flags' ranges: (low, high, low open); a value outside is a usage error
+RANGES: dict[str, tuple[float, float, bool]] = {
+    "port": (0, 65535, False),
+    "max_queue": (0, 100_000, False),
+    "cache_pool_mb": (0, 2**20, False),  # 1 TiB
+    "max_body_mb": (0, 1024, True),
+    "idle_timeout": (0, 3600, True),
+    "max_prompt_tokens": (1, MAX_KV_SIZE, False),
+    "max_kv_size": (1, MAX_KV_SIZE, False),
+    "keep": (0, MAX_KV_SIZE - 1, False),
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,8 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    " or --insecure)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help="port (default %(default)s; 0 = any free port, printed at start)")
-    p.add_argument("--api-key", metavar="KEY", default=os.environ.get("KVCHAT_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $KVCHAT_API_KEY)")
+    p.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (repeatable: one per client,"
+                   " each with its own cached prompts; default: $KVCHAT_API_KEY)")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without --api-key")
     p.add_argument("--max-kv-size", type=int, default=None, metavar="N",
@@ -51,7 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f" default {GenParams().keep})")
     p.add_argument("--allow-origin", dest="allow_origins", action="append", default=[],
                    metavar="ORIGIN", help="let web pages from ORIGIN call the API (CORS;"
-                   " repeatable, * = any)")
+                   " repeatable, * = any; other pages are refused)")
+    p.add_argument("--allow-host", dest="allow_hosts", action="append", default=[],
+                   metavar="NAME", help="answer requests whose Host header is NAME (at this"
+                   " port) or NAME:PORT too, besides localhost and the bound address"
+                   " (repeatable, * = any)")
     p.add_argument("--hosts", dest="serve_hostfile", metavar="HOSTFILE",
                    help="split the model across the hosts of an mlx.launch hostfile")
     p.add_argument("--models-dir", dest="models_dirs", action="append", default=[],
@@ -64,6 +84,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait; past it: 429 (default %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=4.0, metavar="MB",
                    help="largest request body accepted (default %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
+                   help="longest prompt a request may send, in tokens (default and at most:"
+                   " the model's context); past it: 400, or cut with \"truncation\": \"auto\"")
+    p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S, metavar="S",
+                   help="seconds a connection gets to send a request's headers, then its body,"
+                   " to take each piece of an answer, and to stay idle between requests"
+                   " (default %(default)s)")
     p.add_argument("--json-logs", action="store_true", help="log one JSON object per line")
     p.add_argument("--tokenizer", choices=["auto", "sentencepiece", "hf"], default="auto",
                    help="tokenizer file to use: auto prefers tokenizer.json")
@@ -78,16 +105,38 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """The --api-key values, else $KVCHAT_API_KEY; none: no key needed."""
+    keys = args.api_keys or [os.environ.get("KVCHAT_API_KEY") or ""]
+    if any(not k.strip() for k in args.api_keys or ()):
+        raise UsageError("--api-key must not be empty")
+    return [k for k in keys if k]
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    """Every numeric flag inside its range (NaN and infinities never are)."""
+    for name, (lo, hi, lo_open) in RANGES.items():
+        v = getattr(args, name)
+        if v is None:
+            continue
+        ok = math.isfinite(v) and (lo < v if lo_open else lo <= v) and v <= hi
+        if not ok:
+            what = f"({lo:g}, {hi:g}]" if lo_open else f"{lo:g}..{hi:g}"
+            raise UsageError(f"--{name.replace('_', '-')} must be in {what}, got {v:g}")
+
+
 def _check(args: argparse.Namespace) -> GenParams:
-    if not is_loopback(args.host) and not args.api_key and not args.insecure:
+    _check_ranges(args)
+    keys = api_keys(args)
+    if not is_loopback(args.host) and not keys and not args.insecure:
         raise UsageError(f"--host {args.host} exposes the model to the network: give"
                          " --api-key KEY (or --insecure to serve without one)")
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port must be 0..65535, got {args.port}")
     if args.keep is not None and args.max_kv_size is None:
         raise UsageError("--keep applies to a bounded cache; give --max-kv-size too")
-    if args.max_queue < 0 or args.cache_pool_mb < 0 or args.max_body_mb <= 0:
-        raise UsageError("--max-queue and --cache-pool-mb must be >= 0, --max-body-mb > 0")
+    try:
+        host_policy(args, args.host, args.port)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     kv_quant_from_args(args)  # the K/V flags' errors in the flags' own words
     bound = GenParams(max_kv_size=args.max_kv_size,
                       keep=GenParams().keep if args.keep is None else args.keep,
@@ -103,6 +152,23 @@ def kv_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The K/V quantization every request's cache uses (GenParams' field names)."""
     return {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size,
             "quantized_kv_start": args.quantized_kv_start}
+
+
+def host_policy(args: argparse.Namespace, bound: str, port: int) -> Any:
+    """The Host names this server answers (app/serve/guard.py)."""
+    from kvchat.app.serve.guard import HostPolicy
+
+    return HostPolicy.build(bound, port, args.host, args.allow_hosts)
+
+
+def _check_context(args: argparse.Namespace, model: str) -> None:
+    """Flags that must fit the model's context, once the model folder is known."""
+    from kvchat.model.decoder.config import load_config
+
+    context = load_config(model).max_position_embeddings
+    if args.max_kv_size is not None and args.max_kv_size > context:
+        raise UsageError(f"--max-kv-size must be at most the model's context ({context}"
+                         f" tokens), got {args.max_kv_size}")
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
@@ -148,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = str(Path(args.model or DEFAULT_MODEL).expanduser().resolve())
     check_model_folder(model)  # a folder we cannot load: one line before anything starts
+    _check_context(args, model)
     # Ctrl+C stops the server, which then closes the engine (app/core/engine_service.py)
     service = EngineService("process", engine_options(args))
     try:
@@ -198,23 +265,33 @@ async def _serve(args: argparse.Namespace, model: str, bound: GenParams,
     """Serve until SIGINT/SIGTERM; the load error when the model could not load."""
     import uvicorn
 
+    from kvchat.app.serve.connections import (
+        ConnectionLimits,
+        default_max_connections,
+        uvicorn_options,
+    )
     from kvchat.app.serve.log import RequestLog, route_uvicorn_logs
     from kvchat.app.serve.server import KVChatServer, ServeConfig
     from kvchat.app.serve.worker import EngineWorker
 
-    config = ServeConfig(api_key=args.api_key, max_body_bytes=int(args.max_body_mb * 2**20),
+    host, port = sock.getsockname()[:2]
+    connections = ConnectionLimits(args.idle_timeout, default_max_connections())
+    config = ServeConfig(api_keys=api_keys(args),
+                         max_body_bytes=int(args.max_body_mb * 2**20),
                          max_kv_size=bound.max_kv_size, keep=bound.keep, kv=kv_fields(args),
                          allow_origins=args.allow_origins,
+                         hosts=host_policy(args, host, port), idle_timeout_s=args.idle_timeout,
+                         max_prompt_tokens=args.max_prompt_tokens, tokenizer=args.tokenizer,
+                         connections=connections,
                          local_models=_local_models(model, args.models_dirs))
     log = RequestLog(args.json_logs)
     worker = EngineWorker(lambda on_event: service.build(on_event, model), args.max_queue,
                           log.notice)
     server = KVChatServer(worker, config, log)
-    host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     uv = _uvicorn_server(uvicorn.Config(
         server.app(), log_config=None, access_log=False, lifespan="off",
-        timeout_graceful_shutdown=3), stopped)
+        timeout_graceful_shutdown=3, **uvicorn_options(connections)), stopped)
     route_uvicorn_logs(log)
     await worker.start()
     server.log.notice(f"loading {model}; listening on http://{shown}:{port}/v1")
@@ -232,6 +309,7 @@ async def _serve(args: argparse.Namespace, model: str, bound: GenParams,
     finally:
         watch.cancel()
         worker.close()
+        server.prompts.close()
         sys.stderr.flush()
     # stopped by a signal: an engine that died of the same signal is no error
     return None if stopped.signal else worker.load_error

@@ -65,6 +65,37 @@ class RequestLog:
                   flush=True)
 
 
+RATE_LIMIT_S = 10.0  # one line per kind of server warning this often, at most
+
+
+class RateLimit(logging.Filter):
+    """At most one record per message text every `period_s` seconds; the next one that
+    passes says how many were held back. A client can make the server warn (a malformed
+    request, a full descriptor table makes every accept() fail): the log stays readable
+    and the disk stays free whatever it sends."""
+
+    def __init__(self, period_s: float = RATE_LIMIT_S, clock: Any = time.monotonic):
+        super().__init__()
+        self.period_s, self.clock = period_s, clock
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = str(record.msg)
+        now = self.clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self.period_s:
+            self._held[key] = self._held.get(key, 0) + 1
+            return False
+        if len(self._last) > 256:  # messages with a client's text in them: forget old ones
+            self._last = {k: t for k, t in self._last.items() if now - t < self.period_s}
+        self._last[key] = now
+        held = self._held.pop(key, 0)
+        if held:
+            record.held_back = held
+        return True
+
+
 class _Handler(logging.Handler):
     def __init__(self, log: RequestLog):
         super().__init__(logging.WARNING)
@@ -72,16 +103,24 @@ class _Handler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.log.notice(f"{record.levelname.lower()}: {record.getMessage()}")
+            # asyncio's messages go on with the objects involved, a line each: the first
+            line = f"{record.levelname.lower()}: {record.getMessage().splitlines()[0]}"
+            if record.exc_info and record.exc_info[1] is not None:  # the error, not its trace
+                line += f": {record.exc_info[1]}"
+            if held := getattr(record, "held_back", 0):
+                line += f" (and {held} more like it in the last {RATE_LIMIT_S:g} s)"
+            self.log.notice(line)
         except Exception:  # logging must never take the server down
             self.handleError(record)
 
 
 def route_uvicorn_logs(log: RequestLog) -> None:
-    """uvicorn's own warnings (a malformed HTTP request, say) in this log's format: one
-    line each, JSON with --json-logs; no traceback reaches the terminal."""
+    """uvicorn's own warnings (a malformed HTTP request, say) and asyncio's (accept()
+    failing when descriptors run out) in this log's format: one line each, JSON with
+    --json-logs, rate-limited per message; no traceback reaches the terminal."""
     handler = _Handler(log)
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.asgi"):
+    handler.addFilter(RateLimit())
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.asgi", "asyncio"):
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]
         logger.setLevel(logging.WARNING)

@@ -8,6 +8,7 @@ status; the server never lets a request reach the engine half-checked.
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -17,8 +18,22 @@ from typing import Any
 from kvchat.model.errors import KVChatError
 from kvchat.model.runtime.events import Done, GenParams, stats_json
 
+MAX_SEED = 2**64 - 1  # the sampler's seed range (model/runtime/sampling.py)
+
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 16
+MAX_NAME_CHARS = 1024  # `user` and `prompt_cache_key`: names, not documents
+# OpenAI's Responses API name: "disabled" (the default) refuses a prompt past the
+# context, "auto" drops tokens from its middle to fit
+TRUNCATION = ("disabled", "auto")
+# the numeric fields and their ranges (OpenAI's where it has one): (low, high, low open)
+RANGES: dict[str, tuple[float, float, bool]] = {
+    "temperature": (0.0, 2.0, False),
+    "top_p": (0.0, 1.0, True),
+    "min_p": (0.0, 1.0, False),  # below 1: min_p 1 would keep only the top token's ties
+    "repetition_penalty": (0.0, 100.0, True),
+}
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
 # the engine's finish reasons in OpenAI's words (cancelled/error never reach a client)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_full": "length"}
 
@@ -54,6 +69,8 @@ class Limits:
     # other models a request may name (--models-dir): id or path -> (path, context)
     local: Mapping[str, tuple[str, int]] = field(default_factory=dict)
     kv: Mapping[str, Any] = field(default_factory=dict)  # the K/V quantization (--kv-bits)
+    context: int = 0  # the loaded model's context length (0: unknown, use `capacity`)
+    max_prompt_tokens: int | None = None  # --max-prompt-tokens (None: the context)
 
 
 @dataclass
@@ -67,6 +84,10 @@ class Request:
     include_usage: bool = False
     model: str = ""
     model_path: str | None = None  # another local model to load first (None: the loaded one)
+    prompt_limit: int = 0  # most prompt tokens the model may read (its context, the cap)
+    context: int = 0  # the model's context length
+    truncation: str = "disabled"  # "auto": cut a longer prompt to prompt_limit
+    cache_name: str | None = None  # `prompt_cache_key`, else `user`: the client's own name
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -86,11 +107,50 @@ def _get(body: Mapping[str, Any], name: str, kinds: tuple[type, ...], what: str)
 
 def _number(body: Mapping[str, Any], name: str) -> float | None:
     v = _get(body, name, (int, float), "a number")
-    return None if v is None else float(v)
+    if v is None:
+        return None
+    lo, hi, lo_open = RANGES[name]
+    if not (lo < v if lo_open else lo <= v) or not v <= hi:
+        what = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
+        raise bad(f"'{name}' must be in {what}, got {v!r}", name)
+    return float(v)
 
 
-def _integer(body: Mapping[str, Any], name: str) -> int | None:
-    return _get(body, name, (int,), "an integer")
+def _integer(body: Mapping[str, Any], name: str, low: int | None = None,
+             high: int | None = None) -> int | None:
+    v = _get(body, name, (int,), "an integer")
+    if v is not None and (low is not None and v < low or high is not None and v > high):
+        where = f"at least {low}" if high is None else f"in [{low}, {high}]"
+        raise bad(f"'{name}' must be {where}, got {v}", name)
+    return v
+
+
+def _name(body: Mapping[str, Any], name: str) -> str | None:
+    v = _get(body, name, (str,), "a string")
+    if v is not None and len(v) > MAX_NAME_CHARS:
+        raise bad(f"'{name}' is longer than {MAX_NAME_CHARS} characters", name)
+    return v or None
+
+
+def _surrogate_at(body: Any) -> str | None:
+    """Where in `body` (a field path) a lone surrogate sits, in a key or a string: JSON's
+    \\ud800 escapes decode to one, which is not Unicode (no tokenizer, log or reply can
+    take it). A key holding one is named with U+FFFD in its place."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, x = stack.pop()
+        if isinstance(x, str):
+            if _SURROGATE.search(x):
+                return path or "body"
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                key = str(k)
+                if _SURROGATE.search(key):
+                    return (path + "." if path else "") + _SURROGATE.sub("\ufffd", key)
+                stack.append(((path + "." if path else "") + key, v))
+        elif isinstance(x, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(x))
+    return None
 
 
 def _stops(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -106,14 +166,15 @@ def _stops(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(s for s in v if s)
 
 
-def _model(body: Mapping[str, Any], limits: Limits) -> tuple[str, str | None, int]:
-    """(the model's id, its path when it must be loaded first, its cache capacity)."""
+def _model(body: Mapping[str, Any], limits: Limits) -> tuple[str, str | None, int, int]:
+    """(the model's id, its path when it must be loaded first, its cache capacity, its
+    context length)."""
     name = _get(body, "model", (str,), "a string")
     if name is None or name == "" or name in limits.model_ids:
-        return limits.model_ids[0], None, limits.capacity
+        return limits.model_ids[0], None, limits.capacity, limits.context or limits.capacity
     if name in limits.local:
         path, context = limits.local[name]
-        return name, path, limits.max_kv_size or context
+        return name, path, limits.max_kv_size or context, context
     raise ApiError(404, f"The model '{name}' does not exist; this server serves"
                    f" '{limits.model_ids[0]}' (GET /v1/models lists the others)",
                    param="model", code="model_not_found")
@@ -125,26 +186,27 @@ def _params(body: Mapping[str, Any], limits: Limits, capacity: int) -> GenParams
     if body.get("logprobs") not in (None, False, 0):
         raise bad("logprobs are not supported", "logprobs")
     d = GenParams()
-    max_tokens = _integer(body, "max_completion_tokens")
+    max_tokens = _integer(body, "max_completion_tokens", 1)
     if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens")
+        max_tokens = _integer(body, "max_tokens", 1)
     fields: dict[str, Any] = {
         "max_tokens": d.max_tokens if max_tokens is None else max_tokens,
         "temp": _number(body, "temperature"),
         "top_p": _number(body, "top_p"),
-        "seed": _integer(body, "seed"),
+        "seed": _integer(body, "seed", 0, MAX_SEED),
         # mlx-lm's extensions, under the same names
-        "top_k": _integer(body, "top_k"),
+        "top_k": _integer(body, "top_k", 0),
         "min_p": _number(body, "min_p"),
         "repetition_penalty": _number(body, "repetition_penalty"),
         # llama-server's extension: generate max_tokens whatever the model says (benchmarks)
         "ignore_eos": _get(body, "ignore_eos", (bool,), "a boolean"),
     }
+    # a rotating window (--max-kv-size) was asked for; otherwise the reply stops when the
+    # context is full rather than evict the prompt it answers
+    overflow = "rotate" if limits.max_kv_size else "refuse"
     params = GenParams(**{k: v for k, v in fields.items() if v is not None},
                        stop=_stops(body), max_kv_size=limits.max_kv_size, keep=limits.keep,
-                       **limits.kv)
-    if params.max_tokens < 1:
-        raise bad(f"'max_tokens' must be at least 1, got {params.max_tokens}", "max_tokens")
+                       overflow=overflow, **limits.kv)
     # no reply outgrows the cache bound: a longer one would only evict its own prompt
     params.max_tokens = min(params.max_tokens, capacity)
     try:
@@ -196,7 +258,7 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
         if not isinstance(m, dict):
             raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise bad(f"messages[{i}].role must be one of system, developer, user, assistant",
                       f"messages[{i}].role")
         out.append({"role": ROLES[role], "content": _content(m, i)})
@@ -220,17 +282,34 @@ def _text_prompt(body: Mapping[str, Any]) -> str | list[int]:
               "prompt")
 
 
+def _truncation(body: Mapping[str, Any]) -> str:
+    v = _get(body, "truncation", (str,), "a string")
+    if v is None:
+        return "disabled"
+    if v not in TRUNCATION:
+        raise bad(f"'truncation' must be 'auto' or 'disabled', got {v!r}", "truncation")
+    return v
+
+
 def parse(kind: str, body: Any, limits: Limits) -> Request:
     """Check a decoded JSON body for `kind` ("chat" or "text"); ApiError on any problem."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    model, path, capacity = _model(body, limits)
+    if (where := _surrogate_at(body)) is not None:
+        where = where if len(where) <= 200 else where[:199] + "…"
+        raise bad(f"'{where}' holds a lone surrogate (U+D800..U+DFFF): not valid Unicode",
+                  where)
+    model, path, capacity, context = _model(body, limits)
     prompt = _messages(body) if kind == "chat" else _text_prompt(body)
     stream, include_usage = _stream(body)
     if kind == "text" and body.get("echo"):
         raise bad("echo is not supported", "echo")
+    cap = limits.max_prompt_tokens
+    cache_key, user = _name(body, "prompt_cache_key"), _name(body, "user")
     return Request(kind, prompt, _params(body, limits, capacity), stream, include_usage,
-                   model, path)
+                   model, path, prompt_limit=min(context, cap) if cap else context,
+                   context=context, truncation=_truncation(body),
+                   cache_name=cache_key or user)
 
 
 # ---- building responses -----------------------------------------------------------------
@@ -242,9 +321,11 @@ def usage(done: Done) -> dict[str, Any]:
 
 
 def kvchat_stats(done: Done) -> dict[str, Any]:
-    """kvchat's own numbers (DESIGN.md names) riding along in every final response, and
-    the prompt tokens that ran through the model (not served from a cache)."""
+    """kvchat's own numbers (docs/design.md names) riding along in every final response,
+    and the prompt tokens that ran through the model (not served from a cache). Not the
+    prefix pool's: it holds every client's caches (GET /v1/kvchat/stats shows it)."""
     out = stats_json(done.stats)
+    out.pop("prefix_pool", None)
     out["prefilled_tokens"] = len(done.prompt_ids) - (done.stats.cached_tokens or 0)
     return out
 

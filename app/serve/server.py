@@ -3,11 +3,14 @@
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models(/{id}),
 GET /v1/kvchat/stats, GET /health. Every answer that is not a completion is JSON; every
 failure is OpenAI's error object with its status and one log line (never a traceback).
+Every request passes guard.py (Host, Origin) first; bodies are JSON only, read within a
+deadline, and a prompt is tokenized (prompts.py) and checked before it queues.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import time
@@ -22,25 +25,36 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvchat.app.serve import protocol
+from kvchat.app.serve.connections import ConnectionLimits
+from kvchat.app.serve.guard import HostPolicy, OriginPolicy, RequestGuard
 from kvchat.app.serve.log import RequestLog
+from kvchat.app.serve.prompts import PromptEncoder
 from kvchat.app.serve.protocol import ApiError, Limits
 from kvchat.app.serve.worker import RETRY_AFTER_S, EngineWorker, Job, NotReady, QueueFull
 from kvchat.model.runtime.events import Done, Started, TextDelta, stats_json
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+IDLE_TIMEOUT_S = 10.0  # a request's headers, its body, each piece of an answer; keep-alive
+JSON_TYPE = "application/json"
 
 
 @dataclass
 class ServeConfig:
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)  # --api-key: each one a client
     max_body_bytes: int = MAX_BODY_BYTES
     max_kv_size: int | None = None
     keep: int = 4
     kv: dict[str, Any] = field(default_factory=dict)  # --kv-bits etc., GenParams' names
     allow_origins: list[str] = field(default_factory=list)  # CORS (--allow-origin)
+    # the Host names answered (--allow-host); None: any (a server not on a socket: tests)
+    hosts: HostPolicy | None = None
+    idle_timeout_s: float = IDLE_TIMEOUT_S
+    max_prompt_tokens: int | None = None  # --max-prompt-tokens (None: the context)
+    tokenizer: str = "auto"  # --tokenizer: the file the engine reads (prompts.py reads it too)
+    connections: ConnectionLimits | None = None  # what the connections may (connections.py)
     # other local models /v1/models lists and a request may name (--models-dir):
     # [{"id", "path", "context", ...}]
     local_models: list[dict[str, Any]] = field(default_factory=list)
@@ -51,20 +65,47 @@ def _client(scope: Scope) -> str:
     return f"{c[0]}:{c[1]}" if c else "-"
 
 
+class _ErrorJSON(JSONResponse):
+    """An error object that always encodes: text the request brought into a message
+    (a name, a template's words) may hold what UTF-8 cannot."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode(
+            "utf-8", "replace")
+
+
 def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    return _ErrorJSON(e.body(), status_code=e.status, headers=e.headers)
 
 
-async def read_json(request: HttpRequest, limit: int) -> Any:
-    """The body as JSON, at most `limit` bytes (413 past it, 400 when not JSON)."""
+# the body is left unread: the connection closes rather than wait for the rest of it
+_CLOSE = {"Connection": "close"}
+
+
+async def read_json(request: HttpRequest, limit: int, timeout_s: float = IDLE_TIMEOUT_S
+                    ) -> Any:
+    """The body as JSON: `application/json` only (415: a web form or a `text/plain` post
+    cannot send one without a CORS preflight), at most `limit` bytes (413), whole within
+    `timeout_s` (408), valid JSON (400)."""
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != JSON_TYPE:
+        raise ApiError(415, f"the request body must be JSON (Content-Type: {JSON_TYPE})",
+                       code="unsupported_media_type", headers=_CLOSE)
+    too_large = ApiError(413, f"request body over {limit} bytes", code="body_too_large",
+                         headers=_CLOSE)
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
-        raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
+        raise too_large
     body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > limit:
-            raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
+    try:
+        async with asyncio.timeout(timeout_s):  # a client sending its body slowly
+            async for piece in request.stream():
+                body += piece
+                if len(body) > limit:
+                    raise too_large
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s",
+                       code="request_timeout", headers=_CLOSE) from None
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
@@ -78,9 +119,10 @@ class KVChatServer:
         self.worker = worker
         self.config = config
         self.log = log
+        self.prompts = PromptEncoder(config.tokenizer)
 
     # ---- the app -----------------------------------------------------------------------
-    def app(self) -> Starlette:
+    def app(self) -> ASGIApp:
         g = self._guarded
         routes = [
             Route("/v1/chat/completions", g(self.chat), methods=["POST"]),
@@ -103,8 +145,12 @@ class KVChatServer:
             middleware.append(Middleware(
                 CORSMiddleware, allow_origins=self.config.allow_origins,
                 allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
-        return Starlette(routes=routes, middleware=middleware,
-                         exception_handlers={HTTPException: http_error})
+        app = Starlette(routes=routes, middleware=middleware,
+                        exception_handlers={HTTPException: http_error})
+        if self.config.hosts is None:
+            return app
+        return RequestGuard(app, self.config.hosts, OriginPolicy.build(self.config.allow_origins),
+                            lambda scope, e: self._log(scope, e.status, error=e.message))
 
     def _guarded(self, handler: Callable[[HttpRequest], Awaitable[Any]], auth: bool = True
                  ) -> Callable[[HttpRequest], Awaitable[Any]]:
@@ -115,7 +161,7 @@ class KVChatServer:
             t0 = time.monotonic()
             try:
                 if auth:
-                    self._check_key(request)
+                    request.state.api_key = self._check_key(request)
                 return await handler(request)
             except ApiError as e:
                 self._log(request.scope, e.status, error=e.message,
@@ -128,18 +174,23 @@ class KVChatServer:
 
         return endpoint
 
-    def _check_key(self, request: HttpRequest) -> None:
-        key = self.config.api_key
-        if key is None:
-            return
+    def _check_key(self, request: HttpRequest) -> str | None:
+        """The API key the request gave (None when the server needs none); 401 else."""
+        if not self.config.api_keys:
+            return None
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        # compare_digest: the time taken does not tell how much of the key matched
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), key.encode())
-        if not ok:
+        sent = token.strip().encode("utf-8", "replace")
+        # compare_digest, with every key: the time taken tells neither how much of a key
+        # matched nor which one
+        found = None
+        for key in self.config.api_keys:
+            if hmac.compare_digest(sent, key.encode()) and scheme.lower() == "bearer":
+                found = key
+        if found is None:
             raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return found
 
     def _log(self, scope: Scope, status: int, **fields: Any) -> None:
         self.log.write(client=_client(scope), method=scope.get("method"),
@@ -153,7 +204,8 @@ class KVChatServer:
         local = {key: (m["path"], m["context"]) for m in self.config.local_models
                  if m["path"] != info.get("path") for key in (m["id"], m["path"])}
         return Limits(ids or ("kvchat",), capacity, self.config.max_kv_size, self.config.keep,
-                      local, self.config.kv)
+                      local, self.config.kv, int(info.get("context") or 0),
+                      self.config.max_prompt_tokens)
 
     async def chat(self, request: HttpRequest) -> Any:
         return await self._complete(request, "chat")
@@ -162,14 +214,21 @@ class KVChatServer:
         return await self._complete(request, "text")
 
     async def _complete(self, request: HttpRequest, kind: str) -> Any:
-        body = await read_json(request, self.config.max_body_bytes)
+        body = await read_json(request, self.config.max_body_bytes, self.config.idle_timeout_s)
         if not self.worker.ready.is_set():
             raise ApiError(503, "the model is still loading; retry shortly",
                            type="server_error", code="model_loading",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
+        if self.worker.load_error is not None:
+            raise ApiError(503, f"engine not available: {self.worker.load_error}",
+                           type="server_error")
         req = protocol.parse(kind, body, self._limits())
+        # the prompt's length is known before it queues: too long, it is refused now
+        path = req.model_path or str(self.worker.info.get("path") or "")
+        ids = await self.prompts.ids(req, path)
+        req.params.cache_partition = cache_partition(request.state.api_key, req.cache_name)
         try:
-            job = self.worker.submit(req.prompt, req.params, req.model_path)
+            job = self.worker.submit(ids, req.params, req.model_path)
         except QueueFull as e:
             raise ApiError(429, f"server busy: {e}; retry shortly", type="rate_limit_error",
                            code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)},
@@ -210,6 +269,7 @@ class KVChatServer:
         the running turn, the last finished turn, the queue and the totals."""
         w = self.worker
         cache = w.engine.cache_stats() if w.engine is not None else None
+        context, cap = self._limits().context, self.config.max_prompt_tokens
         body = {
             "model": w.info.get("name"), "ready": w.is_ready,
             "uptime_s": round(time.time() - w.t_start, 3),
@@ -218,8 +278,12 @@ class KVChatServer:
             "cache": stats_json(cache) if cache is not None else None,
             "running": stats_json(w.live) if w.current is not None else None,
             "last": stats_json(w.last),
+            "connections": None if self.config.connections is None
+            else self.config.connections.stats(),
             "limits": {"max_kv_size": self.config.max_kv_size, "keep": self.config.keep,
-                       "max_body_bytes": self.config.max_body_bytes},
+                       "max_body_bytes": self.config.max_body_bytes,
+                       "max_prompt_tokens": min(context, cap) if cap else context,
+                       "idle_timeout_s": self.config.idle_timeout_s},
         }
         self._log(request.scope, 200)
         return JSONResponse(body)
@@ -229,6 +293,16 @@ class KVChatServer:
         status = 200 if w.is_ready else 503
         return JSONResponse({"status": "ok" if w.is_ready else
                              ("failed" if w.load_error else "loading")}, status_code=status)
+
+
+def cache_partition(api_key: str | None, name: str | None) -> str | None:
+    """Whose cached prompts a request may continue (GenParams.cache_partition): its API
+    key's, narrowed by the `prompt_cache_key` or `user` it names; None (one partition
+    for all) when it has neither. A digest: no key travels to the engine."""
+    if api_key is None and name is None:
+        return None
+    who = json.dumps([api_key, name]).encode("utf-8", "replace")
+    return hashlib.sha256(who).hexdigest()[:32]
 
 
 class JobResponse:
@@ -245,9 +319,17 @@ class JobResponse:
         watcher = asyncio.create_task(self._watch(receive))
         t0 = time.monotonic()
         status, done, error = 500, None, None
+        timeout_s = self.server.config.idle_timeout_s
+
+        async def send_in_time(message: Message) -> None:
+            async with asyncio.timeout(timeout_s):  # a client that stopped reading
+                await send(message)
+
         try:
             reply = self._stream if self.req.stream else self._whole
-            status, done = await reply(scope, send)
+            status, done = await reply(scope, send_in_time)
+        except TimeoutError:
+            error = f"the client took no part of the answer for {timeout_s:g} s"
         except Exception as e:  # the connection broke mid-answer, say: one line, no trace
             error = f"{type(e).__name__}: {e}"
         finally:

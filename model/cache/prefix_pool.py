@@ -8,6 +8,14 @@ recently used first out within a byte budget, and hands a turn the one sharing t
 longest prefix with its prompt, so turn N of any conversation prefills only its new
 tokens. The engine owns the pool on its own thread (MLX arrays never cross threads).
 
+Entries are looked up by key: the bound a cache was made with and, on a server, the
+client it belongs to (GenParams.cache_partition), so one client's prompts never show in
+another's `cached_tokens` (docs/serve.md, Who can reach the server).
+
+The budget counts the bytes the entries' arrays really hold: a cache allocates its
+buffers in steps of 256 tokens, so a short conversation holds several times what its
+resident tokens (`nbytes`) take.
+
 An entry whose every token the prompt repeats is moved out (the turn extends it; its
 shorter self would only be a stale copy). A partial match (a branch, a regenerated
 reply, a shared system prompt) gets a clone: new array objects over the entry's data
@@ -25,7 +33,9 @@ import mlx.core as mx
 
 from .kv import can_trim_to
 
-CacheKey = tuple[int | None, int]  # (max_kv_size, keep): the bound a cache was made with
+# the bound a cache was made with (max_kv_size, keep, K/V quantization), then the client
+# partition where there is one (model/runtime/chat_cache.py's cache_key); compared whole
+CacheKey = tuple[Any, ...]
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -38,7 +48,22 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def cache_nbytes(cache: list[Any]) -> int:
-    return sum(int(c.nbytes) for c in cache)
+    """Bytes of every array the cache's layers hold: their allocated buffers whole (slots
+    not yet written included), each array once."""
+    seen: set[int] = set()
+    total = 0
+    stack: list[Any] = [vars(c) for c in cache if hasattr(c, "__dict__")]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, mx.array):
+            if id(x) not in seen:
+                seen.add(id(x))
+                total += int(x.nbytes)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (tuple, list)):
+            stack.extend(x)
+    return total
 
 
 def clone_cache(cache: list[Any]) -> list[Any] | None:

@@ -35,9 +35,13 @@ CacheKey = tuple[Any, ...]
 
 
 def cache_key(params: GenParams) -> CacheKey:
-    """What makes a cache: a change of any of these starts a new one."""
-    return (params.max_kv_size, params.keep, params.kv_bits, params.kv_group_size,
-            params.quantized_kv_start)
+    """What makes a cache: a change of any of these starts a new one. It is also the key
+    the prefix pool is looked up by, so a server's client (`cache_partition`) never
+    continues another's cache (docs/serve.md); without one, the five values a saved cache
+    records."""
+    bound = (params.max_kv_size, params.keep, params.kv_bits, params.kv_group_size,
+             params.quantized_kv_start)
+    return bound if params.cache_partition is None else (*bound, params.cache_partition)
 
 
 def _bound_params(bound: list[Any]) -> GenParams:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .sampling import SamplingParams
 
 OVERFLOW_MODES = ("rotate", "refuse")
+MAX_KV_SIZE = 2**31 - 1  # cache positions and masks are int32
 
 
 def _same_fields(cls: Any, source: Any) -> dict[str, Any]:
@@ -56,6 +57,9 @@ class GenParams:
     kv_bits: int | None = None
     kv_group_size: int | None = None
     quantized_kv_start: int = 0
+    # whose cached prompts this turn may continue: a server's client (docs/serve.md, Who
+    # can reach the server); None = the one shared partition (the chat, a single user)
+    cache_partition: str | None = None
 
     def kv_quant(self) -> KVQuant | None:
         from kvchat.model.decoder.kv_format import kv_quant
@@ -80,6 +84,9 @@ class GenParams:
             raise KVChatError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.keep < 0:
             raise KVChatError(f"keep must be >= 0, got {self.keep}")
+        if self.max_kv_size is not None and self.max_kv_size > MAX_KV_SIZE:
+            raise KVChatError(f"max_kv_size must be at most {MAX_KV_SIZE:,} (positions are"
+                              f" int32), got {self.max_kv_size:,}")
         if self.max_kv_size is not None and self.max_kv_size <= self.keep:
             raise KVChatError(
                 f"max_kv_size ({self.max_kv_size}) must be at least keep + 1"

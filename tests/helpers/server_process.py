@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -29,7 +30,9 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, model: str, *extra: str, mlx_lm: bool = False,
-                 timeout_s: float = START_TIMEOUT_S, env: dict[str, str] | None = None):
+                 timeout_s: float = START_TIMEOUT_S, env: dict[str, str] | None = None,
+                 max_open_files: int | None = None):
+        """`max_open_files`: the child's descriptor limit (`ulimit -n`), set before it runs."""
         self.lines: list[str] = []  # its stderr (kvchat's log), as it comes
         self.name = "mlx_lm.server" if mlx_lm else "serve"
         port = free_port() if mlx_lm else 0
@@ -37,9 +40,15 @@ class ServerProcess:
             cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port)]
         else:
             cmd = [sys.executable, "-m", "kvchat.app", "serve", "--model", model, "--port", "0"]
+        def limit_files() -> None:  # in the child, before exec
+            if max_open_files is not None:
+                hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+                resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, hard))
+
         self.proc = subprocess.Popen([*cmd, *extra], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})},
+                                     preexec_fn=limit_files if max_open_files else None)
         threading.Thread(target=self._read, daemon=True).start()
         deadline = time.monotonic() + timeout_s
         while not (self._answers(port) if mlx_lm else self._ready_line()):
