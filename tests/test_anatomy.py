@@ -61,10 +61,11 @@ def test_annotations_come_from_the_config(mini: dict[str, Any],
     assert mini["kernels"] == metal_kernels.backend()
 
 
-def test_norm_numbers_match_numpy(mini: dict[str, Any]) -> None:
+def test_norm_numbers_match_numpy(mini: dict[str, Any], mini_config: dict[str, Any]) -> None:
     n = mini["worked"]["norms"]
     x = np.array([2.4, -1.2, 0.8, 3.1], dtype=np.float64)
-    eps = 1e-6
+    eps = mini_config["rms_norm_eps"]  # the worked example uses the model's own eps
+    assert (n["eps"], n["eps_from"]) == (eps, "model")
     rms = x / np.sqrt(np.mean(x * x) + eps)
     ln = (x - x.mean()) / np.sqrt(x.var() + eps)
     np.testing.assert_allclose(n["rmsnorm"]["y"], rms, rtol=1e-5)
@@ -225,6 +226,33 @@ def test_explain_numbers_do_not_depend_on_the_backend() -> None:
                                fast["worked"]["norms"]["rmsnorm"]["y"], rtol=1e-6)
 
 
+def test_text_says_each_figure_once_and_whose_eps(mini: dict[str, Any],
+                                                  mini_config: dict[str, Any]) -> None:
+    """At the default context (the model's maximum) the cache figure and the what-if
+    table have one column, not the same number twice; the norm example names its eps."""
+    top = mini_config["max_position_embeddings"]
+    text = render_text(mini)
+    assert mini["what_if"][0]["context"] == mini["what_if"][0]["max_context"] == top
+    assert f"    at {top:,} tokens: " in text and f", at {top:,}" not in text
+    assert "(its maximum context)" in text
+    table = text.split("what if: the same model with another G\n", 1)[1].splitlines()
+    assert table[0].split() == ["G", "B/token", "at", f"{top:,}", "(the", "maximum", "context)"]
+    for row in table[1:4]:
+        # name, G, B/token, the bytes at the context ("1.5 MiB"): one figure per row
+        assert len(row.removesuffix("  ← this model").split()) == 5, row
+    assert f"eps {mini_config['rms_norm_eps']:g} (the model's)" in text
+
+
+def test_text_at_a_shorter_context_has_both_columns() -> None:
+    data = explain(ModelConfig.from_dict(json.loads((MINI / "config.json").read_text())),
+                   dtype_bytes=4, context=100)
+    text = render_text(data)
+    top = data["what_if"][0]["max_context"]
+    assert "    at 100 tokens: " in text and f", at {top:,} (its maximum): " in text
+    header = text.split("what if: the same model with another G\n", 1)[1].splitlines()[0]
+    assert header.split() == ["G", "B/token", "at", "100", "at", f"{top:,}", "(max)"]
+
+
 def test_explain_as_a_2017_block() -> None:
     buf = io.StringIO()
     with redirect_stdout(buf):
@@ -235,6 +263,15 @@ def test_explain_as_a_2017_block() -> None:
     assert (a["kind"], a["kv_heads"]) == ("MHA", c["num_attention_heads"])
     assert data["block"]["norm"]["kind"] == "LayerNorm"
     assert data["block"]["ffn"]["intermediate"] == c["intermediate_size"] * 3 // 2
+    # the widened FFN is explained with the model's own numbers, in the singular for G = 1
+    d, f = c["hidden_size"], c["intermediate_size"]
+    text = render_text(data)
+    assert (f"size:   {f * 3 // 2} = 1.5 × the loaded model's SwiGLU width {f}"
+            f" (the 2017 paper used 4 × d_model = {4 * d})") in text
+    assert (f"so 2 matrices of {d} × {f * 3 // 2} hold as many weights as SwiGLU's 3"
+            f" of {d} × {f}") in text
+    assert 2 * d * (f * 3 // 2) == 3 * d * f  # what the sentence claims
+    assert ", 1 query per group," in text and "1 queries" not in text
     dtype_bytes = data["worked"]["cache_model"]["dtype_bytes"]
     assert data["worked"]["cache_model"]["bytes_per_token"] == (
         2 * c["num_hidden_layers"] * c["num_attention_heads"] * c["head_dim"] * dtype_bytes)

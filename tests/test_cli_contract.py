@@ -141,6 +141,7 @@ class FakeRunner:
 
     def __init__(self, model_path: str, on_delta: Any = None, timeout: float | None = None):
         self.on_delta = on_delta
+        self.info = {"chat_template": True}  # the loaded model's (Loaded.info)
 
     def run(self, prompt: Any, params: Any) -> Done:
         for piece in HOSTILE:

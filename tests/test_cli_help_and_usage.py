@@ -59,6 +59,31 @@ def test_help_shows_every_default_and_the_chats_own() -> None:
             f" {s.repetition_penalty}") in text
 
 
+def _command_parsers() -> dict[str, argparse.ArgumentParser]:
+    from kvchat.app.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_every_option_of_every_command_says_what_it_does() -> None:
+    for name, p in _command_parsers().items():
+        for action in p._actions:
+            assert action.help, (name, action.option_strings or action.dest)
+
+
+@pytest.mark.parametrize("name", ["generate", "inspect", "bench", "models", "pull", "explain"])
+def test_every_default_is_in_help(name: str) -> None:
+    """An option whose default is a value says that it is the default, and the value,
+    e.g. bench --prompt-tokens."""
+    p = _command_parsers()[name]
+    for action in p._actions:
+        if action.default in (None, False, [], argparse.SUPPRESS) or not action.option_strings:
+            continue
+        shown = p._get_formatter()._expand_help(action)  # the text --help prints
+        assert "default" in shown and str(action.default) in shown, (name, action.option_strings)
+
+
 def test_plain_generate_ends_with_a_newline_and_one_stats_line() -> None:
     ref = json.loads(kvchat(*GREEDY, "--max-tokens", "12", "--json").stdout)
     assert ref["finish_reason"] == "length"  # cut by --max-tokens mid-story

@@ -295,6 +295,9 @@ def test_default_model_dirs_order(tmp_path: Path, isolated_home: Path) -> None:
     dirs = default_model_dirs([str(tmp_path / "mine")])
     assert [s for _, s in dirs] == ["configured", "hf-cache", "lm-studio", "lm-studio", "assets"]
     assert dirs[0][0] == tmp_path / "mine"
+    # folders named on the command line come first, under their own source
+    given = default_model_dirs([str(tmp_path / "mine")], given=[str(tmp_path / "cli")])
+    assert given[:2] == [(tmp_path / "cli", "--dir"), (tmp_path / "mine", "configured")]
     assert dirs[1][0] == isolated_home / ".cache" / "huggingface" / "hub"
     assert dirs[2][0] == isolated_home / ".lmstudio" / "models"
     assert dirs[3][0] == isolated_home / ".cache" / "lm-studio" / "models"
@@ -345,8 +348,9 @@ def test_models_cmd_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["NAME", "ARCH", "BITS", "DTYPE", "MEMORY", "SOURCE", "PATH"]
     # neither fake folder can be loaded: listed, marked, and the reason is printed
+    # a folder named with --dir is listed as such, not as one of the settings' folders
     assert lines[1].split() == [
-        "q", "✗", "mamba", "4", "-", "-", "configured", str((tmp_path / "m" / "q").resolve()),
+        "q", "✗", "mamba", "4", "-", "-", "--dir", str((tmp_path / "m" / "q").resolve()),
     ]
     assert lines[2].split()[:6] == ["small-model", "✗", "llama", "-", "-", "-"]
     # aligned: the PATH column starts at the same offset on every row
@@ -370,6 +374,35 @@ def test_models_cmd_json_and_settings_dirs(
     assert set(m) == {"name", "path", "architecture", "size_bytes", "bits", "source", "supported",
                       "loadable", "problem", "weight_bytes", "compute_dtype", "file_dtype"}
     assert str(tmp_path / "fromsettings") in out["looked_in"]
+
+
+def test_models_cmd_says_where_each_folder_came_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--dir folders are "--dir", settings' model_dirs "configured"; a folder reachable
+    both ways is listed once, as --dir (the command line wins)."""
+    from kvchat.app.core.settings import Settings, save_settings
+
+    make_model(tmp_path / "fromsettings" / "m1")
+    make_model(tmp_path / "both" / "m2")
+    make_model(tmp_path / "cli" / "m3")
+    save_settings(Settings(model_dirs=[str(tmp_path / "fromsettings"), str(tmp_path / "both")]))
+    assert _run(["--json", "--dir", str(tmp_path / "cli"), "--dir", str(tmp_path / "both")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(m["name"], m["source"]) for m in out["models"]] == [
+        ("m2", "--dir"), ("m3", "--dir"), ("m1", "configured")]
+
+
+def test_a_folder_opened_by_path_is_listed_once(tmp_path: Path) -> None:
+    """The model in use, opened by a path no root holds, is listed "by path"; one that a
+    root holds keeps that root's source; a folder that is not a model adds nothing."""
+    mine = make_model(tmp_path / "somewhere" / "stories")
+    listed = make_model(tmp_path / "root" / "listed")
+    found = find_models([tmp_path / "root"], include_defaults=False,
+                        opened=[mine, listed, tmp_path / "nothing-here"])
+    assert [(e.name, e.source, e.path) for e in found] == [
+        ("listed", "configured", listed.resolve()), ("stories", "by path", mine.resolve())]
+    assert find_models([tmp_path / "root"], include_defaults=False) == found[:1]
 
 
 def test_models_cmd_none_found(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

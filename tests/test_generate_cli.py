@@ -76,6 +76,35 @@ def test_generate_streams_text_and_reads_stdin():
     assert "Lily" in r.stdout
 
 
+def test_base_model_prompt_is_the_one_mlx_lm_generate_builds():
+    """stories260K has no chat template: mlx_lm.generate encodes the prompt text itself
+    (BOS as its tokenizer adds it, no newline after it); so does generate without --raw."""
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(STORIES260K)
+    assert not tok.has_chat_template
+    want = tok.encode("Once upon a time", add_special_tokens=True)
+    outs = []
+    for extra in ([], ["--raw"]):
+        r = kvchat("generate", "--model", str(STORIES260K), "--prompt", "Once upon a time",
+                   "--max-tokens", "12", "--json", *extra)
+        assert r.returncode == 0, r.stderr
+        outs.append(json.loads(r.stdout))
+    assert outs[0]["prompt_ids"] == want == outs[1]["prompt_ids"]
+    assert outs[0]["ids"] == outs[1]["ids"]
+
+
+def test_only_a_lone_prompt_to_a_model_without_template_is_sent_as_text():
+    from kvchat.app.cli.generate import as_the_model_expects
+
+    user = [{"role": "user", "content": "Once upon a time"}]
+    system = [{"role": "system", "content": "Be brief."}, *user]
+    assert as_the_model_expects(user, {"chat_template": False}) == "Once upon a time"
+    assert as_the_model_expects(user, {"chat_template": True}) == user
+    assert as_the_model_expects(system, {"chat_template": False}) == system  # kept whole
+    assert as_the_model_expects("raw text", {"chat_template": False}) == "raw text"
+
+
 def test_generate_chat_template_fallback_and_system():
     r = kvchat("generate", "--model", str(STORIES260K), "--system", "Be brief.",
                "--prompt", "Tell me a story.", "--max-tokens", "8", "--json")

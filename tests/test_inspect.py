@@ -109,9 +109,38 @@ def test_usage_errors(llama70b: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert run(["--config", str(llama70b), "--budget", "lots"], capsys)[0] == 2
     assert run(["--config", str(llama70b), "--live"], capsys)[0] == 2
     assert run(["--config", str(llama70b), "--context", "0"], capsys)[0] == 2
-    with pytest.raises(SystemExit) as e:  # argparse: one of --model/--config required
-        run([], capsys)
+    with pytest.raises(SystemExit) as e:  # argparse: --model and --config exclude each other
+        run(["--config", str(llama70b), "--model", "x"], capsys)
     assert e.value.code == 2
+
+
+def test_without_a_source_it_inspects_the_shipped_model(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """As generate, explain, bench and serve: no --model means the shipped model."""
+    from kvchat.app.core.discovery import DEFAULT_MODEL
+
+    rc, out, _ = run(["--json"], capsys)
+    o = json.loads(out)
+    assert rc == 0 and Path(o["source"]) == DEFAULT_MODEL
+    cfg = json.loads((DEFAULT_MODEL / "config.json").read_text())
+    assert o["layers"] == cfg["num_hidden_layers"] and o["kv_heads"] == cfg["num_key_value_heads"]
+    p = argparse.ArgumentParser(prog="kvchat inspect")
+    inspect_cmd.add_arguments(p)
+    assert "default: " + str(DEFAULT_MODEL) in " ".join(p.format_help().split())
+
+
+def test_budget_beyond_the_context_says_the_context_caps_a_sequence(
+        stories: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """stories260K: 1,280 B/token after 1,040,128 B of weights, a 512-token context."""
+    rc, out, _ = run(["--model", str(stories), "--budget", "1GiB"], capsys)
+    tokens = (GiB - 1_040_128) // 1280
+    line = next(ln for ln in out.splitlines() if ln.startswith("budget "))
+    assert rc == 0 and f"{tokens:,} tokens of KV cache fit after the weights" in line
+    assert line.endswith(f"one sequence stops at the model's 512-token context"
+                         f" (room for {tokens // 512:,} such)")
+    rc, out, _ = run(["--model", str(stories), "--budget", "1MiB"], capsys)  # fewer than 512
+    line = next(ln for ln in out.splitlines() if ln.startswith("budget "))
+    assert "context" not in line and line.endswith("fit after the weights")
 
 
 # Gemma 3 1B's shape: 26 layers, every 6th global (layers 5, 11, 17, 23), the other 22

@@ -165,6 +165,24 @@ def test_no_network_is_one_line(cache: Path) -> None:
     assert r.stderr.strip().count("\n") == 0
     assert r.stderr.startswith(f"kvchat: error: cannot reach http://127.0.0.1:{port}")
     assert time.monotonic() - t0 < 60
+    assert "partial" not in r.stderr.lower()  # nothing was downloaded: nothing is kept
+
+
+def test_no_network_says_partial_files_are_kept_only_when_there_are_some(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    with pytest.raises(PullError) as e:
+        pull(REPO)
+    assert str(e.value).startswith("cannot reach") and "partial" not in str(e.value)
+    blobs = repo_folder(REPO, cache) / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / ("0" * 64 + ".incomplete")).write_bytes(b"half a file")  # an earlier pull's
+    with pytest.raises(PullError) as e:
+        pull(REPO)
+    assert str(e.value).endswith("partial files are kept, run it again to resume")
 
 
 def test_offline_mode_uses_the_cache_or_says_why(cache: Path,

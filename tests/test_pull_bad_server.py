@@ -139,6 +139,7 @@ def test_stalled_server_gives_one_line_in_bounded_time(cache: Path,
         took = time.monotonic() - t0
     assert took < 10, took
     assert "\n" not in str(e.value)
+    assert str(e.value).endswith("; partial files are kept, run it again to resume")
     parts = list((repo_folder(REPO, cache) / "blobs").glob("*.incomplete"))
     assert parts and parts[0].stat().st_size > 0  # kept for the next run
 

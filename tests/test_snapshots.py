@@ -1,4 +1,5 @@
-"""SVG snapshots of the main screen, the stats panel, the model picker, help and settings.
+"""SVG snapshots of the main screen, the stats panel, the model picker, help, settings and
+the per-layer cache view.
 
 Every number on screen is pinned by the scripted engine (tests/scripted_engine.py): its
 statistics are functions of the token count, never of the clock. Regenerate baselines
@@ -7,12 +8,14 @@ with `pytest tests/test_snapshots.py --snapshot-update` and review the SVGs.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 from textual.app import App, ComposeResult
 
+from kvchat.app.core import discovery
 from kvchat.app.core.discovery import ModelEntry, ModelRow
 from kvchat.app.core.settings import Settings
 from kvchat.app.tui.app import KVChatApp
@@ -103,11 +106,12 @@ def test_main_screen_after_stop(snap_compare: Any) -> None:
     assert snap_compare(app, terminal_size=(120, 36), run_before=run_before)
 
 
-@pytest.mark.parametrize("size", [(60, 20), (80, 24), (120, 40), (200, 60)],
+@pytest.mark.parametrize("size", [(50, 15), (60, 20), (80, 24), (120, 40), (200, 60)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
 def test_main_screen_at_every_size(snap_compare: Any, size: tuple[int, int]) -> None:
     """A finished reply with a 64-token bound: below 100 columns the panel is hidden and
-    the status line under the transcript carries its numbers; Help and Quit always show."""
+    the status line under the transcript carries its numbers; Help and Quit always show,
+    and the footer shows whole keys only (50 columns: four of them)."""
     def factory(on_event: Any, path: str | None) -> ScriptedEngine:
         return ScriptedEngine(on_event, path)
 
@@ -121,6 +125,71 @@ def test_main_screen_at_every_size(snap_compare: Any, size: tuple[int, int]) -> 
         await pilot.pause(0.25)  # the panel's and the status line's 10 Hz refresh
 
     assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+def test_main_screen_before_the_first_turn(snap_compare: Any,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loaded, nothing sent, the slow reference BLAS: the panel's window row says the
+    settings' keep (4) for the model's own 512-token context, the device is "CPU", and
+    the BLAS hint goes on under its value."""
+    monkeypatch.setattr("kvchat.app.core.blas.active_blas",
+                        lambda: {"name": "reference BLAS", "path": None, "fast": False})
+    app = scripted_app()
+
+    async def run_before(pilot: Any) -> None:
+        await settle(pilot)
+        await pilot.pause(0.25)  # the panel's 10 Hz refresh
+
+    assert snap_compare(app, terminal_size=(120, 40), run_before=run_before)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_layer_view(snap_compare: Any, size: tuple[int, int]) -> None:
+    """Ctrl+L after a turn: layer, attention, tokens, capacity, bytes and as-MHA in view
+    at 80 columns; the rest one ←/→ per column away."""
+    app = scripted_app()
+
+    async def run_before(pilot: Any) -> None:
+        await settle(pilot)
+        app.chat.input.load_text("Tell me a story")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not app.chat.phase.generating)
+        await pilot.press("ctrl+l")
+        await pilot.pause(0.25)
+
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+def test_model_picker_lists_the_model_opened_by_path(
+        snap_compare: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """stories260K opened by a path no searched folder holds: listed "by path", with its
+    ● and the cursor; a configured folder's model above it (real discovery over tmp
+    folders, the facts pinned)."""
+    def fake_model(folder: Path, size: int) -> Path:
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        (folder / "model.safetensors").write_bytes(b"\0" * size)
+        return folder
+
+    opened = fake_model(tmp_path / "elsewhere" / "stories260K", 1_040_128)
+    fake_model(tmp_path / "models" / "SmolLM2-135M", 269_060_096 // 1024)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setattr(discovery, "DEFAULT_MODEL", tmp_path / "no-assets")
+    monkeypatch.setattr(discovery, "folder_status", lambda folder: (ModelFacts(
+        "float32", 1_040_128, "float32", 4, 1_040_128 if "stories" in str(folder)
+        else 269_060_096, "cpu"), None))
+    app = KVChatApp(str(opened), Settings(model_dirs=[str(tmp_path / "models")]),
+                    engine_factory=lambda on_event, path: ScriptedEngine(on_event, path))
+
+    async def run_before(pilot: Any) -> None:
+        await settle(pilot)
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: getattr(app.screen, "scanned", False))
+        no_blink(app)
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=(110, 30), run_before=run_before)
 
 
 class PanelApp(App[None]):

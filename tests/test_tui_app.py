@@ -32,7 +32,8 @@ from kvchat.app.tui.screens import (
 from kvchat.app.tui.screens.settings_form import SettingsScreen
 from kvchat.app.tui.turn import Phase
 from kvchat.app.tui.widgets import ChatMessage, ContextGauge
-from kvchat.app.tui.widgets.format import context_level, fmt_saving, human_bytes
+from kvchat.app.tui.widgets.format import context_level, fmt_device, fmt_saving, human_bytes
+from kvchat.app.tui.widgets.stats_panel import CONTENT_W, LABEL_W
 from kvchat.model.errors import ModelLoadError
 from kvchat.model.runtime.events import Done, Loaded, Started, Stats, TextDelta, TurnStats
 from tests.scripted_engine import (
@@ -347,6 +348,54 @@ async def test_panel_is_throttled_not_per_token(env: Path) -> None:
 
 
 @async_test
+async def test_panel_keep_is_the_settings_before_and_after_the_first_turn(env: Path) -> None:
+    """Unbounded (the model's 512-token context): the cache still rotates with `keep`
+    sinks once that fills, so the panel says the settings' keep before the first turn
+    builds the cache, and the cache's own after it."""
+    app = make_app(Settings(keep=2))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.pause(0.15)
+        assert "window   512 · keep 2" in static_text(app, "#cache")
+        await turn(pilot, "hello")
+        await pilot.pause(0.15)
+        assert last_done(app).stats.keep == 2  # what the engine built
+        assert "window   512 · keep 2" in static_text(app, "#cache")
+
+
+@pytest.mark.parametrize(("device", "shown"), [
+    ("Device(cpu, 0)", "CPU"), ("Device(gpu, 0)", "GPU"), ("Device(gpu, 1)", "GPU 1"),
+    (None, "–"), ("a new kind", "a new kind"),
+])
+def test_device_is_said_as_a_user_says_it(device: str | None, shown: str) -> None:
+    assert fmt_device(device) == shown
+
+
+@async_test
+async def test_panel_rows_wrap_under_their_value(env: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slow BLAS's hint is longer than the panel: its second line starts under the
+    value, not in the label column, and no line is wider than the panel (so the terminal
+    never wraps one); the device is "CPU", not MLX's repr."""
+    monkeypatch.setattr("kvchat.app.core.blas.active_blas",
+                        lambda: {"name": "reference BLAS", "path": None, "fast": False})
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.pause(0.15)
+        runtime = app.chat.panel.query_one("#runtime", Static)
+        assert runtime.content_size.width >= CONTENT_W
+        lines = str(runtime.render()).split("\n")
+        assert "device   CPU" in lines
+        at = next(i for i, ln in enumerate(lines) if ln.startswith("BLAS "))
+        assert lines[at].startswith("BLAS     reference (slow)")
+        assert lines[at + 1] == " " * LABEL_W + "install cmeel-openblas"
+        assert all(len(ln) <= CONTENT_W for ln in lines)
+        on_screen = [ln.text for ln in app.screen._compositor.render_strips()]
+        assert sum("install cmeel-openblas" in ln for ln in on_screen) == 1
+
+
+@async_test
 async def test_context_gauge_colours(env: Path) -> None:
     assert context_level(383, 512) == "ok"
     assert context_level(384, 512) == "warn"  # 75 %
@@ -374,6 +423,9 @@ async def test_help_lists_every_binding(env: Path) -> None:
         assert isinstance(app.screen, HelpScreen)
         table = app.screen.query_one(DataTable)
         cells = [table.get_row_at(i) for i in range(table.row_count)]
+        # the picker lists local folders and downloads from the Hub: help says both
+        model_key = next(str(c[1]) for c in cells if "Ctrl+O" in str(c[0]) or "^o" in str(c[0]))
+        assert "local folder" in model_key and "Hub" in model_key
         keys = " ".join(str(c[0]) for c in cells)
         for b in [*ChatScreen.BINDINGS, *KVChatApp.BINDINGS]:
             assert app.get_key_display(b) in keys  # type: ignore[arg-type]
@@ -562,8 +614,45 @@ async def test_layer_view(env: Path) -> None:
         assert isinstance(app.screen, LayerCacheScreen)
         table = app.screen.query_one(DataTable)
         assert table.row_count == 5
+        titles = [str(c.label) for c in table.ordered_columns]
+        # what a layer holds and costs first; a float cache's "as float" would repeat
+        # "bytes", and a model without windows has no window to show
+        assert titles[:6] == ["layer", "attention", "tokens", "capacity", "bytes", "as MHA"]
+        assert "as float" not in titles and "window" not in titles
         await pilot.press("escape")
         assert not isinstance(app.screen, LayerCacheScreen)
+
+
+@async_test
+async def test_layer_view_scrolls_a_column_per_key(env: Path) -> None:
+    app = make_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        await turn(pilot, "fill the cache")
+        await pilot.press("ctrl+l")
+        table = app.screen.query_one(DataTable)
+        await pilot.pause()
+        starts, x = [], 0
+        for column in table.ordered_columns:
+            starts.append(x)
+            x += column.get_render_width(table)
+        assert table.max_scroll_x > 0  # 80 columns show only some of them
+        await pilot.press("right")
+        await pilot.pause()
+        assert table.scroll_x == starts[1]  # the second column at the left edge
+        await pilot.press("right")
+        await pilot.pause()
+        assert table.scroll_x == min(starts[2], table.max_scroll_x)
+        await pilot.press("left")
+        await pilot.pause()
+        assert table.scroll_x == starts[1]
+        for _ in range(len(starts)):
+            await pilot.press("right")
+        await pilot.pause()
+        assert table.scroll_x == table.max_scroll_x  # the last column in view
+        await pilot.press("left")
+        await pilot.pause()
+        assert table.scroll_x in starts and table.scroll_x < table.max_scroll_x
 
 
 @async_test

@@ -100,6 +100,27 @@ async def test_picker_typed_path_cursor_current_and_no_reload(env: Path) -> None
 
 
 @async_test
+async def test_picker_lists_a_model_opened_by_its_path(env: Path) -> None:
+    """A model opened by a path outside every searched folder is in the list, marked ●
+    and under the cursor, as "by path"; it is listed once."""
+    elsewhere = env / "elsewhere" / "stories260K"
+    shutil.copytree(MINI, elsewhere)
+    app = make_app(env, model=str(elsewhere))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        picker = await open_picker(pilot)
+        table = picker.query_one("#models", DataTable)
+        rows = [table.get_row_at(i) for i in range(table.row_count)]
+        mine = [r for r in rows if str(r[1]) == "stories260K"]
+        assert len(mine) == 1 and str(mine[0][0]) == "●" and str(mine[0][-1]) == "by path"
+        assert str(table.get_row_at(table.cursor_row)[1]) == "stories260K"
+        assert sum(str(r[0]) == "●" for r in rows) == 1
+        await pilot.press("enter")  # the model in use: nothing to reload
+        await wait_for(pilot, lambda: not isinstance(app.screen, ModelPickerScreen))
+        assert engine(app).loads == [str(elsewhere.resolve())]
+
+
+@async_test
 async def test_picker_arrows_move_the_list_and_unloadable_is_refused(env: Path) -> None:
     app = make_app(env)
     seen = record_notifications(app)
@@ -277,6 +298,47 @@ async def test_ctrl_c_stops_generation_and_is_harmless_otherwise(env: Path) -> N
         assert not engine(idle).submitted
         assert "Press Ctrl+C again to quit (or Ctrl+Q)." in messages(seen)
         assert not any("to quit the app" in m for m in messages(seen))
+
+
+def test_history_preview_and_time() -> None:
+    from datetime import datetime
+
+    from kvchat.app.tui.screens.history import _when, preview
+
+    chat = [{"role": "user", "content": "Once upon a time"},
+            {"role": "assistant", "content": " there was a little  girl\nnamed Lily. She liked"}]
+    assert preview(chat, 80) == "there was a little girl named Lily. She liked"
+    assert preview(chat, 24) == "there was a little girl…"
+    assert preview(chat[:1], 80) == "Once upon a time"  # no reply yet: the message
+    assert preview([], 80) == ""
+    now = datetime(2026, 3, 4, 15, 0, 0).timestamp()
+    assert _when(datetime(2026, 3, 4, 9, 8, 7).timestamp(), now) == "today 09:08:07"
+    assert _when(datetime(2026, 3, 3, 9, 8, 7).timestamp(), now) == "2026-03-03 09:08"
+
+
+@async_test
+async def test_history_tells_chats_with_one_title_apart(env: Path) -> None:
+    """Three chats begun with the same words: each row shows the opening of its reply
+    under the title, and today's times to the second."""
+    import re
+
+    app = make_app(env)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        scripted = engine(app)
+        for pet, name in (("cat", "Tom"), ("dog", "Sam"), ("bird", "Kiv")):
+            # the scripted model's next reply
+            scripted.model.reply_ids = scripted.tokenizer.encode(f"there was a {pet} named {name}.")
+            await new_chat(pilot, "Once upon a time")
+        await pilot.press("f2")
+        table = app.screen.query_one("#chats", DataTable)
+        cells = [str(table.get_row_at(i)[1]) for i in range(table.row_count)]
+        assert cells == [f"Once upon a time\nthere was a {pet} named {name}." for pet, name in
+                         (("bird", "Kiv"), ("dog", "Sam"), ("cat", "Tom"))]
+        for i in range(table.row_count):
+            assert re.fullmatch(r"today \d\d:\d\d:\d\d", str(table.get_row_at(i)[2]))
+        on_screen = "\n".join(ln.text for ln in app.screen._compositor.render_strips())
+        assert "there was a dog named Sam." in on_screen
 
 
 @async_test

@@ -109,6 +109,46 @@ async def test_wide_shows_the_panel_and_the_choice_survives_a_resize(env: Path) 
         assert "Hide or show the stats panel" in titles
 
 
+def test_keys_that_fit_stop_at_the_first_that_does_not() -> None:
+    from kvchat.app.tui.widgets.footer import keys_that_fit
+
+    keys = [(7, 1), (7, 1), (9, 1), (3, 1)]
+    assert keys_that_fit(keys, 100) == 4
+    assert keys_that_fit(keys, 7) == 1  # its margin may run past the room
+    assert keys_that_fit(keys, 15) == 2 and keys_that_fit(keys, 14) == 1
+    assert keys_that_fit(keys, 20) == 2  # not the short fourth key out of order
+    assert keys_that_fit(keys, 0) == 0
+
+
+@async_test
+async def test_footer_shows_whole_keys_at_every_width(env: Path) -> None:
+    """From 50 to 130 columns: the keys shown are the first ones of the footer's order,
+    each whole before the palette key, and each label is on screen in full."""
+    from kvchat.app.tui.actions import footer_rank
+
+    app = make_app()
+    async with app.run_test(size=(130, 20)) as pilot:
+        await ready(pilot)
+        footer = app.chat.query_one("ActionFooter")
+        for width in (50, 55, 60, 72, 80, 99, 100, 120, 130):
+            await pilot.resize_terminal(width, 20)
+            await pilot.pause(0.1)
+            every = sorted((k for k in footer.query_children("FooterKey")
+                            if "-command-palette" not in k.classes),
+                           key=lambda k: footer_rank(k.action))
+            palette = footer.query_one(".-command-palette")
+            shown = [k for k in every if k.display]
+            assert shown == every[:len(shown)], width  # hidden from the end only
+            assert [k.action for k in shown][:2] == ["help", "quit"], width
+            line = app.screen._compositor.render_strips()[-1].text
+            for k in shown:
+                assert k.region.right <= palette.region.x, (width, k.action)
+                assert f"{k.key_display} {k.description}" in line, (width, line)
+            for k in every[len(shown):]:  # a hidden key would not have fitted
+                assert not k.description or k.description not in line, (width, line)
+        assert len([k for k in every if k.display]) == len(every)  # 130: all of them
+
+
 @async_test
 async def test_footer_keeps_one_order_as_focus_moves(env: Path) -> None:
     app = make_app()

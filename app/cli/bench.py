@@ -53,9 +53,13 @@ RATIO = "kvchat ÷ mlx-lm"  # how every ratio is taken (the label printed beside
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_argument(p)
-    p.add_argument("--prompt-tokens", type=int, default=128, metavar="N")
-    p.add_argument("--gen-tokens", type=int, default=64, metavar="M")
-    p.add_argument("--runs", type=int, default=3, metavar="R", help="timed runs per side")
+    p.add_argument("--prompt-tokens", type=int, default=128, metavar="N",
+                   help="prompt length in tokens: fixed pseudo-random ids, the same for both"
+                   " sides (default %(default)s)")
+    p.add_argument("--gen-tokens", type=int, default=64, metavar="M",
+                   help="tokens generated per timed run (default %(default)s)")
+    p.add_argument("--runs", type=int, default=3, metavar="R",
+                   help="timed runs per side, after a short warm-up run (default %(default)s)")
     p.add_argument("--against", choices=["mlx-lm"], help="also time mlx-lm on the same ids")
     p.add_argument("--mlx-lm-model", metavar="DIR",
                    help="the folder mlx-lm loads (default: --model); e.g. a float32 copy of a"
@@ -72,8 +76,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_kv_arguments(p)
     p.add_argument("--agreement-tokens", type=int, default=512, metavar="N",
                    help="with --kv-bits: also measure greedy agreement with the float cache"
-                   " over N tokens (0 = skip); the settings screen shows the result")
-    p.add_argument("--json", action="store_true")
+                   " over N tokens (0 = skip; default %(default)s); the settings screen shows"
+                   " the result")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (the machine, every timed run, min / median /"
+                   " max) instead of the table")
 
 
 def prompt_ids(vocab: int, n: int, seed: int = 0) -> list[int]:

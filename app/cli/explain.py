@@ -25,8 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gap", type=int, default=3, metavar="N",
                    help="token gap for the RoPE dial table's cos(gap·θ) column (default 3)")
     p.add_argument("--block", choices=("model", "2017"), default="model",
-                   help="2017: the same model with the 2017 block (post-LayerNorm, ReLU FFN,"
-                   " sinusoidal positions, MHA), for comparison")
+                   help="2017: the same model with the 2017 block (post-LayerNorm, ReLU FFN"
+                   " 1.5x wider, sinusoidal positions, MHA), for comparison"
+                   " (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

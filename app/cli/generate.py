@@ -70,9 +70,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = chat_defaults_note()
     add_model_argument(p)
     p.add_argument("--prompt", metavar="TEXT", help="prompt text (default: read stdin)")
-    p.add_argument("--system", metavar="TEXT", help="system prompt")
+    p.add_argument("--system", metavar="TEXT",
+                   help="system prompt (a model without a chat template gets it as plain text"
+                   " before the prompt, and the prompt then ends with a newline;"
+                   " mlx_lm.generate drops it)")
     p.add_argument("--raw", action="store_true",
-                   help="skip the chat template; add BOS as the tokenizer says")
+                   help="skip the chat template; add BOS as the tokenizer says. A model"
+                   " without a chat template (a base model) always gets its prompt so, as"
+                   " mlx_lm.generate gives it")
     p.add_argument("--tokenizer", choices=["auto", "sentencepiece", "hf"], default="auto",
                    help="tokenizer file to use: auto prefers tokenizer.json over tokenizer.model"
                    " (default %(default)s)")
@@ -162,6 +167,17 @@ def _prompt(args: argparse.Namespace) -> tuple[Any, GenParams]:
     return messages, params
 
 
+def as_the_model_expects(prompt: Any, info: dict[str, Any]) -> Any:
+    """The prompt as mlx_lm.generate builds it: a model without a chat template gets the
+    text itself (BOS as its tokenizer adds it). The chat's plain template would end it
+    with a newline (model/text/chat_template.py: so each reply of a chat starts on a line
+    of its own), one token more than mlx-lm and another continuation. With a system
+    prompt the plain template stays: mlx_lm.generate would drop it."""
+    if isinstance(prompt, list) and len(prompt) == 1 and not info.get("chat_template"):
+        return prompt[0]["content"]
+    return prompt
+
+
 def run(args: argparse.Namespace) -> int:
     """One turn. Every outcome (usage, load, turn error, Ctrl+C) ends the same way: with
     --json exactly one object on stdout; otherwise the text, then one stderr line on error.
@@ -182,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         runner = service.client(args.model or DEFAULT_MODEL,
                                 on_delta=None if args.json else stream)
         try:
-            done = runner.run(prompt, params)
+            done = runner.run(as_the_model_expects(prompt, runner.info), params)
         except BaseException:
             runner.close(QUIT_WAIT_S)
             raise

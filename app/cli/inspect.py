@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.errors import UsageError, report
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
 from kvchat.model.cache.kv_math import (
@@ -38,16 +39,18 @@ LIVE_TOKENS = 32  # generated tokens in --live (a few dozen: cheap, and enough t
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", metavar="DIR", help="model folder (config.json + safetensors)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", metavar="DIR",
+                     help=f"model folder (config.json + safetensors; default: {DEFAULT_MODEL})")
     src.add_argument("--config", metavar="FILE", help="a config.json (no weights needed)")
     p.add_argument("--context", type=int, default=None, metavar="N",
                    help="context length for the totals (default: max_position_embeddings)")
     p.add_argument("--dtype-bytes", type=int, default=None, metavar="B",
                    help="bytes per K/V element (default: from torch_dtype; 2 = fp16/bf16)")
     p.add_argument("--budget", default=None, metavar="BYTES",
-                   help="memory budget, e.g. 8GiB, 512MiB or a byte count: tokens that fit"
-                   " (after the weights, for a model folder)")
+                   help="memory budget, e.g. 8GiB, 512MiB or a byte count: tokens of KV cache"
+                   " that fit (after the weights, for a model folder); one sequence still"
+                   " stops at the model's context")
     p.add_argument("--live", action="store_true",
                    help="load the model, generate a few tokens, and compare the cache's"
                    " measured bytes with the formula")
@@ -58,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not getattr(args, "model", None) and not getattr(args, "config", None):
+        args.model = str(DEFAULT_MODEL)  # as generate, explain, bench and serve
     try:
         out = _inspect(args)
     except UsageError as e:
@@ -260,6 +265,15 @@ def _live(folder: Path, cfg: ModelConfig, q: KVQuant | None = None) -> dict[str,
     }
 
 
+def _context_cap(tokens: int | None, context: int) -> str:
+    """Where the budget holds more tokens than the model's context: one sequence still
+    stops at the context; the rest is room for more sequences (or a longer model)."""
+    if tokens is None or tokens <= context:
+        return ""
+    return (f"; one sequence stops at the model's {context:,}-token context"
+            f" (room for {tokens // context:,} such)")
+
+
 def _b(n: int | None) -> str:
     """Exact bytes with thousands separators, and binary units beside them."""
     if n is None:
@@ -334,7 +348,8 @@ def _render(o: dict[str, Any]) -> str:
         after = " after the weights" if o["weights_bytes"] else ""
         fits = ("any context length fits (every layer slides)" if o["budget_tokens"] is None
                 else f"{o['budget_tokens']:,} tokens of KV cache fit")
-        lines.append(f"budget {_b(o['budget_bytes'])}: {fits}{after}")
+        lines.append(f"budget {_b(o['budget_bytes'])}: {fits}{after}"
+                     + _context_cap(o["budget_tokens"], o["max_position_embeddings"]))
         if qd:
             fits = ("any context length" if qd["budget_tokens"] is None
                     else f"{qd['budget_tokens']:,} tokens")

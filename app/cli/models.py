@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="DIR",
-        help="also look in DIR (repeatable; settings' model_dirs are always searched)",
+        help="also look in DIR (repeatable; its models are listed with source --dir;"
+        " settings' model_dirs are always searched, source configured)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -75,9 +76,9 @@ def run(args: argparse.Namespace) -> int:
         if not Path(d).expanduser().is_dir():
             print(f"kvchat: warning: --dir {d} is not a folder", file=sys.stderr)
     # --dir first: folders named on the command line win the dedup over settings' ones
-    extra = [*getattr(args, "dirs", []), *settings.model_dirs]
-    rows = model_rows(extra)
-    looked_in = [str(root) for root, _ in default_model_dirs(extra)]
+    given = list(getattr(args, "dirs", []))
+    rows = model_rows(settings.model_dirs, given=given)
+    looked_in = [str(root) for root, _ in default_model_dirs(settings.model_dirs, given=given)]
     if getattr(args, "json", False):
         out = {"models": [r.to_dict() for r in rows], "looked_in": looked_in}
         # a folder name that is not UTF-8 cannot be JSON text: U+FFFD, as on screen

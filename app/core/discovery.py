@@ -1,4 +1,5 @@
-"""Find local model folders: configured dirs, the Hugging Face cache, LM Studio, assets.
+"""Find local model folders: folders named with --dir, configured dirs, the Hugging Face
+cache, LM Studio, assets, and a folder opened by its path that none of those holds.
 
 A model folder is one holding `config.json` and at least one `*.safetensors` file.
 Scanning never raises on a bad folder (unreadable, malformed config, incomplete download):
@@ -41,8 +42,10 @@ __all__ = [
 ]
 
 # Order = precedence: when one folder is reachable from several roots, the first wins,
-# and listings are grouped in this order.
-SOURCES = ("configured", "hf-cache", "lm-studio", "assets")
+# and listings are grouped in this order. "--dir": named on the command line (`kvchat
+# models --dir`); "configured": settings' model_dirs; "by path": a folder opened by its
+# path (`--model DIR`, typed in the picker) that no root holds.
+SOURCES = ("--dir", "configured", "hf-cache", "lm-studio", "assets", "by path")
 
 MAX_DEPTH = 4  # folder levels below a root that are looked at
 MAX_DIRS_PER_ROOT = 20_000  # a second guard for very wide trees
@@ -99,13 +102,20 @@ def lmstudio_dirs() -> list[Path]:
     return [home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"]
 
 
-def default_model_dirs(extra: Iterable[str | os.PathLike[str]] = ()) -> list[tuple[Path, str]]:
-    """Every root that find_models() looks in, with its source, in precedence order.
+def default_model_dirs(
+    extra: Iterable[str | os.PathLike[str]] = (),
+    *,
+    given: Iterable[str | os.PathLike[str]] = (),
+) -> list[tuple[Path, str]]:
+    """Every root that find_models() looks in, with its source, in precedence order:
+    `given` (named on the command line), `extra` (settings' model_dirs), then the default
+    places.
 
     Roots that do not exist are included (they are cheap to skip, and a "looked in"
     message should name them).
     """
-    roots: list[tuple[Path, str]] = [(Path(d).expanduser(), "configured") for d in extra]
+    roots: list[tuple[Path, str]] = [(Path(d).expanduser(), "--dir") for d in given]
+    roots += [(Path(d).expanduser(), "configured") for d in extra]
     roots.append((hf_cache_dir(), "hf-cache"))
     roots.extend((d, "lm-studio") for d in lmstudio_dirs())
     roots.append((DEFAULT_MODEL, "assets"))
@@ -280,20 +290,29 @@ def scan_root(root: Path, source: str, max_depth: int = MAX_DEPTH) -> list[Model
 def find_models(
     extra_dirs: Iterable[str | os.PathLike[str]] = (),
     *,
+    given: Iterable[str | os.PathLike[str]] = (),
+    opened: Iterable[str | os.PathLike[str]] = (),
     include_defaults: bool = True,
     max_depth: int = MAX_DEPTH,
 ) -> list[ModelEntry]:
-    """Every model found in extra_dirs (source "configured") and the default places.
+    """Every model found in `given` (source "--dir"), `extra_dirs` ("configured") and the
+    default places, plus each `opened` model folder no root holds ("by path": the model
+    in use, opened by its path, is listed like any other).
 
     Deduplicated by resolved path (the earlier source in SOURCES wins), sorted by source
     (SOURCES order) then name (case-insensitive).
     """
-    roots = default_model_dirs(extra_dirs)
+    roots = default_model_dirs(extra_dirs, given=given)
     if not include_defaults:
-        roots = [r for r in roots if r[1] == "configured"]
+        roots = [r for r in roots if r[1] in ("--dir", "configured")]
     by_path: dict[Path, ModelEntry] = {}
     for root, source in roots:
         for entry in scan_root(root, source, max_depth):
+            by_path.setdefault(entry.path, entry)
+    for folder in opened:
+        path = Path(folder).expanduser()
+        entry = read_model_folder(path, path.name, "by path")
+        if entry is not None:
             by_path.setdefault(entry.path, entry)
     return sorted(
         by_path.values(), key=lambda e: (SOURCES.index(e.source), e.name.lower(), str(e.path))
@@ -323,10 +342,17 @@ class ModelRow:
         }
 
 
-def model_rows(extra_dirs: list[str], *, include_defaults: bool = True) -> list[ModelRow]:
+def model_rows(
+    extra_dirs: list[str],
+    *,
+    given: Iterable[str | os.PathLike[str]] = (),
+    opened: Iterable[str | os.PathLike[str]] = (),
+    include_defaults: bool = True,
+) -> list[ModelRow]:
     """find_models() plus each folder's facts (headers only; no weights are read)."""
     rows = []
-    for e in find_models(extra_dirs, include_defaults=include_defaults):
+    for e in find_models(extra_dirs, given=given, opened=opened,
+                         include_defaults=include_defaults):
         facts, problem = folder_status(e.path)
         rows.append(ModelRow(e, facts, problem))
     return rows

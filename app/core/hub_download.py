@@ -327,10 +327,22 @@ def _check_listing(repo_id: str, names: list[str]) -> None:
         raise PullError(f"{repo_id} has no tokenizer.json or tokenizer.model")
 
 
-def _one_line(e: BaseException, repo_id: str) -> str:
-    """huggingface_hub's and httpx's errors as one line a user can act on."""
+def _has_partials(repo_id: str, cache: Path) -> bool:
+    """Whether the cache holds a partial file of `repo_id` (one a next pull resumes)."""
+    try:
+        blobs = inside(cache, repo_folder(repo_id, cache) / "blobs")
+        return any(p.name.endswith(".incomplete") for p in blobs.iterdir())
+    except (OSError, KVChatError):
+        return False
+
+
+def _one_line(e: BaseException, repo_id: str, partials: bool = False) -> str:
+    """huggingface_hub's and httpx's errors as one line a user can act on; `partials`:
+    the cache holds partial files of the repo (said only then: a pull that never reached
+    the server has nothing to keep)."""
     from huggingface_hub import errors as hf
 
+    kept = "; partial files are kept, run it again to resume" if partials else ""
     name = type(e).__name__
     if isinstance(e, hf.GatedRepoError):
         return f"{repo_id} is gated: accept its terms on the Hub and log in (hf auth login)"
@@ -341,13 +353,12 @@ def _one_line(e: BaseException, repo_id: str) -> str:
     if isinstance(e, hf.OfflineModeIsEnabled):
         return f"offline mode (HF_HUB_OFFLINE) is on and {repo_id} is not in the cache"
     if name in ("ReadTimeout", "TimeoutException"):
-        return (f"{endpoint()} stopped sending for {READ_TIMEOUT_S:.0f} s ({name});"
-                " partial files are kept, run it again to resume")
+        return f"{endpoint()} stopped sending for {READ_TIMEOUT_S:.0f} s ({name}){kept}"
     if name in ("ConnectError", "ConnectTimeout",
                 "RemoteProtocolError", "ReadError", "NetworkError") or isinstance(
         e, ConnectionError
     ):
-        return f"cannot reach {endpoint()} ({name}): no network? Partial files are kept"
+        return f"cannot reach {endpoint()} ({name}): no network?{kept}"
     if isinstance(e, hf.HfHubHTTPError):
         first = str(e).strip().splitlines()[0] if str(e).strip() else name
         return f"{endpoint()} answered with an error: {first}"
@@ -413,7 +424,7 @@ def pull(
     except PullError:
         raise
     except Exception as e:  # httpx / huggingface_hub errors -> one line
-        raise PullError(_one_line(e, repo_id)) from None
+        raise PullError(_one_line(e, repo_id, _has_partials(repo_id, cache))) from None
 
 
 def _pull(

@@ -21,22 +21,18 @@ class Action:
     # priority: reaches the screen even while the input box (a TextArea) has focus
     priority: bool = True
     key_label: str = ""  # how help shows keys that are not bindings (the input box's own)
-    # also in the footer of a narrow terminal (below 100 columns), where the rest would be
-    # cut off mid-word; every key stays in the help (F1) and the palette
-    narrow: bool = False
 
 
 ACTIONS: tuple[Action, ...] = (
     Action("stop", "escape", "Stop", "stop the reply (partial text kept); cancel an edit",
-           "Stop generation", priority=False, narrow=True),
-    Action("regenerate", "ctrl+r", "Retry", "regenerate the last reply", "Regenerate last reply",
-           narrow=True),
+           "Stop generation", priority=False),
+    Action("regenerate", "ctrl+r", "Retry", "regenerate the last reply", "Regenerate last reply"),
     Action("edit_last", "", "", "put your last message in the input to edit and resend",
            "Edit last message"),
-    Action("new_chat", "ctrl+n", "New", "start a new chat (clears the cache)", "New chat",
-           narrow=True),
-    Action("pick_model", "ctrl+o", "Model", "swap the model (local weights)", "Swap model",
-           narrow=True),
+    Action("new_chat", "ctrl+n", "New", "start a new chat (clears the cache)", "New chat"),
+    Action("pick_model", "ctrl+o", "Model",
+           "swap the model: a local folder or a Hub download",
+           "Swap model"),
     Action("settings", "ctrl+s", "Settings", "system prompt, sampling, limits, cache bound",
            "Settings"),
     # most terminals send ctrl+h as Backspace: F2 and Ctrl+T open the history
@@ -51,14 +47,14 @@ ACTIONS: tuple[Action, ...] = (
     # below PANEL_MIN_COLUMNS the panel starts hidden and a status line replaces it
     Action("toggle_panel", "f3,ctrl+g", "Panel",
            "hide / show the stats panel (a status line instead)",
-           "Hide or show the stats panel", narrow=True),
+           "Hide or show the stats panel"),
     Action("anatomy", "f4", "", "anatomy: the model's block with its own numbers",
            "Model anatomy (explain)"),
     Action("attention", "f5", "", "where the newest token's attention goes in the cache",
            "Attention view"),
-    Action("help", "f1", "Help", "this help", "Keys (help)", scope="app", narrow=True),
+    Action("help", "f1", "Help", "this help", "Keys (help)", scope="app"),
     # the palette already has Textual's own "Quit"
-    Action("quit", "ctrl+q", "Quit", "quit kvchat", scope="app", narrow=True),
+    Action("quit", "ctrl+q", "Quit", "quit kvchat", scope="app"),
     # keys of the input box itself (no binding: listed in the help only)
     Action("", "", "", "send the message", key_label="enter"),
     Action("", "", "", "new line in the message", key_label="ctrl+j / shift+enter"),
@@ -93,13 +89,12 @@ def help_rows(key_display: Callable[[Binding], str]) -> list[tuple[str, str]]:
     return rows
 
 
-# first in the footer whatever has focus: a narrow terminal cuts the footer's right end
+# first in the footer whatever has focus: a narrow terminal has room for the first keys
+# only (widgets/footer.py hides, from the end, those that do not fit whole)
 FOOTER_FIRST = ("help", "quit", "toggle_panel")
 _FOOTER_ORDER = {name: i for i, name in enumerate(
     [*FOOTER_FIRST, *(a.name for a in ACTIONS if a.footer and a.name not in FOOTER_FIRST)])}
 
-
-NARROW_FOOTER = frozenset(a.name for a in ACTIONS if a.narrow)
 
 
 def footer_rank(action: str) -> int:

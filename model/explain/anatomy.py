@@ -268,9 +268,16 @@ def _gated_ffn(cfg: ModelConfig) -> dict[str, str]:
 
 def _plain_ffn(cfg: ModelConfig) -> dict[str, str]:
     d, f, act = cfg.hidden_size, cfg.intermediate_size, cfg.activation
-    return {"gate": "none (2017: no gated path)",
-            "value": f"up_proj {d} → {f}, then {act}",
-            "output": f"down_proj {f} → {d}"}
+    out = {"gate": "none (2017: no gated path)",
+           "value": f"up_proj {d} → {f}, then {act}",
+           "output": f"down_proj {f} → {d}"}
+    if cfg.model_type == "kvchat2017":  # a model's 2017 block: its FFN widened 1.5x
+        swiglu = round(f * 2 / 3)  # config.as_2017_block: intermediate_size * 3 // 2
+        out["size"] = (f"{f} = 1.5 × the loaded model's SwiGLU width {swiglu}"
+                       f" (the 2017 paper used 4 × d_model = {4 * d})")
+        out["size_why"] = (f"so 2 matrices of {d} × {f} hold as many weights as SwiGLU's 3"
+                           f" of {d} × {swiglu}")
+    return out
 
 
 def annotate(cfg: ModelConfig) -> dict[str, Any]:
@@ -349,13 +356,16 @@ def explain(cfg: ModelConfig, *, dtype_bytes: int, context: int | None = None,
         model_dials = rope_dials(model_rope.rotary_dims(cfg.head_dim), model_rope, gap)
     silu = activation_minimum("silu")
     kinds = kv_bytes_by_kind(cfg, ctx, dtype_bytes)
+    # the worked norm uses the model's own eps (a config without one: the seed's)
+    eps = cfg.rms_norm_eps if cfg.rms_norm_eps and cfg.rms_norm_eps > 0 else None
     return {
         "model": {"name": name, "path": path, "architecture": cfg.model_type,
                   "layers": cfg.num_hidden_layers},
         "kernels": metal_kernels.backend(),
         "block": annotate(cfg),
         "worked": {
-            "norms": norm_demo(),
+            "norms": {**norm_demo(eps=eps or SEED_EPS),
+                      "eps_from": "model" if eps else "seed"},
             "rope_seed": rope_dials(SEED_ROPE_DIMS, RopeConfig(theta=SEED_ROPE_BASE), gap),
             "rope_model": model_dials,
             "rope_relative": relative_demo(cfg, model),
@@ -414,7 +424,9 @@ def text_sections(data: dict[str, Any]) -> list[tuple[str, list[str]]]:
          + ([f"  q/k norm: {n['qk_norm']}"] if n["qk_norm"] else [])),
         ("FFN", [f"  {f['kind']}" + (" (one fused gate_up_proj)" if f["fused"] else ""),
                  f"  gate:   {f['gate']}", f"  value:  {f['value']}",
-                 f"  output: {f['output']}"]),
+                 f"  output: {f['output']}"]
+         + ([f"  size:   {f['size']}", f"          {f['size_why']}"] if f.get("size")
+            else [])),
         ("positions", [f"  {p['kind']} positions added to the embeddings, no RoPE"]
          if p["kind"] != "RoPE" else [
             f"  RoPE base {p['base']:g}, scaling {p['scaling']}"
@@ -426,14 +438,16 @@ def text_sections(data: dict[str, Any]) -> list[tuple[str, list[str]]]:
             + ([f"  layers without RoPE: {p['nope_layers']}"] if p["nope_layers"] else [])),
         ("attention", [
             f"  {a['kind']} ({a['name']}): {a['query_heads']} query heads, G = {a['G']} K/V"
-            f" heads, {a['queries_per_group']} queries per group, head_dim {a['head_dim']}",
+            f" heads, {_count(a['queries_per_group'], 'query', 'queries')} per group,"
+            f" head_dim {a['head_dim']}",
             f"  scale {a['scale']:.6g}" + (f", soft-cap {a['softcap']:g}" if a["softcap"] else "")]
             + [f"  {k['kind']}: layers {k['layers']}"
                + (f", window {k['window']}" if k["window"] else "") for k in a["layer_kinds"]]),
     ]
     nd = w["norms"]
     out.append(("worked: RMSNorm vs LayerNorm", [
-        f"  x = {_v(nd['x'])}, γ = 1, eps {nd['eps']:g}",
+        f"  x = {_v(nd['x'])}, γ = 1, eps {nd['eps']:g}"
+        + (" (the model's)" if nd.get("eps_from") == "model" else ""),
         f"  RMSNorm   {_v(nd['rmsnorm']['y'])}  mean {nd['rmsnorm']['mean']:+.4f}"
         f"  RMS {nd['rmsnorm']['rms']:.4f}   {nd['rmsnorm']['formula']}",
         f"  LayerNorm {_v(nd['layernorm']['y'])}  mean {nd['layernorm']['mean']:+.4f}"
@@ -467,16 +481,34 @@ def text_sections(data: dict[str, Any]) -> list[tuple[str, list[str]]]:
             f"{r['G']} ({r['name']}: {r['bytes_per_token']:,} B/token)" for r in c70["wiring"]),
         f"  this model ({cm['layers']} layers, G = {cm['kv_heads']}, head_dim {cm['head_dim']},"
         f" {cm['dtype_bytes']} B): {cm['bytes_per_token']:,} B/token",
-        f"    at {cm['at'][0]['context']:,} tokens: {human_bytes(cm['bytes_at_context'])},"
-        f" at {cm['at'][1]['context']:,}: {human_bytes(cm['bytes_at_max'])}",
+        f"    at {cm['at'][0]['context']:,} tokens: {human_bytes(cm['bytes_at_context'])}"
+        + (" (its maximum context)" if cm["at"][0]["context"] == cm["at"][1]["context"] else
+           f", at {cm['at'][1]['context']:,} (its maximum): {human_bytes(cm['bytes_at_max'])}"),
     ]))
-    out.append(("what if: the same model with another G", [
-        f"  {'':4}{'G':>4} {'B/token':>10} {'at ' + format(r0['context'], ','):>14}"
-        f" {'at ' + format(r0['max_context'], ','):>14}" for r0 in data["what_if"][:1]] + [
-        f"  {r['name']:4}{r['G']:>4} {r['bytes_per_token']:>10,}"
-        f" {human_bytes(r['bytes_at_context']):>14} {human_bytes(r['bytes_at_max']):>14}"
-        + ("  ← this model" if r["this_model"] else "") for r in data["what_if"]]))
+    out.append(("what if: the same model with another G", _what_if_lines(data["what_if"])))
     return out
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n:,} {one if n == 1 else many}"
+
+
+def _what_if_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The what-if table: bytes per token, at the context and at the model's maximum (one
+    column when they are the same context)."""
+    if not rows:
+        return []
+    both = rows[0]["context"] != rows[0]["max_context"]
+    head = f"  {'':4}{'G':>4} {'B/token':>10} {'at ' + format(rows[0]['context'], ','):>14}"
+    if both:
+        head += f" {'at ' + format(rows[0]['max_context'], ',') + ' (max)':>20}"
+    else:
+        head += " (the maximum context)"
+    return [head] + [
+        f"  {r['name']:4}{r['G']:>4} {r['bytes_per_token']:>10,}"
+        f" {human_bytes(r['bytes_at_context']):>14}"
+        + (f" {human_bytes(r['bytes_at_max']):>20}" if both else "")
+        + ("  ← this model" if r["this_model"] else "") for r in rows]
 
 
 def render_text(data: dict[str, Any]) -> str:

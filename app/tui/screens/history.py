@@ -1,10 +1,15 @@
 """F2 / Ctrl+T: past chats, newest first, the cursor on the open one. Enter reopens a
-chat; Delete asks first (press it again), and Ctrl+Z brings a deleted chat back."""
+chat; Delete asks first (press it again), and Ctrl+Z brings a deleted chat back.
+
+Chats started with the same words get the same title, so each row has a second line: the
+opening of the chat's last reply; and today's chats show the time to the second."""
 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -16,12 +21,46 @@ from kvchat.app.core.text import literal
 from kvchat.app.tui.widgets.format import fmt_bytes
 from kvchat.model.files import model_name
 
+PREVIEW_W = 28  # characters of the last reply under a title, where the terminal has room
+# what the rest of a row takes beside the preview on a narrow terminal: the dialog's frame,
+# the ● column and the time, which stay in view
+BESIDE_PREVIEW = 28
 
-def _when(ts: float) -> str:
+
+def _when(ts: float, now: float | None = None) -> str:
+    """Today's chats to the second ("today 14:05:09"), older ones to the minute."""
     try:
-        return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M")
+        when = datetime.fromtimestamp(ts)
+        today = datetime.fromtimestamp(now) if now is not None else datetime.now()
     except (OverflowError, OSError, ValueError):
         return "?"
+    if when.date() == today.date():
+        return when.strftime("today %H:%M:%S")
+    return when.strftime("%Y-%m-%d %H:%M")
+
+
+def preview(messages: list[dict[str, Any]], width: int = PREVIEW_W) -> str:
+    """The opening of the last reply (else of the last message), whitespace collapsed,
+    cut at a word to `width` characters; "" for an empty chat."""
+    last = next((m for m in reversed(messages) if m.get("role") == "assistant"),
+                messages[-1] if messages else None)
+    text = " ".join(str(last.get("content", "")).split()) if last else ""
+    if len(text) <= width:
+        return text
+    cut = text[: width - 1]
+    if text[width - 1] != " " and " " in cut[width // 2 :]:  # not mid-word
+        cut = cut[: cut.rfind(" ")]
+    return cut.rstrip() + "…"
+
+
+def _title_cell(conv: Conversation, width: int) -> Text:
+    """The title, and under it (in italics) the opening of the last reply."""
+    cell = literal(conv.title or "New chat")
+    line = preview(conv.messages, width)
+    if line:
+        cell.append("\n")
+        cell.append_text(literal(line, style="italic"))  # dim would fall below 4.5:1
+    return cell
 
 
 class HistoryScreen(ModalScreen[str | None]):
@@ -63,15 +102,17 @@ class HistoryScreen(ModalScreen[str | None]):
         table.clear(columns=True)
         table.add_columns("", "title", "updated", "msgs", "K/V", "model")
         convs = self.store.list()
+        width = max(12, min(PREVIEW_W, self.app.size.width - BESIDE_PREVIEW))
         for c in convs:
             table.add_row(
                 "●" if c.id == self.current_id else "",
-                literal(c.title or "New chat"),
+                _title_cell(c, width),
                 _when(c.updated),
                 str(len(c.messages)),
                 fmt_bytes(self.store.cache_bytes(c.id)),  # the saved cache: reopens warm
                 literal(model_name(c.model)) if c.model else "–",
                 key=c.id,
+                height=2 if c.messages else 1,
             )
         ids = [c.id for c in convs]
         if select in ids:
@@ -112,7 +153,7 @@ class HistoryScreen(ModalScreen[str | None]):
             return
         if self.armed != conv_id:
             self.armed = conv_id
-            title = str(table.get_row(row_key)[1])
+            title = str(table.get_row(row_key)[1]).split("\n")[0]
             self._status(f"Delete “{title}”? Press Delete again to delete it · any other row"
                          " keeps it")
             return

@@ -15,26 +15,44 @@ from textual.widgets import DataTable, Static
 from kvchat.app.core.text import literal
 from kvchat.app.tui.widgets.format import fmt_bytes
 
-# (key in layer_stats, column title); bytes columns are shown in human units
+# (key in layer_stats, column title), in the order a reader asks: what the layer is, what
+# it holds and what that costs (against float and MHA) first, so an 80-column terminal
+# shows them; the ring's bookkeeping after. Bytes columns are shown in human units.
 COLUMNS = (
     ("layer", "layer"),
     ("attention", "attention"),
     ("window", "window"),
-    ("kind", "cache"),
-    ("cache_offset", "offset"),
     ("cache_tokens", "tokens"),
     ("cache_capacity", "capacity"),
-    ("allocated_tokens", "alloc"),
-    ("kv_bits", "bits"),
-    ("kv_group_size", "group"),
     ("cache_bytes", "bytes"),
     ("float_bytes", "as float"),
     ("mha_bytes", "as MHA"),
+    ("allocated_tokens", "alloc"),
     ("allocated_bytes", "alloc B"),
+    ("kv_bits", "bits"),
+    ("kv_group_size", "group"),
     ("keep", "keep"),
     ("evicted_tokens", "evicted"),
     ("wrapped", "wrap"),
+    ("cache_offset", "offset"),
+    ("kind", "cache"),
 )
+# a column that only says something where it differs from another: a float cache's
+# "as float" is its "bytes"
+TWINS = {"float_bytes": "cache_bytes"}
+
+
+def shown_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The keys to show, in order: COLUMNS' that some row has a value for (and that
+    differ from their twin somewhere), then any other key the rows carry."""
+    def says_something(k: str) -> bool:
+        if all(r.get(k) is None for r in rows):
+            return False
+        twin = TWINS.get(k)
+        return twin is None or any(r.get(k) != r.get(twin) for r in rows)
+
+    keys = [k for k, _ in COLUMNS if any(k in r for r in rows) and says_something(k)]
+    return keys + sorted({k for r in rows for k in r} - {k for k, _ in COLUMNS})
 
 
 def _cell(key: str, value: Any) -> str | Text:
@@ -47,6 +65,26 @@ def _cell(key: str, value: Any) -> str | Text:
     if isinstance(value, int):
         return f"{value:,}"
     return literal(value)  # text (a layer kind): never markup
+
+
+class ColumnTable(DataTable[Any]):
+    """A row-cursor table whose ←/→ scroll by whole columns (DataTable's scroll one
+    cell, so a wide table took a key press per character)."""
+
+    def _column_starts(self) -> list[int]:
+        starts, x = [], 0
+        for column in self.ordered_columns:
+            starts.append(x)
+            x += column.get_render_width(self)
+        return starts
+
+    def action_cursor_right(self) -> None:
+        x = next((s for s in self._column_starts() if s > self.scroll_x), self.max_scroll_x)
+        self.scroll_to(x=min(x, self.max_scroll_x), animate=False)
+
+    def action_cursor_left(self) -> None:
+        x = max((s for s in self._column_starts() if s < self.scroll_x), default=0)
+        self.scroll_to(x=x, animate=False)
 
 
 class LayerCacheScreen(ModalScreen[None]):
@@ -65,7 +103,7 @@ class LayerCacheScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog", classes="dialog -layers"):
             yield Static("KV cache per layer", classes="dialog-title")
-            yield DataTable(id="layers", cursor_type="row", zebra_stripes=True)
+            yield ColumnTable(id="layers", cursor_type="row", zebra_stripes=True)
             yield Static(id="summary", classes="dialog-hint")
 
     def on_mount(self) -> None:
@@ -75,18 +113,17 @@ class LayerCacheScreen(ModalScreen[None]):
         rows = self.source()
         table = self.query_one(DataTable)
         table.clear(columns=True)
-        keys = [k for k, _ in COLUMNS if any(k in r for r in rows)]
-        extra = sorted({k for r in rows for k in r} - {k for k, _ in COLUMNS})
+        keys = shown_columns(rows)
         titles = dict(COLUMNS)
-        table.add_columns(*(titles.get(k, k) for k in keys + extra))
+        table.add_columns(*(titles.get(k, k) for k in keys))
         for r in rows:
-            table.add_row(*(_cell(k, r.get(k)) for k in keys + extra))
+            table.add_row(*(_cell(k, r.get(k)) for k in keys))
         self.query_one("#summary", Static).update(
-            f"{summary(rows)} · r refresh · a attention of the selected layer · Esc close"
+            f"{summary(rows)} · ←/→ more columns · r refresh · a attention of the selected"
+            " layer · Esc close"
             if rows
             else "The cache is empty (no turn yet, or no model loaded). Esc closes."
         )
-
 
     def action_attention(self) -> None:
         if self.open_attention is not None:

@@ -83,7 +83,10 @@ class ModelPickerScreen(ModalScreen[str | None]):
     def _scan(self) -> None:
         # Plain file-system reads (safetensors headers, no MLX), so a worker thread is
         # fine; a big HF cache must not freeze the UI while it is walked.
-        rows = model_rows(self.extra_dirs, include_defaults=self.include_defaults)
+        # the model in use is listed (with its ●) even when it was opened by a path that
+        # no searched folder holds
+        rows = model_rows(self.extra_dirs, include_defaults=self.include_defaults,
+                          opened=[self.current] if self.current else [])
         self.app.call_from_thread(self._fill, rows)
 
     def _fill(self, rows: list[ModelRow]) -> None:

@@ -5,6 +5,7 @@ Kept free of Textual so tests can check the exact strings the panel shows.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from kvchat.model.cache.kv_math import human_bytes
@@ -12,6 +13,7 @@ from kvchat.model.cache.kv_math import human_bytes
 __all__ = [
     "context_level",
     "fmt_count",
+    "fmt_device",
     "fmt_params",
     "fmt_rate",
     "fmt_seconds",
@@ -75,3 +77,18 @@ def fmt_saving(x: Any) -> str:
     except (TypeError, ValueError):
         return "–"
     return f"{f:.0f}×" if f == int(f) else f"{f:.1f}×"
+
+
+_DEVICE = re.compile(r"Device\((\w+), (\d+)\)")
+
+
+def fmt_device(device: str | None) -> str:
+    """MLX's device as a user says it: "Device(cpu, 0)" -> "CPU", "Device(gpu, 1)" ->
+    "GPU 1" (the index only where there is more than one); anything else as it is."""
+    if not device:
+        return "–"
+    m = _DEVICE.fullmatch(device.strip())
+    if m is None:
+        return device
+    kind, index = m.group(1).upper(), int(m.group(2))
+    return kind if index == 0 else f"{kind} {index}"

@@ -21,6 +21,7 @@ from kvchat.app.tui.widgets.format import (
     context_level,
     fmt_bytes,
     fmt_count,
+    fmt_device,
     fmt_params,
     fmt_rate,
     fmt_saving,
@@ -35,15 +36,44 @@ REFRESH_S = 0.1
 NOW_MIN_WINDOW_S = 0.03
 SPARK_POINTS = 48
 LABEL_W = 9
+# the panel's text width (kvchat.tcss: StatsPanel width 38, less padding 2, border 1 and
+# the scrollbar 1): a longer value wraps under itself, never back to the label column
+CONTENT_W = 34
+VALUE_W = CONTENT_W - LABEL_W
 
 
 def _times(n: int | None, factor: float | None) -> int | None:
     return None if n is None or factor is None else round(n * factor)
 
 
+def _wrap(value: Text, width: int) -> list[Text]:
+    """`value` cut at spaces into lines of at most `width` cells (a longer word is cut
+    where it must), keeping its styles."""
+    plain, cuts, start = value.plain, [], 0
+    while len(plain) - start > width:
+        space = plain.rfind(" ", start + 1, start + width + 1)
+        end = space if space > start else start + width
+        cuts.append(end)
+        start = end + 1 if space > start else end
+    if not cuts:
+        return [value]
+    lines, prev = [], 0
+    for end in cuts:
+        lines.append(value[prev:end])
+        prev = end + 1 if plain[end:end + 1] == " " else end
+    lines.append(value[prev:])
+    return lines
+
+
 def _row(label: str, value: str | Text, style: str = "") -> Text:
+    """`label` in the label column, `value` beside it; a value wider than the panel goes
+    on in more lines indented to the value column."""
     t = Text(f"{label:<{LABEL_W}}", style="dim")
-    t.append(value if isinstance(value, Text) else literal(value, style=style))
+    v = value if isinstance(value, Text) else literal(value, style=style)
+    for i, line in enumerate(_wrap(v, VALUE_W)):
+        if i:
+            t.append("\n" + " " * LABEL_W)
+        t.append_text(line)
     return t
 
 
@@ -193,7 +223,9 @@ class StatsPanel(VerticalScroll):
         self._render_now()
 
     def set_bound(self, max_kv_size: int | None, keep: int) -> None:
-        self.max_kv_size, self.keep = max_kv_size, keep if max_kv_size else 0
+        """The configured bound. `keep` holds for the model's own context too: once that
+        fills, the cache rotates keeping `keep` sinks (model/cache/kv.py, make_cache)."""
+        self.max_kv_size, self.keep = max_kv_size, keep
         self._dirty = True
 
     def capacity(self) -> int | None:
@@ -303,7 +335,7 @@ class StatsPanel(VerticalScroll):
         )
         runtime = [
             _row("kernels", str(s.kernels_backend or "–")),
-            _row("device", str(s.device or "–")),
+            _row("device", fmt_device(s.device)),
             # the slow one in bold (a named colour such as yellow is unreadable on light themes)
             _row("BLAS", blas.short_label(), "" if blas.active_blas()["fast"] else "bold"),
             _row("threads", threads.policy().short_label()),
