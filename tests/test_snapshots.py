@@ -133,7 +133,8 @@ def test_main_screen_before_the_first_turn(snap_compare: Any,
     settings' keep (4) for the model's own 512-token context, the device is "CPU", and
     the BLAS hint goes on under its value."""
     monkeypatch.setattr("kvchat.app.core.blas.active_blas",
-                        lambda: {"name": "reference BLAS", "path": None, "fast": False})
+                        lambda: {"name": "reference BLAS", "path": None, "fast": False,
+                                 "fix": "sudo apt-get install libopenblas0-pthread"})
     app = scripted_app()
 
     async def run_before(pilot: Any) -> None:
