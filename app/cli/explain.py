@@ -19,7 +19,8 @@ from kvchat.model.errors import KVChatError, ModelLoadError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="DIR", help=f"model folder (default: {DEFAULT_MODEL})")
+    p.add_argument("--model", metavar="DIR", help="model folder, GGUF file or ollama:NAME[:TAG]"
+                   f" (default: {DEFAULT_MODEL})")
     p.add_argument("--context", type=int, default=None, metavar="N",
                    help="context for the cache figures (default: the model's maximum)")
     p.add_argument("--gap", type=int, default=3, metavar="N",

@@ -143,7 +143,17 @@ def _metadata(w: Any, cfg: dict[str, Any], arch: str) -> dict[str, np.ndarray]:
     return extra
 
 
-def _spm_vocab(w: Any, folder: Path, vocab_size: int, space_prefix: bool) -> None:
+def _special(folder: Path, template: bool, **kw: Any) -> Any:
+    import gguf
+
+    special = gguf.SpecialVocab(folder, **kw)
+    if not template:  # a file converted without a chat template
+        special.chat_template = None
+    return special
+
+
+def _spm_vocab(w: Any, folder: Path, vocab_size: int, space_prefix: bool,
+               template: bool) -> None:
     """_set_vocab_sentencepiece: pieces, scores and types from tokenizer.model."""
     import gguf
     from sentencepiece import SentencePieceProcessor
@@ -165,10 +175,10 @@ def _spm_vocab(w: Any, folder: Path, vocab_size: int, space_prefix: bool) -> Non
     w.add_token_types(types)
     if not space_prefix:  # GemmaModel.set_vocab
         w.add_add_space_prefix(False)
-    gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(w)
+    _special(folder, template, n_vocab=len(tokens)).add_to_gguf(w)
 
 
-def _bpe_vocab(w: Any, folder: Path, vocab_size: int, pre: str) -> None:
+def _bpe_vocab(w: Any, folder: Path, vocab_size: int, pre: str, template: bool) -> None:
     """_set_vocab_gpt2 with get_vocab_base (the pre-tokenizer named, not hashed)."""
     import gguf
     from transformers import AutoTokenizer
@@ -195,7 +205,7 @@ def _bpe_vocab(w: Any, folder: Path, vocab_size: int, pre: str) -> None:
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
-    gguf.SpecialVocab(folder, load_merges=True).add_to_gguf(w)
+    _special(folder, template, load_merges=True).add_to_gguf(w)
 
 
 def _tensors(folder: Path, cfg: dict[str, Any], arch: str) -> dict[str, np.ndarray]:
@@ -239,6 +249,7 @@ def _tensors(folder: Path, cfg: dict[str, Any], arch: str) -> dict[str, np.ndarr
 
 def convert(folder: Path, out: Path, *, tokenizer: str, pre: str | None = None,
             outtype: str = "F32", space_prefix: bool = True, roundtrip: bool = False,
+            template: bool = True,
             types: Callable[[str, np.ndarray], tuple[np.ndarray, Any] | None] | None = None,
             ) -> Path:
     """`folder` (config.json, safetensors, tokenizer files) as the GGUF file `out`.
@@ -246,6 +257,7 @@ def convert(folder: Path, out: Path, *, tokenizer: str, pre: str | None = None,
     tokenizer: "spm" (tokenizer.model) or "bpe" (tokenizer.json, pre-tokenizer `pre`).
     outtype: the matrices' type: F32, F16, Q8_0, Q4_0 or Q4_1 (1-D tensors stay F32).
     roundtrip: store a quantized type's values dequantized, as F32 (the reference).
+    template: write the folder's chat template (False: a file without one).
     types: a hook (gguf name, F32 data) -> (raw data, GGML type) to store one tensor
     otherwise, or None to leave it.
     """
@@ -263,10 +275,10 @@ def convert(folder: Path, out: Path, *, tokenizer: str, pre: str | None = None,
     extra = _metadata(w, cfg, arch)
     w.add_file_type(ftype)
     if tokenizer == "spm":
-        _spm_vocab(w, folder, cfg["vocab_size"], space_prefix)
+        _spm_vocab(w, folder, cfg["vocab_size"], space_prefix, template)
     else:
         assert pre is not None
-        _bpe_vocab(w, folder, cfg["vocab_size"], pre)
+        _bpe_vocab(w, folder, cfg["vocab_size"], pre, template)
     tensors = {**_tensors(folder, cfg, arch), **extra}
     for name, data in tensors.items():
         hooked = types(name, data) if types else None

@@ -292,6 +292,8 @@ class StatsPanel(VerticalScroll):
                 _row("arch", str(info.get("architecture") or "–")),
                 _row("params", f"{fmt_params(info.get('parameters'))} · {precision}"),
                 _row("weights", fmt_bytes(info.get("weight_bytes"))),
+                # a GGUF file: llama.cpp's name for how it is stored
+                *([_row("file", f"from GGUF {info['gguf']}")] if info.get("gguf") else []),
                 _row(
                     "shape",
                     f"{fmt_count(info.get('n_layers'))} layers · "
