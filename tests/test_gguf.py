@@ -232,6 +232,25 @@ def test_facts_are_what_loading_allocates(outtype: str, gguf_of: Callable[..., P
     assert check_model_folder(path) == facts
 
 
+def test_engine_chats_with_a_gguf_file(checkpoint: Callable[[str], Path],
+                                      gguf_of: Callable[..., Path]) -> None:
+    """The engine loads the file (its one loading place), says how it is stored, and a
+    chat turn through the file's own template gives the folder's greedy reply."""
+    from kvchat.model.runtime.client import EngineClient
+    from kvchat.model.runtime.events import GenParams
+
+    chat = [{"role": "user", "content": "Tell me a story."}]
+    params = GenParams(max_tokens=8, temp=0.0, ignore_eos=True)
+    with EngineClient(checkpoint("qwen2"), timeout=120) as ref:
+        want = ref.run(chat, params)
+    with EngineClient(gguf_of("qwen2"), timeout=120) as c:
+        assert c.info["gguf"] == "F32" and c.info["name"] == "qwen2-F32"
+        assert c.info["chat_template"] and c.info["architecture"] == "qwen2"
+        got = c.run(chat, params)
+    assert got.prompt_ids == want.prompt_ids
+    assert (got.ids, got.text) == (want.ids, want.text)
+
+
 def _k_quant_blocks(rows: int, cols: int, qtype: Any, seed: int) -> np.ndarray:
     """Random K-quant blocks with sane scales (gguf-py cannot quantize to K-quants)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType

@@ -42,9 +42,9 @@ def explain_folder(folder: str | Path, context: int | None = None, gap: int = 3,
     from kvchat.model.files import model_name
 
     path = Path(folder).expanduser()
-    if not path.is_dir():
+    if not path.exists():
         raise ModelLoadError(f"model folder not found: {path}")
-    facts = check_model_folder(path)
+    facts = check_model_folder(path)  # a folder or a GGUF file
     model = load_model(path)
     cfg = model.config
     if block == "2017":
