@@ -8,9 +8,10 @@ llama.cpp's converter does (tests/helpers/gguf_convert.py: its name map, the Q/K
 permutation, Gemma's 1 + w norms, stacked experts, its metadata keys and vocabulary
 code). kvchat must read the file as the same model: the same token ids and chat prompt,
 logits within 1e-4 · max(1, |ref|) of the folder loaded by kvchat (itself exact against
-transformers, tests/test_families.py), the same greedy ids. Q8_0 and Q4_0 files give the
-same greedy ids (and, dequantized, the same logits) as their dequantized weights run as
-floats. Then hostile files: every bound of the header parser, with hand-made bytes.
+transformers, tests/test_families.py), the same greedy ids. Q8_0, Q4_0 and Q4_1 files
+give the same greedy ids (and, dequantized, the same logits) as their dequantized weights
+run as floats; K-quants load as gguf.quants dequantizes them. Then hostile files: every
+bound of the header parser, with hand-made bytes. (The stores: test_gguf_stores.py.)
 """
 
 from __future__ import annotations
@@ -249,6 +250,17 @@ def test_engine_chats_with_a_gguf_file(checkpoint: Callable[[str], Path],
         got = c.run(chat, params)
     assert got.prompt_ids == want.prompt_ids
     assert (got.ids, got.text) == (want.ids, want.text)
+
+
+def test_panel_says_how_a_gguf_file_is_stored() -> None:
+    from kvchat.app.tui.widgets.stats_panel import model_rows
+
+    info = {"name": "Qwen2.5-7B-Instruct-Q4_K_M", "architecture": "qwen2", "dtype": "float32",
+            "parameters": 7_600_000_000, "weight_bytes": 30_400_000_000, "n_layers": 28,
+            "n_heads": 28, "n_kv_heads": 4}
+    plain = [r.plain for r in model_rows({**info, "gguf": "Q4_K_M"})]
+    assert "from GGUF Q4_K_M" in plain[4] and plain[4].startswith("file")
+    assert not any("GGUF" in r.plain for r in model_rows(info))  # a folder: no such row
 
 
 def _k_quant_blocks(rows: int, cols: int, qtype: Any, seed: int) -> np.ndarray:
