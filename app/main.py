@@ -59,8 +59,8 @@ def build_parser() -> Any:
     p.add_argument("--version", action=blas.VersionAction,
                    help="print kvchat, MLX, device and BLAS, then exit")
     p.add_argument("--model", dest="tui_model", metavar="DIR",
-                   help="model folder for the chat (default: the last one used, else the"
-                   " shipped model)")
+                   help="model folder, GGUF file or ollama:NAME[:TAG] for the chat (default:"
+                   " the last one used, else the shipped model)")
     p.add_argument("--hosts", dest="hostfile", metavar="HOSTFILE",
                    help="split the chat's model across the hosts of an mlx.launch hostfile")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")  # parser_class: Parser
@@ -129,6 +129,7 @@ def _main(argv: list[str]) -> int:
             from kvchat.app.tui.app import run_chat
 
             return run_chat(args.hostfile, args.tui_model)
+        _resolve_models(args)  # ollama:NAME -> its GGUF blob, for every command alike
         # under mlx.launch: ranks other than 0 serve the model's layers and stop here
         model = getattr(args, "model", None) or args.tui_model
         if (code := hosts.join_if_launched(model)) is not None:
@@ -143,7 +144,28 @@ def _main(argv: list[str]) -> int:
         return _usage_error(str(e), argv)
     except KVChatError as e:
         report(str(e))
+        if "--json" in argv and args.command == "generate":  # its one JSON object, still
+            import json
+
+            from kvchat.app.cli.generate import error_done, result_object
+
+            print(json.dumps(result_object(error_done(str(e)))))
         return 1
+
+
+def _resolve_models(args: Any) -> None:
+    """`--model ollama:NAME[:TAG]` names a model of Ollama's store: the loaders get its GGUF
+    blob (read where it is); what the user should know is one note on stderr."""
+    from kvchat.app.core.discovery import resolve_model
+    from kvchat.app.core.text import visible_name
+
+    for attr in ("model", "tui_model"):
+        value = getattr(args, attr, None)
+        if isinstance(value, str) and value:
+            resolved = resolve_model(value)
+            setattr(args, attr, resolved.path)
+            for notice in resolved.notices:
+                print(f"kvchat: note: {visible_name(notice)}", file=sys.stderr)
 
 
 @contextlib.contextmanager

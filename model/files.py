@@ -299,11 +299,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 def model_name(folder: str | Path) -> str:
     """What to call a model folder: org/name for a Hugging Face cache snapshot
-    (models--org--name/snapshots/<commit>), else the folder's name."""
+    (models--org--name/snapshots/<commit>), else the folder's name (a GGUF file's,
+    without .gguf)."""
     p = Path(folder)
     if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
         return p.parent.parent.name[len("models--"):].replace("--", "/")
-    return p.name
+    return p.name.removesuffix(".gguf")
 
 
 def has_tokenizer(folder: str | Path) -> bool:

@@ -29,7 +29,8 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
-    for var in ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME"):
+    for var in ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME",
+                "OLLAMA_MODELS"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
     # the repo may ship assets/kvchat-mini; tests decide what "assets" holds
@@ -293,7 +294,8 @@ def test_default_model_is_repo_assets() -> None:
 
 def test_default_model_dirs_order(tmp_path: Path, isolated_home: Path) -> None:
     dirs = default_model_dirs([str(tmp_path / "mine")])
-    assert [s for _, s in dirs] == ["configured", "hf-cache", "lm-studio", "lm-studio", "assets"]
+    assert [s for _, s in dirs] == ["configured", "hf-cache", "lm-studio", "lm-studio",
+                                    "ollama", "assets"]
     assert dirs[0][0] == tmp_path / "mine"
     # folders named on the command line come first, under their own source
     given = default_model_dirs([str(tmp_path / "mine")], given=[str(tmp_path / "cli")])
@@ -301,6 +303,7 @@ def test_default_model_dirs_order(tmp_path: Path, isolated_home: Path) -> None:
     assert dirs[1][0] == isolated_home / ".cache" / "huggingface" / "hub"
     assert dirs[2][0] == isolated_home / ".lmstudio" / "models"
     assert dirs[3][0] == isolated_home / ".cache" / "lm-studio" / "models"
+    assert dirs[4][0] == isolated_home / ".ollama" / "models"
     assert dirs[-1][0] == discovery.DEFAULT_MODEL
 
 
@@ -372,7 +375,9 @@ def test_models_cmd_json_and_settings_dirs(
     assert [m["name"] for m in out["models"]] == ["m1"]
     m = out["models"][0]
     assert set(m) == {"name", "path", "architecture", "size_bytes", "bits", "source", "supported",
-                      "loadable", "problem", "weight_bytes", "compute_dtype", "file_dtype"}
+                      "loadable", "problem", "weight_bytes", "compute_dtype", "file_dtype",
+                      "quantization"}
+    assert m["quantization"] is None  # a folder; a GGUF file's type otherwise
     assert str(tmp_path / "fromsettings") in out["looked_in"]
 
 

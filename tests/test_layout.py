@@ -59,7 +59,7 @@ def layer(module: str) -> str:
     if parts == ["model"]:
         return "model.api"
     if parts[:1] == ["model"]:
-        if parts[1] in ("errors", "files"):
+        if parts[1] in ("errors", "files", "gguf_file"):
             return "model.base"
         if f"model.{parts[1]}" in MODEL_FLOORS:
             return f"model.{parts[1]}"

@@ -44,6 +44,7 @@ from kvchat.app.core.errors import UsageError, report
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
 from kvchat.model.cache.kv_math import kv_bytes_per_token
 from kvchat.model.decoder.kv_format import KVQuant
+from kvchat.model.gguf_file import is_gguf
 from kvchat.model.runtime import threads
 from kvchat.model.runtime.events import GenParams
 
@@ -206,6 +207,10 @@ def run(args: argparse.Namespace) -> int:
         q = kv_quant_from_args(args)
     except UsageError as e:
         report(str(e))
+        return 2
+    if args.against and not args.mlx_lm_model and is_gguf(str(args.model or DEFAULT_MODEL)):
+        report("--against mlx-lm: mlx-lm reads model folders, not GGUF files; give it one"
+               " with --mlx-lm-model DIR")
         return 2
     if args.keep_quantized:
         os.environ["KVCHAT_KEEP_QUANTIZED"] = "1"

@@ -19,7 +19,8 @@ from kvchat.model.errors import KVChatError, ModelLoadError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="DIR", help=f"model folder (default: {DEFAULT_MODEL})")
+    p.add_argument("--model", metavar="DIR", help="model folder, GGUF file or ollama:NAME[:TAG]"
+                   f" (default: {DEFAULT_MODEL})")
     p.add_argument("--context", type=int, default=None, metavar="N",
                    help="context for the cache figures (default: the model's maximum)")
     p.add_argument("--gap", type=int, default=3, metavar="N",
@@ -42,9 +43,9 @@ def explain_folder(folder: str | Path, context: int | None = None, gap: int = 3,
     from kvchat.model.files import model_name
 
     path = Path(folder).expanduser()
-    if not path.is_dir():
+    if not path.exists():
         raise ModelLoadError(f"model folder not found: {path}")
-    facts = check_model_folder(path)
+    facts = check_model_folder(path)  # a folder or a GGUF file
     model = load_model(path)
     cfg = model.config
     if block == "2017":

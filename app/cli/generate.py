@@ -20,7 +20,8 @@ from kvchat.model.runtime.events import Done, GenParams, stats_json
 
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="DIR", help=f"model folder (default: {DEFAULT_MODEL})")
+    p.add_argument("--model", metavar="DIR", help="model folder, GGUF file or ollama:NAME[:TAG]"
+                   f" (default: {DEFAULT_MODEL})")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:

@@ -34,6 +34,7 @@ from kvchat.model.cache.kv_math import (
 from kvchat.model.decoder.config import ModelConfig, load_config
 from kvchat.model.errors import ConfigError, KVChatError, ModelLoadError
 from kvchat.model.explain.facts import model_facts
+from kvchat.model.gguf_file import is_gguf
 
 LIVE_TOKENS = 32  # generated tokens in --live (a few dozen: cheap, and enough to fill a step)
 
@@ -41,7 +42,8 @@ LIVE_TOKENS = 32  # generated tokens in --live (a few dozen: cheap, and enough t
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", metavar="DIR",
-                     help=f"model folder (config.json + safetensors; default: {DEFAULT_MODEL})")
+                     help="model folder (config.json + safetensors), GGUF file or"
+                     f" ollama:NAME[:TAG] (default: {DEFAULT_MODEL})")
     src.add_argument("--config", metavar="FILE", help="a config.json (no weights needed)")
     p.add_argument("--context", type=int, default=None, metavar="N",
                    help="context length for the totals (default: max_position_embeddings)")
@@ -119,8 +121,10 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
         except BudgetError as e:
             raise UsageError(str(e)) from None
     source = Path(args.model or args.config).expanduser()
-    if args.model and not source.is_dir():
+    if args.model and not source.exists():
         raise ModelLoadError(f"model folder not found: {source}")
+    if args.model and not source.is_dir() and not (is_gguf(source) or source.suffix == ".gguf"):
+        raise ModelLoadError(f"not a model folder or GGUF file: {source}")
     if args.config and not source.exists():
         raise ConfigError(f"config file not found: {source}")
     cfg = load_config(source)
@@ -190,7 +194,13 @@ def _ranks(args: argparse.Namespace, source: Path, cfg: ModelConfig, dtype_bytes
     from kvchat.model.distributed.pipeline import config_tensor_bytes, split_table
     from kvchat.model.files import tensor_bytes
 
-    sizes = tensor_bytes(source) if args.model else config_tensor_bytes(cfg, dtype_bytes)
+    if args.model and is_gguf(source):  # the file's tensors under our names
+        from kvchat.model.decoder.gguf import tensor_bytes as gguf_tensor_bytes
+        from kvchat.model.gguf_file import read_gguf
+
+        sizes = gguf_tensor_bytes(read_gguf(source))
+    else:
+        sizes = tensor_bytes(source) if args.model else config_tensor_bytes(cfg, dtype_bytes)
     return split_table(cfg, sizes, args.hosts, dtype_bytes, context)
 
 
@@ -334,11 +344,12 @@ def _render(o: dict[str, Any]) -> str:
     f = o.get("facts")
     if f:
         # a quantized folder's float tensors are only its scales, norms and biases
-        held = (f"quantized: {f['quantization']}" if f.get("quantization")
+        held = (f"from GGUF {f['gguf']}" if f.get("gguf")
+                else f"quantized: {f['quantization']}" if f.get("quantization")
                 else f"{f['file_dtype'] or 'no float'} tensors")
         lines.append(f"weights: {_b(f['weight_bytes'])} loaded as {f['compute_dtype']} on the"
                      f" {f['device']} (files: {_b(f['file_bytes'])}, {held})")
-        if f["file_dtype"] and f["file_dtype"] != f["compute_dtype"]:
+        if f["file_dtype"] and f["file_dtype"] != f["compute_dtype"] and not f.get("gguf"):
             what = ("the files' float tensors (scales, norms) are" if f.get("quantization")
                     else "the files hold")
             lines.append(f"note: {what} {f['file_dtype']}; kvchat computes and caches in"

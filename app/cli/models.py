@@ -1,5 +1,8 @@
 """`kvchat models`: list the local models kvchat can find, with what they cost to load.
 
+Folders and GGUF files (LM Studio's, configured folders', Ollama's store: `ollama:NAME`
+loads one); BITS is a GGUF file's type (Q4_K_M, …) there.
+
 MEMORY and DTYPE are what loading allocates on this backend (model/explain/facts.py, the numbers
 `inspect`, the picker and the side panel show too); a folder kvchat cannot load is listed
 with the reason instead.
@@ -48,7 +51,7 @@ def format_table(rows: list[ModelRow]) -> str:
         tuple(visible_name(c) for c in (
             r.entry.name if r.loadable else f"{r.entry.name} ✗",
             r.entry.architecture,
-            str(r.entry.bits) if r.entry.bits else "-",
+            str(r.entry.bits or r.entry.quantization or "-"),  # a GGUF file: its type
             r.facts.compute_dtype if r.facts else "-",
             human_bytes(r.facts.weight_bytes) if r.facts else "-",
             r.entry.source,

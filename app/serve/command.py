@@ -48,7 +48,8 @@ RANGES: dict[str, tuple[float, float, bool]] = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="DIR", help=f"model folder (default: {DEFAULT_MODEL})")
+    p.add_argument("--model", metavar="DIR", help="model folder, GGUF file or ollama:NAME[:TAG]"
+                   f" (default: {DEFAULT_MODEL})")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default %(default)s; another needs --api-key"
                    " or --insecure)")

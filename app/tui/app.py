@@ -28,12 +28,13 @@ from kvchat.app.core.text import SafeNotify, visible
 from kvchat.app.tui.actions import bindings, help_rows, palette
 from kvchat.app.tui.readable import readable_variables
 from kvchat.app.tui.screens import ChatScreen, HelpScreen
+from kvchat.model.gguf_file import is_gguf
 from kvchat.model.runtime.events import EngineFactory
 
 
 def validate_model_path(path: str | Path) -> Path:
-    """Check a model folder before the UI starts; raises ModelLoadError/ConfigError
-    (one line) so the CLI can print it and exit 1."""
+    """Check a model folder or GGUF file before the UI starts; raises
+    ModelLoadError/ConfigError (one line) so the CLI can print it and exit 1."""
     from kvchat.model.explain.facts import check_model_folder
 
     check_model_folder(path)  # config, weights' headers, tokenizer
@@ -129,7 +130,7 @@ def default_model_path(settings: Settings) -> str | None:
     """No --model: the last model used, else the shipped one, else none (pick in the UI)."""
     # absolute only: an old relative entry would depend on where kvchat was started
     last = settings.last_model
-    if last and Path(last).is_absolute() and Path(last).is_dir():
+    if last and Path(last).is_absolute() and (Path(last).is_dir() or is_gguf(last)):
         return last
     if (DEFAULT_MODEL / "config.json").is_file():
         return str(DEFAULT_MODEL)

@@ -4,8 +4,9 @@ Three checks, each one line when it fails (the caller then prefills the history 
 
 - a fingerprint of the model folder (each weight file's name, size, mtime, safetensors
   header and three 4 KiB samples of its data; config, tokenizer and template files
-  whole), computed in milliseconds and cached per folder until a file's size or mtime
-  changes: weights replaced in place give another fingerprint;
+  whole; a GGUF file's first 64 MiB and two samples), computed in milliseconds and
+  cached per folder until a file's size or mtime changes: weights replaced in place give
+  another fingerprint;
 - a sha256 over the file's arrays (name, dtype, shape, bytes) and its string metadata
   (token ids, offsets, bound), stored in the metadata: a flipped bit, a NaN, zeros, an
   int32 copy or a moved offset no longer match;
@@ -30,6 +31,7 @@ from .kv import QUANTIZED, CacheError, parts
 
 CHECKSUM_KEY = "kvchat_checksum"
 SAMPLE = 4096
+WHOLE = 64 * 1024 * 1024  # bytes of a file hashed from its start (text files: all)
 # what a model folder holds besides weights that changes what the cache means
 TEXT_FILES = ("config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
               "special_tokens_map.json", "generation_config.json", "chat_template.jinja",
@@ -54,11 +56,14 @@ def model_fingerprint(folder: str | os.PathLike[str]) -> str:
     """A hex digest that changes whenever the model's weights, config or tokenizer do;
     "" for a folder with none of them (a scripted model in tests)."""
     folder = Path(folder)
-    try:
-        weights = sorted(folder.glob("*.safetensors"))
-    except OSError:
-        weights = []
-    files = weights + [folder / n for n in TEXT_FILES if (folder / n).is_file()]
+    if folder.is_file():  # a GGUF file: weights, config and tokenizer in one
+        files = [folder]
+    else:
+        try:
+            weights = sorted(folder.glob("*.safetensors"))
+        except OSError:
+            weights = []
+        files = weights + [folder / n for n in TEXT_FILES if (folder / n).is_file()]
     if not files:
         return ""
     key = _stat_key(files)
@@ -82,8 +87,11 @@ def model_fingerprint(folder: str | os.PathLike[str]) -> str:
                     for at in (8 + n, (8 + n + size) // 2, max(8 + n, size - SAMPLE)):
                         fh.seek(at)
                         h.update(fh.read(SAMPLE))
-                else:
-                    h.update(fh.read(64 * 1024 * 1024))
+                else:  # text files whole; a GGUF file's metadata, then samples
+                    h.update(fh.read(WHOLE))
+                    for at in (size // 2, size - SAMPLE) if size > WHOLE else ():
+                        fh.seek(at)
+                        h.update(fh.read(SAMPLE))
         except OSError as e:
             h.update(f"unreadable {e.errno}".encode())
     digest = h.hexdigest()

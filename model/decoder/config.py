@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvchat.model.errors import ConfigError
+from kvchat.model.gguf_file import is_gguf, read_gguf
 
 from .config_checks import check_config
 from .families import (
@@ -36,6 +37,7 @@ from .families import (
     family_of,
     no_rope_layers,
 )
+from .gguf import gguf_config
 from .rope import RopeConfig, check_rotary, global_rope, local_rope
 
 
@@ -521,10 +523,25 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
 
 
 def load_config(path: str | Path) -> ModelConfig:
-    """Read `config.json` (a file, or the folder holding it)."""
+    """Read `config.json` (a file, or the folder holding it), or a GGUF file's metadata
+    as the config.json it stands for (gguf.py)."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
+    if is_gguf(p) or p.suffix == ".gguf":  # a .gguf that is not one: read_gguf says why
+        cfg = gguf_config(read_gguf(p))
+    else:
+        cfg = _read_config_json(p)
+    text, _ = unwrap(cfg)
+    fam = family_of(text)
+    # the family first, then its checks: keys the family ignores are not checked
+    text = aliased(text, fam)
+    check_config(text if fam.window_used(text) else
+                 {k: v for k, v in text.items() if k != "sliding_window"})
+    return ModelConfig.from_dict(cfg)
+
+
+def _read_config_json(p: Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"no config.json in {p.parent}")
     try:
@@ -533,10 +550,4 @@ def load_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"cannot read {p}: {e}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{p} is not a JSON object")
-    text, _ = unwrap(cfg)
-    fam = family_of(text)
-    # the family first, then its checks: keys the family ignores are not checked
-    text = aliased(text, fam)
-    check_config(text if fam.window_used(text) else
-                 {k: v for k, v in text.items() if k != "sliding_window"})
-    return ModelConfig.from_dict(cfg)
+    return cfg

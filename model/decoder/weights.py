@@ -17,7 +17,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from kvchat.model.errors import ModelLoadError
 from kvchat.model.files import mlx_path, safetensors_header, weight_files
+from kvchat.model.gguf_file import is_gguf, read_gguf
 
+from . import gguf
 from .config import ModelConfig, load_config
 from .families import FAMILIES
 from .mla import QuantizedMultiLinear, split_kv_b
@@ -218,7 +220,7 @@ def load_model(
     build: Callable[[ModelConfig], nn.Module] = Transformer,
     dequantize: bool | None = None,
 ) -> Transformer:
-    """Load a model folder ready for inference.
+    """Load a model folder (or a GGUF file) ready for inference.
 
     `quantize=(bits, group_size)` quantizes a float checkpoint on load. `build` makes the
     module to fill (a pipeline rank's slice); tensors under its `excluded_prefixes` are
@@ -229,26 +231,25 @@ def load_model(
     folder = Path(path).expanduser()
     if not folder.exists():
         raise ModelLoadError(f"model folder not found: {folder}")
-    if not folder.is_dir():
-        raise ModelLoadError(f"not a model folder: {folder}")
+    gguf_file = read_gguf(folder) if is_gguf(folder) else None
+    if gguf_file is None and not folder.is_dir():
+        raise ModelLoadError(f"not a model folder or GGUF file: {folder}")
     cfg: ModelConfig = load_config(folder)
-    files = weight_files(folder)
-    weights: dict[str, mx.array] = {}
-    for f in files:
-        safetensors_header(f)
-        native = mlx_path(f)
-        try:
-            weights.update(mx.load(native))
-        except Exception as e:  # mlx raises RuntimeError/ValueError with long texts
-            raise ModelLoadError(f"cannot read {f.name}: {str(e).splitlines()[0]}") from None
+    model = build(cfg)
+    excluded = getattr(model, "excluded_prefixes", ())
+    if gguf_file is not None:
+        # the file's own float type: what a GPU computes in (the CPU: float32 anyway)
+        file_dtype = getattr(mx, gguf.float_dtype(gguf_file))
+        dtype = dtype or compute_dtype(file_dtype)
+        weights = gguf.read_weights(gguf_file, skip=lambda n: n.startswith(tuple(excluded)),
+                                    dequant_dtype=compute_dtype(file_dtype))
+    else:
+        weights = _read_safetensors(folder)
     weights = {k: v for k, v in weights.items() if not k.endswith(IGNORED_SUFFIXES)}
     weights = our_names(cfg, weights)
     if cfg.tie_word_embeddings:
         for k in [k for k in weights if k.startswith("lm_head.")]:
             del weights[k]
-
-    model = build(cfg)
-    excluded = getattr(model, "excluded_prefixes", ())
     if excluded:
         weights = {k: v for k, v in weights.items() if not k.startswith(excluded)}
     quant = _validate_quantization(cfg.quantization) if cfg.quantization else None
@@ -291,7 +292,23 @@ def load_model(
     mx.eval(model.parameters())
     model.path = folder  # type: ignore[attr-defined]
     model.quantization = quant  # type: ignore[attr-defined]
+    # what the model info says of a GGUF file: its name and how it is stored
+    model.source_info = {} if gguf_file is None else {  # type: ignore[attr-defined]
+        "name": gguf.display_name(gguf_file), "gguf": gguf_file.file_type}
     return model
+
+
+def _read_safetensors(folder: Path) -> dict[str, mx.array]:
+    """A folder's tensors, lazily (mx.load maps them), each file's header checked first."""
+    weights: dict[str, mx.array] = {}
+    for f in weight_files(folder):
+        safetensors_header(f)
+        native = mlx_path(f)
+        try:
+            weights.update(mx.load(native))
+        except Exception as e:  # mlx raises RuntimeError/ValueError with long texts
+            raise ModelLoadError(f"cannot read {f.name}: {str(e).splitlines()[0]}") from None
+    return weights
 
 
 # MLX's CPU quantized matmul is slower than a float32 matmul through BLAS (measured on

@@ -43,6 +43,7 @@ from kvchat.model.decoder.transformer import Transformer
 from kvchat.model.decoder.weights import load_model, parameter_count, weight_bytes
 from kvchat.model.errors import KVChatError, ModelLoadError
 from kvchat.model.files import tensor_bytes
+from kvchat.model.gguf_file import is_gguf
 
 from .link import Link, PipelineError, check_same_model, current_link, gather_ints
 
@@ -200,6 +201,9 @@ def load_part(link: Link, path: str | Path) -> tuple[SliceModel, list[Slice], li
     weights) or fails to load is named in one line on every rank.
     """
     folder = Path(path).expanduser()
+    if is_gguf(folder):  # every rank reads the same path: all refuse alike
+        raise ModelLoadError(f"{folder.name}: a GGUF file cannot be split across hosts yet;"
+                             " use a model folder (config.json + safetensors)")
     check_same_model(link, folder)
     cfg = load_config(folder)
     slices = plan(cfg, tensor_bytes(folder), link.size)

@@ -4,7 +4,7 @@
 the weights' bytes and the K/V element size are what `load_model` / `make_cache` will
 allocate *on this backend* (the CPU computes in float32 whatever the file holds), and
 the file's own dtype and tensor bytes sit beside them. Everything comes from
-safetensors headers; no tensor is read.
+safetensors headers (a GGUF file's tensor table); no tensor is read.
 """
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ from typing import Any
 
 import mlx.core as mx
 
+from kvchat.model.decoder import gguf
 from kvchat.model.decoder.config import load_config
 from kvchat.model.decoder.weights import IGNORED_SUFFIXES, compute_dtype, dequantize_on_load, rename
 from kvchat.model.files import has_tokenizer, tensor_headers
+from kvchat.model.gguf_file import is_gguf, read_gguf
+from kvchat.model.text.gguf_tokenizer import has_tokenizer as gguf_has_tokenizer
 
 # safetensors dtype names -> MLX dtypes (the floating ones the loader casts)
 _FLOAT = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
@@ -38,6 +41,7 @@ class ModelFacts:
     device: str  # "cpu" or "gpu"
     # quantized weights in the files, e.g. "4-bit, group 32, float16 scales" (None: none)
     quantization: str | None = None
+    gguf: str | None = None  # a GGUF file's type, llama.cpp's name: "Q4_K_M" (None: a folder)
 
     @property
     def dtype_differs(self) -> bool:
@@ -60,9 +64,11 @@ def _module(tensor: str) -> str:
 
 
 def model_facts(folder: str | Path) -> ModelFacts:
-    """Facts for a model folder (raises ModelLoadError/ConfigError, one line, when the
-    folder is not loadable)."""
+    """Facts for a model folder or GGUF file (raises ModelLoadError/ConfigError, one
+    line, when it is not loadable)."""
     folder = Path(folder).expanduser()
+    if is_gguf(folder):
+        return _gguf_facts(folder)
     cfg = load_config(folder)
     tensors = list(tensor_headers(folder).items())
     file_bytes = sum(i["data_offsets"][1] - i["data_offsets"][0] for _, i in tensors)
@@ -109,6 +115,37 @@ def model_facts(folder: str | Path) -> ModelFacts:
     )
 
 
+def _gguf_facts(path: Path) -> ModelFacts:
+    """A GGUF file's facts from its tensor table, as load_model will allocate: floats in
+    the compute dtype, Q4_0/Q4_1/Q8_0 kept packed (scales and biases in the compute
+    dtype) unless the CPU dequantizes them on load, other types dequantized."""
+    load_config(path)  # the architecture and its numbers are checked first
+    gf = read_gguf(path)
+    entries = gguf.plan(gf)
+    target = compute_dtype(getattr(mx, gguf.float_dtype(gf)))
+    packed = [e for e in entries if e.mlx_bits]
+    params = sum(e.tensor.n_elements for e in entries)
+    dequantize = bool(packed) and dequantize_on_load(params, target)
+    weight = 0
+    for e in entries:
+        n = e.tensor.n_elements
+        if e.mlx_bits and not dequantize:  # uint32 words + a scale and a bias per group
+            weight += n * e.mlx_bits // 8 + 2 * (n // gguf.GROUP) * target.size
+        else:
+            weight += n * target.size
+    floats = [e.tensor.type for e in entries if e.tensor.type in gguf.FLOATS
+              and len(e.tensor.shape) >= 2]
+    return ModelFacts(
+        file_dtype=gguf.FLOATS[floats[0]] if floats else None,
+        file_bytes=sum(t.nbytes for t in gf.tensors.values()),
+        compute_dtype=dtype_name(target),
+        kv_dtype_bytes=target.size,
+        weight_bytes=weight,
+        device="cpu" if mx.default_device() == mx.cpu else "gpu",
+        gguf=gf.file_type,
+    )
+
+
 def quantization_label(quant: dict[str, Any], scales_dtype: str) -> str:
     """How quantized weights are stored: "4-bit, group 32, float16 scales"."""
     parts = [f"{quant['bits']}-bit" if "bits" in quant else "quantized"]
@@ -128,8 +165,13 @@ def check_model_folder(folder: str | Path) -> ModelFacts:
     p = Path(folder).expanduser()
     if not p.exists():
         raise ModelLoadError(f"model folder not found: {p}")
+    if is_gguf(p) or (p.suffix == ".gguf" and not p.is_dir()):
+        read_gguf(p)  # a .gguf that is not one (or not a regular file): the parser says why
+        facts = model_facts(p)
+        load_tokenizer(p)
+        return facts
     if not p.is_dir():
-        raise ModelLoadError(f"not a model folder: {p}")
+        raise ModelLoadError(f"not a model folder or GGUF file: {p}")
     facts = model_facts(p)
     if not has_tokenizer(p):
         raise ModelLoadError(f"{p}: no tokenizer.json or tokenizer.model (kvchat needs one)")
@@ -144,6 +186,9 @@ def folder_status(folder: str | Path) -> tuple[ModelFacts | None, str | None]:
 
     try:
         facts = model_facts(folder)
+        if is_gguf(folder):
+            gf = read_gguf(folder)
+            return facts, None if gguf_has_tokenizer(gf) else "the GGUF file holds no tokenizer"
     except KVChatError as e:
         return None, str(e)
     except (OSError, ValueError, KeyError, TypeError) as e:

@@ -323,10 +323,12 @@ class Engine:
             self._emit(answer)
 
     def _open(self, path: str) -> tuple[Any, Tokenizer, dict[str, Any]]:
-        """Model, tokenizer and model info of a folder (engine thread)."""
+        """Model, tokenizer and model info of a folder or GGUF file (engine thread)."""
         model = pipeline.load(path)  # load_model, or this rank's slice of a pipeline
         tokenizer = load_tokenizer(path, prefer=self.tokenizer_kind)  # type: ignore[arg-type]
-        return model, tokenizer, model_info(model, tokenizer)
+        # a GGUF file's name and type ("gguf": "Q4_K_M") complete the info
+        return model, tokenizer, {**model_info(model, tokenizer),
+                                  **getattr(model, "source_info", {})}
 
     def _load(self, path: str) -> None:
         self._emit(Loading(path))

@@ -1,7 +1,8 @@
 """Tokenizers: SentencePiece ``tokenizer.model`` or Hugging Face ``tokenizer.json``, one API.
 
 ``load_tokenizer(folder)`` picks the file the folder has (``tokenizer.json`` when both exist,
-as transformers does; ``prefer=`` forces one) and reads the special tokens the way
+as transformers does; ``prefer=`` forces one; a GGUF file: the tokenizer its metadata
+describes, built by gguf_tokenizer.py) and reads the special tokens the way
 transformers and ``generate()`` do:
 
 - BOS/EOS strings from tokenizer_config.json, else special_tokens_map.json (a string or a
@@ -40,8 +41,10 @@ from typing import Any, Literal
 
 from kvchat.model.errors import ModelLoadError, one_line
 from kvchat.model.files import read_json_object
+from kvchat.model.gguf_file import is_gguf, read_gguf
 
 from . import chat_template as _chat
+from .gguf_tokenizer import gguf_vocab
 
 __all__ = ["StreamDetokenizer", "Tokenizer", "TokenizerError", "load_tokenizer"]
 
@@ -190,13 +193,15 @@ class _HFBackend:
 
     kind: Kind = "hf"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, text: str | None = None) -> None:
+        """From a tokenizer.json file, or from its `text` (a GGUF file's, built)."""
         try:
             from tokenizers import Tokenizer as _HFTokenizer
         except ImportError:  # pragma: no cover - comes with mlx-lm/transformers
             raise TokenizerError("the tokenizers package is not installed") from None
         try:
-            self.tok = _HFTokenizer.from_file(str(path))
+            self.tok = (_HFTokenizer.from_file(str(path)) if text is None
+                        else _HFTokenizer.from_str(text))
         except Exception as e:  # noqa: BLE001 - the Rust side raises plain Exception
             raise TokenizerError(f"{path}: not a tokenizer.json: {one_line(e)}") from None
         self.size = self.tok.get_vocab_size(with_added_tokens=True)
@@ -447,6 +452,8 @@ def load_tokenizer(
     folder = Path(folder)
     if prefer not in ("auto", "sentencepiece", "hf"):
         raise TokenizerError(f"unknown tokenizer kind {prefer!r}: use auto, sentencepiece or hf")
+    if is_gguf(folder):
+        return _load_gguf(folder, prefer)
     if not folder.is_dir():
         raise TokenizerError(f"{folder}: no such model folder")
     hf_file, sp_file = folder / "tokenizer.json", folder / "tokenizer.model"
@@ -559,4 +566,27 @@ def load_tokenizer(
         chat_template=template,
         special_tokens=named,
         path=folder,
+    )
+
+
+def _load_gguf(path: Path, prefer: str) -> Tokenizer:
+    """A GGUF file's tokenizer (gguf_tokenizer.py builds its tokenizer.json)."""
+    if prefer == "sentencepiece":
+        raise TokenizerError(f"{path.name}: a GGUF file has no tokenizer.model; its tokenizer"
+                             " is built as a tokenizer.json (use auto or hf)")
+    try:
+        vocab = gguf_vocab(read_gguf(path))
+    except ModelLoadError as e:
+        raise TokenizerError(str(e)) from None
+    backend = _HFBackend(path, vocab.tokenizer_json)
+    return Tokenizer(
+        backend,
+        bos_token=vocab.named.get("bos_token"),
+        eos_token=vocab.named.get("eos_token"),
+        bos_id=vocab.bos_id,
+        eos_ids=vocab.eos_ids,
+        add_bos=vocab.add_bos,
+        chat_template=vocab.chat_template,
+        special_tokens=vocab.named,
+        path=path,
     )

@@ -1,7 +1,8 @@
 """Ctrl+O: swap the model. Lists the local models (app.core.discovery.model_rows: what each
 costs on this backend, or why it cannot load) and takes typed input:
 
-- a folder path -> that folder is loaded;
+- a folder path or a GGUF file -> that model is loaded; `ollama:NAME[:TAG]` -> that model
+  of Ollama's store (its GGUF blob, read where it is);
 - a Hugging Face repo id (org/name) -> pulled into the HF cache with progress (Esc stops;
   the partial files stay for next time), checked, then listed with the cursor on it;
 - ↑/↓ move the list while you type; Enter on an empty input loads the highlighted row.
@@ -23,7 +24,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Input, Static
 
-from kvchat.app.core.discovery import ModelRow, model_rows
+from kvchat.app.core.discovery import ModelRow, model_rows, resolve_model
 from kvchat.app.core.hub_download import PullProgress, looks_like_repo_id, pull, verify_pulled
 from kvchat.app.core.pull_progress import progress_lines
 from kvchat.app.core.text import literal
@@ -67,7 +68,8 @@ class ModelPickerScreen(ModalScreen[str | None]):
             yield Static("Looking for local models…", id="picker-status", classes="dialog-hint")
             yield Static("", id="pull-progress", classes="dialog-hint")
             yield Input(
-                placeholder="type a folder path, or a Hugging Face repo id (org/name) to download",
+                placeholder="type a folder, a GGUF file, ollama:NAME, or a Hugging Face repo"
+                " id to download",
                 id="path",
             )
             with Horizontal(classes="buttons"):
@@ -104,7 +106,7 @@ class ModelPickerScreen(ModalScreen[str | None]):
                 mark,
                 literal(e.name),
                 literal(e.architecture),
-                str(e.bits) if e.bits else "–",
+                str(e.bits or e.quantization or "–"),  # a GGUF file: its type
                 f"{fmt_bytes(r.facts.weight_bytes)} {r.facts.compute_dtype}" if r.facts else "–",
                 literal(e.source),
                 key=str(e.path),
@@ -162,11 +164,18 @@ class ModelPickerScreen(ModalScreen[str | None]):
             self.notify(f"{row.entry.name}: {row.problem}", severity="error",
                         title="Cannot load")
             return
+        if row is not None and row.entry.source == "ollama":
+            with contextlib.suppress(KVChatError):  # its notices; loading says what fails
+                self._notices(resolve_model(f"ollama:{row.entry.name}").notices)
         if self.current and str(Path(key).resolve()) == self.current:
             self.notify("That model is already loaded.", title="Model")
             self.dismiss(None)
             return
         self.dismiss(str(Path(key).resolve()))
+
+    def _notices(self, notices: Sequence[str]) -> None:
+        for notice in notices:
+            self.notify(notice, title="Chat template")
 
     def _refuse(self, why: str) -> None:
         self.query_one("#picker-status", Static).update(literal(f"✗ {why}"))
@@ -188,12 +197,20 @@ class ModelPickerScreen(ModalScreen[str | None]):
         if not value:
             self._load_highlighted()
             return
-        if looks_like_repo_id(value):
+        if value.startswith("ollama:"):  # a model of Ollama's store, by name
+            try:
+                resolved = resolve_model(value)
+            except KVChatError as e:
+                self._refuse(str(e))
+                return
+            self._notices(resolved.notices)
+            value = resolved.path
+        elif looks_like_repo_id(value):
             self._start_pull(value)
             return
         path = Path(value).expanduser()
-        if not path.is_dir():
-            self._refuse(f"not a folder: {path}")
+        if not path.is_dir() and not path.is_file():
+            self._refuse(f"not a folder or GGUF file: {path}")
             return
         # a typed folder gets the checks the list's rows had (config.json, weights,
         # tokenizer): a refusal is said here and the picker stays open (closed, the keys

@@ -313,26 +313,7 @@ class StatsPanel(VerticalScroll):
                 *(_row(label, value) for label, value in rank_rows(s)),  # split across hosts
             )
         )
-        bits = info.get("bits")
-        precision = f"{bits}-bit" if bits else str(info.get("dtype") or "–")
-        if bits and info.get("dequantized"):
-            precision = f"{bits}-bit → {info.get('dtype')}"  # dequantized on load (CPU)
-        _set(
-            self.query_one("#model", Static),
-            _lines(
-                _row("name", str(info.get("name") or "no model"), "bold"),
-                _row("arch", str(info.get("architecture") or "–")),
-                _row("params", f"{fmt_params(info.get('parameters'))} · {precision}"),
-                _row("weights", fmt_bytes(info.get("weight_bytes"))),
-                _row(
-                    "shape",
-                    f"{fmt_count(info.get('n_layers'))} layers · "
-                    f"{fmt_count(info.get('n_heads'))}/{fmt_count(info.get('n_kv_heads'))} heads",
-                )
-                if info
-                else _row("shape", "–"),
-            )
-        )
+        _set(self.query_one("#model", Static), _lines(*model_rows(info)))
         runtime = [
             _row("kernels", str(s.kernels_backend or "–")),
             _row("device", fmt_device(s.device)),
@@ -346,6 +327,30 @@ class StatsPanel(VerticalScroll):
         if self.freed_bytes is not None:
             runtime.append(_row("swap", f"freed {fmt_bytes(self.freed_bytes)}"))
         _set(self.query_one("#runtime", Static), _lines(*runtime))
+
+
+def model_rows(info: dict[str, Any]) -> list[Text]:
+    """The model section: name, family, parameters and precision, weights, how a GGUF
+    file stores them, shape."""
+    bits = info.get("bits")
+    precision = f"{bits}-bit" if bits else str(info.get("dtype") or "–")
+    if bits and info.get("dequantized"):
+        precision = f"{bits}-bit → {info.get('dtype')}"  # dequantized on load (CPU)
+    return [
+        _row("name", str(info.get("name") or "no model"), "bold"),
+        _row("arch", str(info.get("architecture") or "–")),
+        _row("params", f"{fmt_params(info.get('parameters'))} · {precision}"),
+        _row("weights", fmt_bytes(info.get("weight_bytes"))),
+        # a GGUF file: llama.cpp's name for how it is stored
+        *([_row("file", f"from GGUF {info['gguf']}")] if info.get("gguf") else []),
+        _row(
+            "shape",
+            f"{fmt_count(info.get('n_layers'))} layers · "
+            f"{fmt_count(info.get('n_heads'))}/{fmt_count(info.get('n_kv_heads'))} heads",
+        )
+        if info
+        else _row("shape", "–"),
+    ]
 
 
 def quant_rows(s: TurnStats) -> list[Text]:
