@@ -42,8 +42,8 @@ LIVE_TOKENS = 32  # generated tokens in --live (a few dozen: cheap, and enough t
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", metavar="DIR",
-                     help="model folder (config.json + safetensors), GGUF file or"
-                     f" ollama:NAME[:TAG] (default: {DEFAULT_MODEL})")
+                     help="model folder, GGUF file or ollama:NAME[:TAG]"
+                     f" (default: {DEFAULT_MODEL})")
     src.add_argument("--config", metavar="FILE", help="a config.json (no weights needed)")
     p.add_argument("--context", type=int, default=None, metavar="N",
                    help="context length for the totals (default: max_position_embeddings)")
