@@ -277,3 +277,52 @@ def test_ids_past_the_tokenizer_vocab_are_never_sampled(copy_checkpoint):
         engine.close()
     assert done.finish_reason == "length", done.error
     assert len(done.ids) == 60 and max(done.ids) < 40
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_each_turn_says_why_the_cache_gave_no_more():
+    """The chat's one cache (no pool): a new chat, a branch (differs at the first token
+    the two prompts do not share), whole reuse, other cache settings, a window rotated
+    past the branch point, reuse switched off; reused + prefilled = the prompt."""
+    c = Client()
+    off = Client(reuse_prefix=False)
+    try:
+        story = [{"role": "user", "content": "Tell me a story about a cat."}]
+        dog = [{"role": "user", "content": "Tell me a story about a dog."}]
+        first, _ = turn(c, story, GenParams(max_tokens=8))
+        assert first.stats.cache["miss_reason"] == "new_conversation"
+        branch, _ = turn(c, dog, GenParams(max_tokens=8))
+        at = _prefix(first.prompt_ids, branch.prompt_ids)
+        assert 0 < at < len(first.prompt_ids)
+        assert branch.stats.cache == {
+            "reused_tokens": at, "prefilled_tokens": len(branch.prompt_ids) - at,
+            "miss_reason": "prefix_differs", "differs_at": at,
+            "miss": f"the prompt differs from the cached conversation at token {at}"}
+        more = dog + [{"role": "assistant", "content": branch.text},
+                       {"role": "user", "content": "And then?"}]
+        whole, _ = turn(c, more, GenParams(max_tokens=8))
+        assert whole.stats.cache["miss_reason"] is None
+        assert whole.stats.cache["reused_tokens"] == whole.stats.cached_tokens > at
+        bounded, _ = turn(c, more, GenParams(max_tokens=8, max_kv_size=48))
+        assert bounded.stats.cache["miss_reason"] == "model_or_settings_changed"
+        # a prompt past the 48-token window rotates; a branch inside it cannot be cut back
+        long_a = [{"role": "user", "content": "Once upon a time " * 12 + "there was a cat."}]
+        long_b = [{"role": "user", "content": "Once upon a time " * 12 + "there was a dog."}]
+        a, _ = turn(c, long_a, GenParams(max_tokens=4, max_kv_size=48))
+        assert len(a.prompt_ids) > 48
+        b, _ = turn(c, long_b, GenParams(max_tokens=4, max_kv_size=48))
+        assert b.stats.cache["miss_reason"] == "window_rotated"
+        assert b.stats.cache["reused_tokens"] == 0
+        turn(off, story, GenParams(max_tokens=8))
+        again, _ = turn(off, story, GenParams(max_tokens=8))
+        assert again.stats.cache["miss_reason"] == "reuse_off"
+        assert again.stats.cache["prefilled_tokens"] == len(again.prompt_ids)
+    finally:
+        c.close()
+        off.close()

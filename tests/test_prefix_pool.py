@@ -126,3 +126,61 @@ def test_an_entry_the_new_one_extends_is_dropped() -> None:
     pool.put([1, 2, 3], filled(3, 0), KEY)
     pool.put([1, 2, 3, 4, 5], filled(5, 1), KEY)  # trimmable back to [1, 2, 3]
     assert pool.stats()["tokens"] == [5]
+
+
+# ---- why a lookup found no more (model/cache/misses.py) ------------------------------------
+def test_a_lookup_says_why_it_found_no_more() -> None:
+    """Each reason from the ids alone: nothing of this key, the first differing token,
+    the whole entry (no miss), the whole prompt (no miss), an eviction, a model change."""
+    from kvchat.model.cache.misses import EVICTED, MODEL_CHANGED, NEW_CONVERSATION, PREFIX_DIFFERS
+
+    clock = iter(range(100, 200)).__next__
+    pool = PrefixPool(budget_bytes=nbytes(10), clock=lambda: float(clock()))
+    mine, other = (*KEY, "me"), (*KEY, "someone else")
+    pool.put([1, 2, 3, 4, 5, 6], filled(6, 0), other)
+    first = pool.find([1, 2, 3], mine)  # another partition's entry is no entry of mine
+    assert first.found is None and first.miss.reason == NEW_CONVERSATION
+    pool.put([1, 2, 3, 4, 5, 6], filled(6, 1), mine)  # (evicts the other: one fits)
+    branch = pool.find([1, 2, 3, 9, 9], mine)
+    assert branch.found is not None and len(branch.found[0]) == 6
+    assert (branch.miss.reason, branch.miss.differs_at) == (PREFIX_DIFFERS, 3)
+    assert pool.find([7, 7], mine).miss.reason == PREFIX_DIFFERS  # held, shares nothing
+    assert pool.find([7, 7], mine).miss.differs_at == 0
+    assert pool.find([1, 2, 3], mine).miss.reason is None  # the whole prompt was there
+    whole = pool.find([1, 2, 3, 4, 5, 6, 7], mine)  # continues the whole entry: it moves out
+    assert whole.miss.reason is None and whole.info.hits == 3  # branch, [1, 2, 3], this
+    # its cache goes back; another conversation's pushes it out of the budget
+    pool.put(*whole.found, mine, whole.info)
+    pool.put([8, 8, 8], filled(3, 2), mine)
+    evicted = pool.find([1, 2, 3, 4, 5, 6, 7, 8], mine)
+    assert evicted.miss.reason == EVICTED and pool.stats()["evictions"] == 2
+    # what a cleared pool held is remembered with the reason it went
+    pool.put([4, 4, 4, 4], filled(4, 3), mine)
+    pool.clear(MODEL_CHANGED)
+    assert pool.find([4, 4, 4, 4, 5], mine).miss.reason == MODEL_CHANGED
+    assert pool.find([4, 4, 4, 4, 5], other).miss.reason == NEW_CONVERSATION  # not theirs
+
+
+def test_a_cache_held_again_outranks_the_memory_of_its_eviction() -> None:
+    from kvchat.model.cache.misses import EVICTED
+
+    pool = PrefixPool(budget_bytes=nbytes(10))
+    pool.put([1, 2, 3, 4], filled(4, 0), KEY)
+    pool.put([5, 5], filled(2, 1), KEY)  # [1..4] evicted
+    assert pool.find([1, 2, 3, 4, 9], KEY).miss.reason == EVICTED
+    pool.put([1, 2, 3, 4, 9], filled(5, 2), KEY)  # prefilled again, held again
+    assert pool.find([1, 2, 3, 4, 9, 10], KEY).miss.reason is None
+
+
+def test_the_memory_of_dropped_caches_is_bounded() -> None:
+    from kvchat.model.cache.misses import EVICTED, DroppedCaches
+
+    d = DroppedCaches(max_records=3, max_tokens=10)
+    for i in range(5):
+        d.add([i, i, i], KEY, EVICTED)
+    assert d.best([0, 0, 0], KEY) == (0, None) and d.best([4, 4], KEY) == (2, EVICTED)
+    d.add(list(range(100, 109)), KEY, EVICTED)  # 9 tokens: the older ones go
+    assert d.best([4, 4], KEY) == (0, None) and d.best([100, 101], KEY) == (2, EVICTED)
+    d.add([100, 101], KEY, EVICTED)
+    d.covered(list(range(100, 110)), KEY)  # a cache now extends both
+    assert d.best([100, 101], KEY) == (0, None)

@@ -111,6 +111,19 @@ def test_models_and_health_say_ready(server: Server) -> None:
     assert httpx.get(server.url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
 
 
+def test_the_models_figures_are_the_design_names_and_agree(server: Server,
+                                                          model_dir: Path) -> None:
+    """/v1/models: the GQA saving by docs/design.md's name, heads / kv heads from the
+    model's config.json; no second figure for the same thing beside it."""
+    info = server.client().models.list().data[0].model_extra["kvchat"]
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    assert (info["n_heads"], info["n_kv_heads"]) == (heads, kv)
+    assert info["attention"] == "GQA" and info["gqa_saving"] == heads / kv > 1
+    assert info["as_gqa_factor"] is None  # latent attention's only
+    assert "kv_saving" not in info and "gqa_factor" not in info  # a cache's, and the old name
+
+
 def test_chat_greedy_equals_generate_with_usage(server: Server, model_dir: Path) -> None:
     ref = generate(model_dir, "Tell me a story.", 24)
     c = server.client()
@@ -144,6 +157,18 @@ def test_chat_greedy_equals_generate_with_usage(server: Server, model_dir: Path)
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == r.usage.total_tokens
     # the same prompt again: all but its last token came from the cache
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == len(ref["prompt_ids"]) - 1
+    # the kvchat object rides on that usage chunk; the chunks before it have no usage
+    assert all(ch.usage is None and "kvchat" not in (ch.model_extra or {})
+               for ch in chunks[:-1])
+    k = chunks[-1].model_extra["kvchat"]
+    assert k["generated_tokens"] == len(ref["ids"])
+    assert k["cache"]["reused_tokens"] == len(ref["prompt_ids"]) - 1
+    assert k["cache"]["miss_reason"] is None  # the whole prompt was cached
+    # without include_usage, the finish chunk carries both
+    plain = list(c.chat.completions.create(model=MODEL_ID,
+        messages=chat_messages("Tell me a story."), max_tokens=24, temperature=0, stream=True))
+    assert plain[-1].choices[0].finish_reason and plain[-1].usage.total_tokens == \
+        r.usage.total_tokens and "cache" in plain[-1].model_extra["kvchat"]
 
 
 def test_raw_completion_equals_generate_raw(server: Server, model_dir: Path) -> None:

@@ -235,6 +235,88 @@ def test_bad_fields_get_a_400_naming_them(server: ServerProcess, what: str, body
     assert "pybind" not in err["message"] and "\n" not in err["message"]
 
 
+# ---- fields kvchat does not honour are refused, never skipped (docs/serve.md, Fields) -----
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+REFUSED = [
+    # (route, extra fields, the field the 400 names)
+    ("/chat/completions", {"tools": [TOOL]}, "tools"),
+    ("/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, "response_format"),
+    ("/chat/completions", {"functions": [TOOL["function"]]}, "functions"),
+    ("/chat/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/chat/completions", {"presence_penalty": -1}, "presence_penalty"),
+    ("/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/chat/completions", {"logprobs": True}, "logprobs"),
+    ("/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ("/chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
+    ("/chat/completions", {"verbosity": "low"}, "verbosity"),
+    ("/chat/completions", {"web_search_options": {}}, "web_search_options"),
+    ("/chat/completions", {"temprature": 0.2}, "temprature"),  # a typo: not a default
+    ("/chat/completions", {"stream": True, "stream_options": {"include_usage": True,
+                                                              "chunk_size": 4}},
+     "stream_options.chunk_size"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]},
+     "messages[0].name"),
+    ("/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "user", "content": "and?"}]}, "messages[1].tool_calls"),
+    ("/completions", {"prompt": "Once", "suffix": "end"}, "suffix"),
+    ("/completions", {"prompt": "Once", "best_of": 3}, "best_of"),
+    ("/completions", {"prompt": "Once", "echo": True}, "echo"),
+]
+
+
+@pytest.mark.parametrize(("route", "extra", "param"), REFUSED,
+                         ids=[f"{r[0]} {r[2]}" for r in REFUSED])
+def test_fields_kvchat_does_not_honour_get_a_400_naming_them(
+        server: ServerProcess, route: str, extra: dict[str, Any], param: str) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+    if route == "/completions":
+        body.pop("messages")
+    r = post(server, route, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and f"'{param}'" in err["message"], err
+
+
+def test_tools_and_response_format_are_refused_through_the_openai_client(
+        server: ServerProcess) -> None:
+    c = client(server)
+    hi = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="kvchat-mini", messages=hi, tools=[TOOL])
+    assert e.value.param == "tools"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="kvchat-mini", messages=hi,
+                                  response_format={"type": "json_object"})
+    assert e.value.param == "response_format"
+
+
+def test_defaults_of_refused_fields_and_advisory_fields_are_accepted(
+        server: ServerProcess) -> None:
+    """A refused field at a value that asks for nothing missing, and the fields the API
+    makes advisory, answer as without them (greedy: the same text)."""
+    c = client(server)
+    hi = [{"role": "user", "content": "Tell me a story."}]
+    plain = c.chat.completions.create(model="kvchat-mini", messages=hi, max_tokens=6,
+                                      temperature=0)
+    r = c.chat.completions.create(
+        model="kvchat-mini", messages=hi, max_tokens=6, temperature=0, n=1, tools=[],
+        tool_choice="none", response_format={"type": "text"}, frequency_penalty=0,
+        presence_penalty=0, logit_bias={}, logprobs=False, modalities=["text"],
+        store=True, metadata={"run": "test"}, service_tier="auto", safety_identifier="h1",
+        parallel_tool_calls=False, prompt_cache_retention="24h")
+    assert r.choices[0].message.content == plain.choices[0].message.content
+
+
 # ---- connections --------------------------------------------------------------------------
 def _closed(sock: socket.socket) -> bytes:
     """What the server sends before it closes `sock` (a server that keeps it open fails

@@ -201,3 +201,47 @@ def test_uvicorn_warnings_are_log_lines_too() -> None:
     logging.getLogger("uvicorn.error").info("not shown")
     rec = json.loads(out.getvalue())
     assert rec["event"] == "warning: Invalid HTTP request received."
+
+
+def _doc_table(section: str) -> dict[str, str]:
+    """Field -> status from the table under `section` of docs/serve.md."""
+    import re
+
+    from .conftest import REPO_ROOT
+
+    text = (REPO_ROOT / "docs" / "serve.md").read_text()
+    body = text.split(section, 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, str] = {}
+    for line in body.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[1] in ("honoured", "refused", "advisory"):
+            for name in re.findall(r"`([a-z_]+)`", cells[0]):
+                rows[name] = cells[1]
+    return rows
+
+
+def test_the_docs_fields_tables_are_the_codes() -> None:
+    """docs/serve.md, Fields: every field of app/serve/fields.py's tables, with its status."""
+    from kvchat.app.serve import fields
+
+    openai_fields = {**fields.TEXT, **fields.CHAT}
+    assert _doc_table("### OpenAI's routes") == {k: f.status for k, f in openai_fields.items()}
+    assert _doc_table("## Anthropic's Messages API") == {
+        k: f.status for k, f in fields.MESSAGES.items()}
+
+
+def test_refused_fields_accept_only_what_asks_for_nothing() -> None:
+    from kvchat.app.serve import fields
+
+    body = {"messages": chat("hi")}
+    for extra in ({"n": 1}, {"tools": []}, {"tool_choice": "none"}, {"logprobs": False},
+                  {"response_format": {"type": "text"}}, {"frequency_penalty": 0.0},
+                  {"store": True}, {"web_search_options": None}):
+        protocol.parse("chat", {**body, **extra}, LIMITS)
+    for extra in ({"n": True}, {"n": 1.0}, {"logprobs": 0}, {"web_search_options": {}},
+                  {"tool_choice": "auto"}, {"response_format": {"type": "json_object"}}):
+        name = next(iter(extra))
+        with pytest.raises(protocol.ApiError) as e:
+            protocol.parse("chat", {**body, **extra}, LIMITS)
+        assert e.value.param == name and e.value.status == 400
+    assert fields.CHAT["n"].status == fields.REFUSED

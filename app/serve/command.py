@@ -31,7 +31,11 @@ from kvchat.model.errors import KVChatError
 from kvchat.model.runtime.events import MAX_KV_SIZE, GenParams
 
 DEFAULT_PORT = 8080
-DEFAULT_POOL_MB = 256  # idle caches kept for other conversations (model/cache/prefix_pool.py)
+# idle caches kept for other conversations (model/cache/prefix_pool.py): by default this
+# share of the machine's memory, at least MIN_POOL_MB (FALLBACK_POOL_MB where unknown)
+POOL_SHARE = 8
+MIN_POOL_MB = 64
+FALLBACK_POOL_MB = 256
 DEFAULT_MAX_QUEUE = 16
 DEFAULT_IDLE_TIMEOUT_S = 10.0
 # the numeric flags' ranges: (low, high, low open); a value outside is a usage error
@@ -78,9 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models-dir", dest="models_dirs", action="append", default=[],
                    metavar="DIR", help="serve the models found in DIR too: listed in"
                    " /v1/models, loaded when a request names one (repeatable)")
-    p.add_argument("--cache-pool-mb", type=float, default=DEFAULT_POOL_MB, metavar="MB",
+    p.add_argument("--cache-pool-mb", type=float, default=None, metavar="MB",
                    help="memory for idle caches of other conversations, reused by prefix"
-                   " (default %(default)s; 0 = one cache)")
+                   f" (default: 1/{POOL_SHARE} of the machine's memory, shown at start;"
+                   " 0 = one cache)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
                    help="requests that may wait; past it: 429 (default %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=4.0, metavar="MB",
@@ -172,11 +177,42 @@ def _check_context(args: argparse.Namespace, model: str) -> None:
                          f" tokens), got {args.max_kv_size}")
 
 
+def physical_memory() -> int | None:
+    """The machine's memory in bytes (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def pool_budget(cache_pool_mb: float | None, total: int | None) -> tuple[int, str]:
+    """The prefix pool's byte budget, and where it comes from (the start-up line says):
+    --cache-pool-mb, else 1/POOL_SHARE of the machine's memory `total`."""
+    from kvchat.model.cache.kv_math import human_bytes
+
+    if cache_pool_mb is not None:
+        return int(cache_pool_mb * 2**20), "--cache-pool-mb"
+    if not total:
+        return FALLBACK_POOL_MB * 2**20, "the machine's memory is unknown; --cache-pool-mb MB"
+    budget = max(MIN_POOL_MB * 2**20, total // POOL_SHARE)
+    return budget, f"1/{POOL_SHARE} of the machine's {human_bytes(total)}; --cache-pool-mb MB"
+
+
+def pool_line(cache_pool_mb: float | None) -> str:
+    """The start-up line about the pool of idle caches."""
+    from kvchat.model.cache.kv_math import human_bytes
+
+    budget, source = pool_budget(cache_pool_mb, physical_memory())
+    if budget <= 0:
+        return "prefix pool off: one cache, the last conversation's (--cache-pool-mb 0)"
+    return f"prefix pool: up to {human_bytes(budget)} of idle caches ({source})"
+
+
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     """The engine's settings from the flags (the place where new engine options reach
     the server)."""
-    return EngineOptions(tokenizer=args.tokenizer,
-                         prefix_pool_bytes=int(args.cache_pool_mb * 1024 * 1024))
+    budget, _ = pool_budget(args.cache_pool_mb, physical_memory())
+    return EngineOptions(tokenizer=args.tokenizer, prefix_pool_bytes=budget)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -295,12 +331,16 @@ async def _serve(args: argparse.Namespace, model: str, bound: GenParams,
         timeout_graceful_shutdown=3, **uvicorn_options(connections)), stopped)
     route_uvicorn_logs(log)
     await worker.start()
-    server.log.notice(f"loading {model}; listening on http://{shown}:{port}/v1")
+    base = f"http://{shown}:{port}"
+    server.log.notice(f"loading {model}; listening on {base}/v1")
+    server.log.notice(pool_line(args.cache_pool_mb))
+
     async def announce() -> None:
         await worker.ready.wait()
         if not worker.load_error:
-            server.log.notice(f"ready: {worker.info.get('name')} at http://{shown}:{port}/v1"
-                              " (OPENAI_BASE_URL)")
+            server.log.notice(f"ready: {worker.info.get('name')} at {base}/v1 (OPENAI_BASE_URL;"
+                              f" Anthropic's /v1/messages at ANTHROPIC_BASE_URL={base});"
+                              f" live stats: {base}/v1/kvchat/stats")
         await worker.failed.wait()  # no model, or the engine died: nothing left to serve
         uv.should_exit = True
 

@@ -18,12 +18,13 @@ import ipaddress
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvchat.app.serve.protocol import ApiError
+from kvchat.app.serve.errors import ApiError
 
 LOCAL_NAMES = ("localhost", "127.0.0.1", "[::1]")
 # Sec-Fetch-Site values a page on another site never gets: the user typed the address,
@@ -128,12 +129,15 @@ class OriginPolicy:
 
 
 class RequestGuard:
-    """ASGI middleware in front of everything: Host, then Origin; a refusal is OpenAI's
+    """ASGI middleware in front of everything: Host, then Origin; a refusal is the route's
     error object (no CORS headers: the page may not read it) and one log line."""
 
     def __init__(self, app: ASGIApp, hosts: HostPolicy, origins: OriginPolicy,
-                 on_refused: Callable[[Scope, ApiError], None]):
+                 on_refused: Callable[[Scope, ApiError], None],
+                 shape: Callable[[Scope, ApiError], dict[str, Any]] | None = None):
+        """`shape`: the error object a route answers with (default: OpenAI's)."""
         self.app, self.hosts, self.origins, self.on_refused = app, hosts, origins, on_refused
+        self.shape = shape or (lambda scope, e: e.body())
 
     def check(self, headers: Headers) -> ApiError | None:
         if not self.hosts.allows(headers.get("host")):
@@ -148,6 +152,6 @@ class RequestGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (error := self.check(Headers(scope=scope))):
             self.on_refused(scope, error)
-            await JSONResponse(error.body(), error.status)(scope, receive, send)
+            await JSONResponse(self.shape(scope, error), error.status)(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -26,7 +26,8 @@ class RequestLog:
 
     def write(self, **fields: Any) -> None:
         """One record: client, method, path, status, duration_s, and for a generation
-        prompt/reused/generated tokens, tok/s and the finish reason; `error` on failure."""
+        prompt/reused/generated tokens, tok/s, why the cache gave no more (`miss_reason`)
+        and the finish reason; `error` on failure."""
         fields = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + "Z",
                   **{k: v for k, v in fields.items() if v is not None}}
         if self.json_lines:
@@ -47,6 +48,9 @@ class RequestLog:
                       f"generated={f.get('generated_tokens', 0)}",
                       f"prefill={f.get('prefill_tps', 0):.1f}tok/s",
                       f"decode={f.get('decode_tps', 0):.1f}tok/s"]
+        if "miss_reason" in f:  # why the cache gave no more (model/cache/misses.py)
+            at = f.get("differs_at")
+            parts.append(f"miss={f['miss_reason']}" + (f"@{at}" if at is not None else ""))
         if "finish_reason" in f:
             parts.append(f"finish={f['finish_reason']}")
         if "duration_s" in f:

@@ -15,7 +15,8 @@ import collections
 import concurrent.futures
 from typing import Any
 
-from kvchat.app.serve.protocol import ApiError, Request
+from kvchat.app.serve.errors import ApiError
+from kvchat.app.serve.protocol import Request
 from kvchat.model.errors import KVChatError
 from kvchat.model.text.tokenizer import Tokenizer, load_tokenizer
 
@@ -63,6 +64,13 @@ class PromptEncoder:
         except KVChatError as e:  # a template that raises, a tokenizer that cannot load
             raise ApiError(400, str(e), code="invalid_prompt") from None
         return fit(ids, req)
+
+    async def decode(self, ids: list[int], model_path: str) -> str:
+        """A reply's ids as text, as the engine's streaming detokenizer gave it (special
+        tokens skipped)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._pool, lambda: self._tokenizer(model_path).decode(ids, skip_special_tokens=True))
 
     def _encode(self, prompt: Any, model_path: str) -> list[int]:  # the prompts thread
         tok = self._tokenizer(model_path)

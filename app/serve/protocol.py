@@ -1,8 +1,10 @@
 """The OpenAI wire format: requests checked and turned into a prompt and GenParams, and
 the response objects built from the engine's events. Pure functions, no I/O.
 
-Every problem with a request is an `ApiError` carrying the OpenAI error object and a 4xx
-status; the server never lets a request reach the engine half-checked.
+Every field is first checked against fields.py's tables (none is skipped in silence),
+then read; every problem is an `ApiError` (errors.py) with a 4xx status naming the
+field: the server never lets a request reach the engine half-checked. Anthropic's
+Messages API (anthropic.py) reuses these checks for the fields the two APIs share.
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from kvchat.app.serve import fields as known
+from kvchat.app.serve.errors import ApiError, bad
 from kvchat.model.errors import KVChatError
-from kvchat.model.runtime.events import Done, GenParams, stats_json
+from kvchat.model.runtime.events import Done, GenParams, Started, stats_json
+
+__all__ = ["ApiError", "Limits", "Request", "bad", "parse"]
 
 MAX_SEED = 2**64 - 1  # the sampler's seed range (model/runtime/sampling.py)
 
@@ -36,26 +42,6 @@ RANGES: dict[str, tuple[float, float, bool]] = {
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 # the engine's finish reasons in OpenAI's words (cancelled/error never reach a client)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_full": "length"}
-
-
-class ApiError(Exception):
-    """An OpenAI error object with its HTTP status."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: Mapping[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type
-        self.param, self.code = param, code
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param)
 
 
 @dataclass
@@ -88,6 +74,7 @@ class Request:
     context: int = 0  # the model's context length
     truncation: str = "disabled"  # "auto": cut a longer prompt to prompt_limit
     cache_name: str | None = None  # `prompt_cache_key`, else `user`: the client's own name
+    api: str = "openai"  # whose wire format answers: "openai" or "anthropic" (anthropic.py)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -180,16 +167,15 @@ def _model(body: Mapping[str, Any], limits: Limits) -> tuple[str, str | None, in
                    param="model", code="model_not_found")
 
 
-def _params(body: Mapping[str, Any], limits: Limits, capacity: int) -> GenParams:
-    if (n := _integer(body, "n")) is not None and n != 1:
-        raise bad("only n=1 is supported", "n")
-    if body.get("logprobs") not in (None, False, 0):
-        raise bad("logprobs are not supported", "logprobs")
+def _params(body: Mapping[str, Any], limits: Limits, capacity: int,
+            stop: tuple[str, ...] | None = None) -> GenParams:
+    """GenParams from the sampling fields (OpenAI's names; `stop`: given by the caller
+    when its API names them otherwise)."""
     d = GenParams()
     max_tokens = _integer(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", 1)
-    fields: dict[str, Any] = {
+    values: dict[str, Any] = {
         "max_tokens": d.max_tokens if max_tokens is None else max_tokens,
         "temp": _number(body, "temperature"),
         "top_p": _number(body, "top_p"),
@@ -198,14 +184,16 @@ def _params(body: Mapping[str, Any], limits: Limits, capacity: int) -> GenParams
         "top_k": _integer(body, "top_k", 0),
         "min_p": _number(body, "min_p"),
         "repetition_penalty": _number(body, "repetition_penalty"),
+        "repetition_context_size": _integer(body, "repetition_context_size", 1),
         # llama-server's extension: generate max_tokens whatever the model says (benchmarks)
         "ignore_eos": _get(body, "ignore_eos", (bool,), "a boolean"),
     }
     # a rotating window (--max-kv-size) was asked for; otherwise the reply stops when the
     # context is full rather than evict the prompt it answers
     overflow = "rotate" if limits.max_kv_size else "refuse"
-    params = GenParams(**{k: v for k, v in fields.items() if v is not None},
-                       stop=_stops(body), max_kv_size=limits.max_kv_size, keep=limits.keep,
+    params = GenParams(**{k: v for k, v in values.items() if v is not None},
+                       stop=_stops(body) if stop is None else stop,
+                       max_kv_size=limits.max_kv_size, keep=limits.keep,
                        overflow=overflow, **limits.kv)
     # no reply outgrows the cache bound: a longer one would only evict its own prompt
     params.max_tokens = min(params.max_tokens, capacity)
@@ -223,6 +211,7 @@ def _stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
         return stream, False
     if not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", "stream_options")
+    known.check(opts, known.STREAM_OPTIONS, "stream_options.")
     if not stream:
         raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
     return stream, bool(_get(opts, "include_usage", (bool,), "a boolean"))
@@ -257,6 +246,7 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
+        known.check(m, known.MESSAGE, f"messages[{i}].")
         role = m.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise bad(f"messages[{i}].role must be one of system, developer, user, assistant",
@@ -299,11 +289,10 @@ def parse(kind: str, body: Any, limits: Limits) -> Request:
         where = where if len(where) <= 200 else where[:199] + "…"
         raise bad(f"'{where}' holds a lone surrogate (U+D800..U+DFFF): not valid Unicode",
                   where)
+    known.check(body, known.CHAT if kind == "chat" else known.TEXT)
     model, path, capacity, context = _model(body, limits)
     prompt = _messages(body) if kind == "chat" else _text_prompt(body)
     stream, include_usage = _stream(body)
-    if kind == "text" and body.get("echo"):
-        raise bad("echo is not supported", "echo")
     cap = limits.max_prompt_tokens
     cache_key, user = _name(body, "prompt_cache_key"), _name(body, "user")
     return Request(kind, prompt, _params(body, limits, capacity), stream, include_usage,
@@ -353,7 +342,8 @@ def completion(req: Request, done: Done) -> dict[str, Any]:
 
 def chunk(req: Request, text: str | None = None, *, first: bool = False,
           done: Done | None = None) -> dict[str, Any]:
-    """One streamed chunk: text, the role (first), or the finish (with usage and stats)."""
+    """One streamed chunk: text, the role (first), or the finish. The finish carries the
+    usage and the `kvchat` object unless a usage chunk follows (`include_usage`)."""
     finish = None if done is None else FINISH.get(done.finish_reason, "stop")
     if req.kind == "chat":
         delta: dict[str, Any] = {}
@@ -368,13 +358,62 @@ def chunk(req: Request, text: str | None = None, *, first: bool = False,
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         head = _head(req, "text_completion")
     out = {**head, "choices": [choice]}
-    if done is not None:
+    if done is not None and not req.include_usage:
         out["usage"] = usage(done)
         out["kvchat"] = kvchat_stats(done)
     return out
 
 
 def usage_chunk(req: Request, done: Done) -> dict[str, Any]:
-    """stream_options.include_usage: the last chunk, no choices, the usage."""
+    """stream_options.include_usage: the last chunk, no choices, the usage and the
+    `kvchat` object."""
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
-    return {**_head(req, obj), "choices": [], "usage": usage(done)}
+    return {**_head(req, obj), "choices": [], "usage": usage(done),
+            "kvchat": kvchat_stats(done)}
+
+
+SseEvent = tuple[str | None, dict[str, Any]]  # (the SSE event name, if any; its data)
+
+
+class Wire(Protocol):
+    """An API's answers to a job (server.py's JobResponse sends them): the whole reply,
+    or a stream's events at its start, for each piece of text and at its end."""
+
+    done_marker: bytes | None  # what ends a stream after its last event, if anything
+
+    def whole(self, req: Request, done: Done, stop: str | None) -> dict[str, Any]: ...
+    def start(self, req: Request, started: Started) -> list[SseEvent]: ...
+    def text(self, req: Request, text: str) -> list[SseEvent]: ...
+    def end(self, req: Request, done: Done, stop: str | None) -> list[SseEvent]: ...
+    def error(self, err: ApiError) -> list[SseEvent]: ...
+    def error_body(self, err: ApiError) -> dict[str, Any]: ...
+
+
+class OpenAIWire:
+    """The answers of the OpenAI routes (server.py's JobResponse sends them)."""
+
+    done_marker: bytes | None = b"data: [DONE]\n\n"
+
+    def whole(self, req: Request, done: Done, stop: str | None) -> dict[str, Any]:
+        return completion(req, done)
+
+    def start(self, req: Request, started: Started) -> list[SseEvent]:
+        return [(None, chunk(req, "", first=True))]
+
+    def text(self, req: Request, text: str) -> list[SseEvent]:
+        return [(None, chunk(req, text))]
+
+    def end(self, req: Request, done: Done, stop: str | None) -> list[SseEvent]:
+        out = [(None, chunk(req, done=done))]
+        if req.include_usage:
+            out.append((None, usage_chunk(req, done)))
+        return out
+
+    def error(self, err: ApiError) -> list[SseEvent]:
+        return [(None, err.body())]
+
+    def error_body(self, err: ApiError) -> dict[str, Any]:
+        return err.body()
+
+
+WIRE = OpenAIWire()

@@ -1,8 +1,9 @@
 """The ASGI app: OpenAI's routes on Starlette, the engine behind an `EngineWorker`.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models(/{id}),
-GET /v1/kvchat/stats, GET /health. Every answer that is not a completion is JSON; every
-failure is OpenAI's error object with its status and one log line (never a traceback).
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/messages (Anthropic's),
+GET /v1/models(/{id}), GET /v1/kvchat/stats, GET /health. Every answer that is not a
+completion is JSON; every failure is the route's error object (OpenAI's, or Anthropic's on
+/v1/messages) with its status and one log line (never a traceback).
 Every request passes guard.py (Host, Origin) first; bodies are JSON only, read within a
 deadline, and a prompt is tokenized (prompts.py) and checked before it queues.
 """
@@ -27,18 +28,23 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvchat.app.serve import protocol
+from kvchat.app.serve import anthropic, protocol
 from kvchat.app.serve.connections import ConnectionLimits
+from kvchat.app.serve.errors import ApiError
 from kvchat.app.serve.guard import HostPolicy, OriginPolicy, RequestGuard
 from kvchat.app.serve.log import RequestLog
 from kvchat.app.serve.prompts import PromptEncoder
-from kvchat.app.serve.protocol import ApiError, Limits
+from kvchat.app.serve.protocol import Limits
 from kvchat.app.serve.worker import RETRY_AFTER_S, EngineWorker, Job, NotReady, QueueFull
 from kvchat.model.runtime.events import Done, Started, TextDelta, stats_json
+from kvchat.model.runtime.stops import stop_found
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 IDLE_TIMEOUT_S = 10.0  # a request's headers, its body, each piece of an answer; keep-alive
 JSON_TYPE = "application/json"
+MESSAGES_PATH = "/v1/messages"  # Anthropic's route: its error shape, its key header
+# the answers' formats by Request.api
+WIRES: dict[str, protocol.Wire] = {"openai": protocol.WIRE, "anthropic": anthropic.WIRE}
 
 
 @dataclass
@@ -74,8 +80,14 @@ class _ErrorJSON(JSONResponse):
             "utf-8", "replace")
 
 
-def error_response(e: ApiError) -> JSONResponse:
-    return _ErrorJSON(e.body(), status_code=e.status, headers=e.headers)
+def error_response(e: ApiError, api: str = "openai") -> JSONResponse:
+    """`e` as the error object of `api` ("openai" or "anthropic")."""
+    return _ErrorJSON(WIRES[api].error_body(e), status_code=e.status, headers=e.headers)
+
+
+def api_of(path: str | None) -> str:
+    """Whose error shape a route answers with."""
+    return "anthropic" if path == MESSAGES_PATH else "openai"
 
 
 # the body is left unread: the connection closes rather than wait for the rest of it
@@ -127,6 +139,7 @@ class KVChatServer:
         routes = [
             Route("/v1/chat/completions", g(self.chat), methods=["POST"]),
             Route("/v1/completions", g(self.text), methods=["POST"]),
+            Route(MESSAGES_PATH, g(self.messages), methods=["POST"]),
             Route("/v1/models", g(self.models), methods=["GET"]),
             Route("/v1/models/{model_id:path}", g(self.model), methods=["GET"]),
             Route("/v1/kvchat/stats", g(self.stats), methods=["GET"]),
@@ -138,19 +151,22 @@ class KVChatServer:
             e = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                          code="not_found" if exc.status_code == 404 else None)
             self._log(request.scope, e.status, error=e.message)
-            return error_response(e)
+            return error_response(e, api_of(request.url.path))
 
         middleware = []
         if self.config.allow_origins:  # browser front-ends on other origins (off by default)
             middleware.append(Middleware(
                 CORSMiddleware, allow_origins=self.config.allow_origins,
-                allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type", "X-Api-Key", "Anthropic-Version",
+                               "Anthropic-Beta"]))
         app = Starlette(routes=routes, middleware=middleware,
                         exception_handlers={HTTPException: http_error})
         if self.config.hosts is None:
             return app
         return RequestGuard(app, self.config.hosts, OriginPolicy.build(self.config.allow_origins),
-                            lambda scope, e: self._log(scope, e.status, error=e.message))
+                            lambda scope, e: self._log(scope, e.status, error=e.message),
+                            lambda scope, e: WIRES[api_of(scope.get("path"))].error_body(e))
 
     def _guarded(self, handler: Callable[[HttpRequest], Awaitable[Any]], auth: bool = True
                  ) -> Callable[[HttpRequest], Awaitable[Any]]:
@@ -166,30 +182,36 @@ class KVChatServer:
             except ApiError as e:
                 self._log(request.scope, e.status, error=e.message,
                           duration_s=time.monotonic() - t0)
-                return error_response(e)
+                return error_response(e, api_of(request.url.path))
             except Exception as e:  # a bug: one line, an error object, the server lives
                 msg = f"internal error: {type(e).__name__}: {e}"
                 self._log(request.scope, 500, error=msg, duration_s=time.monotonic() - t0)
-                return error_response(ApiError(500, msg, type="server_error"))
+                return error_response(ApiError(500, msg, type="server_error"),
+                                      api_of(request.url.path))
 
         return endpoint
 
     def _check_key(self, request: HttpRequest) -> str | None:
-        """The API key the request gave (None when the server needs none); 401 else."""
+        """The API key the request gave (None when the server needs none), as OpenAI's
+        clients send it (Authorization: Bearer KEY) or Anthropic's (x-api-key: KEY);
+        401 else."""
         if not self.config.api_keys:
             return None
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        sent = token.strip().encode("utf-8", "replace")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        bearer = token.strip() if scheme.lower() == "bearer" else None
+        sent = [x.encode("utf-8", "replace") for x in (bearer, request.headers.get("x-api-key"))
+                if x is not None]
         # compare_digest, with every key: the time taken tells neither how much of a key
         # matched nor which one
         found = None
         for key in self.config.api_keys:
-            if hmac.compare_digest(sent, key.encode()) and scheme.lower() == "bearer":
-                found = key
+            for given in sent:
+                if hmac.compare_digest(given, key.encode()):
+                    found = key
         if found is None:
-            raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY, or"
+                           " x-api-key: KEY)", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
         return found
 
     def _log(self, scope: Scope, status: int, **fields: Any) -> None:
@@ -213,7 +235,11 @@ class KVChatServer:
     async def text(self, request: HttpRequest) -> Any:
         return await self._complete(request, "text")
 
+    async def messages(self, request: HttpRequest) -> Any:
+        return await self._complete(request, "messages")
+
     async def _complete(self, request: HttpRequest, kind: str) -> Any:
+        """`kind`: "chat" or "text" (OpenAI's routes), "messages" (Anthropic's)."""
         body = await read_json(request, self.config.max_body_bytes, self.config.idle_timeout_s)
         if not self.worker.ready.is_set():
             raise ApiError(503, "the model is still loading; retry shortly",
@@ -222,7 +248,10 @@ class KVChatServer:
         if self.worker.load_error is not None:
             raise ApiError(503, f"engine not available: {self.worker.load_error}",
                            type="server_error")
-        req = protocol.parse(kind, body, self._limits())
+        if kind == "messages":
+            req = anthropic.parse(body, self._limits())
+        else:
+            req = protocol.parse(kind, body, self._limits())
         # the prompt's length is known before it queues: too long, it is refused now
         path = req.model_path or str(self.worker.info.get("path") or "")
         ids = await self.prompts.ids(req, path)
@@ -265,19 +294,24 @@ class KVChatServer:
                        code="model_not_found")
 
     async def stats(self, request: HttpRequest) -> Any:
-        """Live numbers for a dashboard: the cache now (with the pool of idle caches),
-        the running turn, the last finished turn, the queue and the totals."""
+        """Live numbers for a dashboard: the cache now (with the pool of idle caches: the
+        caller's own conversations when the server has keys), the running turn, the last
+        finished turn, the queue and the totals."""
         w = self.worker
-        cache = w.engine.cache_stats() if w.engine is not None else None
+        cache = None
+        if w.engine is not None:
+            cache = stats_json(w.engine.cache_stats())
+            owner = partition_owner(request.state.api_key) if self.config.api_keys else None
+            cache["prefix_pool"] = pool_view(cache.get("prefix_pool"), owner, time.time())
         context, cap = self._limits().context, self.config.max_prompt_tokens
         body = {
             "model": w.info.get("name"), "ready": w.is_ready,
             "uptime_s": round(time.time() - w.t_start, 3),
             "queue": w.queue_stats(),
             "totals": dict(w.counters),
-            "cache": stats_json(cache) if cache is not None else None,
-            "running": stats_json(w.live) if w.current is not None else None,
-            "last": stats_json(w.last),
+            "cache": cache,
+            "running": _turn_json(w.live) if w.current is not None else None,
+            "last": _turn_json(w.last),
             "connections": None if self.config.connections is None
             else self.config.connections.stats(),
             "limits": {"max_kv_size": self.config.max_kv_size, "keep": self.config.keep,
@@ -295,24 +329,61 @@ class KVChatServer:
                              ("failed" if w.load_error else "loading")}, status_code=status)
 
 
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value).encode("utf-8", "replace")).hexdigest()
+
+
+def partition_owner(api_key: str | None) -> str:
+    """The first part of the partitions of `api_key`'s requests (a digest)."""
+    return _digest(["owner", api_key])[:16]
+
+
 def cache_partition(api_key: str | None, name: str | None) -> str | None:
     """Whose cached prompts a request may continue (GenParams.cache_partition): its API
     key's, narrowed by the `prompt_cache_key` or `user` it names; None (one partition
-    for all) when it has neither. A digest: no key travels to the engine."""
+    for all) when it has neither. Digests, "OWNER.NAME": no key travels to the engine,
+    and the stats show a key's client its own conversations (`pool_view`)."""
     if api_key is None and name is None:
         return None
-    who = json.dumps([api_key, name]).encode("utf-8", "replace")
-    return hashlib.sha256(who).hexdigest()[:32]
+    return f"{partition_owner(api_key)}.{_digest([api_key, name])[:32]}"
+
+
+def pool_view(pool: dict[str, Any] | None, owner: str | None, now: float
+              ) -> dict[str, Any] | None:
+    """The prefix pool as /v1/kvchat/stats shows it: its counters, and its conversations
+    (tokens, bytes, age, idle time, hits), those of `owner`'s partitions only (None:
+    all, a server without keys). Partitions themselves are not shown."""
+    if pool is None:
+        return None
+    shown = []
+    for c in pool.get("conversations", []):
+        if owner is not None and not str(c.get("partition") or "").startswith(owner + "."):
+            continue
+        shown.append({"tokens": c["tokens"], "bytes": c["bytes"],
+                      "age_s": round(max(0.0, now - c["created"]), 3),
+                      "idle_s": round(max(0.0, now - c["used"]), 3),
+                      "hits": c["hits"], "current": c["current"]})
+    counters = {k: v for k, v in pool.items() if k not in ("conversations", "tokens")}
+    return {**counters, "conversations": shown}
+
+
+def _turn_json(stats: Any) -> dict[str, Any]:
+    """A turn's numbers without the pool (every client's: the stats route shows it once)."""
+    out = stats_json(stats)
+    out.pop("prefix_pool", None)
+    return out
 
 
 class JobResponse:
     """An ASGI response that runs a job: the whole reply as JSON, or server-sent events
-    ending with `data: [DONE]`. Headers wait for the turn to start, so a prompt the
-    engine refuses (a template that fails, say) still gets a 400. A client that goes away
-    cancels the job (dropped from the queue, or stopped within one decode step)."""
+    (OpenAI's chunks ending with `data: [DONE]`, or Anthropic's events), as `req.api`
+    says. Headers wait for the turn to start, so a prompt the engine refuses (a template
+    that fails, say) still gets a 400. A client that goes away cancels the job (dropped
+    from the queue, or stopped within one decode step)."""
 
     def __init__(self, server: KVChatServer, job: Job, req: protocol.Request):
         self.server, self.job, self.req = server, job, req
+        self.wire = WIRES[req.api]
         self._held: Any = None  # an event read ahead while merging text deltas
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -349,9 +420,11 @@ class JobResponse:
         fields: dict[str, Any] = {"duration_s": secs, "error": error, "model": self.req.model}
         if done is not None:
             s = done.stats
+            use = s.cache or {}
             fields.update(prompt_tokens=len(done.prompt_ids), reused_tokens=s.cached_tokens or 0,
                           generated_tokens=len(done.ids), prefill_tps=s.prefill_tps or 0.0,
-                          decode_tps=s.decode_tps or 0.0, finish_reason=done.finish_reason)
+                          decode_tps=s.decode_tps or 0.0, finish_reason=done.finish_reason,
+                          miss_reason=use.get("miss_reason"), differs_at=use.get("differs_at"))
             if done.finish_reason == "error":
                 fields["error"] = done.error
             elif done.finish_reason == "cancelled":
@@ -387,15 +460,26 @@ class JobResponse:
         """Answer a failed or cancelled job with an error object; its status."""
         err = self._failure(done) if done.finish_reason == "error" else \
             ApiError(499, "client disconnected", code="cancelled")
-        await error_response(err)(scope, _nothing, send)
+        await error_response(err, self.req.api)(scope, _nothing, send)
         return err.status
+
+    async def _stop(self, done: Done) -> str | None:
+        """The stop string that ended the reply (Anthropic's `stop_sequence`; OpenAI's
+        answers do not say): the reply's ids decoded whole, read where the text was cut."""
+        stops = self.req.params.stop
+        if self.req.api != "anthropic" or done.finish_reason != "stop" or not stops:
+            return None
+        path = self.req.model_path or str(self.server.worker.info.get("path") or "")
+        text = await self.server.prompts.decode(done.ids, path)
+        return stop_found(text, len(done.text), stops)
 
     async def _whole(self, scope: Scope, send: Send) -> tuple[int, Done]:
         while not isinstance(done := await self._next(), Done):
             pass
         if done.finish_reason in ("error", "cancelled"):
             return await self._refuse(done, scope, send), done
-        await JSONResponse(protocol.completion(self.req, done))(scope, _nothing, send)
+        answer = self.wire.whole(self.req, done, await self._stop(done))
+        await JSONResponse(answer)(scope, _nothing, send)
         return 200, done
 
     async def _stream(self, scope: Scope, send: Send) -> tuple[int, Done | None]:
@@ -407,27 +491,30 @@ class JobResponse:
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
-        await self._event(send, protocol.chunk(self.req, "", first=True))
+        await self._events(send, self.wire.start(self.req, ev))
         while True:
             ev = await self._next()
             if isinstance(ev, TextDelta):
                 text = ev.text + self._more_text()
-                await self._event(send, protocol.chunk(self.req, text))
+                await self._events(send, self.wire.text(self.req, text))
             elif isinstance(ev, Done):
                 break
         if ev.finish_reason == "error":  # mid-stream: the error object as an event
-            await self._event(send, self._failure(ev).body())
+            await self._events(send, self.wire.error(self._failure(ev)))
         elif ev.finish_reason != "cancelled":
-            await self._event(send, protocol.chunk(self.req, done=ev))
-            if self.req.include_usage:
-                await self._event(send, protocol.usage_chunk(self.req, ev))
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
+            await self._events(send, self.wire.end(self.req, ev, await self._stop(ev)))
+        await send({"type": "http.response.body", "body": self.wire.done_marker or b"",
                     "more_body": False})
         return 200, ev
 
     @staticmethod
-    async def _event(send: Send, obj: dict[str, Any]) -> None:
-        data = b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    async def _events(send: Send, events: list[tuple[str | None, dict[str, Any]]]) -> None:
+        """Server-sent events: `data: JSON`, after `event: NAME` where the API names them."""
+        data = b""
+        for name, obj in events:
+            if name is not None:
+                data += b"event: " + name.encode() + b"\n"
+            data += b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
         await send({"type": "http.response.body", "body": data, "more_body": True})
 
 

@@ -21,30 +21,37 @@ shorter self would only be a stale copy). A partial match (a branch, a regenerat
 reply, a shared system prompt) gets a clone: new array objects over the entry's data
 (MLX copies a buffer on the first write while another array still holds it), so the
 entry stays intact.
+
+A lookup also says why no more of the prompt was found (misses.py): nothing held for
+this key, the best entry leaving the prompt at token N, or a cache the pool let go (for
+the budget, or with its model) that shared more; the ids of those it remembers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
 from .kv import can_trim_to
+from .misses import (
+    EVICTED,
+    NEW_CONVERSATION,
+    PREFIX_DIFFERS,
+    DroppedCaches,
+    Miss,
+    common_prefix_len,
+)
+
+__all__ = ["CacheKey", "EntryInfo", "Lookup", "PrefixPool", "cache_nbytes", "clone_cache",
+           "common_prefix_len"]
 
 # the bound a cache was made with (max_kv_size, keep, K/V quantization), then the client
 # partition where there is one (model/runtime/chat_cache.py's cache_key); compared whole
 CacheKey = tuple[Any, ...]
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def cache_nbytes(cache: list[Any]) -> int:
@@ -93,26 +100,55 @@ def _copy(x: Any) -> Any:
 
 
 @dataclass
+class EntryInfo:
+    """What the pool tells about a cache besides its ids: when it was first made, when a
+    turn last used it and how many turns continued it (kept while a turn holds it)."""
+
+    created: float
+    used: float
+    hits: int = 0
+
+
+@dataclass
 class _Entry:
     ids: list[int]
     cache: list[Any]
     key: CacheKey
     nbytes: int
+    info: EntryInfo
+
+
+@dataclass
+class Lookup:
+    """A lookup's outcome: the cache and the ids it holds (None: nothing shared), its
+    info, and why no more of the prompt was cached (misses.py)."""
+
+    found: tuple[list[int], list[Any]] | None
+    info: EntryInfo
+    miss: Miss = field(default_factory=Miss)
 
 
 class PrefixPool:
     """Caches keyed by their token prefix, LRU within `budget_bytes` (an entry larger than
     the budget is not kept). Not thread-safe: the engine thread alone uses it."""
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, clock: Callable[[], float] = time.time):
         self.budget_bytes = int(budget_bytes)
+        self.clock = clock  # wall-clock: a server shows ages from another process
         self._entries: list[_Entry] = []  # least recently used first
+        # the ids of caches let go, so a later prompt can say what it lost (misses.py)
+        self.dropped = DroppedCaches()
         self.hits = 0  # turns that continued a pooled cache
         self.misses = 0  # turns that found no shared prefix
         self.evictions = 0  # entries dropped for the budget
         self.reused_tokens = 0  # prompt tokens served from pooled caches, all turns
 
-    def put(self, ids: list[int], cache: list[Any], key: CacheKey) -> None:
+    def new_info(self) -> EntryInfo:
+        now = self.clock()
+        return EntryInfo(now, now)
+
+    def put(self, ids: list[int], cache: list[Any], key: CacheKey,
+            info: EntryInfo | None = None) -> None:
         """Keep `cache` (holding `ids`) as the most recently used entry."""
         if not ids:
             return
@@ -123,27 +159,39 @@ class PrefixPool:
             if not (e.key == key and len(e.ids) <= len(ids) and ids[: len(e.ids)] == e.ids
                     and can_trim_to(cache, len(e.ids)))
         ]
+        self.dropped.covered(ids, key)
         if nbytes > self.budget_bytes:
             self.evictions += 1
+            self.dropped.add(ids, key, EVICTED)
             return
-        self._entries.append(_Entry(list(ids), cache, key, nbytes))
+        self._entries.append(_Entry(list(ids), cache, key, nbytes, info or self.new_info()))
         while self.total_bytes > self.budget_bytes:
-            self._entries.pop(0)
+            gone = self._entries.pop(0)
             self.evictions += 1
+            self.dropped.add(gone.ids, gone.key, EVICTED)
 
     def take(self, ids: list[int], key: CacheKey) -> tuple[list[int], list[Any]] | None:
         """The cache (and the ids it holds) sharing the longest prefix with `ids`, or
         None. A full-prefix entry leaves the pool; a partial match leaves a clone."""
+        return self.find(ids, key).found
+
+    def find(self, ids: list[int], key: CacheKey) -> Lookup:
+        """`take`, with the entry's info and why no more of `ids` was found: nothing of
+        this key held (NEW_CONVERSATION), the best entry leaves the prompt at token N
+        (PREFIX_DIFFERS), or a cache let go shared more (its reason)."""
         best, best_n = None, 0
-        for e in self._entries:
-            n = common_prefix_len(e.ids, ids) if e.key == key else 0
+        mine = [e for e in self._entries if e.key == key]
+        for e in mine:
+            n = common_prefix_len(e.ids, ids)
             if n > best_n:
                 best, best_n = e, n
-        found = None
+        found, info = None, self.new_info()
         if best is not None:
             self._entries.remove(best)
+            best.info.hits += 1
+            best.info.used = info.used
             if best_n == len(best.ids):
-                found = best.ids, best.cache
+                found, info = (best.ids, best.cache), best.info
             else:
                 self._entries.append(best)  # still there, now the most recently used
                 clone = clone_cache(best.cache)
@@ -153,17 +201,37 @@ class PrefixPool:
         else:
             self.hits += 1
             self.reused_tokens += min(best_n, len(ids) - 1)
-        return found
+        return Lookup(found, info, self._miss(ids, key, best, best_n, bool(mine)))
 
-    def clear(self) -> None:
+    def _miss(self, ids: list[int], key: CacheKey, best: _Entry | None, best_n: int,
+              any_held: bool) -> Miss:
+        lost_n, why = self.dropped.best(ids, key)
+        if why is not None and lost_n > best_n:
+            return Miss(why)
+        if best_n >= len(ids) or best is not None and best_n == len(best.ids):
+            return Miss()  # all of the prompt, or all of the entry
+        if best is None and not any_held:
+            return Miss(NEW_CONVERSATION)
+        return Miss(PREFIX_DIFFERS, best_n)
+
+    def clear(self, why: str | None = None) -> None:
+        """Let every entry go; `why` (a misses.py reason) is remembered for them."""
+        if why is not None:
+            for e in self._entries:
+                self.dropped.add(e.ids, e.key, why)
         self._entries = []
 
     @property
     def total_bytes(self) -> int:
         return sum(e.nbytes for e in self._entries)
 
+    def entries(self) -> list[tuple[int, int, CacheKey, EntryInfo]]:
+        """(tokens, bytes, key, info) of each entry, most recently used first."""
+        return [(len(e.ids), e.nbytes, e.key, e.info) for e in reversed(list(self._entries))]
+
     def stats(self) -> dict[str, Any]:
-        """For the statistics (JSON-ready): the entries, most recent first, and counters."""
+        """For the statistics (JSON-ready): the counters, and the entries' tokens, most
+        recent first."""
         return {
             "entries": len(self._entries),
             "bytes": self.total_bytes,
@@ -172,5 +240,5 @@ class PrefixPool:
             "misses": self.misses,
             "evictions": self.evictions,
             "reused_tokens": self.reused_tokens,
-            "tokens": [len(e.ids) for e in reversed(self._entries)],
+            "tokens": [len(e.ids) for e in reversed(list(self._entries))],
         }

@@ -5,7 +5,9 @@ A turn keeps the longest common prefix of its prompt with the ids the cache hold
 prefills only the rest (docs/design.md, "Data flow of one chat turn"). A server keeps the
 caches of its other conversations in a pool (model/cache/prefix_pool.py) and swaps in the
 one that shares the most with a request. A chat's cache is saved beside it and restored
-only for the same model, bound and files (model/cache/integrity.py).
+only for the same model, bound and files (model/cache/integrity.py). Each turn's `use`
+says how many prompt tokens it reused and, when the cache could have given more, why not
+(model/cache/misses.py): the server returns it with every answer.
 
 Used on the engine thread only, except `caches`, read (metadata only) by the engine's
 `layer_stats` from any thread.
@@ -26,7 +28,22 @@ from kvchat.model.cache.kv import (
     trim_to,
     why_not_trimmable,
 )
-from kvchat.model.cache.prefix_pool import PrefixPool, common_prefix_len
+from kvchat.model.cache.misses import (
+    MODEL_CHANGED,
+    NEW_CONVERSATION,
+    PREFIX_DIFFERS,
+    REUSE_OFF,
+    WINDOW_ROTATED,
+    CacheUse,
+    DroppedCaches,
+    Miss,
+)
+from kvchat.model.cache.prefix_pool import (
+    EntryInfo,
+    PrefixPool,
+    cache_nbytes,
+    common_prefix_len,
+)
 from kvchat.model.errors import KVChatError, error_line
 
 from .events import CacheRestored, CacheSaved, GenParams
@@ -42,6 +59,11 @@ def cache_key(params: GenParams) -> CacheKey:
     bound = (params.max_kv_size, params.keep, params.kv_bits, params.kv_group_size,
              params.quantized_kv_start)
     return bound if params.cache_partition is None else (*bound, params.cache_partition)
+
+
+def key_partition(key: CacheKey | None) -> str | None:
+    """The client partition in a `cache_key` (None: the shared one)."""
+    return key[5] if key is not None and len(key) > 5 else None
 
 
 def _bound_params(bound: list[Any]) -> GenParams:
@@ -74,28 +96,37 @@ class ChatCache:
         self.key: CacheKey | None = None
         self.ids: list[int] = []
         self.pool = PrefixPool(pool_bytes) if pool_bytes > 0 else None
+        # the ids of caches let go, to name what a later prompt lost (the pool's own)
+        self.dropped = self.pool.dropped if self.pool is not None else DroppedCaches()
+        self.info: EntryInfo | None = None  # the current cache's age and hits (a server's)
+        self.use: CacheUse | None = None  # how the last prepared turn used the cache
 
     @property
     def last_id(self) -> int | None:
         """The newest token whose K/V the cache holds."""
         return self.ids[-1] if self.ids else None
 
-    def drop(self, pool: bool = False) -> None:
+    def drop(self, pool: bool = False, why: str | None = None) -> None:
         """Forget the cache (a new chat, a failed turn that may have half-written a step,
-        a new model); `pool`: the pooled ones too."""
-        self.caches, self.key, self.ids = None, None, []
+        a new model); `pool`: the pooled ones too. `why` (a misses.py reason) is
+        remembered for them, for the next prompt that would have continued one."""
+        if why is not None and self.caches is not None and self.key is not None:
+            self.dropped.add(self.ids, self.key, why)
+        self.caches, self.key, self.ids, self.info = None, None, [], None
         if pool and self.pool is not None:
-            self.pool.clear()
+            self.pool.clear(why)
 
     def prepare(self, model: Any, ids: list[int], params: GenParams, reuse_prefix: bool
                 ) -> tuple[int, int, str | None]:
         """Make the cache ready for prompt `ids`: reuse the longest common prefix (unless
         `reuse_prefix` is off). Returns (cached tokens, tokens the cache held that run
-        again, why the prefix was not reused)."""
+        again, why the prefix was not reused); `use` then says how the cache was used."""
         key = cache_key(params)
         reason = None
         if self.pool is not None and reuse_prefix:
-            self._swap_from_pool(ids, key)
+            miss = self._swap_from_pool(ids, key)
+        else:
+            miss = self._single_miss(ids, key, reuse_prefix)
         if self.caches is not None and key != self.key:
             reason = "cache bound changed"
             self.drop()
@@ -104,6 +135,7 @@ class ChatCache:
         if self.caches is None:
             self.caches = new_cache(model, params)
             self.key = key
+            self.info = self.pool.new_info() if self.pool is not None else None
         else:  # a restored float cache waiting for --quantized-kv-start
             plan_quantization(self.caches, params.kv_quant())
         # at least one token must run through the model to give the next logits
@@ -116,21 +148,52 @@ class ChatCache:
             else:
                 why = why_not_trimmable(self.caches, model.config, keep_n)
                 reason = f"{why}; prefilling again"
+                miss = Miss(WINDOW_ROTATED)
                 self.caches = new_cache(model, params)
                 self.ids, keep_n = [], 0
+        self.use = CacheUse(keep_n, len(ids) - keep_n, miss.reason, miss.differs_at)
         return keep_n, shared - keep_n, reason
 
-    def _swap_from_pool(self, ids: list[int], key: CacheKey) -> None:
+    def _single_miss(self, ids: list[int], key: CacheKey, reuse_prefix: bool) -> Miss:
+        """Why the one cache (no pool) gives no more of `ids`."""
+        if not reuse_prefix:
+            return Miss(REUSE_OFF)
+        if self.caches is None:
+            _, why = self.dropped.best(ids, key)
+            return Miss(why) if why is not None else Miss(NEW_CONVERSATION)
+        if key != self.key:
+            return Miss(MODEL_CHANGED)
+        shared = common_prefix_len(self.ids, ids)
+        if shared < len(self.ids) and shared < len(ids):
+            return Miss(PREFIX_DIFFERS, shared)
+        return Miss()
+
+    def _swap_from_pool(self, ids: list[int], key: CacheKey) -> Miss:
         """Make the pooled cache sharing the longest prefix with `ids` the current one;
-        the current one goes back to the pool."""
+        the current one goes back to the pool. Why no more of `ids` was found."""
         assert self.pool is not None
         if self.caches is not None and self.key is not None:
-            self.pool.put(self.ids, self.caches, self.key)
+            self.pool.put(self.ids, self.caches, self.key, self.info)
         self.drop()
-        found = self.pool.take(ids, key)
-        if found is not None:
-            self.ids, self.caches = found
-            self.key = key
+        found = self.pool.find(ids, key)
+        if found.found is not None:
+            self.ids, self.caches = found.found
+            self.key, self.info = key, found.info
+        return found.miss
+
+    def pool_stats(self) -> dict[str, Any] | None:
+        """The pool's counters and its conversations, the current one first (JSON-ready;
+        None without a pool): tokens, bytes, when made and last used, turns that
+        continued it, and its client partition (the server shows each client its own)."""
+        if self.pool is None:
+            return None
+        held = [(*entry, False) for entry in self.pool.entries()]
+        if self.caches is not None and self.ids and self.info is not None:
+            held.insert(0, (len(self.ids), cache_nbytes(self.caches), self.key, self.info, True))
+        return {**self.pool.stats(), "conversations": [
+            {"tokens": tokens, "bytes": nbytes, "created": info.created, "used": info.used,
+             "hits": info.hits, "current": current, "partition": key_partition(key)}
+            for tokens, nbytes, key, info, current in held]}
 
     def save(self, path: Path, max_bytes: int | None, model_info: dict[str, Any]
              ) -> CacheSaved | None:

@@ -39,6 +39,7 @@ from kvchat.model.cache.kv_math import (
     gqa_heads,
     kv_saving,
 )
+from kvchat.model.cache.misses import MODEL_CHANGED
 from kvchat.model.decoder.transformer import Transformer
 from kvchat.model.decoder.weights import parameter_count, weight_bytes
 from kvchat.model.distributed import pipeline
@@ -106,11 +107,12 @@ def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
         "n_heads": cfg.num_attention_heads,
         "n_kv_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
-        # "GQA"/"MHA"/"MQA"/"MLA", its saving over MHA, and (MLA) the GQA figure's share
+        # "GQA"/"MHA"/"MQA"/"MLA" and its saving over MHA (docs/design.md's gqa_saving, as
+        # the cache's stats give it); latent attention also: its bytes as GQA ÷ its own
         "attention": attention_name(cfg),
-        "kv_saving": kv_saving(cfg),
-        "gqa_factor": cached_widths(cfg, gqa_heads(cfg)).bytes_per_token(1, 1)
-        / cached_widths(cfg).bytes_per_token(1, 1),
+        "gqa_saving": kv_saving(cfg),
+        "as_gqa_factor": cached_widths(cfg, gqa_heads(cfg)).bytes_per_token(1, 1)
+        / cached_widths(cfg).bytes_per_token(1, 1) if cfg.mla is not None else None,
         "context": cfg.max_position_embeddings,
         "note": cfg.note,  # a multimodal checkpoint: what is not loaded
         "vocab_size": cfg.vocab_size,
@@ -344,7 +346,7 @@ class Engine:
             return
         before = mx.get_active_memory()
         self.model, self.tokenizer = model, tokenizer
-        self._chat.drop(pool=True)
+        self._chat.drop(pool=True, why=MODEL_CHANGED)  # remembered: a later miss says so
         del model
         gc.collect()
         mx.clear_cache()
@@ -382,5 +384,5 @@ class Engine:
     def _stats_now(self, turn: TurnStats | None = None) -> TurnStats:
         """`turn`'s numbers with the cache's and the runtime's as they are now."""
         assert self.model is not None
-        return current_stats(self.model, self._chat.caches, self._chat.pool,
+        return current_stats(self.model, self._chat.caches, self._chat.pool_stats(),
                              self._runtime_stats(), turn)

@@ -115,6 +115,9 @@ class TurnStats(CacheStats):
     ttft_s: float | None = None
     generated_tokens: int | None = None
     decode_tps: float | None = None
+    # how this turn used the cached prompts: reused and prefilled tokens, and why no more
+    # were reused (model/cache/misses.py's CacheUse.to_json)
+    cache: dict[str, Any] | None = None
     # a model split across machines (model/distributed/pipeline.py): per-rank bytes and time split
     pipeline: dict[str, Any] | None = None
     # a server's pool of idle caches (model/cache/prefix_pool.py): entries, bytes, budget, hits

@@ -44,3 +44,11 @@ class StopMatcher:
         out = self.text[self.emitted : upto]
         self.emitted = upto
         return out
+
+
+def stop_found(text: str, cut: int, stops: Sequence[str]) -> str | None:
+    """The stop string that ended a reply: `text` is all its tokens decoded, `cut` the
+    length of the reply kept (a StopMatcher's `text`). The stop string starting there;
+    of several, the shortest, which completed first and so ended the reply."""
+    hits = [s for s in stops if s and text.startswith(s, cut)]
+    return min(hits, key=len) if hits else None

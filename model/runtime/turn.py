@@ -189,7 +189,9 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
     caches = chat.caches
     assert caches is not None
     yield Started(len(ids), cached, reason, again)
-    meter = TurnMeter(TurnStats(prompt_tokens=len(ids), cached_tokens=cached), t_submit)
+    use = chat.use.to_json() if chat.use is not None else None
+    meter = TurnMeter(TurnStats(prompt_tokens=len(ids), cached_tokens=cached, cache=use),
+                      t_submit)
     evictions = Evictions(model, caches)
     todo = ids[cached:]
     progress = Progress()

@@ -15,7 +15,6 @@ import mlx.core as mx
 
 from kvchat import metal_kernels
 from kvchat.model.cache.kv import cache_stats
-from kvchat.model.cache.prefix_pool import PrefixPool
 
 from .events import Overflow, TurnStats
 from .generate import Progress
@@ -33,16 +32,17 @@ def runtime_stats() -> TurnStats:
     )
 
 
-def current_stats(model: Any, caches: list[Any] | None, pool: PrefixPool | None,
+def current_stats(model: Any, caches: list[Any] | None, pool: dict[str, Any] | None,
                   runtime: TurnStats, turn: TurnStats | None = None) -> TurnStats:
-    """`turn`'s numbers with the cache's, the pool's and `runtime`'s as they are now."""
+    """`turn`'s numbers with the cache's, the pool's (ChatCache.pool_stats) and
+    `runtime`'s as they are now."""
     s = turn or TurnStats()
     if caches:
         s = s.merged(cache_stats(caches, model.config))
     if hasattr(model, "pipeline_stats"):  # per-rank bytes and time split
         s = s.with_(pipeline=model.pipeline_stats(caches))
     if pool is not None:
-        s = s.with_(prefix_pool=pool.stats())
+        s = s.with_(prefix_pool=pool)
     return s.merged(runtime)
 
 

@@ -215,8 +215,8 @@ class StatsPanel(VerticalScroll):
         self.info = dict(info)
         self.peak_scope = "at load"
         heads, kv = info.get("n_heads"), info.get("n_kv_heads")
-        if info.get("kv_saving"):  # the new model's factor, not the previous model's
-            self.stats = self.stats.with_(gqa_saving=info["kv_saving"])
+        if info.get("gqa_saving"):  # the new model's factor, not the previous model's
+            self.stats = self.stats.with_(gqa_saving=info["gqa_saving"])
         elif heads and kv:
             self.stats = self.stats.with_(gqa_saving=heads / kv)
         self._dirty = True
@@ -295,7 +295,7 @@ class StatsPanel(VerticalScroll):
             _lines(
                 _row("KV", fmt_bytes(s.cache_bytes), "bold"),
                 _row("as MHA", fmt_bytes(s.mha_bytes)),
-                *([_row("as GQA", fmt_bytes(_times(s.cache_bytes, info.get("gqa_factor"))))]
+                *([_row("as GQA", fmt_bytes(_times(s.cache_bytes, info.get("as_gqa_factor"))))]
                   if latent else []),
                 _row("MLA" if latent else "GQA", f"{fmt_saving(s.gqa_saving)} smaller"),
                 *quant_rows(s),
