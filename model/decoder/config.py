@@ -23,11 +23,14 @@ from .families import (
     ACTIVATION_NAMES,
     CHUNKED,
     FULL,
+    LAYER_KIND_ALIASES,
     LAYER_KINDS,
+    RECURRENT,
     SLIDING,
     BlockKind,
     Family,
     GroupScore,
+    MixerKind,
     MlpKind,
     NormKind,
     PositionKind,
@@ -37,6 +40,7 @@ from .families import (
     no_rope_layers,
 )
 from .rope import RopeConfig, check_rotary, global_rope, local_rope
+from .state_config import MixerConfig, resolve_mixer
 
 
 @dataclass(frozen=True)
@@ -111,11 +115,18 @@ def unwrap(cfg: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
 class LayerSpec:
     """What differs between the layers of one model."""
 
-    kind: str  # FULL, SLIDING or CHUNKED
+    kind: str  # FULL, SLIDING, CHUNKED, or RECURRENT (the family's recurrent mixer)
     window: int | None  # keys a query sees (None: all of them)
     rope: RopeConfig | None  # None: a NoPE layer (no rotary embedding)
     moe: bool = False  # the FFN is the model's mixture of experts (ModelConfig.moe)
     chunk: int | None = None  # chunked attention: keys of the query's own chunk only
+    # the token mixer when it is not attention (ModelConfig.mixer holds its sizes): the
+    # layer keeps a fixed-size state instead of K/V
+    mixer: MixerKind | None = None
+
+    @property
+    def attends(self) -> bool:
+        return self.mixer is None
 
 
 @dataclass(frozen=True)
@@ -160,6 +171,9 @@ class ModelConfig:
     rope_negative: bool = False
     moe: MoeConfig | None = None
     mla: MlaConfig | None = None  # set: every layer is latent attention (cache kind "latent")
+    # the recurrent mixer's sizes (state_config.py) where some layers have one (LayerSpec.mixer)
+    mixer: MixerConfig | None = None
+    attention_gate: bool = False  # Qwen3-Next: attention output × sigmoid(gate)
     q_position_scale: tuple[float, int] | None = None  # Ministral 3: (beta, period), see layers
     attention_sinks: bool = False
     temperature: tuple[float, float] | None = None  # Llama 4: (floor_scale, attn_scale)
@@ -174,6 +188,11 @@ class ModelConfig:
             return None
         return (f"{self.wrapper} checkpoint: kvchat runs its language model"
                 f" ({self.model_type}); {WRAPPERS[self.wrapper]} is not loaded")
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers that attend (hold K/V); the others hold a recurrent state."""
+        return sum(spec.attends for spec in self.layers)
 
     @property
     def gqa_groups(self) -> int:
@@ -192,11 +211,17 @@ class ModelConfig:
         cfg = _derived_keys(cfg, fam)
         try:
             hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            kv_heads = int(cfg.get("num_key_value_heads") or heads)
-            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            if fam.attention == "none":
+                # no attention layer (Mamba): one nominal head as wide as the model, so the
+                # K/V ratios stay defined (1.0); kv_math names the attention "none"
+                heads = kv_heads = 1
+                head_dim = hidden
+            else:
+                heads = int(cfg["num_attention_heads"])
+                kv_heads = int(cfg.get("num_key_value_heads") or heads)
+                head_dim = int(cfg.get("head_dim") or hidden // heads)
             n_layers = int(cfg["num_hidden_layers"])
-            inter = int(cfg[fam.dense_size_key])
+            inter = int(cfg[fam.dense_size_key]) if fam.dense_size_key else 0
             vocab = int(cfg["vocab_size"])
         except KeyError as e:
             raise ConfigError(f"config.json lacks required key {e.args[0]!r}") from None
@@ -216,6 +241,7 @@ class ModelConfig:
             mla = _mla(cfg) if fam.attention == "mla" else None
             moe, sparse = _moe(cfg, fam, n_layers)
             quirks = _quirks(cfg, fam, hidden)
+            mixer = resolve_mixer(cfg, fam, hidden, float(cfg.get(fam.eps_key) or 1e-6))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"config.json has a malformed value: {e}") from None
         if mla is not None:
@@ -247,6 +273,7 @@ class ModelConfig:
             layers=layers,
             moe=moe,
             mla=mla,
+            mixer=mixer,
             wrapper=wrapper,
             raw=cfg,
             **quirks,
@@ -420,17 +447,22 @@ def _layer_specs(
                 f"config.json: sliding_window must be a positive integer, got {window!r}"
             )
     kinds = cfg.get("layer_types")
+    allowed = (*LAYER_KINDS, RECURRENT) if fam.mixer else LAYER_KINDS
     if kinds is not None:
         if not isinstance(kinds, list) or len(kinds) != n:
             got = len(kinds) if isinstance(kinds, list) else type(kinds).__name__
             raise ConfigError(
                 f"config.json: layer_types has {got} entries for num_hidden_layers {n}"
             )
-        bad = [k for k in kinds if k not in LAYER_KINDS]
+        if fam.mixer:
+            kinds = [LAYER_KIND_ALIASES.get(k, k) if isinstance(k, str) else k for k in kinds]
+        bad = [k for k in kinds if k not in allowed]
         if bad:
             raise ConfigError(
-                f"config.json: layer_types holds {bad[0]!r}; allowed: {', '.join(LAYER_KINDS)}"
+                f"config.json: layer_types holds {bad[0]!r}; allowed: {', '.join(allowed)}"
             )
+    elif fam.mixer_rule is not None:
+        kinds = fam.mixer_rule(cfg, n)
     elif fam.layer_rule is not None:
         kinds = fam.layer_rule(cfg, n)
     else:
@@ -451,9 +483,10 @@ def _layer_specs(
         LayerSpec(
             kind=k,
             window=window if k == SLIDING else None,
-            rope=(local if k == SLIDING else rope) if rope_on[i] else None,
+            rope=(local if k == SLIDING else rope) if rope_on[i] and k != RECURRENT else None,
             moe=sparse[i],
             chunk=int(chunk) if k == CHUNKED else None,
+            mixer=fam.mixer if k == RECURRENT else None,
         )
         for i, k in enumerate(kinds)
     )
@@ -479,7 +512,7 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
         "mlp": fam.mlp, "lm_head_bias": fam.head_bias
         or bool(fam.head_bias_key and cfg.get(fam.head_bias_key)), "embed_norm": fam.embed_norm,
         "rope_negative": fam.rope_negative, "attention_sinks": fam.attention_sinks,
-        "positions": fam.positions,
+        "positions": fam.positions, "attention_gate": fam.attention_gate,
     }
     if fam.temperature_tuning and cfg.get("attn_temperature_tuning", True):
         out["temperature"] = (float(cfg.get("floor_scale", 8192)),

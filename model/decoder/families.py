@@ -29,8 +29,9 @@ NormKind = Literal["rms", "rms_noparam", "offset", "layer", "layer_nobias", "lay
 MlpKind = Literal["gated", "fused", "plain"]
 # "pre" | "sandwich" (4 norms) | "post" (norms after each branch) | "parallel" (attention
 # and MLP read the same normed input) | "parallel2" (each its own norm) | "post_ln"
-# (2017: LayerNorm of the residual sum after each branch)  [layers.BLOCKS]
-BlockKind = Literal["pre", "sandwich", "post", "parallel", "parallel2", "post_ln"]
+# (2017: LayerNorm of the residual sum after each branch) | "mixer_only" (Mamba: one
+# branch, x + mixer(norm(x)), no MLP)  [layers.BLOCKS]
+BlockKind = Literal["pre", "sandwich", "post", "parallel", "parallel2", "post_ln", "mixer_only"]
 # "rope" | "sinusoidal" (2017: added to the embeddings) | "learned" (GPT-2: a table)
 # [transformer.py, config.py]
 PositionKind = Literal["rope", "sinusoidal", "learned"]
@@ -41,8 +42,13 @@ QkNormKind = Literal["head", "each_head", "proj", "head_after_rope", "plain_afte
 # layers without RoPE: "listed" (SmolLM3's `no_rope_layers`) | "global" (the
 # full-attention layers of a model with sliding ones: EXAONE 4, Command R7B)  [config.py]
 NopeKind = Literal["listed", "global"]
-# "gqa" (MHA/GQA/MQA) | "mla" (latent, DeepSeek-V2/V3; mla.LatentAttention)  [config.py]
-AttentionKind = Literal["gqa", "mla"]
+# "gqa" (MHA/GQA/MQA) | "mla" (latent, DeepSeek-V2/V3; mla.LatentAttention) | "none" (no
+# attention layer at all: Mamba)  [config.py]
+AttentionKind = Literal["gqa", "mla", "none"]
+# the token mixer of a family's recurrent layers, each over a fixed-size state per layer
+# (model/cache/state.py) instead of a K/V cache: "mamba" (Mamba's selective scan,
+# ssm.MambaMixer) | "mamba2" (Mamba-2's SSD, ssm.Mamba2Mixer)  [layers.MIXERS]
+MixerKind = Literal["mamba", "mamba2"]
 # one fused c_attn holding q, k, v one after the other, split on load: "linear" stored
 # (out, in) (StarCoder 1) | "conv1d" stored (in, out) as GPT-2's Conv1D  [weights.py]
 FusedQkvKind = Literal["linear", "conv1d"]
@@ -67,6 +73,11 @@ SparseLayers = Literal["all", "step", "first_dense", "listed", "types", "interva
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 LAYER_KINDS = (FULL, SLIDING, CHUNKED)
+# a layer whose token mixer is its family's recurrent one (transformers' name for them)
+RECURRENT = "linear_attention"
+# other layer_types values that mean the same two kinds (Granite 4: "mamba" and
+# "attention", LFM2: "conv")
+LAYER_KIND_ALIASES = {"mamba": RECURRENT, "conv": RECURRENT, "attention": FULL}
 
 # activation names in config.json -> the function mlx computes (layers.ACTIVATIONS)
 ACTIVATION_NAMES = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu", "gelu_fast", "relu",
@@ -119,6 +130,35 @@ def _nope_layers_slide(cfg: dict[str, Any], n: int) -> list[str]:
     """SmolLM3: with use_sliding_window, the NoPE layers slide."""
     rope_on = no_rope_layers(cfg, n)
     return [FULL if r else SLIDING for r in rope_on]
+
+
+def _all_recurrent(cfg: dict[str, Any], n: int) -> list[str]:
+    """Mamba, Mamba-2: every layer is the recurrent mixer."""
+    return [RECURRENT] * n
+
+
+def _attention_listed(key: str, default: list[int] | None = None) -> LayerRule:
+    """Bamba (`attn_layer_indices`), LFM2 (`full_attn_idxs`): the listed layers attend,
+    the others are recurrent."""
+
+    def rule(cfg: dict[str, Any], n: int) -> list[str]:
+        listed = cfg.get(key)
+        listed = (list(range(n)) if default is None else default) if listed is None else listed
+        if not isinstance(listed, list) or not all(isinstance(i, int) for i in listed):
+            raise ConfigError(f"config.json: {key} must list layer indices, got {listed!r:.60}")
+        return [FULL if i in listed else RECURRENT for i in range(n)]
+
+    return rule
+
+
+def _every_nth_attention(key: str, default: int) -> LayerRule:
+    """Qwen3-Next: every `full_attention_interval`-th layer attends, the others are recurrent."""
+
+    def rule(cfg: dict[str, Any], n: int) -> list[str]:
+        every = int(cfg.get(key) or default)
+        return [FULL if (i + 1) % every == 0 else RECURRENT for i in range(n)]
+
+    return rule
 
 
 def no_rope_layers(cfg: dict[str, Any], n: int) -> list[int]:
@@ -195,7 +235,8 @@ class Family:
     # parameters' llama_4_scaling_beta
     position_scaled_queries: bool = False
     attention_sinks: bool = False  # gpt-oss: a learned sink logit per head (self_attn.sinks)
-    dense_size_key: str = "intermediate_size"  # Llama 4: the dense layers' intermediate_size_mlp
+    # Llama 4: the dense layers' intermediate_size_mlp; None: no MLP (Mamba)
+    dense_size_key: str | None = "intermediate_size"
     # Llama 4: NoPE layers' queries × 1 + attn_scale·log(1 + ⌊(pos + 1) / floor_scale⌋)
     temperature_tuning: bool = False
     # StableLM, GPT-NeoX: this config flag makes the block `parallel_block`
@@ -212,6 +253,13 @@ class Family:
     rope_aliases: dict[str, str] = field(default_factory=dict)  # Phi-3: "su" -> "longrope"
     moe: MoeFamily | None = None  # the FFN of (some) layers is a mixture of experts
     attention: AttentionKind = "gqa"
+    # the recurrent mixer of the layers that do not attend (None: every layer attends), and
+    # which layers those are when config.json has no layer_types (None: layer_types only)
+    mixer: MixerKind | None = None
+    mixer_rule: LayerRule | None = None
+    attention_gate: bool = False  # Qwen3-Next: attention output × sigmoid(a gate from q_proj)
+    ssm_bcdt_norm: bool = False  # Falcon-Mamba: B, C and Δ RMS-normed before the scan
+    delta_split_proj: bool = False  # Qwen3.5: q|k|v, z, b, a from four projections
     rope_traditional: bool = False  # RoPE rotates adjacent pairs (DeepSeek's interleave)
     rope_negative: bool = False  # nanochat: its rotate_half turns the other way
     clip_qkv: bool = False  # OLMoE: config's clip_qkv clamps q, k and v
@@ -252,6 +300,24 @@ _GPT2_NAMES = (*_GPT_BODY_NAMES, ("transformer.wpe.", "model.embed_positions."),
 # Mixtral's checkpoint names (Phi-MoE saves the same)
 _MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
                   (".w2.", ".down_proj."), (".w3.", ".up_proj."))
+
+# Mamba's config keys (transformers' and the original state-spaces ones, as mlx-lm reads
+# them) -> the ssm_* keys state_config.py reads; its checkpoint's `backbone.*` names
+_MAMBA_KEYS = {
+    "d_model": "hidden_size", "n_layer": "num_hidden_layers", "n_layers": "num_hidden_layers",
+    "state_size": "ssm_state_size", "d_state": "ssm_state_size",
+    "conv_kernel": "ssm_conv_kernel", "d_conv": "ssm_conv_kernel", "expand": "ssm_expand",
+    "intermediate_size": "ssm_inner", "d_inner": "ssm_inner", "use_bias": "ssm_proj_bias",
+    "bias": "ssm_proj_bias", "use_conv_bias": "ssm_conv_bias", "conv_bias": "ssm_conv_bias",
+    "time_step_rank": "ssm_dt_rank", "layer_norm_epsilon": "rms_norm_eps",
+}
+_MAMBA2_KEYS = {**_MAMBA_KEYS, "num_heads": "ssm_heads", "head_dim": "ssm_head_dim",
+                "n_groups": "ssm_groups", "chunk_size": "ssm_chunk_size",
+                "time_step_limit": "ssm_dt_limit"}
+_BACKBONE_NAMES = (("backbone.embeddings.", "model.embed_tokens."),
+                   ("backbone.embedding.", "model.embed_tokens."),
+                   ("backbone.norm_f.", "model.norm."), ("backbone.", "model."))
+_MAMBA_DEFAULTS: dict[str, Any] = {"rms_norm_eps": 1e-5, "ssm_conv_bias": True}
 
 FAMILIES: dict[str, Family] = {
     # Llama 2, 3, 3.1, 3.2, SmolLM 1/2, TinyLlama, stories260K
@@ -627,6 +693,26 @@ FAMILIES: dict[str, Family] = {
                       shared="plain", sparse_layers="first_dense"),
         defaults={"norm_topk_prob": True, "n_group": 8, "topk_group": 4, "n_shared_experts": 1,
                   "routed_scaling_factor": 2.5, "first_k_dense_replace": 3},
+    ),
+    # ---- recurrent layers (model/cache/state.py): state-space models and hybrids
+    # Mamba: every layer one selective-scan mixer behind one norm, tied head
+    "mamba": Family(
+        layer_rule=None, attention="none", mixer="mamba", mixer_rule=_all_recurrent,
+        block="mixer_only", dense_size_key=None, tie_word_embeddings=True,
+        key_aliases=_MAMBA_KEYS, renames=_BACKBONE_NAMES, defaults=_MAMBA_DEFAULTS,
+    ),
+    # Falcon-Mamba: Mamba with B, C and Δ RMS-normed (mixer_rms_eps) before the scan
+    "falcon_mamba": Family(
+        layer_rule=None, attention="none", mixer="mamba", mixer_rule=_all_recurrent,
+        block="mixer_only", dense_size_key=None, tie_word_embeddings=True,
+        ssm_bcdt_norm=True, key_aliases=_MAMBA_KEYS, renames=_BACKBONE_NAMES,
+        defaults=_MAMBA_DEFAULTS,
+    ),
+    # Mamba-2: the SSD mixer (scalar decay per head, B and C per group, a gated norm)
+    "mamba2": Family(
+        layer_rule=None, attention="none", mixer="mamba2", mixer_rule=_all_recurrent,
+        block="mixer_only", dense_size_key=None, key_aliases=_MAMBA2_KEYS,
+        renames=_BACKBONE_NAMES, defaults={**_MAMBA_DEFAULTS, "ssm_proj_bias": False},
     ),
     # the 2017 block, for `python -m kvchat.model.training train --block 2017` and
     # explain's comparison: post-LayerNorm, ReLU FFN, sinusoidal positions

@@ -58,10 +58,20 @@ def our_names(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.ar
     if cfg.mla is not None:
         weights = split_kv_b(cfg, weights)
     weights = _split_fused_qkv(cfg, weights)
+    weights = {k: _conv_layout(k, v) for k, v in weights.items()}
     if cfg.moe is None:
         return weights
     fused = FAMILIES[cfg.model_type].moe.fused_experts  # type: ignore[union-attr]
     return split_gate_up(stack_experts(unfuse_experts(weights, fused, cfg.moe.experts)))
+
+
+def _conv_layout(name: str, w: mx.array) -> mx.array:
+    """A recurrent mixer's depthwise convolution (conv.CausalConv1d) as MLX stores it,
+    (channels, K, 1): transformers saves (channels, 1, K); mlx-community's files are
+    already in MLX's layout."""
+    if name.endswith((".conv1d.weight", ".conv.weight")) and w.ndim == 3 and w.shape[-1] != 1:
+        return w.swapaxes(1, 2)
+    return w
 
 
 def conv1d_weight(cfg: ModelConfig, name: str) -> bool:

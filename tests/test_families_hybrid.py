@@ -1,0 +1,215 @@
+"""The families with recurrent layers (state-space models and hybrids) against transformers
+on fresh random tiny checkpoints, with test_families.py's builders: logits of a 40-token
+sequence whole, token by token and in two prefill chunks through our caches (a state
+carried across calls), 20 greedy tokens through the cache against transformers'
+`generate`, and the same 4-bit (quantized linear layers kept quantized) against
+transformers on the dequantized weights. Tolerance: max |ours − ref| ≤ 1e-4 · max(1, max |ref|).
+
+One fixture per block kind runs by default (Mamba's selective scan, Mamba-2's SSD, the
+gated delta rule, LFM2's short convolution); the other families are marked slow.
+
+Beside them: the state caches (kind per layer, bytes constant as tokens grow, reported
+apart from K/V, no trimming), an engine conversation that re-prefills when the state
+cannot go back, and `kvchat inspect` on such a config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from kvchat.model import load_model
+from kvchat.model.cache.kv import cache_stats, can_trim_to, layer_stats, make_prompt_cache
+from kvchat.model.cache.state import StateCache, StateError
+
+from .test_families import IDS, SEQ, FamilySpec, _quantize_here, build, hf_logits, rel_err
+
+# the keys every tiny checkpoint shares (the config classes here read no _BASE of their own)
+_TOKENS: dict[str, Any] = {"vocab_size": 256, "bos_token_id": 1, "eos_token_id": 2,
+                           "pad_token_id": 0}
+_MAMBA: dict[str, Any] = {**_TOKENS, "hidden_size": 64, "num_hidden_layers": 2,
+                          "state_size": 8}
+# chunk 16: the 40-token prompt runs three SSD chunks, the last one partial
+_MAMBA2: dict[str, Any] = {**_TOKENS, "hidden_size": 64, "num_hidden_layers": 2,
+                           "state_size": 16, "num_heads": 8, "head_dim": 16, "n_groups": 2,
+                           "chunk_size": 16}
+
+HYBRID_SPECS: dict[str, FamilySpec] = {
+    # the selective scan (time_step_rank "auto": 4), tied head
+    "mamba": FamilySpec("MambaForCausalLM", _MAMBA, own_keys=True, seed=90),
+    # B, C and Δ RMS-normed; untied head
+    "falcon_mamba": FamilySpec("FalconMambaForCausalLM", {
+        **_MAMBA, "tie_word_embeddings": False}, own_keys=True, seed=91),
+    # SSD: 8 heads of 16 in 2 groups, the gated norm per group
+    "mamba2": FamilySpec("Mamba2ForCausalLM", _MAMBA2, own_keys=True, seed=92),
+}
+# one fixture per block kind runs by default; the rest are slow
+FAST = {"mamba", "mamba2"}
+NAMES = [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in HYBRID_SPECS]
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build(HYBRID_SPECS[name], tmp_path_factory.mktemp(f"hyb_{name}"))
+        return built[name]
+
+    return get
+
+
+def _ours(folder: Path, **load: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Our logits: whole, token by token, and prefilled in two chunks (17 + 23)."""
+    model = load_model(folder, **load)
+    whole = np.array(model(mx.array(IDS)))
+    cache = make_prompt_cache(model)
+    step = [model(mx.array(IDS[:, t : t + 1]), cache=cache) for t in range(SEQ)]
+    cache = make_prompt_cache(model)
+    chunks = [model(mx.array(IDS[:, :17]), cache=cache), model(mx.array(IDS[:, 17:]), cache=cache)]
+    return whole, np.array(mx.concatenate(step, axis=1)), np.array(mx.concatenate(chunks, axis=1))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hybrid_matches_transformers(name: str, hybrid: Callable[[str], Path]) -> None:
+    ref = hf_logits(hybrid(name))
+    whole, step, chunks = (rel_err(x, ref) for x in _ours(hybrid(name)))
+    print(f"\n{name}: ours vs transformers, whole {whole:.1e}, token by token {step:.1e},"
+          f" two chunks {chunks:.1e}")
+    assert whole <= 1e-4 and step <= 1e-4 and chunks <= 1e-4
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hybrid_greedy_tokens_through_the_cache(name: str, hybrid: Callable[[str], Path]) -> None:
+    """20 greedy tokens: prefill in the parallel form, then the one-token recurrence,
+    against transformers' own greedy decode through its cache."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvchat.model.runtime.generate import generate_step
+
+    folder = hybrid(name)
+    model = load_model(folder)
+    prompt = [int(x) for x in IDS[0, :8]]
+    ours = list(generate_step(model, prompt, make_prompt_cache(model), max_tokens=20))
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # as ours: no stop, and eos not suppressed
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                          min_new_tokens=20)[0, len(prompt):].tolist()
+    assert ours == ref
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hybrid_4bit_matches_transformers_on_dequantized(
+    name: str, hybrid: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """The linear layers 4-bit (group 64, the test's own quantizer), kept quantized on
+    load, against transformers on the same weights dequantized."""
+    q4, deq = tmp_path / "q4", tmp_path / "deq"
+    _quantize_here(hybrid(name), q4, deq)
+    model = load_model(q4, dequantize=False)
+    assert model.quantization["bits"] == 4 and not model.dequantized
+    quantized = {int(k.split(".")[2]) for k, _ in tree_flatten(model.parameters())
+                 if k.startswith("model.layers.") and k.endswith(".scales")}
+    assert quantized == set(range(model.config.num_hidden_layers))  # every layer has some
+    ref = hf_logits(deq)
+    whole, step, chunks = (rel_err(x, ref) for x in _ours(q4, dequantize=False))
+    print(f"\n{name} 4-bit: ours vs transformers (dequantized), whole {whole:.1e},"
+          f" token by token {step:.1e}, two chunks {chunks:.1e}")
+    assert whole <= 1e-4 and step <= 1e-4 and chunks <= 1e-4
+
+
+# ---- the state caches ----------------------------------------------------------------------
+def test_state_cache_is_constant_and_reported_apart(hybrid: Callable[[str], Path]) -> None:
+    """Mamba-2's layers each hold a conv state (K − 1) × (inner + 2·groups·N) and a
+    recurrent state heads × head_dim × N (float32), the same after 8 tokens as after 40;
+    no K/V bytes; cache_stats counts them as state."""
+    model = load_model(hybrid("mamba2"))
+    cache = make_prompt_cache(model)
+    assert all(isinstance(c, StateCache) for c in cache)
+    per_layer = (3 * (128 + 2 * 2 * 16) + 8 * 16 * 16) * 4
+    seen = []
+    for n in (8, 40):
+        cache = make_prompt_cache(model)
+        model(mx.array(IDS[:, :n]), cache=cache)
+        s = cache_stats(cache, model.config)
+        seen.append(s.state_bytes)
+        assert s.state_layers == 2 and s.cache_bytes == 0 and s.cache_offset == n
+        assert sum(c.nbytes for c in cache) == s.state_bytes
+        rows = layer_stats(cache, model.config)
+        assert [r["attention"] for r in rows] == ["mamba2", "mamba2"]
+        assert [r["state_bytes"] for r in rows] == [per_layer, per_layer]
+    assert seen == [2 * per_layer, 2 * per_layer]
+
+
+def test_state_cache_refuses_to_go_back(hybrid: Callable[[str], Path]) -> None:
+    model = load_model(hybrid("mamba"))
+    cache = make_prompt_cache(model)
+    model(mx.array(IDS[:, :10]), cache=cache)
+    assert not cache[0].is_trimmable()
+    assert can_trim_to(cache, 10) and not can_trim_to(cache, 9)
+    assert cache[0].trim(0) == 0
+    with pytest.raises(StateError, match="cannot drop its last 3 tokens"):
+        cache[0].trim(3)
+    clone = StateCache.from_state(cache[0].state)
+    assert clone.offset == 10 and clone.nbytes == cache[0].nbytes
+
+
+def test_engine_turns_prefill_again_when_the_state_cannot_go_back(
+    hybrid: Callable[[str], Path]
+) -> None:
+    """Two turns on a tiny Mamba through the engine: the second extends the first (its
+    state is reused as is); a third goes back into the conversation, which a state cannot
+    do, so it is prefilled again and says why. Every reply equals a fresh engine's on
+    the whole conversation."""
+    from kvchat.model.runtime.client import EngineClient
+    from kvchat.model.runtime.events import GenParams, Started
+
+    folder = hybrid("mamba")
+    params = GenParams(max_tokens=6, temp=0.0, ignore_eos=True)
+    a = [int(x) for x in IDS[0, :12]]
+    with EngineClient(folder, timeout=60) as c:
+        first = c.run(a, params)
+        b = a + list(first.ids) + [7, 9, 11]
+        second = c.run(b, params)
+        s2 = next(e for e in c.events if isinstance(e, Started))
+        d = b[:-4] + [5, 5]  # differs inside what the state already folded in
+        third = c.run(d, params)
+        s3 = next(e for e in c.events if isinstance(e, Started))
+    assert s2.cached_tokens == len(a) + len(first.ids) - 1 and s2.reprefill_reason is None
+    assert s3.cached_tokens == 0 and "recurrent layers" in s3.reprefill_reason
+    for prompt, done in ((b, second), (d, third)):
+        with EngineClient(folder, timeout=60) as fresh:
+            assert list(fresh.run(prompt, params).ids) == list(done.ids)
+
+
+def test_inspect_prints_state_bytes_next_to_kv(
+    hybrid: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvchat inspect` on a recurrent model: no K/V per token, the state's bytes (the
+    same at every context), and --live measures them from the arrays."""
+    from kvchat.app.cli import inspect as inspect_cmd
+
+    p = argparse.ArgumentParser()
+    inspect_cmd.add_arguments(p)
+    folder = hybrid("mamba2")
+    assert inspect_cmd.run(p.parse_args(["--model", str(folder), "--json", "--live"])) == 0
+    out = json.loads(capsys.readouterr().out)
+    per_layer = (3 * (128 + 2 * 2 * 16) + 8 * 16 * 16) * 4
+    assert out["attention"] == "none" and out["bytes_per_token"] == 0
+    assert out["state_bytes"] == 2 * per_layer and out["state_layers"] == 2
+    assert out["live"]["equal"] and out["live"]["state_bytes"] == 2 * per_layer
+    assert inspect_cmd.run(p.parse_args(["--model", str(folder), "--context", "4096"])) == 0
+    text = capsys.readouterr().out
+    assert f"state of 2 recurrent layers: {2 * per_layer:,} B" in text
+    assert "KV cache per token (all layers): 0 B" in text
