@@ -42,6 +42,18 @@ _MAMBA2: dict[str, Any] = {**_TOKENS, "hidden_size": 64, "num_hidden_layers": 2,
                            "state_size": 16, "num_heads": 8, "head_dim": 16, "n_groups": 2,
                            "chunk_size": 16}
 
+_BAMBA: dict[str, Any] = {"num_hidden_layers": 3, "attn_layer_indices": [1], "mamba_n_heads": 8,
+                          "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 16,
+                          "mamba_chunk_size": 16}
+# gated delta rule: 2 key heads of 16 shared by 4 value heads of 16
+_DELTA: dict[str, Any] = {"linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                          "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                          "num_hidden_layers": 3, "head_dim": 16,
+                          "layer_types": ["linear_attention", "full_attention", "linear_attention"]}
+_DELTA_MOE: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2,
+                              "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
+_QWEN3_NEXT: dict[str, Any] = {**_DELTA, **_DELTA_MOE, "norm_topk_prob": True}
+
 HYBRID_SPECS: dict[str, FamilySpec] = {
     # the selective scan (time_step_rank "auto": 4), tied head
     "mamba": FamilySpec("MambaForCausalLM", _MAMBA, own_keys=True, seed=90),
@@ -50,9 +62,28 @@ HYBRID_SPECS: dict[str, FamilySpec] = {
         **_MAMBA, "tie_word_embeddings": False}, own_keys=True, seed=91),
     # SSD: 8 heads of 16 in 2 groups, the gated norm per group
     "mamba2": FamilySpec("Mamba2ForCausalLM", _MAMBA2, own_keys=True, seed=92),
+    # Mamba-2, attention (partial rotary ½), Mamba-2; in both RoPE spellings
+    "bamba": FamilySpec("BambaForCausalLM", _BAMBA, seed=93),
+    "bamba_classic": FamilySpec("BambaForCausalLM", _BAMBA, rope_form="classic", seed=93),
+    # delta rule, gated attention (offset q/k norms, partial rotary ¼), delta rule; MoE
+    # with a gated shared expert on every layer
+    "qwen3_next": FamilySpec("Qwen3NextForCausalLM", _QWEN3_NEXT, seed=94),
+    "qwen3_next_classic": FamilySpec("Qwen3NextForCausalLM", _QWEN3_NEXT, rope_form="classic",
+                                     seed=94),
+    # Qwen3.5's language model: four input projections; dense, MoE, and inside the
+    # multimodal checkpoint (the vision tower is left out)
+    "qwen3_5_text": FamilySpec("Qwen3_5ForCausalLM", _DELTA, config_class="Qwen3_5TextConfig",
+                               seed=95),
+    "qwen3_5_moe_text": FamilySpec("Qwen3_5MoeForCausalLM", {**_DELTA, **_DELTA_MOE},
+                                   config_class="Qwen3_5MoeTextConfig", seed=96),
+    "qwen3_5": FamilySpec("Qwen3_5ForConditionalGeneration", {
+        "text_config": _DELTA, "vision_config": {
+            "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+            "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
+            "temporal_patch_size": 2}}, seed=97),
 }
 # one fixture per block kind runs by default; the rest are slow
-FAST = {"mamba", "mamba2"}
+FAST = {"mamba", "mamba2", "qwen3_next"}
 NAMES = [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in HYBRID_SPECS]
 
 
@@ -93,6 +124,7 @@ def test_hybrid_greedy_tokens_through_the_cache(name: str, hybrid: Callable[[str
     """20 greedy tokens: prefill in the parallel form, then the one-token recurrence,
     against transformers' own greedy decode through its cache."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
 
     from kvchat.model.runtime.generate import generate_step
@@ -101,7 +133,10 @@ def test_hybrid_greedy_tokens_through_the_cache(name: str, hybrid: Callable[[str
     model = load_model(folder)
     prompt = [int(x) for x in IDS[0, :8]]
     ours = list(generate_step(model, prompt, make_prompt_cache(model), max_tokens=20))
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    arch = json.loads((folder / "config.json").read_text())["architectures"][0]
+    hf_class = getattr(transformers, arch) if "ForConditionalGeneration" in arch else (
+        AutoModelForCausalLM)  # a multimodal checkpoint: its own class, on text alone
+    hf = hf_class.from_pretrained(str(folder), dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # as ours: no stop, and eos not suppressed
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
@@ -109,7 +144,9 @@ def test_hybrid_greedy_tokens_through_the_cache(name: str, hybrid: Callable[[str
     assert ours == ref
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n for n in NAMES
+                                  if HYBRID_SPECS[getattr(n, "values", [n])[0]].rope_form
+                                  == "parameters"])  # a classic twin: the same weights
 def test_hybrid_4bit_matches_transformers_on_dequantized(
     name: str, hybrid: Callable[[str], Path], tmp_path: Path
 ) -> None:
@@ -127,6 +164,21 @@ def test_hybrid_4bit_matches_transformers_on_dequantized(
     print(f"\n{name} 4-bit: ours vs transformers (dequantized), whole {whole:.1e},"
           f" token by token {step:.1e}, two chunks {chunks:.1e}")
     assert whole <= 1e-4 and step <= 1e-4 and chunks <= 1e-4
+
+
+def test_prompt_forms_cross_their_block_boundaries(
+    hybrid: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 40-token prompt in blocks of 8 (Mamba's parallel scan) and chunks of 16 (the
+    delta rule; Mamba-2's fixture already has chunk 16): several blocks in one call, the
+    state carried between them, still exact."""
+    from kvchat.model.decoder import delta, ssm
+
+    monkeypatch.setattr(ssm, "SCAN_BLOCK", 8)
+    monkeypatch.setattr(delta, "CHUNK", 16)
+    for name in ("mamba", "qwen3_next"):
+        whole = np.array(load_model(hybrid(name))(mx.array(IDS)))
+        assert rel_err(whole, hf_logits(hybrid(name))) <= 1e-4, name
 
 
 # ---- the state caches ----------------------------------------------------------------------

@@ -96,6 +96,8 @@ WRAPPERS: dict[str, str] = {
     "gemma3": "the vision tower",
     "mistral3": "the vision encoder",
     "llama4": "the vision model",
+    "qwen3_5": "the vision tower",
+    "qwen3_5_moe": "the vision tower",
 }
 # top-level keys of a wrapper that hold for its language model
 WRAPPER_KEYS = ("quantization", "quantization_config", "torch_dtype", "dtype",

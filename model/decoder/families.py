@@ -47,8 +47,9 @@ NopeKind = Literal["listed", "global"]
 AttentionKind = Literal["gqa", "mla", "none"]
 # the token mixer of a family's recurrent layers, each over a fixed-size state per layer
 # (model/cache/state.py) instead of a K/V cache: "mamba" (Mamba's selective scan,
-# ssm.MambaMixer) | "mamba2" (Mamba-2's SSD, ssm.Mamba2Mixer)  [layers.MIXERS]
-MixerKind = Literal["mamba", "mamba2"]
+# ssm.MambaMixer) | "mamba2" (Mamba-2's SSD, ssm.Mamba2Mixer) | "gated_delta" (Qwen3-Next's
+# gated delta rule, delta.GatedDeltaNet)  [layers.MIXERS]
+MixerKind = Literal["mamba", "mamba2", "gated_delta"]
 # one fused c_attn holding q, k, v one after the other, split on load: "linear" stored
 # (out, in) (StarCoder 1) | "conv1d" stored (in, out) as GPT-2's Conv1D  [weights.py]
 FusedQkvKind = Literal["linear", "conv1d"]
@@ -318,6 +319,21 @@ _BACKBONE_NAMES = (("backbone.embeddings.", "model.embed_tokens."),
                    ("backbone.embedding.", "model.embed_tokens."),
                    ("backbone.norm_f.", "model.norm."), ("backbone.", "model."))
 _MAMBA_DEFAULTS: dict[str, Any] = {"rms_norm_eps": 1e-5, "ssm_conv_bias": True}
+# the hybrids' Mamba-2 keys (Bamba, Granite 4)
+_HYBRID_MAMBA_KEYS = {
+    "mamba_d_state": "ssm_state_size", "mamba_d_conv": "ssm_conv_kernel",
+    "mamba_expand": "ssm_expand", "mamba_n_heads": "ssm_heads", "mamba_d_head": "ssm_head_dim",
+    "mamba_n_groups": "ssm_groups", "mamba_chunk_size": "ssm_chunk_size",
+    "mamba_conv_bias": "ssm_conv_bias", "mamba_proj_bias": "ssm_proj_bias",
+    "time_step_limit": "ssm_dt_limit",
+}
+
+_QWEN3_5: dict[str, Any] = dict(
+    layer_rule=None, norm="offset", qk_norm="head", attention_gate=True, mixer="gated_delta",
+    mixer_rule=_every_nth_attention("full_attention_interval", 4), delta_split_proj=True,
+    renames=((".linear_attn.", ".mixer."),),
+    defaults={"partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4},
+)
 
 FAMILIES: dict[str, Family] = {
     # Llama 2, 3, 3.1, 3.2, SmolLM 1/2, TinyLlama, stories260K
@@ -714,6 +730,30 @@ FAMILIES: dict[str, Family] = {
         block="mixer_only", dense_size_key=None, key_aliases=_MAMBA2_KEYS,
         renames=_BACKBONE_NAMES, defaults={**_MAMBA_DEFAULTS, "ssm_proj_bias": False},
     ),
+    # Bamba: Llama's pre-norm layers, each attending (attn_layer_indices) or Mamba-2;
+    # partial rotary ½ (transformers hard-codes it)
+    "bamba": Family(
+        layer_rule=None, mixer="mamba2", mixer_rule=_attention_listed("attn_layer_indices", []),
+        key_aliases=_HYBRID_MAMBA_KEYS,
+        renames=(("model.final_layernorm.", "model.norm."), (".mamba.", ".mixer."),
+                 (".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm.")),
+        defaults={"partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5, "ssm_head_dim": "auto",
+                  "ssm_heads": 128, "ssm_state_size": 256, "ssm_chunk_size": 256},
+    ),
+    # Qwen3-Next: gated delta rule layers, every full_attention_interval-th layer gated
+    # attention (q_proj also yields a sigmoid gate on the output) with offset q/k norms and
+    # partial rotary; Qwen2-MoE's router and gated shared expert; offset norms throughout
+    "qwen3_next": Family(
+        layer_rule=None, norm="offset", qk_norm="head", attention_gate=True,
+        mixer="gated_delta", mixer_rule=_every_nth_attention("full_attention_interval", 4),
+        moe=MoeFamily(shared="gated", sparse_layers="step"),
+        renames=((".linear_attn.", ".mixer."),),
+        defaults={"partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4},
+    ),
+    # Qwen3.5 (the language model of the `qwen3_5` checkpoints, config.WRAPPERS): Qwen3-Next's
+    # layers with the delta rule's q|k|v, z, b, a from four projections; dense or MoE
+    "qwen3_5_text": Family(**_QWEN3_5),
+    "qwen3_5_moe_text": Family(**_QWEN3_5, moe=MoeFamily(shared="gated", norm_topk_always=True)),
     # the 2017 block, for `python -m kvchat.model.training train --block 2017` and
     # explain's comparison: post-LayerNorm, ReLU FFN, sinusoidal positions
     "kvchat2017": Family(

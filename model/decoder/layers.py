@@ -29,6 +29,7 @@ import mlx.nn as nn
 from kvchat import metal_kernels
 
 from .config import LayerSpec, ModelConfig
+from .delta import GatedDeltaNet
 from .families import FULL, BlockKind, MixerKind, NormKind
 from .kv_quant import packed_of, quantized_attention
 from .mask import causal_mask
@@ -420,6 +421,7 @@ class GatedAttention(Attention):
 MIXERS: dict[MixerKind, Callable[[Any, int], nn.Module]] = {
     "mamba": MambaMixer,
     "mamba2": Mamba2Mixer,
+    "gated_delta": GatedDeltaNet,
 }
 
 

@@ -143,7 +143,9 @@ def _ssm(cfg: dict[str, Any], fam: Family, hidden: int, eps: float) -> SsmConfig
                          bcdt_eps=float(cfg.get("mixer_rms_eps", 1e-6)) if bcdt else None,
                          **common)
     heads = _int(cfg, "ssm_heads")
-    head_dim = cfg.get("ssm_head_dim") or common["inner"] // heads
+    head_dim = cfg.get("ssm_head_dim")
+    if head_dim in (None, "auto"):  # Bamba's default: the inner features split over the heads
+        head_dim = common["inner"] // heads
     groups = _int(cfg, "ssm_groups", 1)
     if heads * head_dim != common["inner"]:
         common["inner"] = heads * head_dim  # the heads are what the weights hold

@@ -33,6 +33,11 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # a multimodal checkpoint's language model, as transformers 5 and mlx-vlm name it
 WRAPPED_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                     ("language_model.lm_head.", "lm_head."))
+# what a wrapper's language model holds, once renamed (transformer.DecoderModel's parts and
+# the head); everything else in its folder (a vision tower under model.visual., a
+# projector) is left out
+LANGUAGE_MODEL_PREFIXES = ("model.embed_tokens.", "model.embed_positions.", "model.layers.",
+                           "model.norm.", "lm_head.")
 
 
 def rename(cfg: ModelConfig, name: str) -> str:
@@ -52,7 +57,7 @@ def our_names(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.ar
     per-expert tensors stacked into mlx-community's `switch_mlp` layout."""
     weights = {rename(cfg, k): v for k, v in weights.items()}
     if cfg.wrapper is not None:  # the vision tower and projector are not loaded
-        weights = {k: v for k, v in weights.items() if k.startswith(("model.", "lm_head."))}
+        weights = {k: v for k, v in weights.items() if k.startswith(LANGUAGE_MODEL_PREFIXES)}
     for k in [k for k in weights if k.endswith(".e_score_correction_bias")]:
         weights[k] = weights[k].reshape(-1)  # ERNIE stores it as (1, experts)
     if cfg.mla is not None:
