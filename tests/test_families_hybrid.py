@@ -53,6 +53,14 @@ _DELTA: dict[str, Any] = {"linear_num_key_heads": 2, "linear_num_value_heads": 4
 _DELTA_MOE: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2,
                               "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
 _QWEN3_NEXT: dict[str, Any] = {**_DELTA, **_DELTA_MOE, "norm_topk_prob": True}
+# short convolutions (3 taps) around one attention layer; the MLP size adjusted (⅔ × 1.5,
+# rounded to 16: 96)
+_LFM2: dict[str, Any] = {"num_hidden_layers": 3, "full_attn_idxs": [1], "head_dim": 16,
+                         "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.5}
+_LFM2_MOE: dict[str, Any] = {
+    "num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "num_experts": 4,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_dense_layers": 1,
+    "routed_scaling_factor": 1.5}
 
 HYBRID_SPECS: dict[str, FamilySpec] = {
     # the selective scan (time_step_rank "auto": 4), tied head
@@ -81,9 +89,14 @@ HYBRID_SPECS: dict[str, FamilySpec] = {
             "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
             "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
             "temporal_patch_size": 2}}, seed=97),
+    "lfm2": FamilySpec("Lfm2ForCausalLM", _LFM2, seed=98),
+    "lfm2_classic": FamilySpec("Lfm2ForCausalLM", _LFM2, rope_form="classic", seed=98),
+    # a sigmoid router whose expert_bias (set by the test: transformers' init is 0) picks
+    # experts without weighing them; layer 0 dense
+    "lfm2_moe": FamilySpec("Lfm2MoeForCausalLM", _LFM2_MOE, seed=99),
 }
 # one fixture per block kind runs by default; the rest are slow
-FAST = {"mamba", "mamba2", "qwen3_next"}
+FAST = {"mamba", "mamba2", "qwen3_next", "lfm2"}
 NAMES = [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in HYBRID_SPECS]
 
 
@@ -94,9 +107,25 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     def get(name: str) -> Path:
         if name not in built:
             built[name] = build(HYBRID_SPECS[name], tmp_path_factory.mktemp(f"hyb_{name}"))
+            _random_buffers(built[name])
         return built[name]
 
     return get
+
+
+def _random_buffers(folder: Path) -> None:
+    """Tensors transformers initialises to zero and never randomises (LFM2-MoE's
+    expert_bias, a buffer): random here, so that a bias which picks other experts shows."""
+    from safetensors.numpy import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    rng = np.random.default_rng(7)
+    names = [k for k in tensors if k.endswith(".expert_bias")]
+    for k in names:
+        tensors[k] = rng.normal(0, 0.3, tensors[k].shape).astype(tensors[k].dtype)
+    if names:
+        save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def _ours(folder: Path, **load: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -308,6 +308,8 @@ def aliased(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
 def _derived_keys(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
     """Keys a family spells as something else to derive (GPT-J: n_inner = null, rotary_dim)."""
     try:
+        if fam.ffn_auto_adjust and cfg.get("block_auto_adjust_ff_dim", True):
+            cfg = {**cfg, "intermediate_size": _adjusted_ffn(cfg)}
         if fam.ffn_mult and cfg.get("intermediate_size") is None and "hidden_size" in cfg:
             cfg = {**cfg, "intermediate_size": fam.ffn_mult * int(cfg["hidden_size"])}
         if "multi_query" in cfg:  # StarCoder 1: one K/V head
@@ -322,6 +324,18 @@ def _derived_keys(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ConfigError(f"config.json has a malformed value: {e}") from None
     return cfg
+
+
+def _adjusted_ffn(cfg: dict[str, Any]) -> int:
+    """LFM2's MLP size: ⅔ of intermediate_size, × block_ffn_dim_multiplier (if set) and
+    then rounded up to a multiple of block_multiple_of (transformers' Lfm2MLP)."""
+    size = int(2 * int(cfg["intermediate_size"]) / 3)
+    mult = cfg.get("block_ffn_dim_multiplier", 1.0)  # null: no multiplier, no rounding
+    if mult is not None:
+        size = int(float(mult) * size)
+        step = int(cfg.get("block_multiple_of", 256))
+        size = step * ((size + step - 1) // step)
+    return size
 
 
 def _positive(cfg: dict[str, Any], key: str, default: Any = None) -> int:
@@ -382,7 +396,9 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
         score=spec.score, norm_topk=norm_topk, norm_p=norm_p,
         scaling=float(cfg.get("routed_scaling_factor") or 1.0), groups=groups,
         topk_groups=topk_groups, group_score=spec.group_score if groups > 1 else None,
-        correction_bias=spec.correction_bias, shared_size=shared_size,
+        correction_bias=spec.correction_bias and (
+            spec.correction_bias_flag is None or bool(cfg.get(spec.correction_bias_flag, True))),
+        shared_size=shared_size,
         shared_gate=spec.shared == "gated", router_bias=spec.router_bias,
         expert_bias=spec.expert_bias,
         clamped_swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)))

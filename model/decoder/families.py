@@ -48,8 +48,9 @@ AttentionKind = Literal["gqa", "mla", "none"]
 # the token mixer of a family's recurrent layers, each over a fixed-size state per layer
 # (model/cache/state.py) instead of a K/V cache: "mamba" (Mamba's selective scan,
 # ssm.MambaMixer) | "mamba2" (Mamba-2's SSD, ssm.Mamba2Mixer) | "gated_delta" (Qwen3-Next's
-# gated delta rule, delta.GatedDeltaNet)  [layers.MIXERS]
-MixerKind = Literal["mamba", "mamba2", "gated_delta"]
+# gated delta rule, delta.GatedDeltaNet) | "short_conv" (LFM2's gated short convolution,
+# conv.ShortConv)  [layers.MIXERS]
+MixerKind = Literal["mamba", "mamba2", "gated_delta", "short_conv"]
 # one fused c_attn holding q, k, v one after the other, split on load: "linear" stored
 # (out, in) (StarCoder 1) | "conv1d" stored (in, out) as GPT-2's Conv1D  [weights.py]
 FusedQkvKind = Literal["linear", "conv1d"]
@@ -185,6 +186,7 @@ class MoeFamily:
     group_score: GroupScore | None = None
     group_key: str | None = None  # config key that switches grouping on (V2: topk_method)
     correction_bias: bool = False  # V3: e_score_correction_bias picks experts, never weighs
+    correction_bias_flag: str | None = None  # LFM2-MoE: only when this config flag is true
     shared: SharedKind | None = None  # None: no shared expert
     count_key: str | None = None  # None: num_local_experts / num_experts / n_routed_experts
     top_k_key: str = "num_experts_per_tok"
@@ -260,6 +262,9 @@ class Family:
     mixer_rule: LayerRule | None = None
     attention_gate: bool = False  # Qwen3-Next: attention output × sigmoid(a gate from q_proj)
     ssm_bcdt_norm: bool = False  # Falcon-Mamba: B, C and Δ RMS-normed before the scan
+    # LFM2: with block_auto_adjust_ff_dim the MLP is ⅔ of intermediate_size, × the
+    # block_ffn_dim_multiplier, rounded up to block_multiple_of (config._derived_keys)
+    ffn_auto_adjust: bool = False
     delta_split_proj: bool = False  # Qwen3.5: q|k|v, z, b, a from four projections
     rope_traditional: bool = False  # RoPE rotates adjacent pairs (DeepSeek's interleave)
     rope_negative: bool = False  # nanochat: its rotate_half turns the other way
@@ -327,6 +332,22 @@ _HYBRID_MAMBA_KEYS = {
     "mamba_conv_bias": "ssm_conv_bias", "mamba_proj_bias": "ssm_proj_bias",
     "time_step_limit": "ssm_dt_limit",
 }
+
+# LFM2's names: operator_norm / ffn_norm around conv or self_attn and feed_forward (w1 gate,
+# w3 up, w2 down, per expert too), the final norm called embedding_norm
+_LFM2_NAMES = (("model.embedding_norm.", "model.norm."), (".operator_norm.", ".input_layernorm."),
+               (".ffn_norm.", ".post_attention_layernorm."), (".feed_forward.", ".mlp."),
+               (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"),
+               (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."),
+               (".self_attn.out_proj.", ".self_attn.o_proj."), (".q_layernorm.", ".q_norm."),
+               (".k_layernorm.", ".k_norm."), (".conv.conv.", ".mixer.conv."),
+               (".conv.in_proj.", ".mixer.in_proj."), (".conv.out_proj.", ".mixer.out_proj."))
+_LFM2: dict[str, Any] = dict(
+    layer_rule=None, qk_norm="head", mixer="short_conv", tie_word_embeddings=True,
+    eps_key="norm_eps", key_aliases={"tie_embedding": "tie_word_embeddings"},
+    renames=_LFM2_NAMES,
+    defaults={"rope_theta": 1e6, "norm_eps": 1e-5, "conv_L_cache": 3, "conv_bias": False},
+)
 
 _QWEN3_5: dict[str, Any] = dict(
     layer_rule=None, norm="offset", qk_norm="head", attention_gate=True, mixer="gated_delta",
@@ -754,6 +775,19 @@ FAMILIES: dict[str, Family] = {
     # layers with the delta rule's q|k|v, z, b, a from four projections; dense or MoE
     "qwen3_5_text": Family(**_QWEN3_5),
     "qwen3_5_moe_text": Family(**_QWEN3_5, moe=MoeFamily(shared="gated", norm_topk_always=True)),
+    # LFM2: gated short-convolution layers (conv_L_cache taps) and attention layers
+    # (full_attn_idxs; per-head q/k norms), a SwiGLU MLP whose size is adjusted
+    "lfm2": Family(**_LFM2, mixer_rule=_attention_listed("full_attn_idxs"),
+                   ffn_auto_adjust=True),
+    # LFM2-MoE: LFM2's layers, the first num_dense_layers dense, then a sigmoid router
+    # whose expert_bias picks experts (DeepSeek-V3's correction bias, no groups)
+    "lfm2_moe": Family(
+        **{**_LFM2, "key_aliases": {"tie_embedding": "tie_word_embeddings",
+                                    "num_dense_layers": "first_k_dense_replace"}},
+        mixer_rule=_attention_listed("full_attn_idxs"),
+        moe=MoeFamily(score="sigmoid", correction_bias=True,
+                      correction_bias_flag="use_expert_bias", sparse_layers="first_dense"),
+    ),
     # the 2017 block, for `python -m kvchat.model.training train --block 2017` and
     # explain's comparison: post-LayerNorm, ReLU FFN, sinusoidal positions
     "kvchat2017": Family(

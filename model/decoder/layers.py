@@ -29,6 +29,7 @@ import mlx.nn as nn
 from kvchat import metal_kernels
 
 from .config import LayerSpec, ModelConfig
+from .conv import ShortConv
 from .delta import GatedDeltaNet
 from .families import FULL, BlockKind, MixerKind, NormKind
 from .kv_quant import packed_of, quantized_attention
@@ -422,6 +423,7 @@ MIXERS: dict[MixerKind, Callable[[Any, int], nn.Module]] = {
     "mamba": MambaMixer,
     "mamba2": Mamba2Mixer,
     "gated_delta": GatedDeltaNet,
+    "short_conv": ShortConv,
 }
 
 
