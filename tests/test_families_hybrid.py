@@ -53,6 +53,13 @@ _DELTA: dict[str, Any] = {"linear_num_key_heads": 2, "linear_num_value_heads": 4
 _DELTA_MOE: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2,
                               "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
 _QWEN3_NEXT: dict[str, Any] = {**_DELTA, **_DELTA_MOE, "norm_topk_prob": True}
+# Granite 4: Bamba's mixers with Granite's multipliers (they bite), 4 experts beside the
+# fused shared MLP; NoPE unless position_embedding_type is "rope"
+_GRANITE4: dict[str, Any] = {
+    **{k: v for k, v in _BAMBA.items() if k != "attn_layer_indices"},
+    "layer_types": ["mamba", "attention", "mamba"], "num_local_experts": 4,
+    "num_experts_per_tok": 2, "shared_intermediate_size": 48, "embedding_multiplier": 12.0,
+    "attention_multiplier": 0.05, "residual_multiplier": 0.22, "logits_scaling": 8.0}
 # short convolutions (3 taps) around one attention layer; the MLP size adjusted (⅔ × 1.5,
 # rounded to 16: 96)
 _LFM2: dict[str, Any] = {"num_hidden_layers": 3, "full_attn_idxs": [1], "head_dim": 16,
@@ -89,6 +96,14 @@ HYBRID_SPECS: dict[str, FamilySpec] = {
             "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
             "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
             "temporal_patch_size": 2}}, seed=97),
+    "granitemoehybrid": FamilySpec("GraniteMoeHybridForCausalLM", _GRANITE4, seed=100),
+    "granitemoehybrid_rope": FamilySpec("GraniteMoeHybridForCausalLM", {
+        **_GRANITE4, "position_embedding_type": "rope"}, seed=101),
+    "granitemoehybrid_rope_classic": FamilySpec("GraniteMoeHybridForCausalLM", {
+        **_GRANITE4, "position_embedding_type": "rope"}, rope_form="classic", seed=101),
+    # 0 experts: the shared MLP alone is each layer's MLP (Granite-4.0-H-Micro)
+    "granitemoehybrid_dense": FamilySpec("GraniteMoeHybridForCausalLM", {
+        **_GRANITE4, "num_local_experts": 0}, seed=102),
     "lfm2": FamilySpec("Lfm2ForCausalLM", _LFM2, seed=98),
     "lfm2_classic": FamilySpec("Lfm2ForCausalLM", _LFM2, rope_form="classic", seed=98),
     # a sigmoid router whose expert_bias (set by the test: transformers' init is 0) picks
@@ -193,6 +208,27 @@ def test_hybrid_4bit_matches_transformers_on_dequantized(
     print(f"\n{name} 4-bit: ours vs transformers (dequantized), whole {whole:.1e},"
           f" token by token {step:.1e}, two chunks {chunks:.1e}")
     assert whole <= 1e-4 and step <= 1e-4 and chunks <= 1e-4
+
+
+@pytest.mark.parametrize(("family", "types", "recurrent"), [
+    ("granitemoehybrid", ["mamba", "attention"], [True, False]),  # Granite 4's own spelling
+    ("lfm2", ["conv", "full_attention"], [True, False]),
+    ("bamba", None, [True, False, True]),  # attn_layer_indices [1]
+    ("qwen3_next", None, [True, True, True, False]),  # every 4th layer attends
+])
+def test_layer_kinds_from_each_spelling(family: str, types: list[str] | None,
+                                        recurrent: list[bool]) -> None:
+    from kvchat.model.decoder.config import ModelConfig
+
+    raw = {"model_type": family, "hidden_size": 64, "num_attention_heads": 4,
+           "num_hidden_layers": len(recurrent), "intermediate_size": 96, "vocab_size": 256,
+           "layer_types": types, "attn_layer_indices": [1], "mamba_n_heads": 8,
+           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+           "linear_value_head_dim": 16, "num_experts": 4, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    cfg = ModelConfig.from_dict({k: v for k, v in raw.items() if v is not None})
+    assert [not s.attends for s in cfg.layers] == recurrent
+    assert all(s.rope is None for s in cfg.layers if not s.attends)
 
 
 def test_prompt_forms_cross_their_block_boundaries(

@@ -353,10 +353,11 @@ def _first_key(cfg: dict[str, Any], keys: tuple[str, ...]) -> str:
 def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, list[bool]]:
     """The mixture (None: a dense family) and which layers use it."""
     spec = fam.moe
-    if spec is None:
+    count_key = None if spec is None else spec.count_key or _first_key(
+        cfg, ("num_local_experts", "num_experts", "n_routed_experts"))
+    if spec is None or (spec.dense_when_none and cfg.get(count_key) == 0):
         return None, [False] * n
-    experts = _positive(cfg, spec.count_key or _first_key(
-        cfg, ("num_local_experts", "num_experts", "n_routed_experts")))
+    experts = _positive(cfg, count_key)
     top_k = _positive(cfg, spec.top_k_key)
     if top_k > experts:
         raise ConfigError(
@@ -379,6 +380,8 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
     shared_size = 0
     if spec.shared == "gated":
         shared_size = int(cfg.get("shared_expert_intermediate_size") or 0)
+    elif spec.shared == "plain" and spec.shared_size_key is not None:  # Granite 4
+        shared_size = _positive(cfg, spec.shared_size_key)
     elif spec.shared == "plain":
         shared_size = int(cfg.get(spec.shared_count_key) or 0) * _positive(
             cfg, spec.expert_size_key)
@@ -495,6 +498,9 @@ def _layer_specs(
         rope_on = no_rope_layers(cfg, n)
     elif fam.nope == "global" and window is not None:
         rope_on = [int(k == SLIDING) for k in kinds]
+    elif fam.rope_flag is not None:  # Granite 4: RoPE only when the config says so
+        key, value = fam.rope_flag
+        rope_on = [int(cfg.get(key) == value)] * n
     else:
         rope_on = [int(fam.positions == "rope")] * n
     specs = tuple(

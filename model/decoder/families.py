@@ -191,6 +191,8 @@ class MoeFamily:
     count_key: str | None = None  # None: num_local_experts / num_experts / n_routed_experts
     top_k_key: str = "num_experts_per_tok"
     shared_count_key: str = "n_shared_experts"  # "plain": shared size = count × expert size
+    shared_size_key: str | None = None  # "plain": or the size this key gives (Granite 4)
+    dense_when_none: bool = False  # Granite 4: 0 experts (the count key) is a dense model
     expert_size_key: str = "moe_intermediate_size"
     norm_topk_always: bool = False  # Mixtral renormalises the top-k weights unconditionally
     # DBRX: the top-k weights ÷ their p-norm, p from this config key (null: no division)
@@ -265,6 +267,11 @@ class Family:
     # LFM2: with block_auto_adjust_ff_dim the MLP is ⅔ of intermediate_size, × the
     # block_ffn_dim_multiplier, rounded up to block_multiple_of (config._derived_keys)
     ffn_auto_adjust: bool = False
+    # RoPE only when config[key] == value (Granite 4: position_embedding_type "rope")
+    rope_flag: tuple[str, str] | None = None
+    # renames applied first when the model has no experts (Granite 4's dense variant: its
+    # shared_mlp is the layer's MLP, not a shared expert)
+    dense_renames: tuple[tuple[str, str], ...] = ()
     delta_split_proj: bool = False  # Qwen3.5: q|k|v, z, b, a from four projections
     rope_traditional: bool = False  # RoPE rotates adjacent pairs (DeepSeek's interleave)
     rope_negative: bool = False  # nanochat: its rotate_half turns the other way
@@ -760,6 +767,24 @@ FAMILIES: dict[str, Family] = {
                  (".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm.")),
         defaults={"partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5, "ssm_head_dim": "auto",
                   "ssm_heads": 128, "ssm_state_size": 256, "ssm_chunk_size": 256},
+    ),
+    # Granite 4 (-H): Bamba's layers with Granite's multipliers, a fused shared MLP beside
+    # the GraniteMoE experts (or alone: 0 experts), RoPE only with position_embedding_type
+    # "rope" (else NoPE)
+    "granitemoehybrid": Family(
+        layer_rule=None, multipliers=True, mlp="fused", mixer="mamba2",
+        rope_flag=("position_embedding_type", "rope"), dense_size_key="shared_intermediate_size",
+        moe=MoeFamily(expert_size_key="intermediate_size", norm_topk_always=True,
+                      shared="plain", shared_size_key="shared_intermediate_size",
+                      dense_when_none=True),
+        key_aliases=_HYBRID_MAMBA_KEYS,
+        dense_renames=((".shared_mlp.", ".mlp."),),
+        renames=((".block_sparse_moe.router.layer.", ".mlp.gate."),
+                 (".block_sparse_moe.", ".mlp.switch_mlp."),
+                 (".shared_mlp.", ".mlp.shared_experts."), (".input_linear.", ".gate_up_proj."),
+                 (".output_linear.", ".down_proj."), (".mamba.", ".mixer.")),
+        defaults={"ssm_head_dim": "auto", "ssm_heads": 128, "ssm_state_size": 256,
+                  "ssm_chunk_size": 256, "shared_intermediate_size": 1024},
     ),
     # Qwen3-Next: gated delta rule layers, every full_attention_interval-th layer gated
     # attention (q_proj also yields a sigmoid gate on the output) with offset q/k norms and

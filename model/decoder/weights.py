@@ -47,7 +47,8 @@ def rename(cfg: ModelConfig, name: str) -> str:
         for old, new in WRAPPED_PREFIXES:
             if name.startswith(old):
                 name = new + name[len(old):]
-    for old, new in FAMILIES[cfg.model_type].renames:
+    fam = FAMILIES[cfg.model_type]
+    for old, new in (*(fam.dense_renames if cfg.moe is None else ()), *fam.renames):
         name = name.replace(old, new)
     return name
 
