@@ -64,6 +64,16 @@ _GRANITE4: dict[str, Any] = {
 # rounded to 16: 96)
 _LFM2: dict[str, Any] = {"num_hidden_layers": 3, "full_attn_idxs": [1], "head_dim": 16,
                          "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.5}
+# Nemotron-H: Mamba-2, attention (no positions), relu² MLP, ungated experts (DeepSeek-V3's
+# router, 2 groups, correction bias random) with an ungated shared expert
+_NEMOTRON_H: dict[str, Any] = {
+    **_TOKENS, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+    "layers_block_type": ["mamba", "attention", "mlp", "moe"], "mamba_num_heads": 8,
+    "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "chunk_size": 16,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32, "n_group": 2, "topk_group": 1,
+    "routed_scaling_factor": 1.5}
 _LFM2_MOE: dict[str, Any] = {
     "num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "num_experts": 4,
     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_dense_layers": 1,
@@ -104,6 +114,13 @@ HYBRID_SPECS: dict[str, FamilySpec] = {
     # 0 experts: the shared MLP alone is each layer's MLP (Granite-4.0-H-Micro)
     "granitemoehybrid_dense": FamilySpec("GraniteMoeHybridForCausalLM", {
         **_GRANITE4, "num_local_experts": 0}, seed=102),
+    "nemotron_h": FamilySpec("NemotronHForCausalLM", _NEMOTRON_H, own_keys=True, seed=103),
+    # the classic config: hybrid_override_pattern "M*-E" and num_hidden_layers
+    "nemotron_h_classic": FamilySpec("NemotronHForCausalLM", _NEMOTRON_H, own_keys=True,
+                                     seed=103),
+    # the experts read a 32-wide projection of the hidden state (moe_latent_size)
+    "nemotron_h_latent": FamilySpec("NemotronHForCausalLM", {
+        **_NEMOTRON_H, "moe_latent_size": 32}, own_keys=True, seed=104),
     "lfm2": FamilySpec("Lfm2ForCausalLM", _LFM2, seed=98),
     "lfm2_classic": FamilySpec("Lfm2ForCausalLM", _LFM2, rope_form="classic", seed=98),
     # a sigmoid router whose expert_bias (set by the test: transformers' init is 0) picks
@@ -123,20 +140,40 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
         if name not in built:
             built[name] = build(HYBRID_SPECS[name], tmp_path_factory.mktemp(f"hyb_{name}"))
             _random_buffers(built[name])
+            if name in CLASSIC_CONFIGS:
+                path = built[name] / "config.json"
+                path.write_text(json.dumps(CLASSIC_CONFIGS[name](json.loads(path.read_text()))))
         return built[name]
 
     return get
 
 
+def _pattern_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Nemotron-H's config as the released checkpoints spell it: the layers as
+    hybrid_override_pattern (M Mamba-2, * attention, - MLP, E experts), num_hidden_layers."""
+    marks = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+    kinds = cfg.pop("layers_block_type")
+    return {**cfg, "hybrid_override_pattern": "".join(marks[k] for k in kinds),
+            "num_hidden_layers": len(kinds)}
+
+
+# a fixture's config.json rewritten the way older checkpoints spell it (transformers reads
+# both; the weights are those of the same seed)
+CLASSIC_CONFIGS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "nemotron_h_classic": _pattern_config,
+}
+
+
 def _random_buffers(folder: Path) -> None:
     """Tensors transformers initialises to zero and never randomises (LFM2-MoE's
-    expert_bias, a buffer): random here, so that a bias which picks other experts shows."""
+    expert_bias, the correction bias of Nemotron-H's router; buffers): random here, so
+    that a bias which picks other experts shows."""
     from safetensors.numpy import load_file, save_file
 
     path = folder / "model.safetensors"
     tensors = load_file(str(path))
     rng = np.random.default_rng(7)
-    names = [k for k in tensors if k.endswith(".expert_bias")]
+    names = [k for k in tensors if k.endswith((".expert_bias", ".e_score_correction_bias"))]
     for k in names:
         tensors[k] = rng.normal(0, 0.3, tensors[k].shape).astype(tensors[k].dtype)
     if names:
@@ -188,9 +225,9 @@ def test_hybrid_greedy_tokens_through_the_cache(name: str, hybrid: Callable[[str
     assert ours == ref
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES
-                                  if HYBRID_SPECS[getattr(n, "values", [n])[0]].rope_form
-                                  == "parameters"])  # a classic twin: the same weights
+@pytest.mark.parametrize("name", [  # not a classic twin: the same weights
+    n for n in NAMES if HYBRID_SPECS[name := getattr(n, "values", [n])[0]].rope_form
+    == "parameters" and name not in CLASSIC_CONFIGS])
 def test_hybrid_4bit_matches_transformers_on_dequantized(
     name: str, hybrid: Callable[[str], Path], tmp_path: Path
 ) -> None:
@@ -210,25 +247,29 @@ def test_hybrid_4bit_matches_transformers_on_dequantized(
     assert whole <= 1e-4 and step <= 1e-4 and chunks <= 1e-4
 
 
-@pytest.mark.parametrize(("family", "types", "recurrent"), [
-    ("granitemoehybrid", ["mamba", "attention"], [True, False]),  # Granite 4's own spelling
-    ("lfm2", ["conv", "full_attention"], [True, False]),
-    ("bamba", None, [True, False, True]),  # attn_layer_indices [1]
-    ("qwen3_next", None, [True, True, True, False]),  # every 4th layer attends
+@pytest.mark.parametrize(("family", "types", "kinds"), [
+    ("granitemoehybrid", ["mamba", "attention"], "RA"),  # Granite 4's own spelling
+    ("lfm2", ["conv", "full_attention"], "RA"),
+    ("bamba", None, "RAR"),  # attn_layer_indices [1]
+    ("qwen3_next", None, "RRRA"),  # every 4th layer attends
+    ("nemotron_h", ["mamba", "attention", "mlp", "moe"], "RAFF"),
 ])
 def test_layer_kinds_from_each_spelling(family: str, types: list[str] | None,
-                                        recurrent: list[bool]) -> None:
+                                        kinds: str) -> None:
+    """R: a recurrent mixer, A: attention, F: the feed-forward alone (Nemotron-H)."""
     from kvchat.model.decoder.config import ModelConfig
 
     raw = {"model_type": family, "hidden_size": 64, "num_attention_heads": 4,
-           "num_hidden_layers": len(recurrent), "intermediate_size": 96, "vocab_size": 256,
+           "num_hidden_layers": len(kinds), "intermediate_size": 96, "vocab_size": 256,
            "layer_types": types, "attn_layer_indices": [1], "mamba_n_heads": 8,
            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
            "linear_value_head_dim": 16, "num_experts": 4, "num_local_experts": 4,
            "num_experts_per_tok": 2, "moe_intermediate_size": 32}
     cfg = ModelConfig.from_dict({k: v for k, v in raw.items() if v is not None})
-    assert [not s.attends for s in cfg.layers] == recurrent
+    assert "".join("R" if s.mixer else "A" if s.attends else "F" for s in cfg.layers) == kinds
     assert all(s.rope is None for s in cfg.layers if not s.attends)
+    if family == "nemotron_h":  # only its "moe" layer is the mixture of experts
+        assert [s.moe for s in cfg.layers] == [False, False, False, True]
 
 
 def test_prompt_forms_cross_their_block_boundaries(

@@ -155,7 +155,8 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
         "window_saving": per_token * context / at_context if at_context else 1.0,
         # recurrent layers (Mamba, gated delta, short conv): their states, the same bytes
         # at every context length
-        "state_layers": L - cfg.attention_layers,
+        "attention_layers": cfg.attention_layers,
+        "state_layers": cfg.recurrent_layers,
         "state_bytes": state_bytes(cfg, dtype_bytes),
         "gqa_saving": kv_saving(cfg),  # over MHA (latent attention: its own saving)
         "attention": attention_name(cfg),
@@ -248,7 +249,8 @@ def _live(folder: Path, cfg: ModelConfig, q: KVQuant | None = None) -> dict[str,
     for c in caches:  # what the arrays hold: the resident slots' slices
         if isinstance(c, StateCache):  # a recurrent layer: its whole state
             state += sum(a.nbytes for a in (c.conv, c.recurrent) if a is not None)
-            live_dtype = live_dtype or c.conv.dtype  # type: ignore[union-attr]
+            if c.conv is not None:
+                live_dtype = live_dtype or c.conv.dtype
             continue
         n = c.size()
         for p in (*parts(c.keys), *parts(c.values)):
@@ -295,8 +297,8 @@ def _render(o: dict[str, Any]) -> str:
     heads = f"{o['heads']} query heads, {kv_desc}"
     if o["attention"] == "none":
         heads = "no attention layers"
-    elif o["state_layers"]:
-        heads = f"{o['layers'] - o['state_layers']} attention layers with {heads}"
+    elif o["layers"] != o["attention_layers"]:
+        heads = f"{o['attention_layers']} attention layers with {heads}"
     lines = [
         f"{o['source']}  ({o['model_type']}: {o['layers']} layers, {heads},"
         f" {o['dtype_bytes']} B/element from {o['dtype_from']})",

@@ -26,13 +26,14 @@ from typing import Any
 import mlx.core as mx
 
 from kvchat.model.decoder.config import LayerSpec, ModelConfig
+from kvchat.model.decoder.families import FFN_KINDS
 from kvchat.model.decoder.kv_format import KVQuant
 from kvchat.model.decoder.kv_quant import Packed
 from kvchat.model.decoder.mask import causal_mask
 from kvchat.model.errors import KVChatError
 
 from .kv_math import cached_widths, kv_bytes, kv_saving
-from .state import StateCache
+from .state import PassCache, StateCache
 from .stats import CacheStats
 
 # a K or V buffer: floats, or the parts of a quantized one
@@ -680,6 +681,9 @@ def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, keep: int = 4,
         raise CacheError("--kv-bits is not supported for latent attention (MLA) models")
     caches: list[Any] = []
     for spec in cfg.layers:
+        if spec.kind in FFN_KINDS:  # no token mixer (Nemotron-H's MLP layers): nothing kept
+            caches.append(PassCache())
+            continue
         if not spec.attends:  # a recurrent layer: a fixed-size state (state.py), never K/V
             caches.append(StateCache())
             continue
@@ -748,6 +752,8 @@ def pending_quantization(caches: list[Any]) -> int | None:
 def _attention_name(cfg: ModelConfig, spec: LayerSpec) -> str:
     if spec.mixer is not None:  # a recurrent layer: its mixer ("mamba2", "gated_delta", …)
         return spec.mixer
+    if spec.kind in FFN_KINDS:  # no token mixer: "mlp" or "moe"
+        return spec.kind
     kind = ("sliding" if spec.window is not None else "chunked" if spec.chunk is not None
             else "latent" if cfg.mla else "global")
     return kind + (

@@ -146,7 +146,7 @@ def state_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
     if cfg.mixer is None:
         return 0
     per_layer = sum(math.prod(shape) for shape in cfg.mixer.state_shapes()) * dtype_bytes
-    return per_layer * (cfg.num_hidden_layers - cfg.attention_layers)
+    return per_layer * cfg.recurrent_layers
 
 
 def kv_bytes_at(

@@ -99,3 +99,25 @@ class StateCache:
             "float_bytes": 0,
             "state_bytes": self.nbytes,
         }
+
+
+class PassCache(StateCache):
+    """A layer without a token mixer (Nemotron-H's MLP and expert layers): nothing to
+    keep, so any trim is exact; it only counts the tokens (the block calls `advance`)."""
+
+    def advance(self, tokens: int) -> None:
+        self.offset += tokens
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def can_trim_to(self, n: int) -> bool:
+        return 0 <= n <= self.offset
+
+    def trim(self, n: int) -> int:
+        n = max(0, min(self.offset, n))
+        self.offset -= n
+        return n
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "kind": "none"}

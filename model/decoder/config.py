@@ -22,6 +22,8 @@ from .config_checks import check_config
 from .families import (
     ACTIVATION_NAMES,
     CHUNKED,
+    FFN_KINDS,
+    FFN_MOE,
     FULL,
     LAYER_KIND_ALIASES,
     LAYER_KINDS,
@@ -65,6 +67,8 @@ class MoeConfig:
     scale_inputs: bool = False
     jitter_eps: float = 0.0  # sparsemixer: router_jitter_noise
     norm_p: float = 1.0  # norm_topk divides by this p-norm of the top-k weights (DBRX)
+    gated: bool = True  # False: experts down(act(up(x))) (Nemotron-H)
+    latent: int | None = None  # Nemotron-H: experts read a projection of this size
 
 
 @dataclass(frozen=True)
@@ -117,7 +121,9 @@ def unwrap(cfg: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
 class LayerSpec:
     """What differs between the layers of one model."""
 
-    kind: str  # FULL, SLIDING, CHUNKED, or RECURRENT (the family's recurrent mixer)
+    # FULL, SLIDING, CHUNKED, RECURRENT (the family's recurrent mixer), or one of FFN_KINDS
+    # (Nemotron-H: the layer is its MLP or mixture of experts alone)
+    kind: str
     window: int | None  # keys a query sees (None: all of them)
     rope: RopeConfig | None  # None: a NoPE layer (no rotary embedding)
     moe: bool = False  # the FFN is the model's mixture of experts (ModelConfig.moe)
@@ -128,7 +134,7 @@ class LayerSpec:
 
     @property
     def attends(self) -> bool:
-        return self.mixer is None
+        return self.mixer is None and self.kind not in FFN_KINDS
 
 
 @dataclass(frozen=True)
@@ -193,8 +199,13 @@ class ModelConfig:
 
     @property
     def attention_layers(self) -> int:
-        """Layers that attend (hold K/V); the others hold a recurrent state."""
+        """Layers that attend (hold K/V)."""
         return sum(spec.attends for spec in self.layers)
+
+    @property
+    def recurrent_layers(self) -> int:
+        """Layers with a recurrent mixer (they hold a state of fixed size)."""
+        return sum(spec.mixer is not None for spec in self.layers)
 
     @property
     def gqa_groups(self) -> int:
@@ -308,6 +319,9 @@ def aliased(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
 def _derived_keys(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
     """Keys a family spells as something else to derive (GPT-J: n_inner = null, rotary_dim)."""
     try:
+        if cfg.get("num_hidden_layers") is None and isinstance(cfg.get("layer_types"), list):
+            # Nemotron-H (transformers 5) writes the layer list alone
+            cfg = {**cfg, "num_hidden_layers": len(cfg["layer_types"])}
         if fam.ffn_auto_adjust and cfg.get("block_auto_adjust_ff_dim", True):
             cfg = {**cfg, "intermediate_size": _adjusted_ffn(cfg)}
         if fam.ffn_mult and cfg.get("intermediate_size") is None and "hidden_size" in cfg:
@@ -407,6 +421,8 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
         clamped_swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)))
         if spec.clamped_swiglu else None, scale_inputs=spec.scale_inputs,
         jitter_eps=_sparsemixer_eps(cfg) if spec.score == "sparsemixer" else 0.0,
+        gated=spec.gated, latent=_positive(cfg, spec.latent_key)
+        if spec.latent_key and cfg.get(spec.latent_key) is not None else None,
     )
     if spec.sparse_layers == "step":
         step = _positive(cfg, "decoder_sparse_step", 1)
@@ -431,6 +447,8 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
         start, end = int(cfg.get("moe_layer_start_index") or 0), cfg.get("moe_layer_end_index")
         end = n - 1 if end is None or end < 0 else int(end)
         sparse = [(i + 1) % every == 0 and start <= i <= end for i in range(n)]
+    elif spec.sparse_layers == "kinds":  # Nemotron-H: the layer kinds say (FFN_MOE)
+        sparse = [False] * n
     else:
         sparse = [True] * n
     return moe, sparse
@@ -468,7 +486,8 @@ def _layer_specs(
                 f"config.json: sliding_window must be a positive integer, got {window!r}"
             )
     kinds = cfg.get("layer_types")
-    allowed = (*LAYER_KINDS, RECURRENT) if fam.mixer else LAYER_KINDS
+    allowed = (*LAYER_KINDS, *((RECURRENT,) if fam.mixer else ()),
+               *(FFN_KINDS if fam.ffn_layers else ()))
     if kinds is not None:
         if not isinstance(kinds, list) or len(kinds) != n:
             got = len(kinds) if isinstance(kinds, list) else type(kinds).__name__
@@ -507,8 +526,9 @@ def _layer_specs(
         LayerSpec(
             kind=k,
             window=window if k == SLIDING else None,
-            rope=(local if k == SLIDING else rope) if rope_on[i] and k != RECURRENT else None,
-            moe=sparse[i],
+            rope=(local if k == SLIDING else rope)
+            if rope_on[i] and k in LAYER_KINDS else None,
+            moe=sparse[i] or k == FFN_MOE,
             chunk=int(chunk) if k == CHUNKED else None,
             mixer=fam.mixer if k == RECURRENT else None,
         )

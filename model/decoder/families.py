@@ -32,9 +32,10 @@ MlpKind = Literal["gated", "fused", "plain"]
 # (2017: LayerNorm of the residual sum after each branch) | "mixer_only" (Mamba: one
 # branch, x + mixer(norm(x)), no MLP)  [layers.BLOCKS]
 BlockKind = Literal["pre", "sandwich", "post", "parallel", "parallel2", "post_ln", "mixer_only"]
-# "rope" | "sinusoidal" (2017: added to the embeddings) | "learned" (GPT-2: a table)
+# "rope" | "sinusoidal" (2017: added to the embeddings) | "learned" (GPT-2: a table) |
+# "none" (Nemotron-H: its few attention layers have no positions at all)
 # [transformer.py, config.py]
-PositionKind = Literal["rope", "sinusoidal", "learned"]
+PositionKind = Literal["rope", "sinusoidal", "learned", "none"]
 # "head" (per head) | "each_head" (Cohere: a weight row per head) | "proj" (over the
 # projection) | "head_after_rope" (Hunyuan) | "plain_after_rope" (Llama 4: parameter-free,
 # RoPE layers only)  [layers.Attention]
@@ -70,8 +71,8 @@ ExpertLayout = Literal["interleaved", "halves", "rows"]
 # "first_dense" (first_k_dense_replace dense layers, then MoE) | "listed" (Llama 4:
 # moe_layers, else every interleave_moe_layer_step-th) | "types" (mlp_layer_types) |
 # "interval" (ERNIE: every moe_layer_interval-th from moe_layer_start_index to
-# moe_layer_end_index)  [config.py]
-SparseLayers = Literal["all", "step", "first_dense", "listed", "types", "interval"]
+# moe_layer_end_index) | "kinds" (Nemotron-H: the layers whose kind is FFN_MOE)  [config.py]
+SparseLayers = Literal["all", "step", "first_dense", "listed", "types", "interval", "kinds"]
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 LAYER_KINDS = (FULL, SLIDING, CHUNKED)
@@ -80,6 +81,9 @@ RECURRENT = "linear_attention"
 # other layer_types values that mean the same two kinds (Granite 4: "mamba" and
 # "attention", LFM2: "conv")
 LAYER_KIND_ALIASES = {"mamba": RECURRENT, "conv": RECURRENT, "attention": FULL}
+# Nemotron-H: layers that are only an MLP, or only the mixture of experts (no token mixer)
+FFN, FFN_MOE = "mlp", "moe"
+FFN_KINDS = (FFN, FFN_MOE)
 
 # activation names in config.json -> the function mlx computes (layers.ACTIVATIONS)
 ACTIVATION_NAMES = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu", "gelu_fast", "relu",
@@ -153,6 +157,21 @@ def _attention_listed(key: str, default: list[int] | None = None) -> LayerRule:
     return rule
 
 
+def _pattern_kinds(key: str) -> LayerRule:
+    """Nemotron-H's classic `hybrid_override_pattern`, one character per layer: M (Mamba-2),
+    * (attention), - (MLP), E (mixture of experts)."""
+    kinds = {"M": RECURRENT, "*": FULL, "-": FFN, "E": FFN_MOE}
+
+    def rule(cfg: dict[str, Any], n: int) -> list[str]:
+        pattern = cfg.get(key)
+        if not isinstance(pattern, str) or len(pattern) != n or set(pattern) - set(kinds):
+            raise ConfigError(f"config.json: {key} must be {n} characters of M, *, - and E,"
+                              f" got {pattern!r:.60}")
+        return [kinds[c] for c in pattern]
+
+    return rule
+
+
 def _every_nth_attention(key: str, default: int) -> LayerRule:
     """Qwen3-Next: every `full_attention_interval`-th layer attends, the others are recurrent."""
 
@@ -193,6 +212,10 @@ class MoeFamily:
     shared_count_key: str = "n_shared_experts"  # "plain": shared size = count × expert size
     shared_size_key: str | None = None  # "plain": or the size this key gives (Granite 4)
     dense_when_none: bool = False  # Granite 4: 0 experts (the count key) is a dense model
+    gated: bool = True  # False: each expert is down(act(up(x))) (Nemotron-H), no gate_proj
+    # Nemotron-H: the experts read a projection of this config key's size (moe_latent_size;
+    # null: the hidden state itself)
+    latent_key: str | None = None
     expert_size_key: str = "moe_intermediate_size"
     norm_topk_always: bool = False  # Mixtral renormalises the top-k weights unconditionally
     # DBRX: the top-k weights ÷ their p-norm, p from this config key (null: no division)
@@ -269,6 +292,7 @@ class Family:
     ffn_auto_adjust: bool = False
     # RoPE only when config[key] == value (Granite 4: position_embedding_type "rope")
     rope_flag: tuple[str, str] | None = None
+    ffn_layers: bool = False  # Nemotron-H: layer kinds FFN / FFN_MOE (no token mixer)
     # renames applied first when the model has no experts (Granite 4's dense variant: its
     # shared_mlp is the layer's MLP, not a shared expert)
     dense_renames: tuple[tuple[str, str], ...] = ()
@@ -756,7 +780,9 @@ FAMILIES: dict[str, Family] = {
     "mamba2": Family(
         layer_rule=None, attention="none", mixer="mamba2", mixer_rule=_all_recurrent,
         block="mixer_only", dense_size_key=None, key_aliases=_MAMBA2_KEYS,
-        renames=_BACKBONE_NAMES, defaults={**_MAMBA_DEFAULTS, "ssm_proj_bias": False},
+        renames=_BACKBONE_NAMES,
+        defaults={**_MAMBA_DEFAULTS, "ssm_proj_bias": False, "ssm_heads": 128, "ssm_head_dim": 64,
+                  "ssm_state_size": 128, "ssm_groups": 8, "ssm_chunk_size": 256},
     ),
     # Bamba: Llama's pre-norm layers, each attending (attn_layer_indices) or Mamba-2;
     # partial rotary ½ (transformers hard-codes it)
@@ -785,6 +811,32 @@ FAMILIES: dict[str, Family] = {
                  (".output_linear.", ".down_proj."), (".mamba.", ".mixer.")),
         defaults={"ssm_head_dim": "auto", "ssm_heads": 128, "ssm_state_size": 256,
                   "ssm_chunk_size": 256, "shared_intermediate_size": 1024},
+    ),
+    # Nemotron-H: one branch per layer behind one norm, the branch Mamba-2, attention without
+    # positions, a relu² MLP, or ungated relu² experts routed as DeepSeek-V3 with ungated
+    # shared experts (layers_block_type, or the classic hybrid_override_pattern)
+    "nemotron_h": Family(
+        layer_rule=None, block="mixer_only", mixer="mamba2", ffn_layers=True,
+        mixer_rule=_pattern_kinds("hybrid_override_pattern"), positions="none", mlp="plain",
+        activation_key="mlp_hidden_act", eps_key="rms_norm_eps",
+        moe=MoeFamily(score="sigmoid", group_score="top2", correction_bias=True,
+                      shared="plain", shared_size_key="moe_shared_expert_intermediate_size",
+                      gated=False, latent_key="moe_latent_size", sparse_layers="kinds"),
+        key_aliases={
+            "layers_block_type": "layer_types", "layer_norm_epsilon": "rms_norm_eps",
+            "mamba_num_heads": "ssm_heads", "mamba_head_dim": "ssm_head_dim",
+            "n_groups": "ssm_groups", "conv_kernel": "ssm_conv_kernel", "expand": "ssm_expand",
+            "chunk_size": "ssm_chunk_size", "use_conv_bias": "ssm_conv_bias",
+            "mamba_proj_bias": "ssm_proj_bias", "time_step_limit": "ssm_dt_limit"},
+        renames=(("backbone.", "model."), ("model.embeddings.", "model.embed_tokens."),
+                 ("model.norm_f.", "model.norm.")),
+        # transformers' defaults, so a config without experts (Nemotron-H 8B) resolves
+        defaults={"mlp_hidden_act": "relu2", "rms_norm_eps": 1e-5, "n_group": 1,
+                  "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0,
+                  "n_routed_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 7688, "moe_shared_expert_intermediate_size": 7688,
+                  "ssm_heads": 128, "ssm_head_dim": 64, "ssm_state_size": 128, "ssm_groups": 8,
+                  "ssm_chunk_size": 128},
     ),
     # Qwen3-Next: gated delta rule layers, every full_attention_interval-th layer gated
     # attention (q_proj also yields a sigmoid gate on the output) with offset q/k norms and

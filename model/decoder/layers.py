@@ -31,7 +31,7 @@ from kvchat import metal_kernels
 from .config import LayerSpec, ModelConfig
 from .conv import ShortConv
 from .delta import GatedDeltaNet
-from .families import FULL, BlockKind, MixerKind, NormKind
+from .families import FFN_KINDS, FULL, BlockKind, MixerKind, NormKind
 from .kv_quant import packed_of, quantized_attention
 from .mask import causal_mask
 from .moe import MoE
@@ -516,9 +516,7 @@ class Block(nn.Module):
             self.self_attn = make_attention(cfg, spec, attention)
         else:
             self.mixer = make_mixer(cfg, spec)
-        mlp = (PlainMLP if cfg.mlp == "plain" else FusedMLP if cfg.fused_proj or cfg.mlp == "fused"
-               else MLP)
-        self.mlp = MoE(cfg, ACTIVATIONS[cfg.activation], mlp) if spec.moe else mlp(cfg)
+        self.mlp = make_ffn(cfg, spec)
 
     def mix(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         """The token mixer this layer has: attention, or the family's recurrent mixer."""
@@ -628,14 +626,17 @@ class ParallelBlock(Block):
 
 
 class MixerOnlyBlock(Block):
-    """Mamba, Mamba-2: one branch per layer, x + mixer(norm(x)), no MLP (transformers'
-    names: `norm`, `mixer`). The add is left pending for the next norm, as PreNormBlock."""
+    """Mamba, Mamba-2, Nemotron-H: one branch per layer, x + mixer(norm(x)), no separate
+    MLP (transformers' names: `norm`, `mixer`); the branch is the recurrent mixer,
+    attention, or (Nemotron-H's FFN layers) an MLP or the mixture of experts alone. The add
+    is left pending for the next norm, as PreNormBlock."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, attention: type | None = None):
         nn.Module.__init__(self)
         self.norm = make_norm(cfg, cfg.hidden_size)
-        self.mixer = (make_attention(cfg, spec, attention) if spec.attends
-                      else make_mixer(cfg, spec))
+        self._ffn = spec.kind in FFN_KINDS
+        self.mixer = (make_ffn(cfg, spec) if self._ffn else make_attention(cfg, spec, attention)
+                      if spec.attends else make_mixer(cfg, spec))
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         h, m = self.deferred(x, None, mask, cache)
@@ -651,7 +652,11 @@ class MixerOnlyBlock(Block):
             normed = self.norm(x)
         else:
             x, normed = self.norm.add_and_norm(pending, x)
-        return x, self.mixer(normed, mask, cache)
+        if not self._ffn:
+            return x, self.mixer(normed, mask, cache)
+        if cache is not None:  # a state.PassCache: it only counts the tokens
+            cache.advance(x.shape[1])
+        return x, self.mixer(normed)
 
 
 BLOCKS: dict[BlockKind, type[Block]] = {
@@ -671,6 +676,14 @@ def make_attention(cfg: ModelConfig, spec: LayerSpec, attention: type | None = N
     attn = attention or (FusedAttention if cfg.fused_proj else GatedAttention
                          if cfg.attention_gate else Attention)
     return attn(cfg, spec)
+
+
+def make_ffn(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
+    """The layer's feed-forward: its MLP in the config's layout, or the mixture of experts
+    (with such MLPs as shared experts) where the spec says `moe`."""
+    mlp = (PlainMLP if cfg.mlp == "plain" else FusedMLP if cfg.fused_proj or cfg.mlp == "fused"
+           else MLP)
+    return MoE(cfg, ACTIVATIONS[cfg.activation], mlp) if spec.moe else mlp(cfg)
 
 
 def make_mixer(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
