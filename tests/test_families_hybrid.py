@@ -371,3 +371,19 @@ def test_inspect_prints_state_bytes_next_to_kv(
     text = capsys.readouterr().out
     assert f"state of 2 recurrent layers: {2 * per_layer:,} B" in text
     assert "KV cache per token (all layers): 0 B" in text
+
+
+@pytest.mark.parametrize("name", ["mamba", "nemotron_h"])
+def test_explain_names_the_recurrent_layers(
+    name: str, hybrid: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvchat explain` runs on a model without attention (Mamba) and one with layers of
+    every kind (Nemotron-H), and says which layers keep a state."""
+    from kvchat.app.cli import explain as explain_cmd
+
+    p = argparse.ArgumentParser()
+    explain_cmd.add_arguments(p)
+    assert explain_cmd.run(p.parse_args(["--model", str(hybrid(name))])) == 0
+    out = capsys.readouterr().out
+    expected = {"mamba": "2 of 2", "nemotron_h": "1 of 4"}[name]
+    assert f"recurrent layers: {expected} keep a fixed-size state" in out

@@ -298,7 +298,8 @@ def _render(o: dict[str, Any]) -> str:
     if o["attention"] == "none":
         heads = "no attention layers"
     elif o["layers"] != o["attention_layers"]:
-        heads = f"{o['attention_layers']} attention layers with {heads}"
+        plural = "s" if o["attention_layers"] != 1 else ""
+        heads = f"{o['attention_layers']} attention layer{plural} with {heads}"
     lines = [
         f"{o['source']}  ({o['model_type']}: {o['layers']} layers, {heads},"
         f" {o['dtype_bytes']} B/element from {o['dtype_from']})",
