@@ -202,18 +202,26 @@ def test_hybrid_matches_transformers(name: str, hybrid: Callable[[str], Path]) -
 
 @pytest.mark.parametrize("name", NAMES)
 def test_hybrid_greedy_tokens_through_the_cache(name: str, hybrid: Callable[[str], Path]) -> None:
-    """20 greedy tokens: prefill in the parallel form, then the one-token recurrence,
-    against transformers' own greedy decode through its cache."""
+    """20 greedy tokens: prefill in the parallel form, then the one-token recurrence in the
+    compiled step (and in the plain one), against transformers' own greedy decode through
+    its cache."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from kvchat.model.runtime.generate import generate_step
+    from kvchat.model.runtime.generate import Progress, generate_step
 
     folder = hybrid(name)
     model = load_model(folder)
     prompt = [int(x) for x in IDS[0, :8]]
-    ours = list(generate_step(model, prompt, make_prompt_cache(model), max_tokens=20))
+    runs = []
+    for compiled in (True, False):  # the compiled step carries the states as the plain one
+        prog = Progress()
+        runs.append(list(generate_step(model, prompt, make_prompt_cache(model), max_tokens=20,
+                                       compiled=compiled, progress=prog)))
+        assert prog.compiled == compiled
+    ours = runs[0]
+    assert runs[0] == runs[1]
     arch = json.loads((folder / "config.json").read_text())["architectures"][0]
     hf_class = getattr(transformers, arch) if "ForConditionalGeneration" in arch else (
         AutoModelForCausalLM)  # a multimodal checkpoint: its own class, on text alone

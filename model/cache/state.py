@@ -60,6 +60,19 @@ class StateCache:
             f"a recurrent layer's state cannot drop its last {n} tokens; prefill again"
         )
 
+    # ---- one token at a time, for the compiled step (model/runtime/generate.py) ------------
+    def slot_layout(self) -> tuple[Any, ...]:
+        """The trace's key: a state, and how many arrays it carries (conv, recurrent)."""
+        return ("state", sum(a is not None for a in (self.conv, self.recurrent)))
+
+    def next_slot(self) -> tuple[int, int, int, int]:
+        """The trace's row: only the offset means something here."""
+        return self.offset, 0, 0, 0
+
+    def commit_one(self, conv: mx.array, recurrent: mx.array | None = None) -> None:
+        """Take the states the compiled step computed for one more token."""
+        self.update(1, conv, recurrent)
+
     # ---- state (kv.py's protocol) ---------------------------------------------------------
     @property
     def state(self) -> tuple[Any, ...]:
@@ -107,6 +120,12 @@ class PassCache(StateCache):
 
     def advance(self, tokens: int) -> None:
         self.offset += tokens
+
+    def slot_layout(self) -> tuple[Any, ...]:
+        return ("pass",)
+
+    def commit_one(self, *arrays: mx.array) -> None:
+        self.advance(1)
 
     def is_trimmable(self) -> bool:
         return True
