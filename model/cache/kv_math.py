@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvchat.model.decoder.config import ModelConfig
 from kvchat.model.decoder.kv_format import KVQuant
+from kvchat.model.decoder.state_config import RECURRENT_BYTES
 from kvchat.model.errors import KVChatError
 
 # bytes per element of the dtype names in config.json (torch_dtype) and safetensors headers
@@ -141,11 +142,14 @@ def kv_bytes_by_kind(
 
 
 def state_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
-    """Bytes of the recurrent layers' states (conv + recurrent, one sequence): the same at
-    every context length, beside the attention layers' K/V (model/cache/state.py)."""
+    """Bytes of the recurrent layers' states (one sequence): the conv state at
+    `dtype_bytes`, the recurrent one in float32; the same at every context length, beside
+    the attention layers' K/V (model/cache/state.py)."""
     if cfg.mixer is None:
         return 0
-    per_layer = sum(math.prod(shape) for shape in cfg.mixer.state_shapes()) * dtype_bytes
+    conv, *recurrent = cfg.mixer.state_shapes()
+    per_layer = math.prod(conv) * dtype_bytes + sum(
+        math.prod(shape) for shape in recurrent) * RECURRENT_BYTES
     return per_layer * cfg.recurrent_layers
 
 

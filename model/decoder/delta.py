@@ -7,7 +7,8 @@ with g_t = exp(−exp(A)·softplus(a_t + dt_bias)) ∈ (0, 1), β_t = sigmoid(b_
 L2-normed (q also × k_dim^−½). A prompt runs the chunked form (transformers' and FLA's): in
 a chunk of CHUNK tokens the updates are condensed into one unit lower-triangular solve
 (the "UT transform") and a few matmuls, the state carried between chunks; one token runs
-the recurrence above. Both agree with transformers.
+the recurrence above. Both agree with transformers. The rule and its state run in float32
+whatever the compute dtype (as ssm.py's scans).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .conv import CausalConv1d
-from .ssm import GatedRMSNorm
+from .ssm import F32, GatedRMSNorm
 from .state_config import DeltaConfig
 
 CHUNK = 64  # tokens per chunk of the prompt form (transformers' chunk_size)
@@ -71,7 +72,7 @@ def gated_delta(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.arr
     q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
     g, beta = g.transpose(0, 2, 1), beta.transpose(0, 2, 1)
     if S is None:
-        S = mx.zeros((b, Hv, Dk, Dv), q.dtype)
+        S = mx.zeros((b, Hv, Dk, Dv), F32)
     if T == 1:
         y, S = delta_step(q, k, v, g, beta, S)
         return y.transpose(0, 2, 1, 3), S
@@ -135,9 +136,11 @@ class GatedDeltaNet(nn.Module):
         q, k, v = mx.split(nn.silu(qkv), [key, 2 * key], axis=-1)
         q = l2norm(q.reshape(B, T, cfg.k_heads, cfg.k_dim)) * cfg.k_dim**-0.5
         k = l2norm(k.reshape(B, T, cfg.k_heads, cfg.k_dim))
-        g = -mx.exp(self.A_log) * nn.softplus(a + self.dt_bias)
-        y, state = gated_delta(q, k, v.reshape(B, T, cfg.v_heads, cfg.v_dim), g, mx.sigmoid(b),
+        g = -mx.exp(self.A_log.astype(F32)) * nn.softplus((a + self.dt_bias).astype(F32))
+        v = v.reshape(B, T, cfg.v_heads, cfg.v_dim)
+        y, state = gated_delta(q.astype(F32), k.astype(F32), v.astype(F32), g,
+                               mx.sigmoid(b.astype(F32)),
                                cache.recurrent if cache is not None else None)
         if cache is not None:
             cache.update(T, conv_state, state)
-        return self.out_proj(self.norm(y, z).reshape(B, T, -1))
+        return self.out_proj(self.norm(y.astype(x.dtype), z).reshape(B, T, -1))

@@ -4,7 +4,9 @@ recurrence for decoding.
 
 Both keep per layer a conv state (conv.py) and a recurrent state h of fixed size, updated
 h_t = a_t · h_{t−1} + b_t with a_t = exp(Δ_t·A) ∈ (0, 1] and b_t = Δ_t·x_t ⊗ B_t, read out as
-y_t = h_t · C_t + D·x_t (docs/models.md, "Recurrent layers").
+y_t = h_t · C_t + D·x_t (docs/models.md, "Recurrent layers"). The scan and its state are
+float32 whatever the compute dtype (F32): a state summed over thousands of tokens in
+bfloat16 would drift; on the CPU the compute dtype is float32 anyway.
 
 - Mamba: A is (features, N) and h one N-vector per feature. A prompt runs the recurrence as
   a parallel prefix scan (Hillis–Steele: log₂ T steps of whole-array operations) over
@@ -24,6 +26,7 @@ from .conv import CausalConv1d
 from .state_config import SsmConfig
 
 SCAN_BLOCK = 64  # tokens per parallel scan: bounds the (B, T, features, N) temporaries
+F32 = mx.float32  # the scans' and the recurrent states' dtype
 
 
 class GatedRMSNorm(nn.Module):
@@ -99,11 +102,12 @@ class MambaMixer(nn.Module):
         if cfg.bcdt_eps is not None:
             dt, B, C = (mx.fast.rms_norm(t, None, cfg.bcdt_eps) for t in (dt, B, C))
         dt = nn.softplus(self.dt_proj(dt))
-        y, state = selective_scan(x, dt, -mx.exp(self.A_log), B, C,
+        y, state = selective_scan(x.astype(F32), dt.astype(F32), -mx.exp(self.A_log.astype(F32)),
+                                  B.astype(F32), C.astype(F32),
                                   cache.recurrent if cache is not None else None)
         if cache is not None:
             cache.update(h.shape[1], conv_state, state)
-        return self.out_proj((y + self.D * x) * nn.silu(z))
+        return self.out_proj((y.astype(x.dtype) + self.D * x) * nn.silu(z))
 
 
 # ---- Mamba-2: state-space duality -------------------------------------------------------
@@ -183,12 +187,13 @@ class Mamba2Mixer(nn.Module):
         xbc, conv_state = self.conv1d(xbc, cache.conv if cache is not None else None)
         x, B, C = mx.split(nn.silu(xbc), [cfg.inner, cfg.inner + cfg.groups * cfg.n], axis=-1)
         x = x.reshape(b, T, cfg.heads, cfg.head_dim)
-        dt = mx.clip(nn.softplus(dt + self.dt_bias), *cfg.dt_limit)
-        y, state = ssd(x, dt, -mx.exp(self.A_log), B.reshape(b, T, cfg.groups, cfg.n),
-                       C.reshape(b, T, cfg.groups, cfg.n),
+        dt = mx.clip(nn.softplus(dt + self.dt_bias), *cfg.dt_limit).astype(F32)
+        y, state = ssd(x.astype(F32), dt, -mx.exp(self.A_log.astype(F32)),
+                       B.reshape(b, T, cfg.groups, cfg.n).astype(F32),
+                       C.reshape(b, T, cfg.groups, cfg.n).astype(F32),
                        cache.recurrent if cache is not None else None, cfg.chunk)
         if cache is not None:
             cache.update(T, conv_state, state)
-        y = (y + self.D[:, None] * x).reshape(b, T, cfg.inner)
+        y = (y.astype(x.dtype) + self.D[:, None] * x).reshape(b, T, cfg.inner)
         y = self.norm(y, z) if "norm" in self else y * nn.silu(z)
         return self.out_proj(y)

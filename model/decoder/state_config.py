@@ -4,7 +4,8 @@ the `ssm_*` / `linear_*` / `conv_*` keys read here).
 
 One dataclass per mixer kind (families.MixerKind); `ModelConfig.mixer` holds the one its
 family uses. The state each keeps per layer has a fixed size (`state_shapes`), whatever
-the number of tokens: model/cache/state.py allocates it, kv_math counts it.
+the number of tokens: the conv state in the compute dtype, the recurrent state in float32
+(RECURRENT_BYTES; ssm.py); the mixers make it, kv_math counts it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ def _int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ConfigError(f"config.json: {key} must be a positive integer, got {v!r:.60}")
     return v
+
+
+RECURRENT_BYTES = 4  # the recurrent states are float32 whatever the compute dtype (ssm.F32)
 
 
 def _number(v: Any) -> float:
