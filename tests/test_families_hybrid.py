@@ -331,6 +331,23 @@ def test_state_cache_refuses_to_go_back(hybrid: Callable[[str], Path]) -> None:
     assert clone.offset == 10 and clone.nbytes == cache[0].nbytes
 
 
+def test_prefix_pool_offers_a_state_only_where_it_extends(hybrid: Callable[[str], Path]) -> None:
+    """The server's pool of idle caches: a Mamba cache serves a prompt that extends what
+    it holds, never one that branches inside it (its state cannot go back there)."""
+    from kvchat.model.cache.prefix_pool import PrefixPool
+
+    model = load_model(hybrid("mamba"))
+    held = [int(x) for x in IDS[0, :10]]
+    cache = make_prompt_cache(model)
+    model(mx.array([held]), cache=cache)
+    pool = PrefixPool(budget_bytes=10**9)
+    pool.put(held, cache, ("k",))
+    assert pool.take(held[:6] + [3, 4], ("k",)) is None  # a branch after 6 tokens
+    assert pool.stats()["misses"] == 1 and pool.stats()["entries"] == 1
+    ids, got = pool.take(held + [5], ("k",))
+    assert ids == held and got is cache and pool.stats()["reused_tokens"] == 10
+
+
 def test_engine_turns_prefill_again_when_the_state_cannot_go_back(
     hybrid: Callable[[str], Path]
 ) -> None:

@@ -112,7 +112,9 @@ class PrefixPool:
         best, best_n = None, 0
         for e in self._entries:
             n = common_prefix_len(e.ids, ids) if e.key == key else 0
-            if n > best_n:
+            # the engine keeps at most len(ids) − 1 of them; a cache that cannot go back
+            # there (a recurrent layer's state, an evicted ring) would be prefilled again
+            if n > best_n and can_trim_to(e.cache, min(n, len(ids) - 1)):
                 best, best_n = e, n
         found = None
         if best is not None:
