@@ -1,16 +1,18 @@
 """The families with recurrent layers (state-space models and hybrids) against transformers
 on fresh random tiny checkpoints, with test_families.py's builders: logits of a 40-token
 sequence whole, token by token and in two prefill chunks through our caches (a state
-carried across calls), 20 greedy tokens through the cache against transformers'
-`generate`, and the same 4-bit (quantized linear layers kept quantized) against
-transformers on the dequantized weights. Tolerance: max |ours − ref| ≤ 1e-4 · max(1, max |ref|).
+carried across calls), 20 greedy tokens through the cache (compiled step and plain)
+against transformers' `generate`, and the same 4-bit (quantized linear layers kept
+quantized) against transformers on the dequantized weights. Both config spellings where
+transformers reads two. Tolerance: max |ours − ref| ≤ 1e-4 · max(1, max |ref|).
 
 One fixture per block kind runs by default (Mamba's selective scan, Mamba-2's SSD, the
 gated delta rule, LFM2's short convolution); the other families are marked slow.
 
-Beside them: the state caches (kind per layer, bytes constant as tokens grow, reported
-apart from K/V, no trimming), an engine conversation that re-prefills when the state
-cannot go back, and `kvchat inspect` on such a config.
+Beside them: the layer kinds each spelling gives, the prompt forms across several blocks,
+the state caches (kind per layer, bytes constant as tokens grow, reported apart from K/V,
+no trimming), the server's prefix pool, an engine conversation that reuses the state or
+prefills again when it cannot go back, `kvchat inspect` and `kvchat explain`.
 """
 
 from __future__ import annotations
