@@ -80,9 +80,9 @@ def test_no_weights(llama: Path) -> None:
 
 
 def test_unknown_model_type_lists_supported(llama: Path) -> None:
-    edit_config(llama, lambda c: c.update(model_type="mamba"))
+    edit_config(llama, lambda c: c.update(model_type="bitnet"))
     msg = load_error(llama)
-    assert "'mamba'" in msg
+    assert "'bitnet'" in msg
     from kvchat.model.decoder.families import FAMILIES
 
     assert "supported: " + ", ".join(sorted(FAMILIES)) in msg

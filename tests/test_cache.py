@@ -334,7 +334,7 @@ def test_stats_and_nbytes_match_the_formula() -> None:
         cache_bytes=2 * per_tok * 9, mha_bytes=2 * 2 * per_tok * 9, gqa_saving=2.0,
         evicted_tokens=0, keep=4, wrapped=False, sliding_layers=0, sliding_bytes=0,
         window_saving=1.0, kv_bits=32, kv_group_size=None, float_bytes=2 * per_tok * 9,
-        kv_saving=1.0,
+        kv_saving=1.0, state_bytes=0, state_layers=0,  # no recurrent layer
     )
     model(mx.array([list(range(30))]), cache=caches)
     s = cache_stats(caches, cfg)

@@ -49,7 +49,7 @@ def misfits(row: Family | MoeFamily, where: str = "") -> list[str]:
 def test_the_choices_are_literal_typed() -> None:
     """The check below covers these fields (it would pass vacuously on `str` fields)."""
     assert set(choices(Family)) == {"norm", "mlp", "block", "parallel_block", "positions",
-                                    "qk_norm", "nope", "attention", "fused_qkv"}
+                                    "qk_norm", "nope", "attention", "fused_qkv", "mixer"}
     assert set(choices(MoeFamily)) == {"score", "group_score", "shared", "fused_experts",
                                        "sparse_layers"}
 
@@ -74,6 +74,7 @@ def test_a_wrong_row_is_reported() -> None:
 def test_literals_match_the_dispatch_tables() -> None:
     assert set(get_args(families.NormKind)) == set(layers.NORMS) == set(NORM_NAMES)
     assert set(get_args(families.BlockKind)) == set(layers.BLOCKS)
+    assert set(get_args(families.MixerKind)) == set(layers.MIXERS)
 
 
 def test_every_allowed_value_is_used_by_a_row() -> None:

@@ -346,21 +346,21 @@ def _run(argv: list[str]) -> int:
 
 def test_models_cmd_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     make_model(tmp_path / "m" / "small-model", weights={"model.safetensors": 1536})
-    make_model(tmp_path / "m" / "q", model_type="mamba", quant={"bits": 4})
+    make_model(tmp_path / "m" / "q", model_type="bitnet", quant={"bits": 4})
     assert _run(["--dir", str(tmp_path / "m")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["NAME", "ARCH", "BITS", "DTYPE", "MEMORY", "SOURCE", "PATH"]
     # neither fake folder can be loaded: listed, marked, and the reason is printed
     # a folder named with --dir is listed as such, not as one of the settings' folders
     assert lines[1].split() == [
-        "q", "✗", "mamba", "4", "-", "-", "--dir", str((tmp_path / "m" / "q").resolve()),
+        "q", "✗", "bitnet", "4", "-", "-", "--dir", str((tmp_path / "m" / "q").resolve()),
     ]
     assert lines[2].split()[:6] == ["small-model", "✗", "llama", "-", "-", "-"]
     # aligned: the PATH column starts at the same offset on every row
     starts = {line.index("/") for line in lines[1:3]}
     assert len(starts) == 1
     assert "cannot load" in lines[4]
-    assert lines[5].startswith("  q: unknown architecture 'mamba'")
+    assert lines[5].startswith("  q: unknown architecture 'bitnet'")
 
 
 def test_models_cmd_json_and_settings_dirs(

@@ -874,9 +874,11 @@ def test_family_8bit_and_per_layer_quantization(
 def test_every_family_has_a_checkpoint_here() -> None:
     import transformers as tf
 
+    from .test_families_hybrid import HYBRID_SPECS  # the families with recurrent layers
+
     tested = {
         (getattr(tf, s.config_class) if s.config_class else getattr(tf, s.hf_class).config_class)
-        .model_type for s in FAMILY_SPECS.values()
+        .model_type for s in (*FAMILY_SPECS.values(), *HYBRID_SPECS.values())
     }
     # test_parity covers llama, mistral and qwen2; the wrappers' text parts are rows too;
     # kvchat2017 (training's --block 2017) has no transformers class: test_block2017.py
@@ -978,9 +980,9 @@ def test_inconsistent_config_names_the_key(change: dict[str, Any], key: str) -> 
 
 def test_unsupported_family_lists_the_supported_ones() -> None:
     with pytest.raises(ConfigError) as e:
-        ModelConfig.from_dict({**GEMMA3, "model_type": "mamba"})
+        ModelConfig.from_dict({**GEMMA3, "model_type": "bitnet"})
     msg = str(e.value)
-    assert "'mamba'" in msg and "\n" not in msg
+    assert "'bitnet'" in msg and "\n" not in msg
     for name in FAMILIES:
         assert name in msg
 
@@ -1161,8 +1163,8 @@ def test_family_lookup_comes_before_the_generic_checks(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     loaded = load_config(tmp_path)
     assert loaded.sliding_window is None and loaded.moe is not None
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "mamba"}))
-    with pytest.raises(ConfigError, match="unknown architecture 'mamba'; supported: "):
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "bitnet"}))
+    with pytest.raises(ConfigError, match="unknown architecture 'bitnet'; supported: "):
         load_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": 9}))
     with pytest.raises(ConfigError, match="num_experts_per_tok"):

@@ -96,7 +96,7 @@ def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     rc, _, err = run(["--model", str(tmp_path / "nope")], capsys)
     assert rc == 1 and err.strip().count("\n") == 0 and "not found" in err
     bad = tmp_path / "config.json"
-    bad.write_text(json.dumps({**LLAMA_70B, "model_type": "mamba"}))
+    bad.write_text(json.dumps({**LLAMA_70B, "model_type": "bitnet"}))
     rc, _, err = run(["--config", str(bad)], capsys)
     assert rc == 1 and "unknown architecture" in err and err.strip().count("\n") == 0
     (tmp_path / "m").mkdir()

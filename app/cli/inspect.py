@@ -30,6 +30,7 @@ from kvchat.model.cache.kv_math import (
     kv_bytes_by_kind,
     kv_saving,
     parse_size,
+    state_bytes,
 )
 from kvchat.model.decoder.config import ModelConfig, load_config
 from kvchat.model.errors import ConfigError, KVChatError, ModelLoadError
@@ -132,7 +133,8 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
     context = args.context or cfg.max_position_embeddings
     L, h, kv, hd = (cfg.num_hidden_layers, cfg.num_attention_heads,
                     cfg.num_key_value_heads, cfg.head_dim)
-    per_token = cached_widths(cfg).bytes_per_token(L, dtype_bytes)
+    # the layers that attend hold K/V; the recurrent ones a state of fixed size
+    per_token = cached_widths(cfg).bytes_per_token(cfg.attention_layers, dtype_bytes)
     at_context = kv_bytes_at(cfg, context, dtype_bytes)
     kinds = kv_bytes_by_kind(cfg, context, dtype_bytes)
     facts = model_facts(source) if args.model else None
@@ -159,7 +161,12 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
             {"kind": r.kind, "layers": r.layers, "window": r.window, "tokens": r.tokens,
              "bytes": r.bytes} for r in kinds
         ],
-        "window_saving": per_token * context / at_context,
+        "window_saving": per_token * context / at_context if at_context else 1.0,
+        # recurrent layers (Mamba, gated delta, short conv): their states, the same bytes
+        # at every context length
+        "attention_layers": cfg.attention_layers,
+        "state_layers": cfg.recurrent_layers,
+        "state_bytes": state_bytes(cfg, dtype_bytes),
         "gqa_saving": kv_saving(cfg),  # over MHA (latent attention: its own saving)
         "attention": attention_name(cfg),
         "latent": None if cfg.mla is None else {
@@ -217,10 +224,11 @@ def _quantized(cfg: ModelConfig, q: KVQuant | None, dtype_bytes: int, context: i
         "group_size": q.group_for(hd),
         "padded_head_dim": q.padded_dim(hd),
         "scale_bytes": dtype_bytes,
-        "bytes_per_token": cached_widths(cfg).bytes_per_token(cfg.num_hidden_layers,
+        "bytes_per_token": cached_widths(cfg).bytes_per_token(cfg.attention_layers,
                                                               dtype_bytes, q),
         "bytes_at_context": at_context,
-        "saving_vs_float": kv_bytes_at(cfg, context, dtype_bytes) / at_context,
+        "saving_vs_float": kv_bytes_at(cfg, context, dtype_bytes) / at_context
+        if at_context else 1.0,
         "table": [
             {"name": r.name, "kv_heads": r.kv_heads, "bytes_per_token": r.bytes_per_token,
              "bytes_at_context": r.bytes_at_context}
@@ -237,6 +245,7 @@ def _live(folder: Path, cfg: ModelConfig, q: KVQuant | None = None) -> dict[str,
     next to the formula."""
 
     from kvchat.model.cache.kv import cache_stats, make_cache, parts
+    from kvchat.model.cache.state import StateCache
     from kvchat.model.decoder.weights import load_model
     from kvchat.model.runtime.events import CACHE_FIELDS, stats_json
     from kvchat.model.runtime.generate import generate_step
@@ -250,16 +259,24 @@ def _live(folder: Path, cfg: ModelConfig, q: KVQuant | None = None) -> dict[str,
     for _ in generate_step(model, [int(bos) if bos is not None else 1], caches,
                            max_tokens=LIVE_TOKENS):
         pass
-    measured = allocated = 0
+    measured = allocated = state = 0
+    live_dtype = None
     for c in caches:  # what the arrays hold: the resident slots' slices
+        if isinstance(c, StateCache):  # a recurrent layer: its whole state
+            state += sum(a.nbytes for a in (c.conv, c.recurrent) if a is not None)
+            if c.conv is not None:
+                live_dtype = live_dtype or c.conv.dtype
+            continue
         n = c.size()
         for p in (*parts(c.keys), *parts(c.values)):
             measured += p[..., :n, :].nbytes
             allocated += p.nbytes
+        live_dtype = parts(c.keys)[-1].dtype  # a quantized cache's scales: the float
+    assert live_dtype is not None
     stats = cache_stats(caches, model.config)
     tokens = stats.cache_tokens or 0
-    live_dtype = parts(caches[0].keys)[-1].dtype  # a quantized cache's scales: the float
     formula = kv_bytes_at(cfg, tokens, live_dtype.size, q=q)
+    state_formula = state_bytes(cfg, live_dtype.size)
     return {
         "tokens": tokens,
         "dtype": str(live_dtype).removeprefix("mlx.core."),
@@ -271,7 +288,11 @@ def _live(folder: Path, cfg: ModelConfig, q: KVQuant | None = None) -> dict[str,
         "kv_bits": q.bits if q else live_dtype.size * 8,
         "float_bytes": stats.float_bytes,
         "cache_stats": {k: v for k, v in stats_json(stats).items() if k in CACHE_FIELDS},
-        "equal": measured == formula == stats.cache_bytes == sum(c.nbytes for c in caches),
+        "state_bytes": state,
+        "state_formula_bytes": state_formula,
+        "equal": measured == formula == stats.cache_bytes
+        and state == state_formula == stats.state_bytes
+        and measured + state == sum(c.nbytes for c in caches),
     }
 
 
@@ -297,13 +318,22 @@ def _render(o: dict[str, Any]) -> str:
     kv_desc = (f"latent attention: {lat['kv_lora_rank']} latent + {lat['rope_dim']} RoPE"
                f" features cached per token and layer, q/k head_dim {o['head_dim']}" if lat
                else f"{o['kv_heads']} KV heads, head_dim {o['head_dim']}")
+    heads = f"{o['heads']} query heads, {kv_desc}"
+    if o["attention"] == "none":
+        heads = "no attention layers"
+    elif o["layers"] != o["attention_layers"]:
+        plural = "s" if o["attention_layers"] != 1 else ""
+        heads = f"{o['attention_layers']} attention layer{plural} with {heads}"
     lines = [
-        f"{o['source']}  ({o['model_type']}: {o['layers']} layers, {o['heads']} query heads,"
-        f" {kv_desc}, {o['dtype_bytes']} B/element from {o['dtype_from']})",
+        f"{o['source']}  ({o['model_type']}: {o['layers']} layers, {heads},"
+        f" {o['dtype_bytes']} B/element from {o['dtype_from']})",
         f"KV cache per token (all layers{sliding and ', until the windows fill' or ''}):"
         f" {_b(o['bytes_per_token'])}",
         f"KV cache at {o['context']:,} tokens: {_b(o['bytes_at_context'])}",
     ]
+    if o["state_layers"]:  # a fixed size: the same after one token as at any context
+        lines.append(f"state of {o['state_layers']} recurrent layers: {_b(o['state_bytes'])},"
+                     " the same at every context length")
     if o.get("note"):
         lines.insert(1, f"note: {o['note']}")
     if sliding:
@@ -326,7 +356,7 @@ def _render(o: dict[str, Any]) -> str:
             f" {_b(qd['bytes_at_context'])} at {o['context']:,} tokens",
             f"  {qd['saving_vs_float']:.3g}x smaller than the {o['dtype_bytes']} B/element cache",
         ]
-    lines += [
+    lines += [] if not o["table"] else [
         "",
         f"{'attention':<18} {'KV heads':>8}  {'per token':<26} "
         f"{'at ' + format(o['context'], ',') + ' tokens':<34} MHA / this"
@@ -383,7 +413,9 @@ def _render(o: dict[str, Any]) -> str:
         lines.append(
             f"live ({live['tokens']} tokens, {what}):"
             f" measured {_b(live['measured_bytes'])}, formula {_b(live['formula_bytes'])}"
-            f" -> {mark}; allocated buffers {_b(live['allocated_bytes'])}"
+            + (f", state {_b(live['state_bytes'])} (formula {_b(live['state_formula_bytes'])})"
+               if o["state_layers"] else "")
+            + f" -> {mark}; allocated buffers {_b(live['allocated_bytes'])}"
             + (f"; unquantized {_b(live['float_bytes'])}" if qd else "")
         )
     return "\n".join(lines).rstrip()

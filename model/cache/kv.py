@@ -26,12 +26,14 @@ from typing import Any
 import mlx.core as mx
 
 from kvchat.model.decoder.config import LayerSpec, ModelConfig
+from kvchat.model.decoder.families import FFN_KINDS
 from kvchat.model.decoder.kv_format import KVQuant
 from kvchat.model.decoder.kv_quant import Packed
 from kvchat.model.decoder.mask import causal_mask
 from kvchat.model.errors import KVChatError
 
 from .kv_math import cached_widths, kv_bytes, kv_saving
+from .state import PassCache, StateCache
 from .stats import CacheStats
 
 # a K or V buffer: floats, or the parts of a quantized one
@@ -665,7 +667,9 @@ def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, keep: int = 4,
       then rotation keeping `keep` sinks; with max_kv_size=N, RotatingKVCache(N, keep);
     - a sliding layer: a ring of exactly its window with keep 0 (key j visible iff
       t − j < window, the model's own mask), unless max_kv_size asks for less, in which
-      case the mask is the intersection of both.
+      case the mask is the intersection of both;
+    - a recurrent layer (Mamba, gated delta, short conv): a StateCache, the same size at
+      every token (max_kv_size and kv do not apply to it).
 
     With `kv`, K/V are stored in kv.bits bits: from the first token when kv.start is 0,
     else the float caches carry `pending_quant` and `maybe_quantize` converts them once
@@ -677,6 +681,12 @@ def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, keep: int = 4,
         raise CacheError("--kv-bits is not supported for latent attention (MLA) models")
     caches: list[Any] = []
     for spec in cfg.layers:
+        if spec.kind in FFN_KINDS:  # no token mixer (Nemotron-H's MLP layers): nothing kept
+            caches.append(PassCache())
+            continue
+        if not spec.attends:  # a recurrent layer: a fixed-size state (state.py), never K/V
+            caches.append(StateCache())
+            continue
         if spec.chunk is not None:  # never more than one chunk resident
             caches.append(ChunkedKVCache(spec.chunk))
             continue
@@ -740,6 +750,10 @@ def pending_quantization(caches: list[Any]) -> int | None:
 
 # ---- statistics (metadata only) ---------------------------------------------------------
 def _attention_name(cfg: ModelConfig, spec: LayerSpec) -> str:
+    if spec.mixer is not None:  # a recurrent layer: its mixer ("mamba2", "gated_delta", …)
+        return spec.mixer
+    if spec.kind in FFN_KINDS:  # no token mixer: "mlp" or "moe"
+        return spec.kind
     kind = ("sliding" if spec.window is not None else "chunked" if spec.chunk is not None
             else "latent" if cfg.mla else "global")
     return kind + (
@@ -786,15 +800,17 @@ def layer_stats(caches: list[Any], cfg: ModelConfig) -> list[dict[str, Any]]:
         s.setdefault("kv_bits", None)
         s.setdefault("kv_group_size", None)
         s.setdefault("float_bytes", s["cache_bytes"])
+        s.setdefault("state_bytes", 0)
         out.append(s)
     return out
 
 
 def _reference_layer(cfg: ModelConfig, n: int) -> int:
     """The layer whose cache speaks for the model's position and capacity: the first
-    global one (a sliding layer's ring says nothing about the conversation's length)."""
+    global attention layer (a sliding layer's ring says nothing about the conversation's
+    length, a recurrent layer's state holds no tokens), else the first layer."""
     for i, spec in enumerate(cfg.layers[:n]):
-        if spec.window is None:
+        if spec.window is None and spec.attends:
             return i
     return 0
 
@@ -812,7 +828,8 @@ def cache_stats(caches: list[Any], cfg: ModelConfig) -> CacheStats:
         return CacheStats(
             cache_offset=0, cache_tokens=0, cache_capacity=0, cache_bytes=0, mha_bytes=0,
             gqa_saving=saving, evicted_tokens=0, keep=0, wrapped=False, sliding_layers=0,
-            sliding_bytes=0, window_saving=1.0, float_bytes=0, kv_saving=1.0,
+            sliding_bytes=0, window_saving=1.0, float_bytes=0, kv_saving=1.0, state_bytes=0,
+            state_layers=0,
         )
     rows = layer_stats(caches, cfg)
     ref = rows[_reference_layer(cfg, len(rows))]
@@ -839,6 +856,8 @@ def cache_stats(caches: list[Any], cfg: ModelConfig) -> CacheStats:
         kv_group_size=ref["kv_group_size"],
         float_bytes=float_bytes,
         kv_saving=float_bytes / cache_bytes if cache_bytes else 1.0,
+        state_bytes=sum(r["state_bytes"] for r in rows),
+        state_layers=sum(r["kind"] == "state" for r in rows),
     )
 
 
@@ -855,8 +874,11 @@ def can_trim_to(caches: list[Any], n_tokens_to_keep: int) -> bool:
 
 
 def why_not_trimmable(caches: list[Any], cfg: ModelConfig, n_tokens_to_keep: int) -> str:
-    """Why `can_trim_to` said no, for the `Started` reason: a sliding-window layer that
-    moved past the shared prefix, or rotation of a bounded cache."""
+    """Why `can_trim_to` said no, for the `Started` reason: a recurrent layer (its state
+    cannot go back), a sliding-window layer that moved past the shared prefix, or rotation
+    of a bounded cache."""
+    if any(isinstance(c, StateCache) and not c.can_trim_to(n_tokens_to_keep) for c in caches):
+        return "the recurrent layers' state cannot go back to the shared prefix"
     for c, spec in zip(caches, cfg.layers, strict=False):
         if spec.window is not None and not can_trim_to([c], n_tokens_to_keep):
             return (

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvchat.model.decoder.config import ModelConfig
 from kvchat.model.decoder.kv_format import KVQuant
+from kvchat.model.decoder.state_config import RECURRENT_BYTES
 from kvchat.model.errors import KVChatError
 
 # bytes per element of the dtype names in config.json (torch_dtype) and safetensors headers
@@ -83,6 +84,8 @@ def cached_widths(cfg: ModelConfig, kv_heads: int | None = None) -> KVWidths:
 
 
 def attention_name(cfg: ModelConfig) -> str:
+    if not cfg.attention_layers:  # Mamba: every layer is recurrent
+        return "none"
     if cfg.mla is not None:
         return "MLA"
     h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -124,6 +127,8 @@ def kv_bytes_by_kind(
     per_layer = cached_widths(cfg, kv_heads).bytes_per_token(1, dtype_bytes, q)
     groups: dict[tuple[int | None, int | None], int] = {}
     for spec in cfg.layers:
+        if not spec.attends:  # a recurrent layer holds no K/V (state_bytes counts it)
+            continue
         key = (spec.window, spec.chunk)
         groups[key] = groups.get(key, 0) + 1
     rows = []
@@ -134,6 +139,18 @@ def kv_bytes_by_kind(
                 else "latent" if cfg.mla is not None and kv_heads is None else "global")
         rows.append(LayerKindBytes(kind, n, bound, tokens, n * tokens * per_layer))
     return rows
+
+
+def state_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes of the recurrent layers' states (one sequence): the conv state at
+    `dtype_bytes`, the recurrent one in float32; the same at every context length, beside
+    the attention layers' K/V (model/cache/state.py)."""
+    if cfg.mixer is None:
+        return 0
+    conv, *recurrent = cfg.mixer.state_shapes()
+    per_layer = math.prod(conv) * dtype_bytes + sum(
+        math.prod(shape) for shape in recurrent) * RECURRENT_BYTES
+    return per_layer * cfg.recurrent_layers
 
 
 def kv_bytes_at(
@@ -160,6 +177,8 @@ def context_that_fits(
     `reserved_bytes`; None when any length fits (every layer slides and the windows fit)."""
     room = max(0, budget_bytes - reserved_bytes)
     rows = kv_bytes_by_kind(cfg, 1, dtype_bytes, q=q)
+    if not rows:  # no attention layer: nothing grows with the context
+        return None
     if all(r.window is not None for r in rows):
         longest = max(r.window or 0 for r in rows)
         if kv_bytes_at(cfg, longest, dtype_bytes, q=q) <= room:
@@ -188,7 +207,9 @@ def attention_table(cfg: ModelConfig, dtype_bytes: int, context: int,
                     q: KVQuant | None = None) -> list[AttentionRow]:
     """The same model with MHA (kv = heads), its own KV heads, and MQA (kv = 1); for
     latent attention: MHA, GQA (one K/V head per GQA_GROUP query heads) and the latent."""
-    h, L = cfg.num_attention_heads, cfg.num_hidden_layers
+    h, L = cfg.num_attention_heads, cfg.attention_layers
+    if not L:  # no attention layer: no K/V in any form
+        return []
     mha = cached_widths(cfg, h).bytes_per_token(L, dtype_bytes, q)
     own = f"{attention_name(cfg)} (this model)"
     if cfg.mla is not None:

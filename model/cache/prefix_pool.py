@@ -183,7 +183,9 @@ class PrefixPool:
         mine = [e for e in self._entries if e.key == key]
         for e in mine:
             n = common_prefix_len(e.ids, ids)
-            if n > best_n:
+            # the engine keeps at most len(ids) − 1 of them; a cache that cannot go back
+            # there (a recurrent layer's state, an evicted ring) would be prefilled again
+            if n > best_n and can_trim_to(e.cache, min(n, len(ids) - 1)):
                 best, best_n = e, n
         found, info = None, self.new_info()
         if best is not None:

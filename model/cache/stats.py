@@ -31,3 +31,7 @@ class CacheStats:
     kv_group_size: int | None = None
     float_bytes: int | None = None
     kv_saving: float | None = None
+    # recurrent layers (Mamba, gated delta, short conv; model/cache/state.py): how many, and
+    # the bytes of their states, apart from cache_bytes (K/V) and constant as tokens grow
+    state_bytes: int | None = None
+    state_layers: int | None = None

@@ -23,12 +23,17 @@ from .config_checks import check_config
 from .families import (
     ACTIVATION_NAMES,
     CHUNKED,
+    FFN_KINDS,
+    FFN_MOE,
     FULL,
+    LAYER_KIND_ALIASES,
     LAYER_KINDS,
+    RECURRENT,
     SLIDING,
     BlockKind,
     Family,
     GroupScore,
+    MixerKind,
     MlpKind,
     NormKind,
     PositionKind,
@@ -39,6 +44,7 @@ from .families import (
 )
 from .gguf import gguf_config
 from .rope import RopeConfig, check_rotary, global_rope, local_rope
+from .state_config import MixerConfig, resolve_mixer
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,8 @@ class MoeConfig:
     scale_inputs: bool = False
     jitter_eps: float = 0.0  # sparsemixer: router_jitter_noise
     norm_p: float = 1.0  # norm_topk divides by this p-norm of the top-k weights (DBRX)
+    gated: bool = True  # False: experts down(act(up(x))) (Nemotron-H)
+    latent: int | None = None  # Nemotron-H: experts read a projection of this size
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,8 @@ WRAPPERS: dict[str, str] = {
     "gemma3": "the vision tower",
     "mistral3": "the vision encoder",
     "llama4": "the vision model",
+    "qwen3_5": "the vision tower",
+    "qwen3_5_moe": "the vision tower",
 }
 # top-level keys of a wrapper that hold for its language model
 WRAPPER_KEYS = ("quantization", "quantization_config", "torch_dtype", "dtype",
@@ -113,11 +123,20 @@ def unwrap(cfg: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
 class LayerSpec:
     """What differs between the layers of one model."""
 
-    kind: str  # FULL, SLIDING or CHUNKED
+    # FULL, SLIDING, CHUNKED, RECURRENT (the family's recurrent mixer), or one of FFN_KINDS
+    # (Nemotron-H: the layer is its MLP or mixture of experts alone)
+    kind: str
     window: int | None  # keys a query sees (None: all of them)
     rope: RopeConfig | None  # None: a NoPE layer (no rotary embedding)
     moe: bool = False  # the FFN is the model's mixture of experts (ModelConfig.moe)
     chunk: int | None = None  # chunked attention: keys of the query's own chunk only
+    # the token mixer when it is not attention (ModelConfig.mixer holds its sizes): the
+    # layer keeps a fixed-size state instead of K/V
+    mixer: MixerKind | None = None
+
+    @property
+    def attends(self) -> bool:
+        return self.mixer is None and self.kind not in FFN_KINDS
 
 
 @dataclass(frozen=True)
@@ -162,6 +181,9 @@ class ModelConfig:
     rope_negative: bool = False
     moe: MoeConfig | None = None
     mla: MlaConfig | None = None  # set: every layer is latent attention (cache kind "latent")
+    # the recurrent mixer's sizes (state_config.py) where some layers have one (LayerSpec.mixer)
+    mixer: MixerConfig | None = None
+    attention_gate: bool = False  # Qwen3-Next: attention output × sigmoid(gate)
     q_position_scale: tuple[float, int] | None = None  # Ministral 3: (beta, period), see layers
     attention_sinks: bool = False
     temperature: tuple[float, float] | None = None  # Llama 4: (floor_scale, attn_scale)
@@ -176,6 +198,16 @@ class ModelConfig:
             return None
         return (f"{self.wrapper} checkpoint: kvchat runs its language model"
                 f" ({self.model_type}); {WRAPPERS[self.wrapper]} is not loaded")
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers that attend (hold K/V)."""
+        return sum(spec.attends for spec in self.layers)
+
+    @property
+    def recurrent_layers(self) -> int:
+        """Layers with a recurrent mixer (they hold a state of fixed size)."""
+        return sum(spec.mixer is not None for spec in self.layers)
 
     @property
     def gqa_groups(self) -> int:
@@ -194,11 +226,17 @@ class ModelConfig:
         cfg = _derived_keys(cfg, fam)
         try:
             hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            kv_heads = int(cfg.get("num_key_value_heads") or heads)
-            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            if fam.attention == "none":
+                # no attention layer (Mamba): one nominal head as wide as the model, so the
+                # K/V ratios stay defined (1.0); kv_math names the attention "none"
+                heads = kv_heads = 1
+                head_dim = hidden
+            else:
+                heads = int(cfg["num_attention_heads"])
+                kv_heads = int(cfg.get("num_key_value_heads") or heads)
+                head_dim = int(cfg.get("head_dim") or hidden // heads)
             n_layers = int(cfg["num_hidden_layers"])
-            inter = int(cfg[fam.dense_size_key])
+            inter = int(cfg[fam.dense_size_key]) if fam.dense_size_key else 0
             vocab = int(cfg["vocab_size"])
         except KeyError as e:
             raise ConfigError(f"config.json lacks required key {e.args[0]!r}") from None
@@ -218,6 +256,7 @@ class ModelConfig:
             mla = _mla(cfg) if fam.attention == "mla" else None
             moe, sparse = _moe(cfg, fam, n_layers)
             quirks = _quirks(cfg, fam, hidden)
+            mixer = resolve_mixer(cfg, fam, hidden, float(cfg.get(fam.eps_key) or 1e-6))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"config.json has a malformed value: {e}") from None
         if mla is not None:
@@ -249,6 +288,7 @@ class ModelConfig:
             layers=layers,
             moe=moe,
             mla=mla,
+            mixer=mixer,
             wrapper=wrapper,
             raw=cfg,
             **quirks,
@@ -281,6 +321,11 @@ def aliased(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
 def _derived_keys(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
     """Keys a family spells as something else to derive (GPT-J: n_inner = null, rotary_dim)."""
     try:
+        if cfg.get("num_hidden_layers") is None and isinstance(cfg.get("layer_types"), list):
+            # Nemotron-H (transformers 5) writes the layer list alone
+            cfg = {**cfg, "num_hidden_layers": len(cfg["layer_types"])}
+        if fam.ffn_auto_adjust and cfg.get("block_auto_adjust_ff_dim", True):
+            cfg = {**cfg, "intermediate_size": _adjusted_ffn(cfg)}
         if fam.ffn_mult and cfg.get("intermediate_size") is None and "hidden_size" in cfg:
             cfg = {**cfg, "intermediate_size": fam.ffn_mult * int(cfg["hidden_size"])}
         if "multi_query" in cfg:  # StarCoder 1: one K/V head
@@ -295,6 +340,18 @@ def _derived_keys(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ConfigError(f"config.json has a malformed value: {e}") from None
     return cfg
+
+
+def _adjusted_ffn(cfg: dict[str, Any]) -> int:
+    """LFM2's MLP size: ⅔ of intermediate_size, × block_ffn_dim_multiplier (if set) and
+    then rounded up to a multiple of block_multiple_of (transformers' Lfm2MLP)."""
+    size = int(2 * int(cfg["intermediate_size"]) / 3)
+    mult = cfg.get("block_ffn_dim_multiplier", 1.0)  # null: no multiplier, no rounding
+    if mult is not None:
+        size = int(float(mult) * size)
+        step = int(cfg.get("block_multiple_of", 256))
+        size = step * ((size + step - 1) // step)
+    return size
 
 
 def _positive(cfg: dict[str, Any], key: str, default: Any = None) -> int:
@@ -312,10 +369,11 @@ def _first_key(cfg: dict[str, Any], keys: tuple[str, ...]) -> str:
 def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, list[bool]]:
     """The mixture (None: a dense family) and which layers use it."""
     spec = fam.moe
-    if spec is None:
+    count_key = None if spec is None else spec.count_key or _first_key(
+        cfg, ("num_local_experts", "num_experts", "n_routed_experts"))
+    if spec is None or (spec.dense_when_none and cfg.get(count_key) == 0):
         return None, [False] * n
-    experts = _positive(cfg, spec.count_key or _first_key(
-        cfg, ("num_local_experts", "num_experts", "n_routed_experts")))
+    experts = _positive(cfg, count_key)
     top_k = _positive(cfg, spec.top_k_key)
     if top_k > experts:
         raise ConfigError(
@@ -338,6 +396,8 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
     shared_size = 0
     if spec.shared == "gated":
         shared_size = int(cfg.get("shared_expert_intermediate_size") or 0)
+    elif spec.shared == "plain" and spec.shared_size_key is not None:  # Granite 4
+        shared_size = _positive(cfg, spec.shared_size_key)
     elif spec.shared == "plain":
         shared_size = int(cfg.get(spec.shared_count_key) or 0) * _positive(
             cfg, spec.expert_size_key)
@@ -355,12 +415,16 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
         score=spec.score, norm_topk=norm_topk, norm_p=norm_p,
         scaling=float(cfg.get("routed_scaling_factor") or 1.0), groups=groups,
         topk_groups=topk_groups, group_score=spec.group_score if groups > 1 else None,
-        correction_bias=spec.correction_bias, shared_size=shared_size,
+        correction_bias=spec.correction_bias and (
+            spec.correction_bias_flag is None or bool(cfg.get(spec.correction_bias_flag, True))),
+        shared_size=shared_size,
         shared_gate=spec.shared == "gated", router_bias=spec.router_bias,
         expert_bias=spec.expert_bias,
         clamped_swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)))
         if spec.clamped_swiglu else None, scale_inputs=spec.scale_inputs,
         jitter_eps=_sparsemixer_eps(cfg) if spec.score == "sparsemixer" else 0.0,
+        gated=spec.gated, latent=_positive(cfg, spec.latent_key)
+        if spec.latent_key and cfg.get(spec.latent_key) is not None else None,
     )
     if spec.sparse_layers == "step":
         step = _positive(cfg, "decoder_sparse_step", 1)
@@ -385,6 +449,8 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
         start, end = int(cfg.get("moe_layer_start_index") or 0), cfg.get("moe_layer_end_index")
         end = n - 1 if end is None or end < 0 else int(end)
         sparse = [(i + 1) % every == 0 and start <= i <= end for i in range(n)]
+    elif spec.sparse_layers == "kinds":  # Nemotron-H: the layer kinds say (FFN_MOE)
+        sparse = [False] * n
     else:
         sparse = [True] * n
     return moe, sparse
@@ -422,17 +488,23 @@ def _layer_specs(
                 f"config.json: sliding_window must be a positive integer, got {window!r}"
             )
     kinds = cfg.get("layer_types")
+    allowed = (*LAYER_KINDS, *((RECURRENT,) if fam.mixer else ()),
+               *(FFN_KINDS if fam.ffn_layers else ()))
     if kinds is not None:
         if not isinstance(kinds, list) or len(kinds) != n:
             got = len(kinds) if isinstance(kinds, list) else type(kinds).__name__
             raise ConfigError(
                 f"config.json: layer_types has {got} entries for num_hidden_layers {n}"
             )
-        bad = [k for k in kinds if k not in LAYER_KINDS]
+        if fam.mixer:
+            kinds = [LAYER_KIND_ALIASES.get(k, k) if isinstance(k, str) else k for k in kinds]
+        bad = [k for k in kinds if k not in allowed]
         if bad:
             raise ConfigError(
-                f"config.json: layer_types holds {bad[0]!r}; allowed: {', '.join(LAYER_KINDS)}"
+                f"config.json: layer_types holds {bad[0]!r}; allowed: {', '.join(allowed)}"
             )
+    elif fam.mixer_rule is not None:
+        kinds = fam.mixer_rule(cfg, n)
     elif fam.layer_rule is not None:
         kinds = fam.layer_rule(cfg, n)
     else:
@@ -447,15 +519,20 @@ def _layer_specs(
         rope_on = no_rope_layers(cfg, n)
     elif fam.nope == "global" and window is not None:
         rope_on = [int(k == SLIDING) for k in kinds]
+    elif fam.rope_flag is not None:  # Granite 4: RoPE only when the config says so
+        key, value = fam.rope_flag
+        rope_on = [int(cfg.get(key) == value)] * n
     else:
         rope_on = [int(fam.positions == "rope")] * n
     specs = tuple(
         LayerSpec(
             kind=k,
             window=window if k == SLIDING else None,
-            rope=(local if k == SLIDING else rope) if rope_on[i] else None,
-            moe=sparse[i],
+            rope=(local if k == SLIDING else rope)
+            if rope_on[i] and k in LAYER_KINDS else None,
+            moe=sparse[i] or k == FFN_MOE,
             chunk=int(chunk) if k == CHUNKED else None,
+            mixer=fam.mixer if k == RECURRENT else None,
         )
         for i, k in enumerate(kinds)
     )
@@ -481,7 +558,7 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
         "mlp": fam.mlp, "lm_head_bias": fam.head_bias
         or bool(fam.head_bias_key and cfg.get(fam.head_bias_key)), "embed_norm": fam.embed_norm,
         "rope_negative": fam.rope_negative, "attention_sinks": fam.attention_sinks,
-        "positions": fam.positions,
+        "positions": fam.positions, "attention_gate": fam.attention_gate,
     }
     if fam.temperature_tuning and cfg.get("attn_temperature_tuning", True):
         out["temperature"] = (float(cfg.get("floor_scale", 8192)),

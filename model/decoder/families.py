@@ -29,11 +29,13 @@ NormKind = Literal["rms", "rms_noparam", "offset", "layer", "layer_nobias", "lay
 MlpKind = Literal["gated", "fused", "plain"]
 # "pre" | "sandwich" (4 norms) | "post" (norms after each branch) | "parallel" (attention
 # and MLP read the same normed input) | "parallel2" (each its own norm) | "post_ln"
-# (2017: LayerNorm of the residual sum after each branch)  [layers.BLOCKS]
-BlockKind = Literal["pre", "sandwich", "post", "parallel", "parallel2", "post_ln"]
-# "rope" | "sinusoidal" (2017: added to the embeddings) | "learned" (GPT-2: a table)
+# (2017: LayerNorm of the residual sum after each branch) | "mixer_only" (Mamba: one
+# branch, x + mixer(norm(x)), no MLP)  [layers.BLOCKS]
+BlockKind = Literal["pre", "sandwich", "post", "parallel", "parallel2", "post_ln", "mixer_only"]
+# "rope" | "sinusoidal" (2017: added to the embeddings) | "learned" (GPT-2: a table) |
+# "none" (Nemotron-H: its few attention layers have no positions at all)
 # [transformer.py, config.py]
-PositionKind = Literal["rope", "sinusoidal", "learned"]
+PositionKind = Literal["rope", "sinusoidal", "learned", "none"]
 # "head" (per head) | "each_head" (Cohere: a weight row per head) | "proj" (over the
 # projection) | "head_after_rope" (Hunyuan) | "plain_after_rope" (Llama 4: parameter-free,
 # RoPE layers only)  [layers.Attention]
@@ -41,8 +43,15 @@ QkNormKind = Literal["head", "each_head", "proj", "head_after_rope", "plain_afte
 # layers without RoPE: "listed" (SmolLM3's `no_rope_layers`) | "global" (the
 # full-attention layers of a model with sliding ones: EXAONE 4, Command R7B)  [config.py]
 NopeKind = Literal["listed", "global"]
-# "gqa" (MHA/GQA/MQA) | "mla" (latent, DeepSeek-V2/V3; mla.LatentAttention)  [config.py]
-AttentionKind = Literal["gqa", "mla"]
+# "gqa" (MHA/GQA/MQA) | "mla" (latent, DeepSeek-V2/V3; mla.LatentAttention) | "none" (no
+# attention layer at all: Mamba)  [config.py]
+AttentionKind = Literal["gqa", "mla", "none"]
+# the token mixer of a family's recurrent layers, each over a fixed-size state per layer
+# (model/cache/state.py) instead of a K/V cache: "mamba" (Mamba's selective scan,
+# ssm.MambaMixer) | "mamba2" (Mamba-2's SSD, ssm.Mamba2Mixer) | "gated_delta" (Qwen3-Next's
+# gated delta rule, delta.GatedDeltaNet) | "short_conv" (LFM2's gated short convolution,
+# conv.ShortConv)  [layers.MIXERS]
+MixerKind = Literal["mamba", "mamba2", "gated_delta", "short_conv"]
 # one fused c_attn holding q, k, v one after the other, split on load: "linear" stored
 # (out, in) (StarCoder 1) | "conv1d" stored (in, out) as GPT-2's Conv1D  [weights.py]
 FusedQkvKind = Literal["linear", "conv1d"]
@@ -62,11 +71,19 @@ ExpertLayout = Literal["interleaved", "halves", "rows"]
 # "first_dense" (first_k_dense_replace dense layers, then MoE) | "listed" (Llama 4:
 # moe_layers, else every interleave_moe_layer_step-th) | "types" (mlp_layer_types) |
 # "interval" (ERNIE: every moe_layer_interval-th from moe_layer_start_index to
-# moe_layer_end_index)  [config.py]
-SparseLayers = Literal["all", "step", "first_dense", "listed", "types", "interval"]
+# moe_layer_end_index) | "kinds" (Nemotron-H: the layers whose kind is FFN_MOE)  [config.py]
+SparseLayers = Literal["all", "step", "first_dense", "listed", "types", "interval", "kinds"]
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 LAYER_KINDS = (FULL, SLIDING, CHUNKED)
+# a layer whose token mixer is its family's recurrent one (transformers' name for them)
+RECURRENT = "linear_attention"
+# other layer_types values that mean the same two kinds (Granite 4: "mamba" and
+# "attention", LFM2: "conv")
+LAYER_KIND_ALIASES = {"mamba": RECURRENT, "conv": RECURRENT, "attention": FULL}
+# Nemotron-H: layers that are only an MLP, or only the mixture of experts (no token mixer)
+FFN, FFN_MOE = "mlp", "moe"
+FFN_KINDS = (FFN, FFN_MOE)
 
 # activation names in config.json -> the function mlx computes (layers.ACTIVATIONS)
 ACTIVATION_NAMES = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu", "gelu_fast", "relu",
@@ -121,6 +138,50 @@ def _nope_layers_slide(cfg: dict[str, Any], n: int) -> list[str]:
     return [FULL if r else SLIDING for r in rope_on]
 
 
+def _all_recurrent(cfg: dict[str, Any], n: int) -> list[str]:
+    """Mamba, Mamba-2: every layer is the recurrent mixer."""
+    return [RECURRENT] * n
+
+
+def _attention_listed(key: str, default: list[int] | None = None) -> LayerRule:
+    """Bamba (`attn_layer_indices`), LFM2 (`full_attn_idxs`): the listed layers attend,
+    the others are recurrent."""
+
+    def rule(cfg: dict[str, Any], n: int) -> list[str]:
+        listed = cfg.get(key)
+        listed = (list(range(n)) if default is None else default) if listed is None else listed
+        if not isinstance(listed, list) or not all(isinstance(i, int) for i in listed):
+            raise ConfigError(f"config.json: {key} must list layer indices, got {listed!r:.60}")
+        return [FULL if i in listed else RECURRENT for i in range(n)]
+
+    return rule
+
+
+def _pattern_kinds(key: str) -> LayerRule:
+    """Nemotron-H's classic `hybrid_override_pattern`, one character per layer: M (Mamba-2),
+    * (attention), - (MLP), E (mixture of experts)."""
+    kinds = {"M": RECURRENT, "*": FULL, "-": FFN, "E": FFN_MOE}
+
+    def rule(cfg: dict[str, Any], n: int) -> list[str]:
+        pattern = cfg.get(key)
+        if not isinstance(pattern, str) or len(pattern) != n or set(pattern) - set(kinds):
+            raise ConfigError(f"config.json: {key} must be {n} characters of M, *, - and E,"
+                              f" got {pattern!r:.60}")
+        return [kinds[c] for c in pattern]
+
+    return rule
+
+
+def _every_nth_attention(key: str, default: int) -> LayerRule:
+    """Qwen3-Next: every `full_attention_interval`-th layer attends, the others are recurrent."""
+
+    def rule(cfg: dict[str, Any], n: int) -> list[str]:
+        every = int(cfg.get(key) or default)
+        return [FULL if (i + 1) % every == 0 else RECURRENT for i in range(n)]
+
+    return rule
+
+
 def no_rope_layers(cfg: dict[str, Any], n: int) -> list[int]:
     """SmolLM3's `no_rope_layers` (1 = RoPE, 0 = NoPE), else every interval-th is NoPE."""
     given = cfg.get("no_rope_layers")
@@ -144,10 +205,17 @@ class MoeFamily:
     group_score: GroupScore | None = None
     group_key: str | None = None  # config key that switches grouping on (V2: topk_method)
     correction_bias: bool = False  # V3: e_score_correction_bias picks experts, never weighs
+    correction_bias_flag: str | None = None  # LFM2-MoE: only when this config flag is true
     shared: SharedKind | None = None  # None: no shared expert
     count_key: str | None = None  # None: num_local_experts / num_experts / n_routed_experts
     top_k_key: str = "num_experts_per_tok"
     shared_count_key: str = "n_shared_experts"  # "plain": shared size = count × expert size
+    shared_size_key: str | None = None  # "plain": or the size this key gives (Granite 4)
+    dense_when_none: bool = False  # Granite 4: 0 experts (the count key) is a dense model
+    gated: bool = True  # False: each expert is down(act(up(x))) (Nemotron-H), no gate_proj
+    # Nemotron-H: the experts read a projection of this config key's size (moe_latent_size;
+    # null: the hidden state itself)
+    latent_key: str | None = None
     expert_size_key: str = "moe_intermediate_size"
     norm_topk_always: bool = False  # Mixtral renormalises the top-k weights unconditionally
     # DBRX: the top-k weights ÷ their p-norm, p from this config key (null: no division)
@@ -195,7 +263,8 @@ class Family:
     # parameters' llama_4_scaling_beta
     position_scaled_queries: bool = False
     attention_sinks: bool = False  # gpt-oss: a learned sink logit per head (self_attn.sinks)
-    dense_size_key: str = "intermediate_size"  # Llama 4: the dense layers' intermediate_size_mlp
+    # Llama 4: the dense layers' intermediate_size_mlp; None: no MLP (Mamba)
+    dense_size_key: str | None = "intermediate_size"
     # Llama 4: NoPE layers' queries × 1 + attn_scale·log(1 + ⌊(pos + 1) / floor_scale⌋)
     temperature_tuning: bool = False
     # StableLM, GPT-NeoX: this config flag makes the block `parallel_block`
@@ -212,6 +281,22 @@ class Family:
     rope_aliases: dict[str, str] = field(default_factory=dict)  # Phi-3: "su" -> "longrope"
     moe: MoeFamily | None = None  # the FFN of (some) layers is a mixture of experts
     attention: AttentionKind = "gqa"
+    # the recurrent mixer of the layers that do not attend (None: every layer attends), and
+    # which layers those are when config.json has no layer_types (None: layer_types only)
+    mixer: MixerKind | None = None
+    mixer_rule: LayerRule | None = None
+    attention_gate: bool = False  # Qwen3-Next: attention output × sigmoid(a gate from q_proj)
+    ssm_bcdt_norm: bool = False  # Falcon-Mamba: B, C and Δ RMS-normed before the scan
+    # LFM2: with block_auto_adjust_ff_dim the MLP is ⅔ of intermediate_size, × the
+    # block_ffn_dim_multiplier, rounded up to block_multiple_of (config._derived_keys)
+    ffn_auto_adjust: bool = False
+    # RoPE only when config[key] == value (Granite 4: position_embedding_type "rope")
+    rope_flag: tuple[str, str] | None = None
+    ffn_layers: bool = False  # Nemotron-H: layer kinds FFN / FFN_MOE (no token mixer)
+    # renames applied first when the model has no experts (Granite 4's dense variant: its
+    # shared_mlp is the layer's MLP, not a shared expert)
+    dense_renames: tuple[tuple[str, str], ...] = ()
+    delta_split_proj: bool = False  # Qwen3.5: q|k|v, z, b, a from four projections
     rope_traditional: bool = False  # RoPE rotates adjacent pairs (DeepSeek's interleave)
     rope_negative: bool = False  # nanochat: its rotate_half turns the other way
     clip_qkv: bool = False  # OLMoE: config's clip_qkv clamps q, k and v
@@ -252,6 +337,55 @@ _GPT2_NAMES = (*_GPT_BODY_NAMES, ("transformer.wpe.", "model.embed_positions."),
 # Mixtral's checkpoint names (Phi-MoE saves the same)
 _MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
                   (".w2.", ".down_proj."), (".w3.", ".up_proj."))
+
+# Mamba's config keys (transformers' and the original state-spaces ones, as mlx-lm reads
+# them) -> the ssm_* keys state_config.py reads; its checkpoint's `backbone.*` names
+_MAMBA_KEYS = {
+    "d_model": "hidden_size", "n_layer": "num_hidden_layers", "n_layers": "num_hidden_layers",
+    "state_size": "ssm_state_size", "d_state": "ssm_state_size",
+    "conv_kernel": "ssm_conv_kernel", "d_conv": "ssm_conv_kernel", "expand": "ssm_expand",
+    "intermediate_size": "ssm_inner", "d_inner": "ssm_inner", "use_bias": "ssm_proj_bias",
+    "bias": "ssm_proj_bias", "use_conv_bias": "ssm_conv_bias", "conv_bias": "ssm_conv_bias",
+    "time_step_rank": "ssm_dt_rank", "layer_norm_epsilon": "rms_norm_eps",
+}
+_MAMBA2_KEYS = {**_MAMBA_KEYS, "num_heads": "ssm_heads", "head_dim": "ssm_head_dim",
+                "n_groups": "ssm_groups", "chunk_size": "ssm_chunk_size",
+                "time_step_limit": "ssm_dt_limit"}
+_BACKBONE_NAMES = (("backbone.embeddings.", "model.embed_tokens."),
+                   ("backbone.embedding.", "model.embed_tokens."),
+                   ("backbone.norm_f.", "model.norm."), ("backbone.", "model."))
+_MAMBA_DEFAULTS: dict[str, Any] = {"rms_norm_eps": 1e-5, "ssm_conv_bias": True}
+# the hybrids' Mamba-2 keys (Bamba, Granite 4)
+_HYBRID_MAMBA_KEYS = {
+    "mamba_d_state": "ssm_state_size", "mamba_d_conv": "ssm_conv_kernel",
+    "mamba_expand": "ssm_expand", "mamba_n_heads": "ssm_heads", "mamba_d_head": "ssm_head_dim",
+    "mamba_n_groups": "ssm_groups", "mamba_chunk_size": "ssm_chunk_size",
+    "mamba_conv_bias": "ssm_conv_bias", "mamba_proj_bias": "ssm_proj_bias",
+    "time_step_limit": "ssm_dt_limit",
+}
+
+# LFM2's names: operator_norm / ffn_norm around conv or self_attn and feed_forward (w1 gate,
+# w3 up, w2 down, per expert too), the final norm called embedding_norm
+_LFM2_NAMES = (("model.embedding_norm.", "model.norm."), (".operator_norm.", ".input_layernorm."),
+               (".ffn_norm.", ".post_attention_layernorm."), (".feed_forward.", ".mlp."),
+               (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"),
+               (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."),
+               (".self_attn.out_proj.", ".self_attn.o_proj."), (".q_layernorm.", ".q_norm."),
+               (".k_layernorm.", ".k_norm."), (".conv.conv.", ".mixer.conv."),
+               (".conv.in_proj.", ".mixer.in_proj."), (".conv.out_proj.", ".mixer.out_proj."))
+_LFM2: dict[str, Any] = dict(
+    layer_rule=None, qk_norm="head", mixer="short_conv", tie_word_embeddings=True,
+    eps_key="norm_eps", key_aliases={"tie_embedding": "tie_word_embeddings"},
+    renames=_LFM2_NAMES,
+    defaults={"rope_theta": 1e6, "norm_eps": 1e-5, "conv_L_cache": 3, "conv_bias": False},
+)
+
+_QWEN3_5: dict[str, Any] = dict(
+    layer_rule=None, norm="offset", qk_norm="head", attention_gate=True, mixer="gated_delta",
+    mixer_rule=_every_nth_attention("full_attention_interval", 4), delta_split_proj=True,
+    renames=((".linear_attn.", ".mixer."),),
+    defaults={"partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4},
+)
 
 FAMILIES: dict[str, Family] = {
     # Llama 2, 3, 3.1, 3.2, SmolLM 1/2, TinyLlama, stories260K
@@ -627,6 +761,109 @@ FAMILIES: dict[str, Family] = {
                       shared="plain", sparse_layers="first_dense"),
         defaults={"norm_topk_prob": True, "n_group": 8, "topk_group": 4, "n_shared_experts": 1,
                   "routed_scaling_factor": 2.5, "first_k_dense_replace": 3},
+    ),
+    # ---- recurrent layers (model/cache/state.py): state-space models and hybrids
+    # Mamba: every layer one selective-scan mixer behind one norm, tied head
+    "mamba": Family(
+        layer_rule=None, attention="none", mixer="mamba", mixer_rule=_all_recurrent,
+        block="mixer_only", dense_size_key=None, tie_word_embeddings=True,
+        key_aliases=_MAMBA_KEYS, renames=_BACKBONE_NAMES, defaults=_MAMBA_DEFAULTS,
+    ),
+    # Falcon-Mamba: Mamba with B, C and Δ RMS-normed (mixer_rms_eps) before the scan
+    "falcon_mamba": Family(
+        layer_rule=None, attention="none", mixer="mamba", mixer_rule=_all_recurrent,
+        block="mixer_only", dense_size_key=None, tie_word_embeddings=True,
+        ssm_bcdt_norm=True, key_aliases=_MAMBA_KEYS, renames=_BACKBONE_NAMES,
+        defaults=_MAMBA_DEFAULTS,
+    ),
+    # Mamba-2: the SSD mixer (scalar decay per head, B and C per group, a gated norm)
+    "mamba2": Family(
+        layer_rule=None, attention="none", mixer="mamba2", mixer_rule=_all_recurrent,
+        block="mixer_only", dense_size_key=None, key_aliases=_MAMBA2_KEYS,
+        renames=_BACKBONE_NAMES,
+        defaults={**_MAMBA_DEFAULTS, "ssm_proj_bias": False, "ssm_heads": 128, "ssm_head_dim": 64,
+                  "ssm_state_size": 128, "ssm_groups": 8, "ssm_chunk_size": 256},
+    ),
+    # Bamba: Llama's pre-norm layers, each attending (attn_layer_indices) or Mamba-2;
+    # partial rotary ½ (transformers hard-codes it)
+    "bamba": Family(
+        layer_rule=None, mixer="mamba2", mixer_rule=_attention_listed("attn_layer_indices", []),
+        key_aliases=_HYBRID_MAMBA_KEYS,
+        renames=(("model.final_layernorm.", "model.norm."), (".mamba.", ".mixer."),
+                 (".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm.")),
+        defaults={"partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5, "ssm_head_dim": "auto",
+                  "ssm_heads": 128, "ssm_state_size": 256, "ssm_chunk_size": 256},
+    ),
+    # Granite 4 (-H): Bamba's layers with Granite's multipliers, a fused shared MLP beside
+    # the GraniteMoE experts (or alone: 0 experts), RoPE only with position_embedding_type
+    # "rope" (else NoPE)
+    "granitemoehybrid": Family(
+        layer_rule=None, multipliers=True, mlp="fused", mixer="mamba2",
+        rope_flag=("position_embedding_type", "rope"), dense_size_key="shared_intermediate_size",
+        moe=MoeFamily(expert_size_key="intermediate_size", norm_topk_always=True,
+                      shared="plain", shared_size_key="shared_intermediate_size",
+                      dense_when_none=True),
+        key_aliases=_HYBRID_MAMBA_KEYS,
+        dense_renames=((".shared_mlp.", ".mlp."),),
+        renames=((".block_sparse_moe.router.layer.", ".mlp.gate."),
+                 (".block_sparse_moe.", ".mlp.switch_mlp."),
+                 (".shared_mlp.", ".mlp.shared_experts."), (".input_linear.", ".gate_up_proj."),
+                 (".output_linear.", ".down_proj."), (".mamba.", ".mixer.")),
+        defaults={"ssm_head_dim": "auto", "ssm_heads": 128, "ssm_state_size": 256,
+                  "ssm_chunk_size": 256, "shared_intermediate_size": 1024},
+    ),
+    # Nemotron-H: one branch per layer behind one norm, the branch Mamba-2, attention without
+    # positions, a relu² MLP, or ungated relu² experts routed as DeepSeek-V3 with ungated
+    # shared experts (layers_block_type, or the classic hybrid_override_pattern)
+    "nemotron_h": Family(
+        layer_rule=None, block="mixer_only", mixer="mamba2", ffn_layers=True,
+        mixer_rule=_pattern_kinds("hybrid_override_pattern"), positions="none", mlp="plain",
+        activation_key="mlp_hidden_act", eps_key="rms_norm_eps",
+        moe=MoeFamily(score="sigmoid", group_score="top2", correction_bias=True,
+                      shared="plain", shared_size_key="moe_shared_expert_intermediate_size",
+                      gated=False, latent_key="moe_latent_size", sparse_layers="kinds"),
+        key_aliases={
+            "layers_block_type": "layer_types", "layer_norm_epsilon": "rms_norm_eps",
+            "mamba_num_heads": "ssm_heads", "mamba_head_dim": "ssm_head_dim",
+            "n_groups": "ssm_groups", "conv_kernel": "ssm_conv_kernel", "expand": "ssm_expand",
+            "chunk_size": "ssm_chunk_size", "use_conv_bias": "ssm_conv_bias",
+            "mamba_proj_bias": "ssm_proj_bias", "time_step_limit": "ssm_dt_limit"},
+        renames=(("backbone.", "model."), ("model.embeddings.", "model.embed_tokens."),
+                 ("model.norm_f.", "model.norm.")),
+        # transformers' defaults, so a config without experts (Nemotron-H 8B) resolves
+        defaults={"mlp_hidden_act": "relu2", "rms_norm_eps": 1e-5, "n_group": 1,
+                  "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0,
+                  "n_routed_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 7688, "moe_shared_expert_intermediate_size": 7688,
+                  "ssm_heads": 128, "ssm_head_dim": 64, "ssm_state_size": 128, "ssm_groups": 8,
+                  "ssm_chunk_size": 128},
+    ),
+    # Qwen3-Next: gated delta rule layers, every full_attention_interval-th layer gated
+    # attention (q_proj also yields a sigmoid gate on the output) with offset q/k norms and
+    # partial rotary; Qwen2-MoE's router and gated shared expert; offset norms throughout
+    "qwen3_next": Family(
+        layer_rule=None, norm="offset", qk_norm="head", attention_gate=True,
+        mixer="gated_delta", mixer_rule=_every_nth_attention("full_attention_interval", 4),
+        moe=MoeFamily(shared="gated", sparse_layers="step"),
+        renames=((".linear_attn.", ".mixer."),),
+        defaults={"partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4},
+    ),
+    # Qwen3.5 (the language model of the `qwen3_5` checkpoints, config.WRAPPERS): Qwen3-Next's
+    # layers with the delta rule's q|k|v, z, b, a from four projections; dense or MoE
+    "qwen3_5_text": Family(**_QWEN3_5),
+    "qwen3_5_moe_text": Family(**_QWEN3_5, moe=MoeFamily(shared="gated", norm_topk_always=True)),
+    # LFM2: gated short-convolution layers (conv_L_cache taps) and attention layers
+    # (full_attn_idxs; per-head q/k norms), a SwiGLU MLP whose size is adjusted
+    "lfm2": Family(**_LFM2, mixer_rule=_attention_listed("full_attn_idxs"),
+                   ffn_auto_adjust=True),
+    # LFM2-MoE: LFM2's layers, the first num_dense_layers dense, then a sigmoid router
+    # whose expert_bias picks experts (DeepSeek-V3's correction bias, no groups)
+    "lfm2_moe": Family(
+        **{**_LFM2, "key_aliases": {"tie_embedding": "tie_word_embeddings",
+                                    "num_dense_layers": "first_k_dense_replace"}},
+        mixer_rule=_attention_listed("full_attn_idxs"),
+        moe=MoeFamily(score="sigmoid", correction_bias=True,
+                      correction_bias_flag="use_expert_bias", sparse_layers="first_dense"),
     ),
     # the 2017 block, for `python -m kvchat.model.training train --block 2017` and
     # explain's comparison: post-LayerNorm, ReLU FFN, sinusoidal positions

@@ -7,7 +7,11 @@
 - `MLP` (gated: SwiGLU or GeGLU) and `FusedMLP` (one `gate_up_proj`, Phi-3); a layer
   whose spec says `moe` gets `moe.MoE` (router + gathered experts) instead;
 - `mla.LatentAttention` where the config has latent attention (DeepSeek-V2/V3);
-- blocks: `PreNormBlock`, `SandwichBlock` (4 norms, Gemma 2/3), `PostNormBlock` (OLMo 2).
+- recurrent token mixers in the layers that do not attend (`MIXERS`): ssm.py's Mamba and
+  Mamba-2, delta.py's gated delta rule, conv.py's short convolution; a block holds either
+  `self_attn` or `mixer` and runs whichever it has;
+- blocks: `PreNormBlock`, `SandwichBlock` (4 norms, Gemma 2/3), `PostNormBlock` (OLMo 2),
+  `MixerOnlyBlock` (Mamba: one branch, no MLP).
 
 `families.FAMILIES` picks them; `make_block` is the only place that maps a resolved
 config to classes. Parameter names mirror Hugging Face so checkpoints load as they are.
@@ -25,11 +29,14 @@ import mlx.nn as nn
 from kvchat import metal_kernels
 
 from .config import LayerSpec, ModelConfig
-from .families import FULL, BlockKind, NormKind
+from .conv import ShortConv
+from .delta import GatedDeltaNet
+from .families import FFN_KINDS, FULL, BlockKind, MixerKind, NormKind
 from .kv_quant import packed_of, quantized_attention
 from .mask import causal_mask
 from .moe import MoE
 from .rope import RopeConfig
+from .ssm import Mamba2Mixer, MambaMixer
 
 ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
     "silu": nn.silu,
@@ -371,7 +378,11 @@ class Attention(nn.Module):
         else:
             out = mx.fast.scaled_dot_product_attention(
                 q, k, v, scale=self.scale, mask=mask, sinks=self.get("sinks"))
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+        return self.o_proj(self.gated(out.transpose(0, 2, 1, 3).reshape(B, T, -1)))
+
+    def gated(self, out: mx.array) -> mx.array:
+        """The heads' output before o_proj (GatedAttention multiplies in its gate)."""
+        return out
 
 
 class FusedAttention(Attention):
@@ -385,6 +396,35 @@ class FusedAttention(Attention):
         q_end = self.n_heads * self.head_dim
         q, k, v = mx.split(self.qkv_proj(x), [q_end, q_end + self.n_kv_heads * self.head_dim], -1)
         return q, k, v
+
+
+class GatedAttention(Attention):
+    """Qwen3-Next: q_proj yields each head's query and a gate of the same width (interleaved
+    per head); the attention output is multiplied by sigmoid(gate) before o_proj."""
+
+    def _projections(self, cfg: ModelConfig) -> None:
+        super()._projections(cfg)
+        self.q_proj = nn.Linear(cfg.hidden_size, 2 * self.n_heads * self.head_dim,
+                                bias=cfg.qkv_bias)
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        q, k, v = super().project(x)
+        B, T, _ = q.shape
+        q = q.reshape(B, T, self.n_heads, 2, self.head_dim)
+        self._gate = q[..., 1, :].reshape(B, T, -1)  # read by `gated` later in the same call
+        return q[..., 0, :].reshape(B, T, -1), k, v
+
+    def gated(self, out: mx.array) -> mx.array:
+        return out * mx.sigmoid(self._gate)
+
+
+# ---- recurrent token mixers ----------------------------------------------------------------
+MIXERS: dict[MixerKind, Callable[[Any, int], nn.Module]] = {
+    "mamba": MambaMixer,
+    "mamba2": Mamba2Mixer,
+    "gated_delta": GatedDeltaNet,
+    "short_conv": ShortConv,
+}
 
 
 # ---- MLP --------------------------------------------------------------------------------
@@ -472,12 +512,15 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, attention: type | None = None):
         super().__init__()
-        # `attention`: another attention block (mla.LatentAttention), else GQA
-        attn = attention or (FusedAttention if cfg.fused_proj else Attention)
-        self.self_attn = attn(cfg, spec)
-        mlp = (PlainMLP if cfg.mlp == "plain" else FusedMLP if cfg.fused_proj or cfg.mlp == "fused"
-               else MLP)
-        self.mlp = MoE(cfg, ACTIVATIONS[cfg.activation], mlp) if spec.moe else mlp(cfg)
+        if spec.attends:
+            self.self_attn = make_attention(cfg, spec, attention)
+        else:
+            self.mixer = make_mixer(cfg, spec)
+        self.mlp = make_ffn(cfg, spec)
+
+    def mix(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        """The token mixer this layer has: attention, or the family's recurrent mixer."""
+        return (self.self_attn if "self_attn" in self else self.mixer)(x, mask, cache)
 
     def deferred(
         self, x: mx.array, pending: mx.array | None, mask: Any = None, cache: Any = None
@@ -512,7 +555,7 @@ class PreNormBlock(Block):
             normed = self.input_layernorm(x)
         else:
             x, normed = self.input_layernorm.add_and_norm(pending, x)
-        a = self.self_attn(normed, mask, cache)
+        a = self.mix(normed, mask, cache)
         if self._r is not None:
             a = a * self._r
         h, normed = self.post_attention_layernorm.add_and_norm(a, x)
@@ -535,7 +578,7 @@ class SandwichBlock(PreNormBlock):
             normed = self.input_layernorm(x)
         else:
             x, normed = self.input_layernorm.add_and_norm(pending, x)
-        a = self.post_attention_layernorm(self.self_attn(normed, mask, cache))
+        a = self.post_attention_layernorm(self.mix(normed, mask, cache))
         h, normed = self.pre_feedforward_layernorm.add_and_norm(a, x)
         return h, self.post_feedforward_layernorm(self.mlp(normed))
 
@@ -552,7 +595,7 @@ class PostNormBlock(Block):
         return x if pending is None else x + pending  # no norm on the way in
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        h = x + self.post_attention_layernorm(self.self_attn(x, mask, cache))
+        h = x + self.post_attention_layernorm(self.mix(x, mask, cache))
         return h + self.post_feedforward_layernorm(self.mlp(h))
 
 
@@ -560,7 +603,7 @@ class PostLNBlock(PostNormBlock):
     """The 2017 block: LayerNorm of each residual sum, LN(x + attn(x)), LN(h + mlp(h))."""
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        h = self.post_attention_layernorm(x + self.self_attn(x, mask, cache))
+        h = self.post_attention_layernorm(x + self.mix(x, mask, cache))
         return self.post_feedforward_layernorm(h + self.mlp(h))
 
 
@@ -576,10 +619,44 @@ class ParallelBlock(Block):
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         normed = self.input_layernorm(x)
-        a = self.self_attn(normed, mask, cache)
+        a = self.mix(normed, mask, cache)
         if "post_attention_layernorm" in self:
             normed = self.post_attention_layernorm(x)
         return x + a + self.mlp(normed)
+
+
+class MixerOnlyBlock(Block):
+    """Mamba, Mamba-2, Nemotron-H: one branch per layer, x + mixer(norm(x)), no separate
+    MLP (transformers' names: `norm`, `mixer`); the branch is the recurrent mixer,
+    attention, or (Nemotron-H's FFN layers) an MLP or the mixture of experts alone. The add
+    is left pending for the next norm, as PreNormBlock."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, attention: type | None = None):
+        nn.Module.__init__(self)
+        self.norm = make_norm(cfg, cfg.hidden_size)
+        self._ffn = spec.kind in FFN_KINDS
+        self.mixer = (make_ffn(cfg, spec) if self._ffn else make_attention(cfg, spec, attention)
+                      if spec.attends else make_mixer(cfg, spec))
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        h, m = self.deferred(x, None, mask, cache)
+        return h + m
+
+    def attention_input(self, x: mx.array, pending: mx.array | None) -> mx.array:
+        return self.norm(x if pending is None else x + pending)
+
+    def deferred(
+        self, x: mx.array, pending: mx.array | None, mask: Any = None, cache: Any = None
+    ) -> tuple[mx.array, mx.array]:
+        if pending is None:
+            normed = self.norm(x)
+        else:
+            x, normed = self.norm.add_and_norm(pending, x)
+        if not self._ffn:
+            return x, self.mixer(normed, mask, cache)
+        if cache is not None:  # a state.PassCache: it only counts the tokens
+            cache.advance(x.shape[1])
+        return x, self.mixer(normed)
 
 
 BLOCKS: dict[BlockKind, type[Block]] = {
@@ -589,7 +666,30 @@ BLOCKS: dict[BlockKind, type[Block]] = {
     "parallel": ParallelBlock,
     "parallel2": ParallelBlock,
     "post_ln": PostLNBlock,
+    "mixer_only": MixerOnlyBlock,
 }
+
+
+def make_attention(cfg: ModelConfig, spec: LayerSpec, attention: type | None = None) -> nn.Module:
+    """The attention of a layer that attends: `attention` (mla.LatentAttention) or GQA in
+    the projection layout the config asks (fused, gated)."""
+    attn = attention or (FusedAttention if cfg.fused_proj else GatedAttention
+                         if cfg.attention_gate else Attention)
+    return attn(cfg, spec)
+
+
+def make_ffn(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
+    """The layer's feed-forward: its MLP in the config's layout, or the mixture of experts
+    (with such MLPs as shared experts) where the spec says `moe`."""
+    mlp = (PlainMLP if cfg.mlp == "plain" else FusedMLP if cfg.fused_proj or cfg.mlp == "fused"
+           else MLP)
+    return MoE(cfg, ACTIVATIONS[cfg.activation], mlp) if spec.moe else mlp(cfg)
+
+
+def make_mixer(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
+    """The recurrent token mixer of a layer that does not attend."""
+    assert spec.mixer is not None and cfg.mixer is not None
+    return MIXERS[spec.mixer](cfg.mixer, cfg.hidden_size)
 
 
 def make_block(cfg: ModelConfig, spec: LayerSpec, attention: type | None = None) -> Block:

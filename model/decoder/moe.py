@@ -169,18 +169,12 @@ def clamped_swiglu(alpha: float, limit: float) -> Any:
     return glu
 
 
-class SwitchGLU(nn.Module):
-    """All experts' gated MLPs, down(act(gate(x)) · up(x)), for the chosen (token, expert)
-    pairs only; `glu(gate, up)` replaces act(gate) · up where a family differs."""
+class _SwitchExperts(nn.Module):
+    """What both expert kinds share: run `mlp(x, expert indices, sorted)` for the chosen
+    (token, expert) pairs only."""
 
-    def __init__(self, hidden: int, size: int, experts: int, act: Any, bias: bool = False,
-                 glu: Any = None):
-        super().__init__()
-        self.gate_proj = SwitchLinear(hidden, size, experts, bias)
-        self.up_proj = SwitchLinear(hidden, size, experts, bias)
-        self.down_proj = SwitchLinear(size, hidden, experts, bias)
-        self.act = act
-        self._glu = glu
+    def _mlp(self, x: mx.array, idx: mx.array, sort: bool) -> mx.array:
+        raise NotImplementedError
 
     def __call__(self, x: mx.array, idx: mx.array) -> mx.array:
         """x (..., hidden), or (..., k, hidden) with one input per chosen expert (Llama 4),
@@ -199,13 +193,42 @@ class SwitchGLU(nn.Module):
             x, gidx = x.flatten(0, -3)[rows], flat[order]
         else:
             gidx = idx
-        sort = order is not None
-        gate, up = self.gate_proj(x, gidx, sort), self.up_proj(x, gidx, sort)
-        h = self._glu(gate, up) if self._glu is not None else self.act(gate) * up
-        y = self.down_proj(h, gidx, sort)
+        y = self._mlp(x, gidx, order is not None)
         if order is not None:
             y = mx.unflatten(y[mx.argsort(order)], 0, idx.shape)
         return y.squeeze(-2)
+
+
+class SwitchGLU(_SwitchExperts):
+    """All experts' gated MLPs, down(act(gate(x)) · up(x)); `glu(gate, up)` replaces
+    act(gate) · up where a family differs."""
+
+    def __init__(self, hidden: int, size: int, experts: int, act: Any, bias: bool = False,
+                 glu: Any = None):
+        super().__init__()
+        self.gate_proj = SwitchLinear(hidden, size, experts, bias)
+        self.up_proj = SwitchLinear(hidden, size, experts, bias)
+        self.down_proj = SwitchLinear(size, hidden, experts, bias)
+        self.act = act
+        self._glu = glu
+
+    def _mlp(self, x: mx.array, idx: mx.array, sort: bool) -> mx.array:
+        gate, up = self.gate_proj(x, idx, sort), self.up_proj(x, idx, sort)
+        h = self._glu(gate, up) if self._glu is not None else self.act(gate) * up
+        return self.down_proj(h, idx, sort)
+
+
+class SwitchMLP(_SwitchExperts):
+    """All experts' ungated MLPs, down(act(up(x))) (Nemotron-H's relu² experts)."""
+
+    def __init__(self, hidden: int, size: int, experts: int, act: Any, bias: bool = False):
+        super().__init__()
+        self.up_proj = SwitchLinear(hidden, size, experts, bias)
+        self.down_proj = SwitchLinear(size, hidden, experts, bias)
+        self.act = act
+
+    def _mlp(self, x: mx.array, idx: mx.array, sort: bool) -> mx.array:
+        return self.down_proj(self.act(self.up_proj(x, idx, sort)), idx, sort)
 
 
 class MoE(nn.Module):
@@ -219,8 +242,14 @@ class MoE(nn.Module):
         self.gate = (BiasedGate(cfg.hidden_size, moe.experts) if moe.correction_bias
                      else nn.Linear(cfg.hidden_size, moe.experts, bias=moe.router_bias))
         glu = clamped_swiglu(*moe.clamped_swiglu) if moe.clamped_swiglu else None
-        self.switch_mlp = SwitchGLU(cfg.hidden_size, moe.expert_size, moe.experts, act,
-                                    cfg.mlp_bias or moe.expert_bias, glu)
+        width = moe.latent or cfg.hidden_size  # what the experts read and write
+        bias = cfg.mlp_bias or moe.expert_bias
+        self.switch_mlp = (SwitchGLU(width, moe.expert_size, moe.experts, act, bias, glu)
+                           if moe.gated else SwitchMLP(width, moe.expert_size, moe.experts, act,
+                                                       bias))
+        if moe.latent:  # Nemotron-H: into the experts' latent width and back
+            self.fc1_latent_proj = nn.Linear(cfg.hidden_size, moe.latent, bias=cfg.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(moe.latent, cfg.hidden_size, bias=cfg.mlp_bias)
         if moe.shared_size and moe.shared_gate:  # Qwen2-MoE
             self.shared_expert = dense_mlp(cfg, moe.shared_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
@@ -230,10 +259,13 @@ class MoE(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         idx, w = route(self.gate(x), self.moe, self.gate.get("e_score_correction_bias"))
         w = w[..., None].astype(x.dtype)
+        h = self.fc1_latent_proj(x) if "fc1_latent_proj" in self else x
         if self.moe.scale_inputs:  # Llama 4: the weight scales what each expert reads
-            y = self.switch_mlp(mx.expand_dims(x, -2) * w, idx).sum(axis=-2)
+            y = self.switch_mlp(mx.expand_dims(h, -2) * w, idx).sum(axis=-2)
         else:
-            y = (self.switch_mlp(x, idx) * w).sum(axis=-2)
+            y = (self.switch_mlp(h, idx) * w).sum(axis=-2)
+        if "fc2_latent_proj" in self:
+            y = self.fc2_latent_proj(y)
         if "shared_expert" in self:
             y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif "shared_experts" in self:

@@ -47,7 +47,9 @@ def layer_masks(
         key = mask_key(spec)
         if key in masks:
             continue
-        if cache is not None and hasattr(cache[j], "make_mask"):
+        if not spec.attends:  # a recurrent layer: causal by construction
+            masks[key] = None
+        elif cache is not None and hasattr(cache[j], "make_mask"):
             # return_array named: mlx-lm's caches require it (their helper always passes it)
             masks[key] = cache[j].make_mask(T, window_size=w, return_array=False)
         elif spec.chunk is not None and T > 1:  # the query's own chunk only
@@ -60,9 +62,9 @@ def layer_masks(
     return masks
 
 
-def mask_key(spec: LayerSpec) -> tuple[int | None, int | None]:
-    """Layers with the same window and chunk share one mask."""
-    return spec.window, spec.chunk
+def mask_key(spec: LayerSpec) -> tuple[int | None, int | None, bool]:
+    """Attention layers with the same window and chunk share one mask."""
+    return spec.window, spec.chunk, spec.attends
 
 
 class Transformer(nn.Module):

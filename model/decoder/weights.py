@@ -35,6 +35,11 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # a multimodal checkpoint's language model, as transformers 5 and mlx-vlm name it
 WRAPPED_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                     ("language_model.lm_head.", "lm_head."))
+# what a wrapper's language model holds, once renamed (transformer.DecoderModel's parts and
+# the head); everything else in its folder (a vision tower under model.visual., a
+# projector) is left out
+LANGUAGE_MODEL_PREFIXES = ("model.embed_tokens.", "model.embed_positions.", "model.layers.",
+                           "model.norm.", "lm_head.")
 
 
 def rename(cfg: ModelConfig, name: str) -> str:
@@ -44,7 +49,8 @@ def rename(cfg: ModelConfig, name: str) -> str:
         for old, new in WRAPPED_PREFIXES:
             if name.startswith(old):
                 name = new + name[len(old):]
-    for old, new in FAMILIES[cfg.model_type].renames:
+    fam = FAMILIES[cfg.model_type]
+    for old, new in (*(fam.dense_renames if cfg.moe is None else ()), *fam.renames):
         name = name.replace(old, new)
     return name
 
@@ -54,16 +60,26 @@ def our_names(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.ar
     per-expert tensors stacked into mlx-community's `switch_mlp` layout."""
     weights = {rename(cfg, k): v for k, v in weights.items()}
     if cfg.wrapper is not None:  # the vision tower and projector are not loaded
-        weights = {k: v for k, v in weights.items() if k.startswith(("model.", "lm_head."))}
+        weights = {k: v for k, v in weights.items() if k.startswith(LANGUAGE_MODEL_PREFIXES)}
     for k in [k for k in weights if k.endswith(".e_score_correction_bias")]:
         weights[k] = weights[k].reshape(-1)  # ERNIE stores it as (1, experts)
     if cfg.mla is not None:
         weights = split_kv_b(cfg, weights)
     weights = _split_fused_qkv(cfg, weights)
+    weights = {k: _conv_layout(k, v) for k, v in weights.items()}
     if cfg.moe is None:
         return weights
     fused = FAMILIES[cfg.model_type].moe.fused_experts  # type: ignore[union-attr]
     return split_gate_up(stack_experts(unfuse_experts(weights, fused, cfg.moe.experts)))
+
+
+def _conv_layout(name: str, w: mx.array) -> mx.array:
+    """A recurrent mixer's depthwise convolution (conv.CausalConv1d) as MLX stores it,
+    (channels, K, 1): transformers saves (channels, 1, K); mlx-community's files are
+    already in MLX's layout."""
+    if name.endswith((".conv1d.weight", ".conv.weight")) and w.ndim == 3 and w.shape[-1] != 1:
+        return w.swapaxes(1, 2)
+    return w
 
 
 def conv1d_weight(cfg: ModelConfig, name: str) -> bool:

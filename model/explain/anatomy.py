@@ -44,7 +44,7 @@ CONTEXTS_70B = (8192, 131072)
 RECENT = 64  # the attention view's "last 64 tokens" (model/explain/attention_view.py)
 
 ATTENTION_NAMES = {"MHA": "multi-head", "GQA": "grouped-query", "MQA": "multi-query",
-                   "MLA": "multi-head latent"}
+                   "MLA": "multi-head latent", "none": "none (every layer recurrent)"}
 NORM_NAMES = {  # families.NormKind -> (name, gain)
     "rms": ("RMSNorm", "w"), "rms_noparam": ("RMSNorm without a gain", "none"),
     "offset": ("offset RMSNorm", "(1 + w)"), "layer": ("LayerNorm", "w, bias b"),
@@ -225,6 +225,11 @@ DIFFERENCES: tuple[tuple[Callable[[ModelConfig], bool], Callable[[ModelConfig], 
                f" of {len(c.layers)} layers"),
     (lambda c: c.positions == "rope" and any(s.rope is None for s in c.layers),
      lambda c: f"no RoPE (NoPE) on {sum(s.rope is None for s in c.layers)} layers"),
+    (lambda c: c.recurrent_layers > 0,
+     lambda c: f"recurrent layers: {c.recurrent_layers} of {len(c.layers)} keep a fixed-size"
+               f" state ({', '.join(sorted({s.mixer for s in c.layers if s.mixer}))})"
+               " instead of K/V"),
+    (lambda c: c.positions == "none", lambda c: "no positions at all: attention without RoPE"),
     (lambda c: c.rope.type != "default", lambda c: f"{c.rope.type} RoPE scaling"),
     (lambda c: c.rope.partial_rotary_factor < 1,
      lambda c: f"partial rotary: {c.rope.rotary_dims(c.head_dim)} of {c.head_dim} dims"),
@@ -237,6 +242,7 @@ PIPELINES = {
     "post_ln": ["x + sinusoid", "attention", "+", "LayerNorm", "FFN", "+", "LayerNorm"],
     "parallel": ["x", "norm", "RoPE", "attention ∥ FFN", "+"],
     "parallel2": ["x", "norm ∥ norm", "RoPE", "attention ∥ FFN", "+"],
+    "mixer_only": ["x", "norm", "mixer", "+"],
 }
 PLACEMENTS = {
     "pre": "pre-norm: normed on the way into each branch, the residual stays un-normed",
@@ -245,6 +251,8 @@ PLACEMENTS = {
     "post_ln": "post-LN (2017): the residual sum itself is normed after each branch",
     "parallel": "parallel: attention and FFN read the same normed input, both added at once",
     "parallel2": "parallel: attention and FFN each read their own norm of x, added at once",
+    "mixer_only": "one branch per layer: x + mixer(norm(x)), the mixer recurrent (Mamba),"
+                  " attention or a feed-forward",
 }
 
 

@@ -145,7 +145,7 @@ TURN_FIELDS = ("prompt_tokens", "cached_tokens", "prefill_tps", "ttft_s", "gener
 CACHE_FIELDS = ("cache_offset", "cache_tokens", "cache_capacity", "cache_bytes", "mha_bytes",
                 "gqa_saving", "evicted_tokens", "keep", "wrapped", "sliding_layers",
                 "sliding_bytes", "window_saving", "kv_bits", "kv_group_size", "float_bytes",
-                "kv_saving")
+                "kv_saving", "state_bytes", "state_layers")
 
 
 # the annotations of TurnStats' numeric fields (strings: `from __future__ import annotations`)

@@ -23,7 +23,9 @@ proxies with the caches' own duck-typed interface (`offset`, `update_and_fetch`,
 it, `commit_one` hands each cache its new buffers. A cache kind without these methods
 runs the plain (uncompiled) step. A quantized cache's buffers travel as their parts
 (packed, scales, biases) and its layout (bits, group) is in `slot_layout`: the trace
-quantizes the new token's row and writes each part with `slice_update`.
+quantizes the new token's row and writes each part with `slice_update`. A recurrent
+layer's state (model/cache/state.py, layout "state") travels as its conv and recurrent
+arrays, which the mixer replaces whole; a layer without a token mixer ("pass") as nothing.
 """
 
 from __future__ import annotations
@@ -81,12 +83,34 @@ class Progress:
 # ---- which caches the compiled step can drive -------------------------------------------
 def _steppable(cache: Any) -> bool:
     """A cache that plans its own single-token writes (slot_layout / next_slot /
-    commit_one: model/cache/kv.py's KVCache and RotatingKVCache) and holds concrete buffers."""
-    return (
-        getattr(cache, "keys", None) is not None
-        and not isinstance(cache.offset, mx.array)
-        and all(hasattr(cache, m) for m in ("slot_layout", "next_slot", "commit_one"))
-    )
+    commit_one: model/cache/kv.py's KVCache and RotatingKVCache, state.py's caches) and
+    holds concrete buffers (a state: after its first token)."""
+    if isinstance(cache.offset, mx.array) or not all(
+            hasattr(cache, m) for m in ("slot_layout", "next_slot", "commit_one")):
+        return False
+    if hasattr(cache, "keys"):  # K/V: its buffers exist once a token is in
+        return cache.keys is not None
+    static = cache.slot_layout()
+    return static[0] == "pass" or static[1] > 0
+
+
+def _arrays(cache: Any, static: tuple[Any, ...]) -> list[mx.array]:
+    """What a cache hands the trace: K then V (each buffer's parts), or a state's arrays."""
+    if static[0] == "pass":
+        return []
+    if static[0] == "state":
+        return [a for a in (cache.conv, cache.recurrent) if a is not None]
+    if getattr(cache, "keys", None) is None:
+        return []
+    return [*parts(cache.keys), *parts(cache.values)]
+
+
+def _n_arrays(static: tuple[Any, ...]) -> int:
+    if static[0] == "pass":
+        return 0
+    if static[0] == "state":
+        return static[1]
+    return 2 * _n_parts(static)
 
 
 # ---- trace side -------------------------------------------------------------------------
@@ -149,6 +173,24 @@ class _TracedCache:
         return self._masks[key]
 
 
+class _TracedState:
+    """Stands in for a recurrent layer's state inside the trace (state.py's protocol)."""
+
+    def __init__(self, row: mx.array, arrays: Sequence[mx.array]):
+        self.offset = row[0]
+        self.conv = arrays[0]
+        self.recurrent = arrays[1] if len(arrays) > 1 else None
+
+    def update(self, tokens: int, conv: mx.array, recurrent: mx.array | None = None) -> None:
+        self.conv, self.recurrent = conv, recurrent
+
+    def advance(self, tokens: int) -> None:
+        """A layer without a token mixer (state.PassCache): nothing to carry."""
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.conv, self.recurrent) if a is not None]
+
+
 def _n_parts(static: tuple[Any, ...]) -> int:
     """Arrays per K or V buffer of a cache with this layout: 1 float, 3 quantized."""
     return 1 if static[1] is None else 3
@@ -182,18 +224,28 @@ class CompiledStep:
         def step(y: mx.array, rows: mx.array, *buffers: mx.array) -> list[mx.array]:
             masks: dict[Any, mx.array] = {}
             group_rows = [rows[g] for g in range(rows.shape[0])]
-            proxies, at = [], 0
+            proxies: list[Any] = []
+            at = 0
             for i, static in enumerate(layout):
+                row = group_rows[groups[i]]
+                if static[0] in ("state", "pass"):
+                    n = _n_arrays(static)
+                    proxies.append(_TracedState(row, buffers[at : at + n]) if n else
+                                   _TracedState(row, [None]))
+                    at += n
+                    continue
                 n = _n_parts(static)
                 keys = _unflatten(n, buffers[at : at + n])
                 values = _unflatten(n, buffers[at + n : at + 2 * n])
                 at += 2 * n
-                proxies.append(_TracedCache(static, group_rows[groups[i]], keys, values, masks,
-                                            views[i]))
+                proxies.append(_TracedCache(static, row, keys, values, masks, views[i]))
             logits = model(y[None], cache=proxies)[:, -1, :]
             out = [logits]
-            for p in proxies:
-                out += [*parts(p.keys), *parts(p.values)]
+            for p, static in zip(proxies, layout, strict=True):
+                if static[0] == "state":
+                    out += p.arrays()
+                elif static[0] != "pass":
+                    out += [*parts(p.keys), *parts(p.values)]
             return out
 
         return mx.compile(step)
@@ -204,13 +256,14 @@ class CompiledStep:
         groups, buffers, views = [], [], []
         for c, static in zip(self.caches, self.layout, strict=True):
             r = list(c.next_slot())
-            views.append(view_slots(r[2], slots(c.keys)))
+            kv = static[0] not in ("state", "pass")
+            views.append(view_slots(r[2], slots(c.keys)) if kv else 0)
             key = (*static, *r)
             g = index.setdefault(key, len(rows))
             if g == len(rows):
                 rows.append(r)
             groups.append(g)
-            buffers += [*parts(c.keys), *parts(c.values)]
+            buffers += _arrays(c, static)
         layout = self.layout
         # the kernel backend can be switched at run time: a trace keeps the one it saw
         fkey = (layout, tuple(groups), tuple(views), metal_kernels.backend())
@@ -224,6 +277,11 @@ class CompiledStep:
         del buffers
         at = 1
         for c, static in zip(self.caches, layout, strict=True):
+            if static[0] in ("state", "pass"):
+                n = _n_arrays(static)
+                c.commit_one(*out[at : at + n])
+                at += n
+                continue
             n = _n_parts(static)
             c.commit_one(_unflatten(n, out[at : at + n]), _unflatten(n, out[at + n : at + 2 * n]))
             at += 2 * n

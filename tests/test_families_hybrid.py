@@ -1,0 +1,416 @@
+"""The families with recurrent layers (state-space models and hybrids) against transformers
+on fresh random tiny checkpoints, with test_families.py's builders: logits of a 40-token
+sequence whole, token by token and in two prefill chunks through our caches (a state
+carried across calls), 20 greedy tokens through the cache (compiled step and plain)
+against transformers' `generate`, and the same 4-bit (quantized linear layers kept
+quantized) against transformers on the dequantized weights. Both config spellings where
+transformers reads two. Tolerance: max |ours − ref| ≤ 1e-4 · max(1, max |ref|).
+
+One fixture per block kind runs by default (Mamba's selective scan, Mamba-2's SSD, the
+gated delta rule, LFM2's short convolution); the other families are marked slow.
+
+Beside them: the layer kinds each spelling gives, the prompt forms across several blocks,
+the state caches (kind per layer, bytes constant as tokens grow, reported apart from K/V,
+no trimming), the server's prefix pool, an engine conversation that reuses the state or
+prefills again when it cannot go back, `kvchat inspect` and `kvchat explain`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from kvchat.model import load_model
+from kvchat.model.cache.kv import cache_stats, can_trim_to, layer_stats, make_prompt_cache
+from kvchat.model.cache.state import StateCache, StateError
+
+from .test_families import IDS, SEQ, FamilySpec, _quantize_here, build, hf_logits, rel_err
+
+# the keys every tiny checkpoint shares (the config classes here read no _BASE of their own)
+_TOKENS: dict[str, Any] = {"vocab_size": 256, "bos_token_id": 1, "eos_token_id": 2,
+                           "pad_token_id": 0}
+_MAMBA: dict[str, Any] = {**_TOKENS, "hidden_size": 64, "num_hidden_layers": 2,
+                          "state_size": 8}
+# chunk 16: the 40-token prompt runs three SSD chunks, the last one partial
+_MAMBA2: dict[str, Any] = {**_TOKENS, "hidden_size": 64, "num_hidden_layers": 2,
+                           "state_size": 16, "num_heads": 8, "head_dim": 16, "n_groups": 2,
+                           "chunk_size": 16}
+
+_BAMBA: dict[str, Any] = {"num_hidden_layers": 3, "attn_layer_indices": [1], "mamba_n_heads": 8,
+                          "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 16,
+                          "mamba_chunk_size": 16}
+# gated delta rule: 2 key heads of 16 shared by 4 value heads of 16
+_DELTA: dict[str, Any] = {"linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                          "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                          "num_hidden_layers": 3, "head_dim": 16,
+                          "layer_types": ["linear_attention", "full_attention", "linear_attention"]}
+_DELTA_MOE: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2,
+                              "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
+_QWEN3_NEXT: dict[str, Any] = {**_DELTA, **_DELTA_MOE, "norm_topk_prob": True}
+# Granite 4: Bamba's mixers with Granite's multipliers (they bite), 4 experts beside the
+# fused shared MLP; NoPE unless position_embedding_type is "rope"
+_GRANITE4: dict[str, Any] = {
+    **{k: v for k, v in _BAMBA.items() if k != "attn_layer_indices"},
+    "layer_types": ["mamba", "attention", "mamba"], "num_local_experts": 4,
+    "num_experts_per_tok": 2, "shared_intermediate_size": 48, "embedding_multiplier": 12.0,
+    "attention_multiplier": 0.05, "residual_multiplier": 0.22, "logits_scaling": 8.0}
+# short convolutions (3 taps) around one attention layer; the MLP size adjusted (⅔ × 1.5,
+# rounded to 16: 96)
+_LFM2: dict[str, Any] = {"num_hidden_layers": 3, "full_attn_idxs": [1], "head_dim": 16,
+                         "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.5}
+# Nemotron-H: Mamba-2, attention (no positions), relu² MLP, ungated experts (DeepSeek-V3's
+# router, 2 groups, correction bias random) with an ungated shared expert
+_NEMOTRON_H: dict[str, Any] = {
+    **_TOKENS, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+    "layers_block_type": ["mamba", "attention", "mlp", "moe"], "mamba_num_heads": 8,
+    "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "chunk_size": 16,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32, "n_group": 2, "topk_group": 1,
+    "routed_scaling_factor": 1.5}
+_LFM2_MOE: dict[str, Any] = {
+    "num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "num_experts": 4,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_dense_layers": 1,
+    "routed_scaling_factor": 1.5}
+
+HYBRID_SPECS: dict[str, FamilySpec] = {
+    # the selective scan (time_step_rank "auto": 4), tied head
+    "mamba": FamilySpec("MambaForCausalLM", _MAMBA, own_keys=True, seed=90),
+    # B, C and Δ RMS-normed; untied head
+    "falcon_mamba": FamilySpec("FalconMambaForCausalLM", {
+        **_MAMBA, "tie_word_embeddings": False}, own_keys=True, seed=91),
+    # SSD: 8 heads of 16 in 2 groups, the gated norm per group
+    "mamba2": FamilySpec("Mamba2ForCausalLM", _MAMBA2, own_keys=True, seed=92),
+    # Mamba-2, attention (partial rotary ½), Mamba-2; in both RoPE spellings
+    "bamba": FamilySpec("BambaForCausalLM", _BAMBA, seed=93),
+    "bamba_classic": FamilySpec("BambaForCausalLM", _BAMBA, rope_form="classic", seed=93),
+    # delta rule, gated attention (offset q/k norms, partial rotary ¼), delta rule; MoE
+    # with a gated shared expert on every layer
+    "qwen3_next": FamilySpec("Qwen3NextForCausalLM", _QWEN3_NEXT, seed=94),
+    "qwen3_next_classic": FamilySpec("Qwen3NextForCausalLM", _QWEN3_NEXT, rope_form="classic",
+                                     seed=94),
+    # Qwen3.5's language model: four input projections; dense, MoE, and inside the
+    # multimodal checkpoint (the vision tower is left out)
+    "qwen3_5_text": FamilySpec("Qwen3_5ForCausalLM", _DELTA, config_class="Qwen3_5TextConfig",
+                               seed=95),
+    "qwen3_5_moe_text": FamilySpec("Qwen3_5MoeForCausalLM", {**_DELTA, **_DELTA_MOE},
+                                   config_class="Qwen3_5MoeTextConfig", seed=96),
+    "qwen3_5": FamilySpec("Qwen3_5ForConditionalGeneration", {
+        "text_config": _DELTA, "vision_config": {
+            "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+            "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
+            "temporal_patch_size": 2}}, seed=97),
+    "granitemoehybrid": FamilySpec("GraniteMoeHybridForCausalLM", _GRANITE4, seed=100),
+    "granitemoehybrid_rope": FamilySpec("GraniteMoeHybridForCausalLM", {
+        **_GRANITE4, "position_embedding_type": "rope"}, seed=101),
+    "granitemoehybrid_rope_classic": FamilySpec("GraniteMoeHybridForCausalLM", {
+        **_GRANITE4, "position_embedding_type": "rope"}, rope_form="classic", seed=101),
+    # 0 experts: the shared MLP alone is each layer's MLP (Granite-4.0-H-Micro)
+    "granitemoehybrid_dense": FamilySpec("GraniteMoeHybridForCausalLM", {
+        **_GRANITE4, "num_local_experts": 0}, seed=102),
+    "nemotron_h": FamilySpec("NemotronHForCausalLM", _NEMOTRON_H, own_keys=True, seed=103),
+    # the classic config: hybrid_override_pattern "M*-E" and num_hidden_layers
+    "nemotron_h_classic": FamilySpec("NemotronHForCausalLM", _NEMOTRON_H, own_keys=True,
+                                     seed=103),
+    # the experts read a 32-wide projection of the hidden state (moe_latent_size)
+    "nemotron_h_latent": FamilySpec("NemotronHForCausalLM", {
+        **_NEMOTRON_H, "moe_latent_size": 32}, own_keys=True, seed=104),
+    "lfm2": FamilySpec("Lfm2ForCausalLM", _LFM2, seed=98),
+    "lfm2_classic": FamilySpec("Lfm2ForCausalLM", _LFM2, rope_form="classic", seed=98),
+    # a sigmoid router whose expert_bias (set by the test: transformers' init is 0) picks
+    # experts without weighing them; layer 0 dense
+    "lfm2_moe": FamilySpec("Lfm2MoeForCausalLM", _LFM2_MOE, seed=99),
+}
+# one fixture per block kind runs by default; the rest are slow
+FAST = {"mamba", "mamba2", "qwen3_next", "lfm2"}
+NAMES = [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in HYBRID_SPECS]
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build(HYBRID_SPECS[name], tmp_path_factory.mktemp(f"hyb_{name}"))
+            _random_buffers(built[name])
+            if name in CLASSIC_CONFIGS:
+                path = built[name] / "config.json"
+                path.write_text(json.dumps(CLASSIC_CONFIGS[name](json.loads(path.read_text()))))
+        return built[name]
+
+    return get
+
+
+def _pattern_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Nemotron-H's config as the released checkpoints spell it: the layers as
+    hybrid_override_pattern (M Mamba-2, * attention, - MLP, E experts), num_hidden_layers."""
+    marks = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+    kinds = cfg.pop("layers_block_type")
+    return {**cfg, "hybrid_override_pattern": "".join(marks[k] for k in kinds),
+            "num_hidden_layers": len(kinds)}
+
+
+# a fixture's config.json rewritten the way older checkpoints spell it (transformers reads
+# both; the weights are those of the same seed)
+CLASSIC_CONFIGS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "nemotron_h_classic": _pattern_config,
+}
+
+
+def _random_buffers(folder: Path) -> None:
+    """Tensors transformers initialises to zero and never randomises (LFM2-MoE's
+    expert_bias, the correction bias of Nemotron-H's router; buffers): random here, so
+    that a bias which picks other experts shows."""
+    from safetensors.numpy import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    rng = np.random.default_rng(7)
+    names = [k for k in tensors if k.endswith((".expert_bias", ".e_score_correction_bias"))]
+    for k in names:
+        tensors[k] = rng.normal(0, 0.3, tensors[k].shape).astype(tensors[k].dtype)
+    if names:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _ours(folder: Path, **load: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Our logits: whole, token by token, and prefilled in two chunks (17 + 23)."""
+    model = load_model(folder, **load)
+    whole = np.array(model(mx.array(IDS)))
+    cache = make_prompt_cache(model)
+    step = [model(mx.array(IDS[:, t : t + 1]), cache=cache) for t in range(SEQ)]
+    cache = make_prompt_cache(model)
+    chunks = [model(mx.array(IDS[:, :17]), cache=cache), model(mx.array(IDS[:, 17:]), cache=cache)]
+    return whole, np.array(mx.concatenate(step, axis=1)), np.array(mx.concatenate(chunks, axis=1))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hybrid_matches_transformers(name: str, hybrid: Callable[[str], Path]) -> None:
+    ref = hf_logits(hybrid(name))
+    whole, step, chunks = (rel_err(x, ref) for x in _ours(hybrid(name)))
+    print(f"\n{name}: ours vs transformers, whole {whole:.1e}, token by token {step:.1e},"
+          f" two chunks {chunks:.1e}")
+    assert whole <= 1e-4 and step <= 1e-4 and chunks <= 1e-4
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hybrid_greedy_tokens_through_the_cache(name: str, hybrid: Callable[[str], Path]) -> None:
+    """20 greedy tokens: prefill in the parallel form, then the one-token recurrence in the
+    compiled step (and in the plain one), against transformers' own greedy decode through
+    its cache."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from kvchat.model.runtime.generate import Progress, generate_step
+
+    folder = hybrid(name)
+    model = load_model(folder)
+    prompt = [int(x) for x in IDS[0, :8]]
+    runs = []
+    for compiled in (True, False):  # the compiled step carries the states as the plain one
+        prog = Progress()
+        runs.append(list(generate_step(model, prompt, make_prompt_cache(model), max_tokens=20,
+                                       compiled=compiled, progress=prog)))
+        assert prog.compiled == compiled
+    ours = runs[0]
+    assert runs[0] == runs[1]
+    arch = json.loads((folder / "config.json").read_text())["architectures"][0]
+    hf_class = getattr(transformers, arch) if "ForConditionalGeneration" in arch else (
+        AutoModelForCausalLM)  # a multimodal checkpoint: its own class, on text alone
+    hf = hf_class.from_pretrained(str(folder), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # as ours: no stop, and eos not suppressed
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                          min_new_tokens=20)[0, len(prompt):].tolist()
+    assert ours == ref
+
+
+@pytest.mark.parametrize("name", [  # not a classic twin: the same weights
+    n for n in NAMES if HYBRID_SPECS[name := getattr(n, "values", [n])[0]].rope_form
+    == "parameters" and name not in CLASSIC_CONFIGS])
+def test_hybrid_4bit_matches_transformers_on_dequantized(
+    name: str, hybrid: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """The linear layers 4-bit (group 64, the test's own quantizer), kept quantized on
+    load, against transformers on the same weights dequantized."""
+    q4, deq = tmp_path / "q4", tmp_path / "deq"
+    _quantize_here(hybrid(name), q4, deq)
+    model = load_model(q4, dequantize=False)
+    assert model.quantization["bits"] == 4 and not model.dequantized
+    quantized = {int(k.split(".")[2]) for k, _ in tree_flatten(model.parameters())
+                 if k.startswith("model.layers.") and k.endswith(".scales")}
+    assert quantized == set(range(model.config.num_hidden_layers))  # every layer has some
+    ref = hf_logits(deq)
+    whole, step, chunks = (rel_err(x, ref) for x in _ours(q4, dequantize=False))
+    print(f"\n{name} 4-bit: ours vs transformers (dequantized), whole {whole:.1e},"
+          f" token by token {step:.1e}, two chunks {chunks:.1e}")
+    assert whole <= 1e-4 and step <= 1e-4 and chunks <= 1e-4
+
+
+@pytest.mark.parametrize(("family", "types", "kinds"), [
+    ("granitemoehybrid", ["mamba", "attention"], "RA"),  # Granite 4's own spelling
+    ("lfm2", ["conv", "full_attention"], "RA"),
+    ("bamba", None, "RAR"),  # attn_layer_indices [1]
+    ("qwen3_next", None, "RRRA"),  # every 4th layer attends
+    ("nemotron_h", ["mamba", "attention", "mlp", "moe"], "RAFF"),
+])
+def test_layer_kinds_from_each_spelling(family: str, types: list[str] | None,
+                                        kinds: str) -> None:
+    """R: a recurrent mixer, A: attention, F: the feed-forward alone (Nemotron-H)."""
+    from kvchat.model.decoder.config import ModelConfig
+
+    raw = {"model_type": family, "hidden_size": 64, "num_attention_heads": 4,
+           "num_hidden_layers": len(kinds), "intermediate_size": 96, "vocab_size": 256,
+           "layer_types": types, "attn_layer_indices": [1], "mamba_n_heads": 8,
+           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+           "linear_value_head_dim": 16, "num_experts": 4, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    cfg = ModelConfig.from_dict({k: v for k, v in raw.items() if v is not None})
+    assert "".join("R" if s.mixer else "A" if s.attends else "F" for s in cfg.layers) == kinds
+    assert all(s.rope is None for s in cfg.layers if not s.attends)
+    if family == "nemotron_h":  # only its "moe" layer is the mixture of experts
+        assert [s.moe for s in cfg.layers] == [False, False, False, True]
+
+
+def test_prompt_forms_cross_their_block_boundaries(
+    hybrid: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 40-token prompt in blocks of 8 (Mamba's parallel scan) and chunks of 16 (the
+    delta rule; Mamba-2's fixture already has chunk 16): several blocks in one call, the
+    state carried between them, still exact."""
+    from kvchat.model.decoder import delta, ssm
+
+    monkeypatch.setattr(ssm, "SCAN_BLOCK", 8)
+    monkeypatch.setattr(delta, "CHUNK", 16)
+    for name in ("mamba", "qwen3_next"):
+        whole = np.array(load_model(hybrid(name))(mx.array(IDS)))
+        assert rel_err(whole, hf_logits(hybrid(name))) <= 1e-4, name
+
+
+# ---- the state caches ----------------------------------------------------------------------
+def test_state_cache_is_constant_and_reported_apart(hybrid: Callable[[str], Path]) -> None:
+    """Mamba-2's layers each hold a conv state (K − 1) × (inner + 2·groups·N) and a
+    recurrent state heads × head_dim × N (float32), the same after 8 tokens as after 40;
+    no K/V bytes; cache_stats counts them as state."""
+    model = load_model(hybrid("mamba2"))
+    cache = make_prompt_cache(model)
+    assert all(isinstance(c, StateCache) for c in cache)
+    per_layer = (3 * (128 + 2 * 2 * 16) + 8 * 16 * 16) * 4
+    seen = []
+    for n in (8, 40):
+        cache = make_prompt_cache(model)
+        model(mx.array(IDS[:, :n]), cache=cache)
+        s = cache_stats(cache, model.config)
+        seen.append(s.state_bytes)
+        assert s.state_layers == 2 and s.cache_bytes == 0 and s.cache_offset == n
+        assert sum(c.nbytes for c in cache) == s.state_bytes
+        rows = layer_stats(cache, model.config)
+        assert [r["attention"] for r in rows] == ["mamba2", "mamba2"]
+        assert [r["state_bytes"] for r in rows] == [per_layer, per_layer]
+    assert seen == [2 * per_layer, 2 * per_layer]
+
+
+def test_state_cache_refuses_to_go_back(hybrid: Callable[[str], Path]) -> None:
+    model = load_model(hybrid("mamba"))
+    cache = make_prompt_cache(model)
+    model(mx.array(IDS[:, :10]), cache=cache)
+    assert not cache[0].is_trimmable()
+    assert can_trim_to(cache, 10) and not can_trim_to(cache, 9)
+    assert cache[0].trim(0) == 0
+    with pytest.raises(StateError, match="cannot drop its last 3 tokens"):
+        cache[0].trim(3)
+    clone = StateCache.from_state(cache[0].state)
+    assert clone.offset == 10 and clone.nbytes == cache[0].nbytes
+
+
+def test_prefix_pool_offers_a_state_only_where_it_extends(hybrid: Callable[[str], Path]) -> None:
+    """The server's pool of idle caches: a Mamba cache serves a prompt that extends what
+    it holds, never one that branches inside it (its state cannot go back there)."""
+    from kvchat.model.cache.prefix_pool import PrefixPool
+
+    model = load_model(hybrid("mamba"))
+    held = [int(x) for x in IDS[0, :10]]
+    cache = make_prompt_cache(model)
+    model(mx.array([held]), cache=cache)
+    pool = PrefixPool(budget_bytes=10**9)
+    pool.put(held, cache, ("k",))
+    assert pool.take(held[:6] + [3, 4], ("k",)) is None  # a branch after 6 tokens
+    assert pool.stats()["misses"] == 1 and pool.stats()["entries"] == 1
+    ids, got = pool.take(held + [5], ("k",))
+    assert ids == held and got is cache and pool.stats()["reused_tokens"] == 10
+
+
+def test_engine_turns_prefill_again_when_the_state_cannot_go_back(
+    hybrid: Callable[[str], Path]
+) -> None:
+    """Two turns on a tiny Mamba through the engine: the second extends the first (its
+    state is reused as is); a third goes back into the conversation, which a state cannot
+    do, so it is prefilled again and says why. Every reply equals a fresh engine's on
+    the whole conversation."""
+    from kvchat.model.runtime.client import EngineClient
+    from kvchat.model.runtime.events import GenParams, Started
+
+    folder = hybrid("mamba")
+    params = GenParams(max_tokens=6, temp=0.0, ignore_eos=True)
+    a = [int(x) for x in IDS[0, :12]]
+    with EngineClient(folder, timeout=60) as c:
+        first = c.run(a, params)
+        b = a + list(first.ids) + [7, 9, 11]
+        second = c.run(b, params)
+        s2 = next(e for e in c.events if isinstance(e, Started))
+        d = b[:-4] + [5, 5]  # differs inside what the state already folded in
+        third = c.run(d, params)
+        s3 = next(e for e in c.events if isinstance(e, Started))
+    assert s2.cached_tokens == len(a) + len(first.ids) - 1 and s2.reprefill_reason is None
+    assert s3.cached_tokens == 0 and "recurrent layers" in s3.reprefill_reason
+    for prompt, done in ((b, second), (d, third)):
+        with EngineClient(folder, timeout=60) as fresh:
+            assert list(fresh.run(prompt, params).ids) == list(done.ids)
+
+
+def test_inspect_prints_state_bytes_next_to_kv(
+    hybrid: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvchat inspect` on a recurrent model: no K/V per token, the state's bytes (the
+    same at every context), and --live measures them from the arrays."""
+    from kvchat.app.cli import inspect as inspect_cmd
+
+    p = argparse.ArgumentParser()
+    inspect_cmd.add_arguments(p)
+    folder = hybrid("mamba2")
+    assert inspect_cmd.run(p.parse_args(["--model", str(folder), "--json", "--live"])) == 0
+    out = json.loads(capsys.readouterr().out)
+    per_layer = (3 * (128 + 2 * 2 * 16) + 8 * 16 * 16) * 4
+    assert out["attention"] == "none" and out["bytes_per_token"] == 0
+    assert out["state_bytes"] == 2 * per_layer and out["state_layers"] == 2
+    assert out["live"]["equal"] and out["live"]["state_bytes"] == 2 * per_layer
+    assert inspect_cmd.run(p.parse_args(["--model", str(folder), "--context", "4096"])) == 0
+    text = capsys.readouterr().out
+    assert f"state of 2 recurrent layers: {2 * per_layer:,} B" in text
+    assert "KV cache per token (all layers): 0 B" in text
+
+
+@pytest.mark.parametrize("name", ["mamba", "nemotron_h"])
+def test_explain_names_the_recurrent_layers(
+    name: str, hybrid: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvchat explain` runs on a model without attention (Mamba) and one with layers of
+    every kind (Nemotron-H), and says which layers keep a state."""
+    from kvchat.app.cli import explain as explain_cmd
+
+    p = argparse.ArgumentParser()
+    explain_cmd.add_arguments(p)
+    assert explain_cmd.run(p.parse_args(["--model", str(hybrid(name))])) == 0
+    out = capsys.readouterr().out
+    expected = {"mamba": "2 of 2", "nemotron_h": "1 of 4"}[name]
+    assert f"recurrent layers: {expected} keep a fixed-size state" in out
