@@ -1,7 +1,11 @@
 """One chat turn in the UI: it submits the turn to the engine, streams its text into the
-reply, follows its Started / Stats / Done events and its notices, and stops it. What the
-turn leaves behind (the message in the conversation, the saved chat) is the
-conversation's business: `keep` gets it.
+reply, follows its Started / Stats / Done events and its notices, and stops it.
+
+A stop (Esc, Ctrl+C) asks the engine to cancel at its next token, and the reply ends
+marked stopped with the text the engine had produced, however the engine ends the turn:
+a busy UI can handle the key only after the engine has already finished on its own
+(docs/design.md, Data flow of one chat turn). What the turn leaves behind (the message in
+the conversation, the saved chat) is the conversation's business: `keep` gets it.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class TurnController:
         self.reply: ChatMessage | None = None  # the reply streaming now
         self.restored_tokens = 0  # tokens of a reopened chat's cache, until its next turn
         self._gen = 0  # the turn whose text the transcript shows (the bridge's count)
+        self._stop_asked = False  # a stop reached this turn before its Done did
         self._last_flush = 0.0
         self._flush_armed = False
 
@@ -68,6 +73,7 @@ class TurnController:
         view = self.view
         assert view.engine is not None
         self.reply = ChatMessage("assistant", "", index=index, streaming=True)
+        self._stop_asked = False
         await view.transcript.add(self.reply)
         view.transcript.follow()
         view.go(Phase.PREFILLING)
@@ -79,9 +85,10 @@ class TurnController:
         view = self.view
         if not view.phase.generating or view.engine is None:
             return False
+        self._stop_asked = True
         view.engine.cancel()
         if self.reply is not None:
-            self.reply.border_subtitle = "stopping…"
+            self.reply.mark_stopping()
         return True
 
     # ---- streamed text ---------------------------------------------------------------------
@@ -138,18 +145,24 @@ class TurnController:
     async def on_done(self, ev: Done) -> None:
         await self.flush()
         reply, self.reply = self.reply, None
+        # asked to stop: the engine may have ended the turn on its own before the cancel
+        # reached it; the user stopped it all the same
+        stopped = ev.finish_reason == "cancelled" or (
+            self._stop_asked and ev.finish_reason != "error")
+        self._stop_asked = False
         view = self.view
         try:
             view.panel.end_turn(ev.stats)
             if reply is not None:
-                await self._finish_reply(reply, ev)
+                await self._finish_reply(reply, ev, stopped)
         finally:
             # only now: the conversation and the file are up to date when keys are
             # accepted again
             if view.phase.generating:
-                view.go(FINISH_PHASE.get(ev.finish_reason, Phase.ERROR))
+                view.go(Phase.STOPPED if stopped
+                        else FINISH_PHASE.get(ev.finish_reason, Phase.ERROR))
 
-    async def _finish_reply(self, reply: ChatMessage, ev: Done) -> None:
+    async def _finish_reply(self, reply: ChatMessage, ev: Done, stopped: bool) -> None:
         if ev.finish_reason == "error":
             self.view.notify(ev.error or "generation failed", severity="error", title="Error")
             if ev.text:  # the reply so far (a rank died mid-reply): kept, marked, saved
@@ -158,6 +171,5 @@ class TurnController:
             else:
                 await reply.remove()
             return
-        stopped = ev.finish_reason == "cancelled"
         await reply.finish(ev.text, stopped=stopped, note=FINISH_NOTES.get(ev.finish_reason, ""))
         self._keep(ev.text, stopped)

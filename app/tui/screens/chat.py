@@ -227,9 +227,6 @@ class ChatScreen(InterruptKey, Screen[None]):
             screen.show(ev)
 
     # ---- what the input and the transcript say --------------------------------------------
-    async def on_chat_input_submitted(self, message: ChatInput.Submitted) -> None:
-        await self.send(message.text)
-
     def on_chat_message_selected(self, message: ChatMessage.Selected) -> None:
         if message.widget.role == "user":
             self.begin_edit(message.widget.index)
@@ -262,7 +259,16 @@ class ChatScreen(InterruptKey, Screen[None]):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop" and not (self.phase.generating or self.edit_index is not None):
             return None  # shown, greyed out
+        if action == "send":  # Enter elsewhere (a message) is that widget's
+            return isinstance(self.focused, ChatInput)
         return True
+
+    async def action_send(self) -> None:
+        """Enter in the input box: send what it holds."""
+        inp = self.input
+        await inp.settled()
+        if inp.text.strip():
+            await self.send(inp.text)
 
     def action_stop(self) -> None:
         """Esc: stop generating (the partial reply stays, marked stopped), or cancel an edit."""
