@@ -11,12 +11,11 @@ import shlex
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests import processes
+from tests.helpers.tmux import Tmux
 
 from .conftest import STORIES260K
 
@@ -26,44 +25,6 @@ STORIES = STORIES260K
 pytestmark = [
     pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed"),
 ]
-
-
-class Tmux:
-    def __init__(self, socket: str) -> None:
-        self.socket = socket
-
-    def __call__(self, *args: str, check: bool = True) -> str:
-        out = processes.run(
-            ["tmux", "-L", self.socket, "-f", "/dev/null", *args],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        if check and out.returncode != 0:
-            raise AssertionError(f"tmux {' '.join(args)} failed: {out.stderr.strip()}")
-        return out.stdout
-
-    def kill_server(self) -> None:
-        """End the server and every pane's process group: the app and its engine process
-        (an app that ignores the hang-up must not outlive a failed test)."""
-        panes = self("list-panes", "-a", "-F", "#{pane_pid}", check=False).split()
-        self("kill-server", check=False)
-        for pid in panes:
-            processes.kill_process_group(int(pid))
-
-    def screen(self, target: str) -> str:
-        return self("capture-pane", "-p", "-t", target)
-
-    def wait_screen(self, target: str, pred: Callable[[str], bool], timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        text = ""
-        while time.monotonic() < deadline:
-            text = self.screen(target)
-            if pred(text):
-                return text
-            time.sleep(0.1)
-        size = self("display", "-p", "-t", target, "#{window_width}x#{window_height}")
-        raise AssertionError(f"timed out; the screen ({size.strip()}) was:\n{text}")
 
 
 def test_chat_in_tmux(tmp_path: Path) -> None:

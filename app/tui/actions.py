@@ -24,8 +24,10 @@ class Action:
 
 
 ACTIONS: tuple[Action, ...] = (
+    # priority: a stop is handled when the key arrives, not after the streamed text and
+    # engine events already queued on the chat screen (the reply may end meanwhile)
     Action("stop", "escape", "Stop", "stop the reply (partial text kept); cancel an edit",
-           "Stop generation", priority=False),
+           "Stop generation"),
     Action("regenerate", "ctrl+r", "Retry", "regenerate the last reply", "Regenerate last reply"),
     Action("edit_last", "", "", "put your last message in the input to edit and resend",
            "Edit last message"),
@@ -55,8 +57,10 @@ ACTIONS: tuple[Action, ...] = (
     Action("help", "f1", "Help", "this help", "Keys (help)", scope="app"),
     # the palette already has Textual's own "Quit"
     Action("quit", "ctrl+q", "Quit", "quit kvchat", scope="app"),
+    # a priority binding, like Esc and Ctrl+C: the keys that start and stop a turn are
+    # handled in the order they were pressed, however far behind the UI is
+    Action("send", "enter", "", "send the message", "Send message", key_label="enter"),
     # keys of the input box itself (no binding: listed in the help only)
-    Action("", "", "", "send the message", key_label="enter"),
     Action("", "", "", "new line in the message", key_label="ctrl+j / shift+enter"),
     Action("", "", "", "input history (cursor on the first / last line)", key_label="↑ / ↓"),
     Action("", "", "", "your message: edit and resend from there",
@@ -73,7 +77,8 @@ def bindings(scope: str) -> list[Binding]:
             continue
         for i, key in enumerate(a.keys.split(",")):
             out.append(Binding(key, a.name, a.footer, show=i == 0 and bool(a.footer),
-                               priority=a.priority, id=a.name if i == 0 else f"{a.name}.{i}"))
+                               key_display=a.key_label or None, priority=a.priority,
+                               id=a.name if i == 0 else f"{a.name}.{i}"))
     return out
 
 

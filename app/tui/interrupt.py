@@ -29,11 +29,15 @@ class InterruptKey:
         if screen.generating:
             self._interrupt_at = now
             screen.action_stop()
-            screen.notify("Stopping the reply. Ctrl+C again quits.", title="Ctrl+C")
+            # each toast lasts as long as what it says is true (a longer one also covered
+            # the reply's stopped mark)
+            screen.notify("Stopping the reply. Ctrl+C again quits.", title="Ctrl+C",
+                          timeout=QUIT_WINDOW_S)
             return
         selected = getattr(screen.focused, "selected_text", "")
         if selected:
             screen.app.copy_to_clipboard(selected)
             return
         self._interrupt_at = now
-        screen.notify("Press Ctrl+C again to quit (or Ctrl+Q).", title="Ctrl+C")
+        screen.notify("Press Ctrl+C again to quit (or Ctrl+Q).", title="Ctrl+C",
+                      timeout=QUIT_WINDOW_S)

@@ -116,11 +116,3 @@ def use_saved_theme(chat: Any) -> None:
     if saved and saved in chat.app.available_themes:
         chat.app.theme = saved
 
-
-def retitle_after_edit(conv: Any, edited_index: int) -> None:
-    """An edit of the first user message renames the chat after the new text."""
-    from kvchat.app.core.store import derive_title
-
-    first_user = next((i for i, m in enumerate(conv.messages) if m["role"] == "user"), None)
-    if first_user is not None and edited_index <= first_user:
-        conv.title = derive_title(conv.messages)

@@ -56,3 +56,12 @@ def step(current: Phase, new: Phase) -> Phase:
     if new != current and new not in ALLOWED[current]:
         raise ValueError(f"turn state cannot go from {current.value} to {new.value}")
     return new
+
+
+def busy_reason(phase: Phase) -> str | None:
+    """Why a new turn, a swap or another chat must wait now (one line); None: it need not."""
+    if phase.generating:
+        return "Still generating: press Esc to stop first."
+    if phase is Phase.LOADING:
+        return "A model is loading; one moment."
+    return None

@@ -34,14 +34,14 @@ def on_turn_event(
     every turn, and stacked toasts covered the replies), and a note on the reply."""
     if isinstance(ev, PrefillProgress):
         if ev.done >= ev.total:
-            if reply is not None and reply.streaming:
-                reply.border_subtitle = "generating…"
+            if reply is not None:
+                reply.note_progress("generating…")
             return
         if ev.elapsed_s < PREFILL_SHOW_AFTER_S:
             return
         panel.show_prefill(ev.done, ev.total, ev.tps)
         if reply is not None:
-            reply.border_subtitle = prefill_label(ev)
+            reply.note_progress(prefill_label(ev))
     else:
         if panel.note_overflow():
             notify(overflow_message(ev), severity="warning", title="Context full", timeout=15)

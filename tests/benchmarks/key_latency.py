@@ -1,62 +1,172 @@
-"""Key → screen latency of the real chat in tmux while a reply streams (the UI process at
-normal priority, the engine in its child process):
+"""How the real chat answers keys while a reply streams, in tmux:
 python -m tests.benchmarks.key_latency [MODEL]
 
-A private tmux server runs `kvchat` on MODEL (default stories260K, whose greedy reply to
-"One day" runs for seconds) with a 256-token window; once the reply streams, each of 15
-letters is typed with send-keys and timed until the input box shows it after the
-ones before."""
+The reply: stories260K's greedy answer to "One day" without repetition penalty, in a
+4096-token window (875 tokens; the window keeps the overflow toast, which would cover the
+marks read here, away); Ctrl+R starts it again whenever one is needed.
+(a) key → screen: 50 letters typed one at a time, 0.2 s apart, while the reply streams;
+    each timed from send-keys until the input box shows it after the ones before.
+(b) Esc → "stopped": 20 replies, each stopped by one Esc 0.2-0.5 s after it shows,
+    timed from send-keys until the reply is marked "■ stopped"; a reply that ends on its
+    own first, or that the screen never showed streaming, is counted apart.
+
+Both run twice: on an idle machine (whatever else it runs: the load average is printed)
+and with one core kept busy by a `yes > /dev/null` child this script starts and kills.
+Times include tmux's own (send-keys, then capture-pane polled every 5 ms).
+"""
 
 from __future__ import annotations
 
-import json
 import os
-import shlex
+import platform
+import random
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from tests.test_tmux_chat import REPO, STORIES, Tmux
+from tests.conftest import STORIES260K
+from tests.helpers.tmux import Tmux, start_chat
 
-KEYS = "qwertyuiopasdfg"
+KEYS = "qwertyuiopasdfghjklzxcvbnmmnbvcxzlkjhgfdsapoiuytre"  # 50
+TRIALS = 20
+PROMPT = "One day"
+SETTINGS = {"temp": 0.0, "repetition_penalty": 1.0, "max_tokens": 4000, "max_kv_size": 4096}
+POLL_S = 0.005
+
+
+def machine() -> str:
+    model = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"{model}; {os.cpu_count()} cores; load average {load};"
+            f" {time.strftime('%Y-%m-%d %H:%M:%S %z')}")
+
+
+def until(tmux: Tmux, pred: Callable[[str], bool], timeout: float) -> tuple[bool, str]:
+    """(whether pred(screen) held within timeout, the last screen read)"""
+    deadline = time.monotonic() + timeout
+    screen = ""
+    while time.monotonic() < deadline:
+        screen = tmux.screen("c")
+        if pred(screen):
+            return True, screen
+        time.sleep(POLL_S)
+    return False, screen
+
+
+def input_box(screen: str) -> str:
+    return "".join(screen.splitlines()[-6:])
+
+
+@contextmanager
+def chat(model: Path) -> Iterator[Tmux]:
+    tmux = Tmux(f"kvchat-keys-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        start_chat(tmux, "c", Path(tempfile.mkdtemp()), SETTINGS, model=model)
+        time.sleep(1)
+        tmux("send-keys", "-t", "c", "-l", PROMPT)
+        tmux("send-keys", "-t", "c", "Enter")
+        streaming(tmux)
+        yield tmux
+    finally:
+        tmux.kill_server()
+
+
+def streaming(tmux: Tmux) -> bool:
+    """Whether a new reply shows (it says "generating…" from the moment it is sent)."""
+    ok, _ = until(tmux, lambda s: "generating…" in s and "■ stopped" not in s, 30)
+    return ok
+
+
+def restart(tmux: Tmux) -> bool:
+    """Ctrl+R once the last reply has ended; whether the new one was seen streaming."""
+    until(tmux, lambda s: "generating…" not in s and "stopping…" not in s, 30)
+    tmux("send-keys", "-t", "c", "C-r")
+    return streaming(tmux)
+
+
+def typing(tmux: Tmux) -> tuple[list[float], int]:
+    """(ms per key, keys typed while the reply streamed)"""
+    ms, during = [], 0
+    for i, key in enumerate(KEYS):
+        if "generating…" not in tmux.screen("c"):
+            restart(tmux)
+        t0 = time.monotonic()
+        tmux("send-keys", "-t", "c", "-l", key)
+        typed = KEYS[: i + 1]
+        ok, screen = until(tmux, lambda s, t=typed: t in input_box(s), 10)
+        ms.append((time.monotonic() - t0) * 1000 if ok else float("inf"))
+        during += "generating…" in screen
+        time.sleep(0.2)
+    return ms, during
+
+
+def stopping(tmux: Tmux) -> tuple[list[float], int, int]:
+    """(ms per stop that was marked, replies that ended before the stop, replies never
+    seen streaming: a UI too far behind to show one)"""
+    ms, ended, unseen = [], 0, 0
+    rng = random.Random(0)
+    for _ in range(TRIALS):
+        if not restart(tmux):
+            unseen += 1
+            continue
+        time.sleep(rng.uniform(0.2, 0.5))
+        t0 = time.monotonic()
+        tmux("send-keys", "-t", "c", "Escape")
+        ok, screen = until(tmux, lambda s: "■ stopped" in s or not (
+            "generating…" in s or "stopping…" in s), 15)
+        if ok and "■ stopped" in screen:
+            ms.append((time.monotonic() - t0) * 1000)
+        else:
+            ended += 1
+    return ms, ended, unseen
+
+
+def summary(ms: list[float]) -> str:
+    if not ms:
+        return "none"
+    return f"median {statistics.median(ms):.0f} ms, worst {max(ms):.0f} ms"
+
+
+@contextmanager
+def busy_core() -> Iterator[None]:
+    proc = subprocess.Popen("yes > /dev/null", shell=True, start_new_session=True)
+    try:
+        yield
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def run(model: Path, label: str) -> None:
+    with chat(model) as tmux:
+        keys, during = typing(tmux)
+        print(f"{label}: key → screen over {len(keys)} keys ({during} while the reply"
+              f" streamed): {summary(keys)}", flush=True)
+        stops, ended, unseen = stopping(tmux)
+        print(f"{label}: Esc → \"■ stopped\" over {TRIALS} replies ({ended} ended before the"
+              f" stop, {unseen} never seen streaming): {summary(stops)}", flush=True)
 
 
 def main() -> None:
-    model = sys.argv[1] if len(sys.argv) > 1 else str(STORIES)
-    root = Path(tempfile.mkdtemp())
-    (root / "config").mkdir()
-    (root / "config" / "settings.json").write_text(
-        json.dumps({"temp": 0.0, "max_tokens": 20000, "max_kv_size": 256}))
-    tmux = Tmux(f"kvchat-keys-{os.getpid()}")
-    cmd = (f"cd {shlex.quote(str(REPO))} && env KVCHAT_CONFIG_DIR={root / 'config'}"
-           f" KVCHAT_DATA_DIR={root / 'data'} TERM=xterm-256color"
-           f" {shlex.quote(sys.executable)} -m kvchat.app --model {shlex.quote(model)}")
-    try:
-        tmux("new-session", "-d", "-s", "c", "-x", "100", "-y", "30", cmd)
-        tmux.wait_screen("c", lambda s: "Message" in s and "palette" in s, timeout=90)
-        time.sleep(2)
-        tmux("send-keys", "-t", "c", "-l", "One day")
-        tmux("send-keys", "-t", "c", "Enter")
-        tmux.wait_screen("c", lambda s: "generating…" in s, timeout=60)
-        ms, streaming = [], 0
-        for i, key in enumerate(KEYS):
-            t0 = time.monotonic()
-            tmux("send-keys", "-t", "c", "-l", key)
-            # the input box (near the bottom) shows every letter typed so far
-            typed = KEYS[: i + 1]
-            screen = tmux.wait_screen(
-                "c", lambda s, t=typed: t in "".join(s.splitlines()[-6:]), timeout=10)
-            ms.append((time.monotonic() - t0) * 1000)
-            streaming += "generating…" in screen
-            time.sleep(0.2)
-    finally:
-        tmux.kill_server()
-    ms.sort()
-    print(f"key → screen ms over {len(ms)} keys ({streaming} while the reply streamed):"
-          f" median {statistics.median(ms):.0f}, p90 {ms[int(0.9 * (len(ms) - 1))]:.0f},"
-          f" worst {ms[-1]:.0f}")
+    model = Path(sys.argv[1]) if len(sys.argv) > 1 else STORIES260K
+    print(f"machine: {machine()}", flush=True)
+    run(model, "idle")
+    with busy_core():
+        run(model, "one busy core")
+    print(f"after: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from markdown_it import MarkdownIt
@@ -67,6 +68,7 @@ class ChatMessage(Vertical):
         self.index = index
         self.stopped = stopped
         self.streaming = streaming
+        self.stopping = False  # a stop was asked; the reply has not ended yet
         self._stream: MarkdownStream | None = None
         self._safe = SafeStream()
         self.border_title = visible(ROLE_TITLES.get(role, role))
@@ -88,13 +90,23 @@ class ChatMessage(Vertical):
 
     def _set_subtitle(self, note: str = "") -> None:
         if self.streaming:
-            self.border_subtitle = "generating…"
+            self.border_subtitle = "stopping…" if self.stopping else "generating…"
         elif self.stopped:
             self.border_subtitle = "■ stopped"
         else:
             self.border_subtitle = note
         self.set_class(self.stopped, "-stopped")
         self.set_class(self.streaming, "-streaming")
+
+    def mark_stopping(self) -> None:
+        """A stop was asked: the header says so until the reply ends."""
+        self.stopping = True
+        self._set_subtitle()
+
+    def note_progress(self, label: str) -> None:
+        """How the streaming reply is getting on (prefill progress); a stop's note stays."""
+        if self.streaming and not self.stopping:
+            self.border_subtitle = label
 
     async def append(self, text: str) -> None:
         """Add streamed text (assistant only)."""
@@ -113,7 +125,7 @@ class ChatMessage(Vertical):
             await self._stream.stop()
             self._stream = None
         self.content = text
-        self.streaming = False
+        self.streaming = self.stopping = False
         self.stopped = stopped
         self._safe = SafeStream()
         body = self.body
@@ -161,13 +173,9 @@ class Transcript(VerticalScroll):
 
 
 class ChatInput(TextArea):
-    """Multi-line input: Enter sends; Shift+Enter or Ctrl+J inserts a newline;
-    Up on the first line / Down on the last line walk the input history."""
-
-    class Submitted(Message):
-        def __init__(self, text: str) -> None:
-            super().__init__()
-            self.text = text
+    """Multi-line input: Enter sends (the chat screen's binding, app/tui/actions.py);
+    Shift+Enter or Ctrl+J inserts a newline; Up on the first line / Down on the last line
+    walk the input history."""
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(
@@ -184,18 +192,19 @@ class ChatInput(TextArea):
         self._draft = ""
 
     async def _on_key(self, event: events.Key) -> None:
-        # Runs before TextArea._on_key (MRO order); prevent_default stops the base from
-        # also inserting "\n" for Enter.
-        if event.key == "enter":
-            event.stop()
-            event.prevent_default()
-            text = self.text
-            if text.strip():
-                self.post_message(self.Submitted(text))
-        elif event.key in ("shift+enter", "ctrl+j"):
+        # Runs before TextArea._on_key (MRO order)
+        if event.key in ("shift+enter", "ctrl+j"):
             event.stop()
             event.prevent_default()
             self.insert("\n")
+
+    async def settled(self) -> None:
+        """Return once the keys already sent to this box are in its text: a priority
+        binding (Enter) runs as soon as the app reads its key, before this box has taken
+        the keys typed just before it."""
+        done = asyncio.Event()
+        self.call_later(done.set)
+        await done.wait()
 
     # ---- history --------------------------------------------------------------------
     def remember(self, text: str) -> None:
