@@ -184,3 +184,25 @@ def test_the_memory_of_dropped_caches_is_bounded() -> None:
     d.add([100, 101], KEY, EVICTED)
     d.covered(list(range(100, 110)), KEY)  # a cache now extends both
     assert d.best([100, 101], KEY) == (0, None)
+
+
+def test_a_recurrent_state_that_cannot_go_back_says_so() -> None:
+    """A hybrid's cache holds attention K/V and a recurrent state; a prompt that leaves
+    the cached conversation at token 5 cannot reuse the state (it only stands for all 8
+    tokens): the reason names the missing checkpoint and the token, not a differing
+    prefix; the attention-only cache of the same prompt is cut back and reused."""
+    from kvchat.model.cache.misses import NO_CHECKPOINT, PREFIX_DIFFERS
+    from kvchat.model.cache.state import StateCache
+
+    ids = list(range(1, 9))
+    state = StateCache()
+    state.update(8, mx.zeros((1, 3, 4)), mx.zeros((1, 2, 4, 4)))
+    pool = PrefixPool(1 << 30)
+    pool.put(ids, [*filled(8, 1), state], key=("k",))
+    look = pool.find([*ids[:5], 99, 100], ("k",))
+    assert look.found is None
+    assert (look.miss.reason, look.miss.differs_at) == (NO_CHECKPOINT, 5)
+    plain = PrefixPool(1 << 30)
+    plain.put(ids, filled(8, 1), key=("k",))
+    look = plain.find([*ids[:5], 99, 100], ("k",))
+    assert look.found is not None and look.miss.reason == PREFIX_DIFFERS

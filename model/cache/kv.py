@@ -33,6 +33,7 @@ from kvchat.model.decoder.mask import causal_mask
 from kvchat.model.errors import KVChatError
 
 from .kv_math import cached_widths, kv_bytes, kv_saving
+from .misses import NO_CHECKPOINT, WINDOW_ROTATED, Miss
 from .state import PassCache, StateCache
 from .stats import CacheStats
 
@@ -871,6 +872,14 @@ def can_trim_to(caches: list[Any], n_tokens_to_keep: int) -> bool:
         elif not (c.is_trimmable() and 0 <= n_tokens_to_keep <= c.offset):
             return False
     return True
+
+
+def untrimmable_miss(caches: list[Any], n_tokens_to_keep: int) -> Miss:
+    """Why caches that cannot go back to `n_tokens_to_keep` give no more of a prompt
+    (model/cache/misses.py): a recurrent layer's state, else the window moved past it."""
+    if any(isinstance(c, StateCache) and not c.can_trim_to(n_tokens_to_keep) for c in caches):
+        return Miss(NO_CHECKPOINT, n_tokens_to_keep)
+    return Miss(WINDOW_ROTATED)
 
 
 def why_not_trimmable(caches: list[Any], cfg: ModelConfig, n_tokens_to_keep: int) -> str:

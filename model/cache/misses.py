@@ -22,6 +22,7 @@ EVICTED = "evicted"
 MODEL_CHANGED = "model_or_settings_changed"
 WINDOW_ROTATED = "window_rotated"
 REUSE_OFF = "reuse_off"
+NO_CHECKPOINT = "no_checkpoint"
 
 # every reason a turn can give, with its line for people ({at}: the first differing token)
 MISS_REASONS: dict[str, str] = {
@@ -32,6 +33,8 @@ MISS_REASONS: dict[str, str] = {
     WINDOW_ROTATED: "the rotating window moved past the shared prefix, so the cache could not"
                     " be cut back to it",
     REUSE_OFF: "prefix reuse is turned off",
+    NO_CHECKPOINT: "the recurrent layers' state cannot go back: no checkpoint at or before"
+                   " token {at}",
 }
 
 MAX_DROPPED = 64  # caches let go that are remembered (their ids only)
@@ -55,7 +58,8 @@ class CacheUse:
     reused_tokens: int
     prefilled_tokens: int
     miss_reason: str | None = None
-    differs_at: int | None = None  # PREFIX_DIFFERS: the first prompt token that differs
+    differs_at: int | None = None  # PREFIX_DIFFERS: the first prompt token that differs;
+    # NO_CHECKPOINT: the token the state would have to go back to
 
     def to_json(self) -> dict[str, Any]:
         line = None

@@ -36,7 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .kv import can_trim_to
+from .kv import can_trim_to, untrimmable_miss
 from .misses import (
     EVICTED,
     NEW_CONVERSATION,
@@ -180,6 +180,7 @@ class PrefixPool:
         this key held (NEW_CONVERSATION), the best entry leaves the prompt at token N
         (PREFIX_DIFFERS), or a cache let go shared more (its reason)."""
         best, best_n = None, 0
+        stuck, stuck_n = None, 0  # the longest match that cannot go back to the prefix
         mine = [e for e in self._entries if e.key == key]
         for e in mine:
             n = common_prefix_len(e.ids, ids)
@@ -187,6 +188,8 @@ class PrefixPool:
             # there (a recurrent layer's state, an evicted ring) would be prefilled again
             if n > best_n and can_trim_to(e.cache, min(n, len(ids) - 1)):
                 best, best_n = e, n
+            elif n > stuck_n:
+                stuck, stuck_n = e, n
         found, info = None, self.new_info()
         if best is not None:
             self._entries.remove(best)
@@ -203,7 +206,10 @@ class PrefixPool:
         else:
             self.hits += 1
             self.reused_tokens += min(best_n, len(ids) - 1)
-        return Lookup(found, info, self._miss(ids, key, best, best_n, bool(mine)))
+        miss = self._miss(ids, key, best, best_n, bool(mine))
+        if stuck is not None and stuck_n > best_n and miss.reason is not None:
+            miss = untrimmable_miss(stuck.cache, min(stuck_n, len(ids) - 1))
+        return Lookup(found, info, miss)
 
     def _miss(self, ids: list[int], key: CacheKey, best: _Entry | None, best_n: int,
               any_held: bool) -> Miss:

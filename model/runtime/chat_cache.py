@@ -26,6 +26,7 @@ from kvchat.model.cache.kv import (
     make_prompt_cache,
     plan_quantization,
     trim_to,
+    untrimmable_miss,
     why_not_trimmable,
 )
 from kvchat.model.cache.misses import (
@@ -33,7 +34,6 @@ from kvchat.model.cache.misses import (
     NEW_CONVERSATION,
     PREFIX_DIFFERS,
     REUSE_OFF,
-    WINDOW_ROTATED,
     CacheUse,
     DroppedCaches,
     Miss,
@@ -148,7 +148,7 @@ class ChatCache:
             else:
                 why = why_not_trimmable(self.caches, model.config, keep_n)
                 reason = f"{why}; prefilling again"
-                miss = Miss(WINDOW_ROTATED)
+                miss = untrimmable_miss(self.caches, keep_n)
                 self.caches = new_cache(model, params)
                 self.ids, keep_n = [], 0
         self.use = CacheUse(keep_n, len(ids) - keep_n, miss.reason, miss.differs_at)
