@@ -8,7 +8,7 @@ every call of a step builds the identical subgraph (one cached constant per sche
 which `mx.compile` merges into one computation per step, and rotate-half as a product
 with a constant ±1 matrix, so a call is one matmul and one fused multiply-add. Measured
 on kvchat-mini's compiled decode step, in one process, alternating: 465 tok/s with
-`mx.fast.rope` against 641 with no rotation at all (README, "Fast by default").
+`mx.fast.rope` against 641 with no rotation at all (docs/performance.md, "Kernels").
 """
 
 from __future__ import annotations

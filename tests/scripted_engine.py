@@ -89,7 +89,7 @@ def model_info_for(path: str) -> dict[str, Any]:
 
 
 def kv_bytes(tokens: int, kv_heads: int | None = None) -> int:
-    """DESIGN.md, by hand: 2 × layers × kv_heads × cache_tokens × head_dim × dtype_bytes."""
+    """docs/design.md, by hand: 2 × layers × kv_heads × cache_tokens × head_dim × dtype_bytes."""
     g = GEOMETRY
     heads = g["n_kv_heads"] if kv_heads is None else kv_heads
     return 2 * g["n_layers"] * heads * tokens * g["head_dim"] * 4

@@ -112,7 +112,7 @@ def test_text_output_names_dtypes_and_roofline(stories260k: Path, capsys) -> Non
 
 def test_bench_chat_runs_both_sides(stories260k: Path, capsys) -> None:
     """`python -m tests.benchmarks.chat`: the real app and the UI-less client decode the
-    same number of tokens and each reports a rate (README's chat-vs-generate table)."""
+    same number of tokens and each reports a rate (docs/performance.md)."""
     from tests.benchmarks import chat as bench_chat
 
     assert bench_chat.main(["--model", str(stories260k), "--tokens", "48", "--runs", "1",

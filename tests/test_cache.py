@@ -1,6 +1,6 @@
 """KV caches: exact rotation semantics, mlx-lm interoperability, statistics, memory.
 
-Semantics under test (DESIGN.md): with capacity M and keep K, the query at absolute
+Semantics under test (docs/design.md): with capacity M and keep K, the query at absolute
 position t attends to [0, K) ∪ [t − (M − K) + 1, t]; with a sliding window W also only
 keys with t − p < W.
 """

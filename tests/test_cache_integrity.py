@@ -1,4 +1,4 @@
-"""A saved K/V cache is used only when it is provably this model's and intact (issue 19).
+"""A saved K/V cache is used only when it is provably this model's and intact.
 
 On the real stories260K model (copied, so its weights can change in place): a cache is
 saved after one turn, then damaged the ways an unlucky disk or user damages it. Each

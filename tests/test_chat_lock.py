@@ -1,4 +1,4 @@
-"""One writer per chat (issue 19): two kvchat processes on one data folder never lose a
+"""One writer per chat: two kvchat processes on one data folder never lose a
 turn. A store holds an advisory lock per chat it saves or opens; the lock dies with its
 process; a second window opens a copy and says so; a save of a chat another window holds
 is refused in one line, never merged or overwritten."""

@@ -1,4 +1,4 @@
-"""The command-line contract under hostile input and interruption (issue 11):
+"""The command-line contract under hostile input and interruption:
 
 - one stderr line and exit 2 for every usage error, argparse's own included;
 - `--json` prints exactly one object in every outcome, counts agreeing with the ids;

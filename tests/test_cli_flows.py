@@ -100,7 +100,7 @@ def test_overflow_refuse_finishes_with_context_full_not_length() -> None:
 def test_empty_prompt_is_refused() -> None:
     for extra in (["--raw"], []):
         r = kvchat("generate", "--model", str(STORIES260K), "--prompt", "  ", *extra)
-        assert r.returncode == 2  # a usage error (issue 21), in the command line's words
+        assert r.returncode == 2  # a usage error, in the command line's words
         assert r.stderr.strip() == ("kvchat: error: the prompt is empty: give --prompt TEXT"
                                     " or pipe text on stdin")
 

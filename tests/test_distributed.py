@@ -262,7 +262,7 @@ def test_killed_rank_ends_the_turn_with_one_line(
     first, second, exits = _fault_mid_turn(tmp_path, ranks, victim, model, signal.SIGKILL,
                                            "--pause-at", at)
     assert first["error"].startswith(f"rank {victim} (127.0.0.1) exited")
-    if at == "token":  # the reply so far is kept, with its ids (issue 19)
+    if at == "token":  # the reply so far is kept, with its ids
         assert first["finish_reason"] == "error" and first["ids"]
     # the other ranks exit by themselves (the killed one by the signal)
     assert all(code is not None for code in exits), exits

@@ -228,7 +228,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
         "max_position_embeddings": 32,
         "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
     }, rope_form="classic", incremental_reference=True, seed=21),
-    # ---- mixtures of experts: 4 experts, top 2 (issue 22)
+    # ---- mixtures of experts: 4 experts, top 2
     "mixtral": FamilySpec("MixtralForCausalLM", _MOE, seed=30),
     "mixtral_classic": FamilySpec("MixtralForCausalLM", _MOE, rope_form="classic", seed=30),
     # Phi-3.5-MoE: the sparse mixer (a jitter of 0.2 keeps several experts in each
@@ -815,7 +815,7 @@ def test_family_4bit_matches_transformers_on_dequantized(
 
 @pytest.mark.parametrize("name", NAMES)
 def test_mlx_lm_on_the_same_folder(name: str, family: Callable[[str], Path]) -> None:
-    """Records mlx-lm 0.32.2's error next to ours (README parity table)."""
+    """Records mlx-lm 0.32.2's error next to ours (docs/models.md, the parity table)."""
     from mlx_lm.utils import load_model as mlx_lm_load
 
     spec = FAMILY_SPECS[name]
@@ -1084,7 +1084,7 @@ def test_inspect_live_with_sliding_layers(
     assert live["measured_bytes"] == live["formula_bytes"] == per * (32 + 3 * WINDOW)
 
 
-# ---- mixture of experts and latent attention (issue 22) -----------------------------------
+# ---- mixture of experts and latent attention -----------------------------------
 def test_latent_cache_holds_the_latent_and_says_what_it_saves(
     family: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,4 +1,4 @@
-"""`kvchat --hosts` checks before it starts any rank (issue 19): a host without the model
+"""`kvchat --hosts` checks before it starts any rank: a host without the model
 folder, or more hosts than the model has layers, is one line naming the host or the
 count, at once (it used to wait 65-100 s for a ring that never formed)."""
 

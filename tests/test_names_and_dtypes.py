@@ -1,4 +1,4 @@
-"""Names, bytes and dtypes that are not what they seem (issue 19, item 6): bidi and
+"""Names, bytes and dtypes that are not what they seem: bidi and
 zero-width characters in names are shown, a folder name that is not UTF-8 never breaks a
 listing or reaches MLX, Ctrl+Y copies only visible text, and int/bool weights are refused
 naming the tensor."""

@@ -1,4 +1,4 @@
-"""A reply cut short by a dead pipeline rank (issue 19, item 6): the engine keeps the text
+"""A reply cut short by a dead pipeline rank: the engine keeps the text
 the user saw and its ids (--json reports them), and the chat saves it, marked stopped."""
 
 from __future__ import annotations

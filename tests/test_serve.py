@@ -137,7 +137,7 @@ def test_chat_greedy_equals_generate_with_usage(server: Server, model_dir: Path)
     assert r.usage.total_tokens == len(ref["prompt_ids"]) + len(ref["ids"])
     k = r.model_extra["kvchat"]
     assert k["prompt_tokens"] == len(ref["prompt_ids"]) and k["generated_tokens"] == len(ref["ids"])
-    # DESIGN.md by hand: 2 x layers x kv_heads x tokens x head_dim x dtype bytes; MHA: heads
+    # docs/design.md by hand: 2 x layers x kv_heads x tokens x head_dim x dtype bytes; MHA: heads
     info = c.models.list().data[0].model_extra["kvchat"]
     per = 2 * info["n_layers"] * info["head_dim"] * {"float32": 4, "float16": 2,
                                                      "bfloat16": 2}[info["dtype"]]

@@ -1,6 +1,6 @@
 """Runaway chat templates are bounded: a time limit, an output-size limit, and caps on
 range, lipsum, repetition and format widths in the sandbox. Each case below ran past
-60 s or 6 GB before (issue 11); now each fails with one TemplateError line, fast."""
+60 s or 6 GB before; now each fails with one TemplateError line, fast."""
 
 from __future__ import annotations
 

@@ -175,7 +175,7 @@ async def test_settings_form_picker_and_layers_show_text_literally(env: Path) ->
         await pilot.press("ctrl+s")
         await pilot.pause()
         assert isinstance(app.screen, SettingsScreen)  # not saved, still open
-        # in the form's words (issue 14): the label, not the field name
+        # in the form's words: the label, not the field name
         assert_safe(app, "temperature must be a number (got '[/]x')")
         assert "temperature must be a number (got '[/]x')" in toasts(app)
         await pilot.press("escape")

@@ -1,6 +1,6 @@
 """Quitting while the engine is busy, in a real terminal: the model's chat template
 hangs (nested loops), the user sends a message and presses Ctrl+Q at once. The process
-must end within 2 s, with status 0 and no "terminate called" abort (issue 11)."""
+must end within 2 s, with status 0 and no "terminate called" abort."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Nothing the user wrote is lost (issue 11):
+"""Nothing the user wrote is lost:
 
 - a settings file with bad values is used leniently and never rewritten until the user
   saves settings; then the original is kept as a numbered backup (an older backup stays)

@@ -18,7 +18,7 @@ own 4-bit CPU path is no comparison, so give mlx-lm a float copy of the same wei
 by its own converter: `python -m mlx_lm convert --hf-path assets/kvchat-mini -d --dtype
 float32 --mlx-path /tmp/mini-f32`, then `--mlx-lm-model /tmp/mini-f32`.
 
-Definitions (DESIGN.md): prefill_tps = prompt tokens / prefill seconds; decode_tps =
+Definitions (docs/design.md): prefill_tps = prompt tokens / prefill seconds; decode_tps =
 (generated − 1) / (time of last token − time of first token). mlx-lm is timed with the
 same definitions around `mlx_lm.generate.generate_step`.
 """

@@ -112,7 +112,7 @@ def result_object(done: Done) -> dict[str, Any]:
         "finish_reason": done.finish_reason,
         **stats_json(done.stats),
     }
-    # one definition each (DESIGN.md): the rendered prompt's tokens, the generated ids
+    # one definition each (docs/design.md): the rendered prompt's tokens, the generated ids
     out["prompt_tokens"] = len(done.prompt_ids)
     out["generated_tokens"] = len(done.ids)
     if done.finish_reason == "error":

@@ -3,7 +3,7 @@
 Where it runs (`EngineService.kind`):
 - "process" (the chat, `kvchat serve`): `EngineProcess`, the engine in a child Python
   process, so rendering or an event loop never holds the GIL the engine needs between
-  tokens (README, "Measured here").
+  tokens (docs/performance.md, "kvchat against mlx-lm").
 - "thread" (`kvchat generate`, `kvchat bench`): `Engine` on a thread of this process; one
   turn and nothing to render, so a child would only add its start-up, and `bench` reads
   the engine's tokenizer.

@@ -5,7 +5,7 @@ order for the classes it has), `from_state(state)`, empty, size) plus a read-onl
 our caches, mlx-lm's save_prompt_cache / load_prompt_cache round-trip them, and the UI can
 poll statistics every token for free.
 
-Rotation semantics (DESIGN.md): with capacity M and K sink tokens ("keep"), the query at
+Rotation semantics (docs/design.md): with capacity M and K sink tokens ("keep"), the query at
 absolute position t attends to [0, K) ∪ [t − (M − K) + 1, t]. Storage is one buffer per
 layer for K and one for V, shape (B, n_kv_heads, capacity, head_dim), grown in steps up to
 M and written in place: position p lives in slot p while p < M; after that, ring positions
@@ -817,7 +817,7 @@ def _reference_layer(cfg: ModelConfig, n: int) -> int:
 
 
 def cache_stats(caches: list[Any], cfg: ModelConfig) -> CacheStats:
-    """The cache's figures, summed over `layer_stats` by DESIGN.md's
+    """The cache's figures, summed over `layer_stats` by docs/design.md's
     definitions; never reads array values.
 
     Besides the GQA saving, `window_saving` says how much smaller the cache is than if

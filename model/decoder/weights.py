@@ -328,7 +328,7 @@ def _read_safetensors(folder: Path) -> dict[str, mx.array]:
 
 
 # MLX's CPU quantized matmul is slower than a float32 matmul through BLAS (measured on
-# a 4-bit 135M model: see README, "Measured here"), so on the CPU quantized checkpoints
+# a 4-bit 135M model: see docs/performance.md), so on the CPU quantized checkpoints
 # are dequantized on load unless that would take more than this share of free memory.
 DEQUANTIZE_MEMORY_SHARE = 0.5
 

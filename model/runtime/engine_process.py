@@ -3,7 +3,7 @@
 Why: a Textual UI and the engine in one interpreter share one GIL. While the UI lays out
 and renders a streaming reply it holds the GIL for milliseconds at a time, and the
 engine thread waits for it several times per token, so decoding slowed to a fraction of
-`kvchat generate`'s rate (measured: README, "Measured here"). In a child process the
+`kvchat generate`'s rate (docs/performance.md). In a child process the
 engine has an interpreter of its own; the UI process only unpickles events.
 
 Protocol: two pipes of pickled objects. Parent -> child: (an EngineLike method name,

@@ -154,7 +154,7 @@ _NUMBER_TYPES = ("int | None", "float | None")
 
 def stats_json(stats: TurnStats) -> dict[str, Any]:
     """The one serialisation of statistics (`generate --json`, bench): every field by its
-    DESIGN.md name, numbers never absent (0 when not measured), non-finite floats as null."""
+    docs/design.md name, numbers never absent (0 when not measured), non-finite floats as null."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(stats):
         v = getattr(stats, f.name)

@@ -5,7 +5,7 @@ small model's decode step multiplies a single row by matrices of a few hundred c
 split two ways, each half is microseconds of work and the threads spend longer waking and
 synchronising than computing, and on a core shared with anything else (the chat's UI
 process, a browser, a build) one of them waits for a time slice while the other spins.
-Measured on this project's 2-core machine (README, "Fast by default"): on free cores a
+Measured on a 2-core machine (docs/performance.md, "BLAS threads"): on free cores a
 second thread pays for a 135M-class model's decode and for prefill chunks of a few
 million multiply-adds and up; on a core another program holds it is 2-10x slower.
 
@@ -43,16 +43,16 @@ LIB_ENV = "KVCHAT_BLAS_LIB"  # the bound library's path, handed to the engine's 
 CORE_ENV = "KVCHAT_BLAS_CORE"  # the kernel set kvchat loaded it with, for the child's load
 _SOURCE_ENV = "KVCHAT_THREADS_FROM"  # so the child's label names the parent's source
 AUTO = "auto"
-# multiply-adds of a prefill chunk's largest matmul per thread. Measured on the idle
-# 2-core machine (README, "Fast by default"): two threads prefilled a 135M-class model's
+# multiply-adds of a prefill chunk's largest matmul per thread. Measured on an idle
+# 2-core machine (docs/performance.md, "BLAS threads"): two threads prefilled a 135M-class model's
 # 128-token chunk (1.1e8) 1.5x faster than one and kvchat-mini's 256-token prompt (2.5e7)
 # 1.2x faster, stories260K's (2.8e6) no faster; 1e7 puts the line between. On a core
 # another program holds, a second thread ran 2-10x slower at every size: the count is
 # capped by the free cores (`runnable_others`), read per call.
 MIN_WORK_PER_THREAD = 1.0e7
 # a decode step runs every matmul of the model once for one row: its work is the model's
-# multiply-adds per token (`step_work`). Measured on the idle 2-core machine (README,
-# "Fast by default"): a 135M-class model (1.3e8 per token) decoded at 10.5-12.3 tok/s on
+# multiply-adds per token (`step_work`). Measured on an idle 2-core machine
+# (docs/performance.md, "BLAS threads"): a 135M-class model (1.3e8 per token) decoded at 10.5-12.3 tok/s on
 # two threads against 7.4-8.5 on one, while kvchat-mini (2.1e6) and stories260K (2.6e5)
 # gained nothing; 5e7 per thread puts the line between them.
 DECODE_MIN_WORK = 5.0e7

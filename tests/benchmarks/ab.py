@@ -47,7 +47,7 @@ def measure(model: Any, set_on: Callable[[bool], object], runs: int, prompt_toke
     prompt = [16 + (31 * i) % (vocab - 16) for i in range(prompt_tokens)]
     use_setting("auto")
     got: dict[str, list[float]] = {"with": [], "without": []}
-    for r in range(runs + 1):  # round 0 warms both up (traces, buffers)
+    for r in range(runs + 1):  # the first pass warms both up (traces, buffers)
         for side in ("with", "without") if r % 2 else ("without", "with"):
             set_on(side == "with")
             tps = once(model, prompt, gen)[1]

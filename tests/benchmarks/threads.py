@@ -72,7 +72,7 @@ def bench_model(name: str, stories: str) -> Any:
 
 
 def once(model: Any, prompt: list[int], gen: int) -> tuple[float, float]:
-    """(prefill tok/s, decode tok/s) of one reply, kvchat's definitions (DESIGN.md)."""
+    """(prefill tok/s, decode tok/s) of one reply, kvchat's definitions (docs/design.md)."""
     from kvchat.model.runtime.generate import generate_step
 
     caches = make_prompt_cache(model, max_kv_size=len(prompt) + gen + 1, keep=4)

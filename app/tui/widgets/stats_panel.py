@@ -96,7 +96,7 @@ def _set(widget: Static, text: Text) -> None:
 
 def decode_elapsed(stats: TurnStats) -> float | None:
     """Seconds between the first and the last generated token, from the stats alone:
-    decode_tps = (n - 1) / span  =>  span = (n - 1) / decode_tps (DESIGN.md)."""
+    decode_tps = (n - 1) / span  =>  span = (n - 1) / decode_tps (docs/design.md)."""
     n = stats.generated_tokens or 0
     tps = stats.decode_tps or 0.0
     if n < 2 or tps <= 0:
