@@ -53,8 +53,8 @@ MIN_WORK_PER_THREAD = 1.0e7
 # a decode step runs every matmul of the model once for one row: its work is the model's
 # multiply-adds per token (`step_work`). Measured on an idle 2-core machine
 # (docs/performance.md, "BLAS threads"): a 135M-class model (1.3e8 per token) decoded
-# at 10.5-12.3 tok/s on two threads against 7.4-8.5 on one, while kvchat-mini (2.1e6) and stories260K (2.6e5)
-# gained nothing; 5e7 per thread puts the line between them.
+# at 10.5-12.3 tok/s on two threads against 7.4-8.5 on one, while kvchat-mini (2.1e6)
+# and stories260K (2.6e5) gained nothing; 5e7 per thread puts the line between them.
 DECODE_MIN_WORK = 5.0e7
 # how often (tokens) a multi-threaded decode re-reads the machine's load
 RECHECK_TOKENS = 32
