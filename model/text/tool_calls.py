@@ -243,7 +243,8 @@ Piece = str | ToolCall
 class ToolCallStream:
     """Parse a reply as it arrives: `feed(text)` and `finish()` return text pieces and
     completed ToolCalls in reply order; the text pieces joined are the reply without its
-    calls. Whitespace between and after calls is dropped once a call has been made.
+    calls and the whitespace around them (a reply without calls comes out whole), the
+    same however the text was split.
 
     States: `lead` (llama3: the reply's start, or just after a call, where a JSON call
     may begin), `text`, `call` (hermes: up to the closing marker), `json` (one JSON value
@@ -258,6 +259,7 @@ class ToolCallStream:
         self._value = ""  # the rest of its text: handed on as text if it is no call
         self._json = _JsonEnd()
         self._space = ""  # whitespace held until text follows it (a call drops it)
+        self._after_call = False  # whitespace from here on is dropped until text comes
 
     def feed(self, text: str) -> list[Piece]:
         self._buf += text
@@ -280,20 +282,27 @@ class ToolCallStream:
 
     # -- output
     def _emit(self, out: list[Piece], text: str) -> None:
-        if not text:
-            return
-        if not text.strip():
+        """Text out, but whitespace next to a call never: trailing whitespace waits for
+        what follows it, and whitespace just after a call is dropped (so the pieces do
+        not depend on where the stream was split)."""
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return
+            self._after_call = False
+        body = text.rstrip()
+        if not body:
             self._space += text
             return
-        out.append(self._space + text)
-        self._space = ""
+        out.append(self._space + body)
+        self._space = text[len(body):]
 
     def _done(self, out: list[Piece], calls: list[ToolCall] | None, rest: str) -> None:
         """The current call's text is read: its calls out (its text, if it was none)."""
         if calls is None:
             self._emit(out, self._raw + self._value)
         else:
-            self._space = ""
+            self._space, self._after_call = "", True
             self.calls.extend(calls)
             out.extend(calls)
         self._buf, self._raw, self._value = rest, "", ""
