@@ -30,7 +30,7 @@ import json
 import re
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -364,7 +364,3 @@ def constraint_for(tokenizer: Tokenizer, grammar: str, max_tokens: int,
     """A fresh Constraint for one reply of `tokenizer`'s model under `grammar`."""
     return Constraint(Vocabulary.of(tokenizer), grammar, max_tokens, what)
 
-
-def end_text(ids: Sequence[int], vocab: Vocabulary) -> bytes:
-    """The bytes the grammar saw for `ids` (tests and diagnostics)."""
-    return vocab.ll.decode_bytes(list(ids))

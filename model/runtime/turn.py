@@ -1,6 +1,10 @@
 """One chat turn as a generator of the events it makes, in order: Started,
-PrefillProgress after each prefill chunk, Overflow, TextDelta, Stats (~10/s),
-AttentionView (while watched), and one Done last, whatever happens.
+PrefillProgress after each prefill chunk, Overflow, TextDelta, ToolCallDelta (a turn with
+tools), Stats (~10/s), AttentionView (while watched), and one Done last, whatever happens.
+
+A turn may carry a grammar (GenParams.response_format, or a forced tool call): it is
+built before the model runs, so a schema it cannot enforce fails the turn with one line
+and the cache as it was (docs/serve.md, "Structured output" and "Tool calls").
 
 The engine drives it on its thread and emits what it yields. `TurnContext.stop` is the
 engine's cancel flag: checked while the template renders, between prefill chunks and
