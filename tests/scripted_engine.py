@@ -21,7 +21,7 @@ import asyncio
 import functools
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,8 +137,10 @@ class WordTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(self._pieces.get(int(i), "") for i in ids if int(i) not in self._tags)
 
-    def detokenizer(self, skip_special_tokens: bool = False) -> StreamDetokenizer:
-        # role tags are the only special pieces, and decode() always drops them
+    def detokenizer(self, skip_special_tokens: bool = False,
+                    keep: Container[int] = frozenset()) -> StreamDetokenizer:
+        # role tags are the only special pieces, and decode() always drops them (no tool
+        # marker is among them, so `keep` has nothing to keep)
         return StreamDetokenizer(self.decode)
 
 

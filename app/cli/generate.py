@@ -16,6 +16,7 @@ from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
 from kvchat.app.core.text import SafeStream
 from kvchat.model.cache.kv_math import human_bytes
 from kvchat.model.errors import KVChatError, error_line
+from kvchat.model.files import load_json
 from kvchat.model.runtime.events import Done, GenParams, stats_json
 
 
@@ -83,6 +84,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokenizer file to use: auto prefers tokenizer.json over tokenizer.model"
                    " (default %(default)s)")
     add_sampling_arguments(p)
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", metavar="FILE",
+                     help="constrain the reply to JSON valid for the JSON Schema in FILE"
+                     " (a keyword that cannot be enforced is refused by name)")
+    fmt.add_argument("--json-object", action="store_true",
+                     help="constrain the reply to one JSON object")
     p.add_argument("--ignore-eos", action="store_true",
                    help="generate --max-tokens tokens: EOS (and a base model's BOS) does not"
                    " end the reply, as llama.cpp's --ignore-eos")
@@ -96,7 +103,31 @@ def params_from_args(args: argparse.Namespace) -> GenParams:
         args,
         stop=tuple(t for t in map(_text_arg, args.stop) if t is not None),
         keep=GenParams().keep if args.keep is None else args.keep,
+        response_format=_response_format(args),
     )
+
+
+def _response_format(args: argparse.Namespace) -> dict[str, Any] | None:
+    """--json-schema FILE / --json-object as OpenAI's response_format; UsageError (one
+    line) for a file that is no JSON object or a schema that cannot be enforced."""
+    if getattr(args, "json_object", False):
+        return {"type": "json_object"}
+    path = getattr(args, "json_schema", None)
+    if path is None:
+        return None
+    try:
+        schema = load_json(path, dict)
+    except FileNotFoundError:
+        raise UsageError(f"--json-schema: {path}: no such file") from None
+    except KVChatError as e:
+        raise UsageError(f"--json-schema: {e}") from None
+    from kvchat.model.runtime.constrained import json_schema_grammar
+
+    try:
+        json_schema_grammar(schema, f"--json-schema {path}")  # refused before the model loads
+    except KVChatError as e:
+        raise UsageError(str(e)) from None
+    return {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
 
 
 QUIT_WAIT_S = 1.0  # how long an interrupted run waits for the engine thread to end

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvchat.model.cache.stats import CacheStats
 from kvchat.model.errors import KVChatError
+from kvchat.model.text.tool_calls import ToolCall
 
 if TYPE_CHECKING:
     from kvchat.model.decoder.kv_format import KVQuant
@@ -60,6 +61,13 @@ class GenParams:
     # whose cached prompts this turn may continue: a server's client (docs/serve.md, Who
     # can reach the server); None = the one shared partition (the chat, a single user)
     cache_partition: str | None = None
+    # structured output and tools, in OpenAI's shapes (docs/serve.md): `response_format`
+    # ({"type": "json_object"} or "json_schema") constrains the reply to a grammar
+    # (model/runtime/constrained.py); `tools` go to the chat template and calls come back
+    # as Done.tool_calls; `tool_choice` "required" or a named function forces a call
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     def kv_quant(self) -> KVQuant | None:
         from kvchat.model.decoder.kv_format import kv_quant
@@ -223,6 +231,15 @@ class TextDelta:
 
 
 @dataclass
+class ToolCallDelta:
+    """A tool call the reply made, sent once the call is complete (the `index`-th of the
+    turn); its text is never sent as TextDelta."""
+
+    index: int
+    call: ToolCall
+
+
+@dataclass
 class Stats:
     stats: TurnStats
 
@@ -230,12 +247,16 @@ class Stats:
 @dataclass
 class Done:
     # eos | stop | length | context_full (--overflow refuse hit the window) | cancelled | error
+    # | tool_calls (GenParams.tools: the reply made calls)
     finish_reason: str
     text: str
     ids: list[int]
     prompt_ids: list[int]
     stats: TurnStats = field(default_factory=TurnStats)
     error: str | None = None
+    # with GenParams.tools: the calls the reply made (`text` is then the rest of the
+    # reply, and finish_reason "tool_calls" when there are any)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass
@@ -308,8 +329,9 @@ class AttentionView:
 
 
 Event = (
-    Loading | Loaded | LoadFailed | Started | PrefillProgress | Overflow | TextDelta | Stats
-    | Done | CacheSaved | CacheRestored | KernelsSwitched | Explained | AttentionView
+    Loading | Loaded | LoadFailed | Started | PrefillProgress | Overflow | TextDelta
+    | ToolCallDelta | Stats | Done | CacheSaved | CacheRestored | KernelsSwitched | Explained
+    | AttentionView
 )
 
 Prompt = Sequence[Mapping[str, str]] | Sequence[int] | str

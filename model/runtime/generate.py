@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -336,6 +336,41 @@ def prefill(
         yield logits
 
 
+class _Upkeep:
+    """Between decode steps: OpenBLAS's thread count rechecked now and then, and the
+    caches quantized once --quantized-kv-start is reached (a new step for the new caches)."""
+
+    def __init__(self, model: Any, caches: Sequence[Any], compiled: bool) -> None:
+        self.model, self.caches, self.compiled = model, caches, compiled
+        self.pending = pending_quantization(caches) if isinstance(caches, list) else None
+        if self.pending is not None and maybe_quantize(caches):  # type: ignore[arg-type]
+            self.pending = pending_quantization(caches)
+        self.work = threads.step_work(model)
+        threads.apply_decode(self.work)
+        self.adapts = threads.policy().adapts(self.work)
+        self.step = decode_step(model, caches, compiled)
+
+    def before_step(self, n: int, last: mx.array) -> Callable[[mx.array], mx.array]:
+        """The step to run after `n` tokens (`last`: the newest id, in flight)."""
+        if self.adapts and n and n % threads.RECHECK_TOKENS == 0:
+            mx.eval(last)  # MLX idle: OpenBLAS's count changes between calls only
+            threads.apply_decode(self.work)  # another program may have started
+        if self.pending is not None and maybe_quantize(self.caches):  # type: ignore[arg-type]
+            # the caches changed class: a step for the new ones
+            self.pending = pending_quantization(self.caches)
+            self.step = decode_step(self.model, self.caches, self.compiled)
+        return self.step
+
+
+class Constrain(Protocol):
+    """A grammar over the reply (model/runtime/constrained.py's Constraint)."""
+
+    finished: bool
+
+    def apply(self, logits: mx.array) -> mx.array: ...
+    def advance(self, token: int) -> int: ...
+
+
 def decode(
     model: Any,
     logits: mx.array,
@@ -345,24 +380,23 @@ def decode(
     max_tokens: int = 256,
     compiled: bool = True,
     progress: Progress,
+    constraint: Constrain | None = None,
 ) -> Iterator[int]:
     """Yield up to `max_tokens` sampled ids, the first from `logits` (prefill's last).
 
     The next step is queued (`mx.async_eval`) before the current id is read, so the host
     only waits for the id it needs. Closing the generator waits for the in-flight step, so
     the caches are consistent afterwards: they hold the prompt and the first
-    `progress.fed` yielded ids.
+    `progress.fed` yielded ids. With a `constraint` see `_decode_constrained`.
     """
     if max_tokens < 1:
         return
-    pending = pending_quantization(caches) if isinstance(caches, list) else None
-    if pending is not None and maybe_quantize(caches):  # type: ignore[arg-type]
-        pending = pending_quantization(caches)
-    work = threads.step_work(model)
-    threads.apply_decode(work)
-    adapts = threads.policy().adapts(work)
-    step = decode_step(model, caches, compiled)
-    progress.compiled = isinstance(step, CompiledStep)
+    if constraint is not None:
+        yield from _decode_constrained(model, logits, caches, sample, max_tokens, compiled,
+                                       progress, constraint)
+        return
+    upkeep = _Upkeep(model, caches, compiled)
+    progress.compiled = isinstance(upkeep.step, CompiledStep)
     y = sample(logits)
     mx.async_eval(y)
     next_y = None
@@ -371,13 +405,7 @@ def decode(
         while True:
             next_y = None
             if n + 1 < max_tokens:
-                if adapts and n and n % threads.RECHECK_TOKENS == 0:
-                    mx.eval(y)  # MLX idle: OpenBLAS's count changes between calls only
-                    threads.apply_decode(work)  # another program may have started
-                if pending is not None and maybe_quantize(caches):  # type: ignore[arg-type]
-                    # the caches changed class: a step for the new ones
-                    pending = pending_quantization(caches)
-                    step = decode_step(model, caches, compiled)
+                step = upkeep.before_step(n, y)
                 next_y = sample(step(y))
                 mx.async_eval(next_y)
                 progress.fed += 1
@@ -392,6 +420,37 @@ def decode(
             mx.eval(next_y)  # the in-flight step finishes before anyone touches the cache
 
 
+def _decode_constrained(model: Any, logits: mx.array, caches: Sequence[Any], sample: Sample,
+                        max_tokens: int, compiled: bool, progress: Progress,
+                        constraint: Constrain) -> Iterator[int]:
+    """`decode` under a grammar. The grammar must see each id before it can mask the next
+    logits, so an id is read before the next step is queued; the step's logits are then
+    masked on the host (`constraint.apply`) while the step runs, and the id the
+    constraint keeps (`advance`) is the one the model is fed."""
+    upkeep = _Upkeep(model, caches, compiled)
+    progress.compiled = isinstance(upkeep.step, CompiledStep)
+    in_flight = None
+    n = 0
+    try:
+        while True:
+            y = sample(constraint.apply(logits))
+            token = constraint.advance(int(y.item()))
+            n += 1
+            in_flight = None
+            if n < max_tokens and not constraint.finished:
+                ids = mx.array([token], dtype=y.dtype)
+                step = upkeep.before_step(n - 1, ids)
+                logits = in_flight = step(ids)
+                mx.async_eval(logits)
+                progress.fed += 1
+            yield token
+            if in_flight is None:
+                return
+    finally:
+        if in_flight is not None:
+            mx.eval(in_flight)
+
+
 def generate_step(
     model: Any,
     prompt: Sequence[int],
@@ -403,6 +462,7 @@ def generate_step(
     compiled: bool = True,
     progress: Progress | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    constraint: Constrain | None = None,
 ) -> Iterator[int]:
     """Prefill `prompt` (the ids not yet in `caches`) in chunks, then yield up to
     `max_tokens` sampled ids (`prefill` then `decode`; the engine's turn drives the two
@@ -416,4 +476,4 @@ def generate_step(
         logits = chunk_logits  # the last chunk's give the first token
     assert logits is not None  # prefill raised on an empty prompt
     yield from decode(model, logits, caches, sample=sample, max_tokens=max_tokens,
-                      compiled=compiled, progress=prog)
+                      compiled=compiled, progress=prog, constraint=constraint)

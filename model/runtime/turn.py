@@ -1,6 +1,10 @@
 """One chat turn as a generator of the events it makes, in order: Started,
-PrefillProgress after each prefill chunk, Overflow, TextDelta, Stats (~10/s),
-AttentionView (while watched), and one Done last, whatever happens.
+PrefillProgress after each prefill chunk, Overflow, TextDelta, ToolCallDelta (a turn with
+tools), Stats (~10/s), AttentionView (while watched), and one Done last, whatever happens.
+
+A turn may carry a grammar (GenParams.response_format, or a forced tool call): it is
+built before the model runs, so a schema it cannot enforce fails the turn with one line
+and the cache as it was (docs/serve.md, "Structured output" and "Tool calls").
 
 The engine drives it on its thread and emits what it yields. `TurnContext.stop` is the
 engine's cancel flag: checked while the template renders, between prefill chunks and
@@ -18,13 +22,24 @@ import os
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from kvchat.model.errors import NEVER_CAUGHT, KVChatError, error_line
 from kvchat.model.text.chat_template import TemplateCancelled
 from kvchat.model.text.tokenizer import Tokenizer
+from kvchat.model.text.tool_calls import (
+    CallFormat,
+    ToolCallError,
+    ToolCallStream,
+    call_format,
+    check_tools,
+    chosen_tools,
+    marker_tokens,
+    reads_tools,
+    template_messages,
+)
 
 from .attention_watch import AttentionWatch
 from .chat_cache import ChatCache
@@ -37,12 +52,16 @@ from .events import (
     Started,
     Stats,
     TextDelta,
+    ToolCallDelta,
     TurnStats,
 )
 from .generate import PREFILL_CHUNK, Progress, decode, prefill
 from .sampling import Sampler
 from .stops import StopMatcher
 from .turn_stats import STATS_INTERVAL_S, Evictions, TurnMeter
+
+if TYPE_CHECKING:
+    from .constrained import Constraint
 
 
 @dataclass(frozen=True)
@@ -81,9 +100,43 @@ def is_blank(prompt: Prompt) -> bool:
     return isinstance(last, dict) and not str(last.get("content") or "").strip()
 
 
-def prompt_ids(ctx: TurnContext, prompt: Prompt) -> list[int]:
+@dataclass(frozen=True)
+class ToolUse:
+    """A turn's tools: rendered by the chat template, calls parsed out in `fmt`."""
+
+    tools: list[dict[str, Any]]
+    fmt: CallFormat
+    forced: list[dict[str, Any]] | None  # tool_choice required / named: a call must come
+
+
+def tool_use(tokenizer: Tokenizer, params: GenParams) -> ToolUse | None:
+    """The turn's ToolUse (None without tools, or with tool_choice "none": the tools are
+    then neither rendered nor parsed); KVChatError for a chat template that never reads
+    `tools` (naming the model), or tools / a choice that cannot be used."""
+    if not params.tools:
+        if params.tool_choice not in (None, "none", "auto"):
+            raise ToolCallError("tool_choice needs tools")
+        return None
+    tools = check_tools(params.tools)
+    forced = chosen_tools(tools, params.tool_choice)
+    if forced == []:
+        return None
+    template = tokenizer.tool_template or tokenizer.chat_template
+    if not reads_tools(template):
+        name = tokenizer.path.name if tokenizer.path is not None else "this model"
+        kind = "chat template" if template is not None else "model (it has no chat template)"
+        raise ToolCallError(f"{name}: the {kind} does not support tools (the template never"
+                            " reads `tools`), so tool calls cannot be made with it")
+    return ToolUse(tools, call_format(template), forced)
+
+
+def prompt_ids(ctx: TurnContext, prompt: Prompt, tools: ToolUse | None = None) -> list[int]:
     """The ids of a prompt: raw text encoded, ids checked against the vocabulary, a
-    conversation rendered by the chat template (a cancel stops a slow one at once)."""
+    conversation rendered by the chat template (a cancel stops a slow one at once), with
+    the tools when there are any."""
+    if isinstance(prompt, str) or all(isinstance(x, int) for x in prompt):
+        if tools is not None:
+            raise ToolCallError("tools need a conversation (messages), not a raw prompt")
     if isinstance(prompt, str):
         return ctx.tokenizer.encode(prompt)
     if all(isinstance(x, int) for x in prompt):
@@ -92,7 +145,30 @@ def prompt_ids(ctx: TurnContext, prompt: Prompt) -> list[int]:
         if bad:  # an embedding lookup out of range reads past the table (a crash)
             raise KVChatError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         return list(prompt)  # type: ignore[arg-type]
-    return ctx.tokenizer.encode_chat(list(prompt), should_stop=ctx.stop)  # type: ignore[arg-type]
+    messages = template_messages(prompt)  # type: ignore[arg-type]
+    extra = {"tools": tools.tools} if tools is not None else {}
+    return ctx.tokenizer.encode_chat(messages, should_stop=ctx.stop, **extra)
+
+
+def make_constraint(ctx: TurnContext, params: GenParams, tools: ToolUse | None
+                    ) -> Constraint | None:
+    """The grammar the reply must follow: `response_format`'s, or a forced tool call's
+    (docs/serve.md, "Structured output"); GrammarError for one it cannot enforce."""
+    from .constrained import GrammarError, constraint_for, response_format_grammar
+
+    grammar = response_format_grammar(params.response_format)
+    what = "response_format"
+    if tools is not None and tools.forced:
+        if grammar is not None:
+            raise GrammarError("response_format cannot be combined with a forced tool_choice")
+        from .tool_grammar import tool_call_grammar
+
+        many = params.tool_choice == "required"
+        grammar = tool_call_grammar(tools.fmt, tools.forced, ctx.tokenizer, many)
+        what = "tool call"
+    if grammar is None:
+        return None
+    return constraint_for(ctx.tokenizer, grammar, params.max_tokens, what)
 
 
 def fit_context(params: GenParams, n_prompt: int, capacity: int
@@ -119,12 +195,14 @@ def run_turn(ctx: TurnContext, prompt: Prompt, params: GenParams, t_submit: floa
         params.validate()
         if is_blank(prompt):
             raise KVChatError("empty prompt: type a message first")
-        ids = prompt_ids(ctx, prompt)
+        tools = tool_use(ctx.tokenizer, params)
+        ids = prompt_ids(ctx, prompt, tools)
         if not ids:
             raise KVChatError("empty prompt")
         capacity = params.max_kv_size or ctx.model.config.max_position_embeddings
         params, context_room = fit_context(params, len(ids), capacity)
-        yield from _generate(ctx, ids, params, t_submit, context_room)
+        constraint = make_constraint(ctx, params, tools)
+        yield from _generate(ctx, ids, params, t_submit, context_room, tools, constraint)
     except TemplateCancelled:
         yield Done("cancelled", "", [], ids)
     except PartialReply as p:
@@ -181,8 +259,37 @@ def _sampler(ctx: TurnContext, params: GenParams, prompt: list[int]
     return sample
 
 
+class _Reply:
+    """The reply's visible text on its way out: tool calls taken out of it when the turn
+    has tools (model/text/tool_calls.py), the rest as TextDelta."""
+
+    def __init__(self, tools: ToolUse | None) -> None:
+        self.calls = ToolCallStream(tools.fmt) if tools is not None else None
+        self.parts: list[str] = []
+
+    def events(self, text: str, token: int, final: bool = False) -> Iterator[Event]:
+        if self.calls is None:
+            pieces: list[str | Any] = [text] if text else []
+        else:
+            pieces = self.calls.feed(text) if text else []
+            if final:
+                pieces += self.calls.finish()
+        for p in pieces:
+            if isinstance(p, str):
+                self.parts.append(p)
+                yield TextDelta(p, token)
+            else:
+                assert self.calls is not None
+                yield ToolCallDelta(self.calls.calls.index(p), p)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
 def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: float,
-              context_room: int | None) -> Iterator[Event]:
+              context_room: int | None, tools: ToolUse | None = None,
+              constraint: Constraint | None = None) -> Iterator[Event]:
     model, chat = ctx.model, ctx.chat
     mx.reset_peak_memory()
     cached, again, reason = chat.prepare(model, ids, params, ctx.reuse_prefix)
@@ -195,8 +302,12 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
     evictions = Evictions(model, caches)
     todo = ids[cached:]
     progress = Progress()
-    detok = ctx.tokenizer.detokenizer(skip_special_tokens=True)  # control tokens are never text
+    # control tokens are never text, except a tool-call marker the parser must see
+    markers = marker_tokens(tools.fmt) if tools is not None else ()
+    keep = {i for m in markers if (i := ctx.tokenizer.token_to_id(m)) is not None}
+    detok = ctx.tokenizer.detokenizer(skip_special_tokens=True, keep=keep)
     stops = StopMatcher(params.stop)
+    reply = _Reply(tools)
     eos = set(ctx.tokenizer.end_ids)  # EOS, and BOS: a base model starting a new document
     generated: list[int] = []
     finish = "length"
@@ -218,7 +329,8 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
             yield overflow
 
         steps = decode(model, logits, caches, sample=_sampler(ctx, params, ids),
-                       max_tokens=params.max_tokens, compiled=ctx.compiled, progress=progress)
+                       max_tokens=params.max_tokens, compiled=ctx.compiled, progress=progress,
+                       constraint=constraint)
         try:
             for token in steps:
                 now = ctx.clock()
@@ -228,8 +340,7 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
                     finish = "eos"
                     break
                 text, hit = stops.feed(detok.add_token(token))
-                if text:
-                    yield TextDelta(text, token)
+                yield from reply.events(text, token)
                 if hit:
                     finish = "stop"
                     break
@@ -253,11 +364,12 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
     except BaseException as e:  # a pipeline rank died, MLX failed: keep what was shown
         raise PartialReply(e, stops.shown, generated) from e
 
+    tail = ""
     if finish != "stop":  # flush text held for UTF-8 completion or stop matching
         tail, _ = stops.feed(detok.finalize())
         tail += stops.flush()
-        if tail:
-            yield TextDelta(tail, generated[-1])
+    if generated:
+        yield from reply.events(tail, generated[-1], final=True)
     chat.ids.extend(generated[: progress.fed])
     if (overflow := evictions.overflow("reply")) is not None:
         yield overflow
@@ -265,4 +377,8 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
         finish = "context_full"
     final = ctx.stats(meter.decoded(len(generated)))
     yield Stats(final)
-    yield Done(finish, stops.text, generated, ids, final)
+    calls = reply.calls.calls if reply.calls is not None else []
+    if calls and finish != "cancelled":
+        finish = "tool_calls"
+    text = reply.text if reply.calls is not None else stops.text
+    yield Done(finish, text, generated, ids, final, tool_calls=list(calls))

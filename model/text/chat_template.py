@@ -439,6 +439,19 @@ def _compile(source: str) -> jinja2.Template:
         raise TemplateError(f"chat template cannot be compiled: {one_line(e)}") from None
 
 
+@lru_cache(maxsize=32)
+def reads_variable(template: str, name: str) -> bool:
+    """Does `template` read the variable `name` anywhere (`tools`, say)? Parsed only,
+    never run; a template that does not parse reads nothing."""
+    import jinja2.meta
+
+    try:
+        tree = _ENV.parse(template)
+    except Exception:  # noqa: BLE001 - a bad template is reported when it renders
+        return False
+    return name in jinja2.meta.find_undeclared_variables(tree)
+
+
 def _plain(value: Any) -> Any:
     """Rebuild template inputs from plain JSON types (as transformers does).
 
@@ -599,6 +612,17 @@ def template_from_config(value: Any, source: str = "tokenizer_config.json") -> s
             # No "default": the first one is the best guess (tool/RAG variants come later).
             return next(iter(named.values()))
     raise TemplateError(f"{source}: chat_template must be a string or a list of {{name, template}}")
+
+
+def named_template(value: Any, name: str) -> str | None:
+    """The template called `name` in a named-list ``chat_template`` (``tool_use``: the one
+    transformers renders when tools are given), or None."""
+    if not isinstance(value, list):
+        return None
+    for t in value:
+        if isinstance(t, Mapping) and t.get("name") == name and isinstance(t.get("template"), str):
+            return t["template"]
+    return None
 
 
 def load_chat_template(folder: str | Path, tokenizer_config: Mapping[str, Any] | None = None

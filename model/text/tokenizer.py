@@ -364,6 +364,7 @@ class Tokenizer:
         chat_template: str | None,
         special_tokens: Mapping[str, str],
         path: Path | None = None,
+        tool_template: str | None = None,
     ) -> None:
         self._backend = backend
         self.kind: Kind = backend.kind
@@ -373,6 +374,7 @@ class Tokenizer:
         self.eos_ids = list(eos_ids)
         self.add_bos = add_bos
         self.chat_template = chat_template
+        self.tool_template = tool_template  # a config's "tool_use" template, used with tools
         self.special_tokens = dict(special_tokens)  # named tokens, passed to templates
         self.path = path
         # Ids whose text stays open until a later token (see StreamDetokenizer), per skip mode;
@@ -394,6 +396,28 @@ class Tokenizer:
         extra = [self.bos_id] if self.bos_id is not None and self.bos_id not in self.eos_ids else []
         return [*self.eos_ids, *extra]
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Control ids (BOS, EOS, chat markers): never text, dropped by skip_special_tokens."""
+        b = self._backend
+        if isinstance(b, _SentencePieceBackend):
+            return frozenset(b.special_ids)
+        return frozenset(i for i, t in b.tok.get_added_tokens_decoder().items() if t.special)
+
+    def tokenizer_json(self) -> str | None:
+        """The tokenizer.json this tokenizer runs, config-declared tokens included; None
+        for SentencePiece (then `token_bytes` spells the vocabulary)."""
+        b = self._backend
+        return b.tok.to_str() if isinstance(b, _HFBackend) else None
+
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id spells (`▁` as a space, `<0xNN>` as its byte, control tokens
+        as written), for the SentencePiece kind; a tokenizer.json: `tokenizer_json()`."""
+        b = self._backend
+        if not isinstance(b, _SentencePieceBackend):
+            raise TokenizerError("token_bytes is for SentencePiece; use tokenizer_json()")
+        return list(b.table)
+
     def token_to_id(self, token: str) -> int | None:
         """The id of one token string (special tokens included), or None."""
         return self._backend.token_to_id(token)
@@ -411,17 +435,30 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens)
 
-    def detokenizer(self, skip_special_tokens: bool = False) -> StreamDetokenizer:
-        """A fresh streaming detokenizer whose text equals ``decode(ids, skip_special_tokens)``."""
+    def detokenizer(self, skip_special_tokens: bool = False,
+                    keep: Container[int] = frozenset()) -> StreamDetokenizer:
+        """A fresh streaming detokenizer whose text equals ``decode(ids, skip_special_tokens)``;
+        ids in `keep` are written even when special tokens are skipped (a tool-call
+        marker that is a control token, say): the text between them decodes on its own."""
         backend = self._backend
         skip = bool(skip_special_tokens)
+        kept = frozenset(i for i in self.special_ids if i in keep) if skip else frozenset()
 
         def decode(ids: list[int]) -> str:
-            return backend.decode(ids, skip)
+            if not kept or not kept.intersection(ids):
+                return backend.decode(ids, skip)
+            parts, run = [], []
+            for i in ids:
+                if i in kept:
+                    parts += [backend.decode(run, True), backend.decode([i], False)]
+                    run = []
+                else:
+                    run.append(i)
+            return "".join(parts) + backend.decode(run, True)
 
         if skip not in self._pending:
             self._pending[skip] = backend.pending_ids(skip)
-        return StreamDetokenizer(decode, self._pending[skip])
+        return StreamDetokenizer(decode, self._pending[skip] - kept)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **extra: Any) -> str:
@@ -431,6 +468,8 @@ class Tokenizer:
         bos = context.pop("bos_token", None)
         eos = context.pop("eos_token", None)
         template = self.chat_template
+        if context.get("tools") and self.tool_template is not None:
+            template = self.tool_template  # as transformers picks it
         if template is None:
             template = _chat.PLAIN_FALLBACK
             # The fallback is plain text, so BOS goes in front only when the model wants one.
@@ -555,6 +594,7 @@ def load_tokenizer(
         template = _chat.load_chat_template(folder, tok_cfg)
     except _chat.TemplateError as e:
         raise TokenizerError(str(e)) from None
+    tool_template = _chat.named_template(tok_cfg.get("chat_template"), "tool_use")
 
     return Tokenizer(
         backend,
@@ -566,6 +606,7 @@ def load_tokenizer(
         chat_template=template,
         special_tokens=named,
         path=folder,
+        tool_template=tool_template,
     )
 
 
