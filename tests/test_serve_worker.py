@@ -239,7 +239,9 @@ def test_refused_fields_accept_only_what_asks_for_nothing() -> None:
                   {"store": True}, {"web_search_options": None}):
         protocol.parse("chat", {**body, **extra}, LIMITS)
     for extra in ({"n": True}, {"n": 1.0}, {"logprobs": 0}, {"web_search_options": {}},
-                  {"tool_choice": "auto"}, {"response_format": {"type": "json_object"}}):
+                  {"tool_choice": "required"}, {"functions": [{"name": "f"}]},
+                  {"response_format": {"type": "json_schema", "json_schema": {
+                      "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}):
         name = next(iter(extra))
         with pytest.raises(protocol.ApiError) as e:
             protocol.parse("chat", {**body, **extra}, LIMITS)

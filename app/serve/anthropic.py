@@ -17,6 +17,7 @@ from kvchat.app.serve import protocol
 from kvchat.app.serve.errors import ApiError, bad
 from kvchat.app.serve.protocol import Limits, Request, SseEvent
 from kvchat.model.runtime.events import Done, Started
+from kvchat.model.text.tool_calls import ToolCall
 
 # the engine's finish reasons in Anthropic's words (cancelled/error never reach a client)
 STOP_REASONS = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens",
@@ -156,6 +157,9 @@ class AnthropicWire:
                                    "message": _message(req, [], usage)}),
                 ("content_block_start", {"type": "content_block_start", "index": 0,
                                          "content_block": {"type": "text", "text": ""}})]
+
+    def tool_call(self, req: Request, index: int, call: ToolCall) -> list[SseEvent]:
+        return []  # never made: `tools` are refused on this route (fields.py)
 
     def text(self, req: Request, text: str) -> list[SseEvent]:
         return [("content_block_delta", {"type": "content_block_delta", "index": 0,

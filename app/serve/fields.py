@@ -89,19 +89,20 @@ _SAMPLING = {
 
 CHAT = {
     **_SAMPLING,
-    "messages": _honoured("system / developer / user / assistant, text content"),
+    "messages": _honoured("system / developer / user / assistant / tool, text content"),
     "max_completion_tokens": _honoured("as `max_tokens` (wins over it)"),
     "logprobs": _refused("no log probabilities", _none_or(False)),
     "top_logprobs": _refused("no log probabilities", _none_or(0)),
-    "tools": _refused("tool calls are not wired yet; refused rather than answered as text",
-                      _empty),
-    "tool_choice": _refused("tool calls are not wired yet", _none_or("none")),
-    "parallel_tool_calls": _advisory("no tools run (they are refused)"),
-    "functions": _refused("tool calls are not wired yet", _empty),
-    "function_call": _refused("tool calls are not wired yet", _none_or("none")),
-    "response_format": _refused(
-        "structured output is not wired yet; refused rather than answered as free text",
-        lambda v: v is None or v == {"type": "text"}),
+    "tools": _honoured("functions, rendered by the model's chat template (one that never"
+                       " reads `tools` is refused)"),
+    "tool_choice": _honoured("`auto`, `none`, `required` or a named function (forced calls"
+                             " are constrained to validate)"),
+    # the model may write several calls or one; kvchat returns what it wrote
+    "parallel_tool_calls": _advisory("the calls the model writes are returned, one or more"),
+    "functions": _refused("the deprecated form: use `tools`", _empty),
+    "function_call": _refused("the deprecated form: use `tool_choice`", _none_or("none")),
+    "response_format": _honoured("`text`, `json_object` or `json_schema` (enforced while"
+                                 " decoding; an unenforceable keyword is refused by name)"),
     "audio": _refused("text only"),
     "modalities": _refused("text only", lambda v: v is None or v == ["text"]),
     "reasoning_effort": _refused("no reasoning controls"),
@@ -133,12 +134,12 @@ STREAM_OPTIONS = {
 }
 
 MESSAGE = {
-    "role": _honoured("system, developer (as system), user, assistant"),
-    "content": _honoured("a string or text parts"),
+    "role": _honoured("system, developer (as system), user, assistant, tool"),
+    "content": _honoured("a string or text parts (null beside an assistant's tool_calls)"),
     "name": _refused("the chat template is not given participant names", _empty),
-    "tool_calls": _refused("tool calls are not wired yet", _empty),
-    "tool_call_id": _refused("tool calls are not wired yet"),
-    "function_call": _refused("tool calls are not wired yet"),
+    "tool_calls": _honoured("an assistant's past calls, rendered by the chat template"),
+    "tool_call_id": _honoured("a tool result's call id, rendered by the chat template"),
+    "function_call": _refused("the deprecated form: use `tool_calls`"),
     "audio": _refused("text only"),
     "refusal": _advisory("a past refusal's text; its content is what the model reads"),
 }

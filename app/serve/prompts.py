@@ -5,7 +5,9 @@ ahead of everyone else's (docs/serve.md, Who can reach the server).
 The engine is sent the ids, so it renders and tokenizes nothing itself: the count the
 server checked is the count the engine runs. The tokenizer is the engine's (same folder,
 same `--tokenizer` choice), loaded here once per model; work runs on one thread of its
-own, so the event loop keeps answering while a long prompt is read.
+own, so the event loop keeps answering while a long prompt is read. A request with tools
+is rendered with them exactly as the engine's turn would (model/runtime/turn.py,
+`tool_use` and `prompt_ids`); the engine still parses the calls out of the reply.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from typing import Any
 from kvchat.app.serve.errors import ApiError
 from kvchat.app.serve.protocol import Request
 from kvchat.model.errors import KVChatError
+from kvchat.model.runtime.events import GenParams
+from kvchat.model.runtime.turn import tool_use
 from kvchat.model.text.tokenizer import Tokenizer, load_tokenizer
+from kvchat.model.text.tool_calls import template_messages
 
 KEPT_TOKENIZERS = 4  # models a server switches between (--models-dir); the rest load again
 
@@ -60,9 +65,12 @@ class PromptEncoder:
             return fit(list(req.prompt), req)  # ids already: nothing to wait for
         loop = asyncio.get_running_loop()
         try:
-            ids = await loop.run_in_executor(self._pool, self._encode, req.prompt, model_path)
-        except KVChatError as e:  # a template that raises, a tokenizer that cannot load
-            raise ApiError(400, str(e), code="invalid_prompt") from None
+            ids = await loop.run_in_executor(self._pool, self._encode, req.prompt, model_path,
+                                             req.params)
+        except KVChatError as e:  # a template that raises (or reads no tools), a tokenizer
+            # that cannot load
+            param = "tools" if req.params.tools else None
+            raise ApiError(400, str(e), param=param, code="invalid_prompt") from None
         return fit(ids, req)
 
     async def decode(self, ids: list[int], model_path: str) -> str:
@@ -72,11 +80,14 @@ class PromptEncoder:
         return await loop.run_in_executor(
             self._pool, lambda: self._tokenizer(model_path).decode(ids, skip_special_tokens=True))
 
-    def _encode(self, prompt: Any, model_path: str) -> list[int]:  # the prompts thread
+    def _encode(self, prompt: Any, model_path: str, params: GenParams
+                ) -> list[int]:  # the prompts thread
         tok = self._tokenizer(model_path)
         if isinstance(prompt, str):
             return tok.encode(prompt)
-        return tok.encode_chat(prompt)
+        tools = tool_use(tok, params)  # ToolCallError: a template that never reads tools
+        extra = {"tools": tools.tools} if tools is not None else {}
+        return tok.encode_chat(template_messages(prompt), **extra)
 
     def _tokenizer(self, path: str) -> Tokenizer:
         tok = self._tokenizers.pop(path, None)

@@ -20,13 +20,16 @@ from typing import Any, Protocol
 from kvchat.app.serve import fields as known
 from kvchat.app.serve.errors import ApiError, bad
 from kvchat.model.errors import KVChatError
+from kvchat.model.runtime.constrained import response_format_grammar
 from kvchat.model.runtime.events import Done, GenParams, Started, stats_json
+from kvchat.model.text.tool_calls import ToolCall, check_tools, chosen_tools
 
 __all__ = ["ApiError", "Limits", "Request", "bad", "parse"]
 
 MAX_SEED = 2**64 - 1  # the sampler's seed range (model/runtime/sampling.py)
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
 MAX_STOPS = 16
 MAX_NAME_CHARS = 1024  # `user` and `prompt_cache_key`: names, not documents
 # OpenAI's Responses API name: "disabled" (the default) refuses a prompt past the
@@ -41,7 +44,8 @@ RANGES: dict[str, tuple[float, float, bool]] = {
 }
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 # the engine's finish reasons in OpenAI's words (cancelled/error never reach a client)
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_full": "length"}
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_full": "length",
+          "tool_calls": "tool_calls"}
 
 
 @dataclass
@@ -236,7 +240,61 @@ def _content(m: Mapping[str, Any], i: int) -> str:
               f"messages[{i}].content")
 
 
-def _messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
+def _message(m: Mapping[str, Any], i: int) -> dict[str, Any]:
+    """One message as the chat template reads it: an assistant's `tool_calls` and a tool
+    result's `tool_call_id` pass through (the turn makes `arguments` objects itself)."""
+    role = m.get("role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise bad(f"messages[{i}].role must be one of system, developer, user, assistant,"
+                  " tool", f"messages[{i}].role")
+    out: dict[str, Any] = {"role": ROLES[role], "content": _content(m, i)}
+    calls = m.get("tool_calls")
+    if calls:
+        if role != "assistant" or not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str) for c in calls):
+            raise bad(f"messages[{i}].tool_calls must be an assistant's list of"
+                      " {id, type, function: {name, arguments}}", f"messages[{i}].tool_calls")
+        out["tool_calls"] = calls
+    call_id = m.get("tool_call_id")
+    if call_id is not None:
+        if role != "tool" or not isinstance(call_id, str):
+            raise bad(f"messages[{i}].tool_call_id must be a tool message's string",
+                      f"messages[{i}].tool_call_id")
+        out["tool_call_id"] = call_id
+    return out
+
+
+def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
+    """`tools`, `tool_choice` and `response_format` checked before the request queues
+    (a 400 naming the field or schema keyword); the engine enforces them."""
+    out: dict[str, Any] = {}
+    tools, choice, fmt = body.get("tools"), body.get("tool_choice"), body.get("response_format")
+    try:
+        response_format_grammar(fmt)
+    except KVChatError as e:
+        raise bad(str(e), "response_format") from None
+    if fmt is not None and fmt != {"type": "text"}:
+        out["response_format"] = fmt
+    if tools:
+        try:
+            checked = check_tools(tools)
+        except KVChatError as e:
+            raise bad(str(e), "tools") from None
+        out["tools"] = checked
+    if choice is not None:
+        try:
+            if tools:
+                chosen_tools(out["tools"], choice)
+            elif choice not in ("none", "auto"):
+                raise KVChatError("tool_choice needs tools")
+        except KVChatError as e:
+            raise bad(str(e), "tool_choice") from None
+        out["tool_choice"] = choice
+    return out
+
+
+def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list):
         raise bad("'messages' must be a list of {role, content} objects", "messages")
@@ -247,11 +305,7 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
         if not isinstance(m, dict):
             raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
         known.check(m, known.MESSAGE, f"messages[{i}].")
-        role = m.get("role")
-        if not isinstance(role, str) or role not in ROLES:
-            raise bad(f"messages[{i}].role must be one of system, developer, user, assistant",
-                      f"messages[{i}].role")
-        out.append({"role": ROLES[role], "content": _content(m, i)})
+        out.append(_message(m, i))
     if not out[-1]["content"].strip():
         raise bad("the last message is empty: nothing to reply to", "messages")
     return out
@@ -295,7 +349,11 @@ def parse(kind: str, body: Any, limits: Limits) -> Request:
     stream, include_usage = _stream(body)
     cap = limits.max_prompt_tokens
     cache_key, user = _name(body, "prompt_cache_key"), _name(body, "user")
-    return Request(kind, prompt, _params(body, limits, capacity), stream, include_usage,
+    params = _params(body, limits, capacity)
+    if kind == "chat":
+        for name, value in _tools(body).items():
+            setattr(params, name, value)
+    return Request(kind, prompt, params, stream, include_usage,
                    model, path, prompt_limit=min(context, cap) if cap else context,
                    context=context, truncation=_truncation(body),
                    cache_name=cache_key or user)
@@ -329,9 +387,12 @@ def completion(req: Request, done: Done) -> dict[str, Any]:
     """The non-streaming response."""
     finish = FINISH.get(done.finish_reason, "stop")
     if req.kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
-                                                           "content": done.text},
-                                  "logprobs": None, "finish_reason": finish}
+        message: dict[str, Any] = {"role": "assistant", "content": done.text}
+        if done.tool_calls:
+            message["content"] = done.text or None
+            message["tool_calls"] = [c.openai() for c in done.tool_calls]
+        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None,
+                                  "finish_reason": finish}
         head = _head(req, "chat.completion")
     else:
         choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": finish}
@@ -364,6 +425,13 @@ def chunk(req: Request, text: str | None = None, *, first: bool = False,
     return out
 
 
+def tool_call_chunk(req: Request, index: int, call: ToolCall) -> dict[str, Any]:
+    """A streamed tool call: the whole call, in one chunk, once the reply completed it."""
+    delta = {"tool_calls": [{"index": index, **call.openai()}]}
+    return {**_head(req, "chat.completion.chunk"),
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+
+
 def usage_chunk(req: Request, done: Done) -> dict[str, Any]:
     """stream_options.include_usage: the last chunk, no choices, the usage and the
     `kvchat` object."""
@@ -384,6 +452,7 @@ class Wire(Protocol):
     def whole(self, req: Request, done: Done, stop: str | None) -> dict[str, Any]: ...
     def start(self, req: Request, started: Started) -> list[SseEvent]: ...
     def text(self, req: Request, text: str) -> list[SseEvent]: ...
+    def tool_call(self, req: Request, index: int, call: ToolCall) -> list[SseEvent]: ...
     def end(self, req: Request, done: Done, stop: str | None) -> list[SseEvent]: ...
     def error(self, err: ApiError) -> list[SseEvent]: ...
     def error_body(self, err: ApiError) -> dict[str, Any]: ...
@@ -402,6 +471,9 @@ class OpenAIWire:
 
     def text(self, req: Request, text: str) -> list[SseEvent]:
         return [(None, chunk(req, text))]
+
+    def tool_call(self, req: Request, index: int, call: ToolCall) -> list[SseEvent]:
+        return [(None, tool_call_chunk(req, index, call))]
 
     def end(self, req: Request, done: Done, stop: str | None) -> list[SseEvent]:
         out = [(None, chunk(req, done=done))]

@@ -36,7 +36,7 @@ from kvchat.app.serve.log import RequestLog
 from kvchat.app.serve.prompts import PromptEncoder
 from kvchat.app.serve.protocol import Limits
 from kvchat.app.serve.worker import RETRY_AFTER_S, EngineWorker, Job, NotReady, QueueFull
-from kvchat.model.runtime.events import Done, Started, TextDelta, stats_json
+from kvchat.model.runtime.events import Done, Started, TextDelta, ToolCallDelta, stats_json
 from kvchat.model.runtime.stops import stop_found
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -497,6 +497,8 @@ class JobResponse:
             if isinstance(ev, TextDelta):
                 text = ev.text + self._more_text()
                 await self._events(send, self.wire.text(self.req, text))
+            elif isinstance(ev, ToolCallDelta):
+                await self._events(send, self.wire.tool_call(self.req, ev.index, ev.call))
             elif isinstance(ev, Done):
                 break
         if ev.finish_reason == "error":  # mid-stream: the error object as an event

@@ -134,9 +134,10 @@ def prompt_ids(ctx: TurnContext, prompt: Prompt, tools: ToolUse | None = None) -
     """The ids of a prompt: raw text encoded, ids checked against the vocabulary, a
     conversation rendered by the chat template (a cancel stops a slow one at once), with
     the tools when there are any."""
-    if isinstance(prompt, str) or all(isinstance(x, int) for x in prompt):
-        if tools is not None:
-            raise ToolCallError("tools need a conversation (messages), not a raw prompt")
+    if isinstance(prompt, str) and tools is not None:
+        raise ToolCallError("tools need a conversation (messages), not a raw prompt")
+    # ids with tools: a conversation the caller already rendered with them (the server
+    # tokenizes before queueing, app/serve/prompts.py); the calls are still parsed here
     if isinstance(prompt, str):
         return ctx.tokenizer.encode(prompt)
     if all(isinstance(x, int) for x in prompt):
