@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from kvchat.model.errors import NEVER_CAUGHT, KVChatError, error_line
 from kvchat.model.text.chat_template import TemplateCancelled
-from kvchat.model.text.tokenizer import Tokenizer
+from kvchat.model.text.tokenizer import TokenizeCancelled, Tokenizer
 
 from .attention_watch import AttentionWatch
 from .chat_cache import ChatCache
@@ -85,7 +85,7 @@ def prompt_ids(ctx: TurnContext, prompt: Prompt) -> list[int]:
     """The ids of a prompt: raw text encoded, ids checked against the vocabulary, a
     conversation rendered by the chat template (a cancel stops a slow one at once)."""
     if isinstance(prompt, str):
-        return ctx.tokenizer.encode(prompt)
+        return ctx.tokenizer.encode(prompt, should_stop=ctx.stop)
     if all(isinstance(x, int) for x in prompt):
         vocab = ctx.model.config.vocab_size
         bad = [x for x in prompt if not 0 <= x < vocab]  # type: ignore[operator]
@@ -125,7 +125,7 @@ def run_turn(ctx: TurnContext, prompt: Prompt, params: GenParams, t_submit: floa
         capacity = params.max_kv_size or ctx.model.config.max_position_embeddings
         params, context_room = fit_context(params, len(ids), capacity)
         yield from _generate(ctx, ids, params, t_submit, context_room)
-    except TemplateCancelled:
+    except (TemplateCancelled, TokenizeCancelled):
         yield Done("cancelled", "", [], ids)
     except PartialReply as p:
         _debug(p.error)
