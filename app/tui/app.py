@@ -21,7 +21,7 @@ from textual.screen import Screen
 
 from kvchat import metal_kernels
 from kvchat.app.core.discovery import DEFAULT_MODEL
-from kvchat.app.core.engine_service import EngineService
+from kvchat.app.core.engine_service import CHAT_OPTIONS, EngineService
 from kvchat.app.core.settings import Settings, load_settings
 from kvchat.app.core.store import ConversationStore, StoreError, write_near_data
 from kvchat.app.core.text import SafeNotify, visible
@@ -68,7 +68,7 @@ class KVChatApp(SafeNotify, App[int]):
         self.chat = ChatScreen(
             settings if settings is not None else load_settings(),
             store if store is not None else ConversationStore(),
-            engine_factory or EngineService().build,
+            engine_factory or EngineService(options=CHAT_OPTIONS).build,
             model_path,
         )
 
@@ -150,7 +150,7 @@ def run_tui(
         path: str | None = str(validate_model_path(model_path))
     else:
         path = default_model_path(settings)
-    service = service or EngineService()
+    service = service or EngineService(options=CHAT_OPTIONS)
     try:
         app = KVChatApp(path, settings, engine_factory=engine_factory or service.build)
         app.run()
@@ -173,7 +173,7 @@ def run_chat(hostfile: str, model: str | None) -> int:
     path = str(validate_model_path(model)) if model else default_model_path(settings)
     if path is None:
         raise HostsError("give --model DIR: no default model to split across hosts")
-    service = EngineService()
+    service = EngineService(options=CHAT_OPTIONS)
     try:
         service.split_across(hostfile, path)
         return run_tui(path, settings, service=service)

@@ -26,6 +26,7 @@ from kvchat.model.cache.kv import (
     trim_to,
     why_not_trimmable,
 )
+from kvchat.model.cache.kv_math import cached_widths
 from kvchat.model.cache.prefix_pool import PrefixPool, common_prefix_len
 from kvchat.model.errors import KVChatError, error_line
 
@@ -171,8 +172,8 @@ class ChatCache:
             cfg = model.config
             try:
                 check_layers(caches, ids, new_cache(model, _bound_params(bound)),
-                             n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                             dtype=model_info.get("dtype"), vocab_size=cfg.vocab_size)
+                             widths=cached_widths(cfg), dtype=model_info.get("dtype"),
+                             vocab_size=cfg.vocab_size)
             except KVChatError as e:
                 raise KVChatError(f"{path.name}: {e}") from None
         except (KVChatError, ValueError, KeyError, TypeError) as e:
