@@ -144,7 +144,8 @@ def test_engine_restores_only_for_the_model_that_saved(tmp_path: Path) -> None:
         b.engine.restore_cache(path)
         ev = b.wait(CacheRestored)
         assert isinstance(ev, CacheRestored) and ev.tokens == 0
-        assert ev.error == "K/V cache not restored: it was saved with another model"
+        assert ev.error == (
+            "K/V cache not restored: it was saved with another model (a, not b)")
     with EngineClient("/models/a", engine=ScriptedEngine, timeout=30) as again:
         again.engine.restore_cache(path)
         ev = again.wait(CacheRestored)

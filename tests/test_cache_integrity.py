@@ -169,7 +169,8 @@ def test_weights_changed_in_place_refuse_the_old_cache(saved: dict[str, object],
         c.engine.restore_cache(path)
         ev = c.wait(CacheRestored)
     assert isinstance(ev, CacheRestored) and ev.tokens == 0
-    assert ev.error == "K/V cache not restored: it was saved with another model"
+    assert ev.error == ("K/V cache not restored: it was saved with another model (this"
+                        " folder's files have changed since)")
 
 
 def test_failed_save_is_one_notice_and_keeps_the_cache(saved: dict[str, object],
@@ -362,7 +363,8 @@ def test_three_tensors_negated_in_place_refuse_the_old_cache(saved: dict[str, ob
         c.engine.restore_cache(path)
         ev = c.wait(CacheRestored)
     assert isinstance(ev, CacheRestored) and ev.tokens == 0
-    assert ev.error == "K/V cache not restored: it was saved with another model"
+    assert ev.error == ("K/V cache not restored: it was saved with another model (this"
+                        " folder's files have changed since)")
 
 
 def test_a_second_fingerprint_reads_no_file_again(saved: dict[str, object],

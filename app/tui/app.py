@@ -28,6 +28,7 @@ from kvchat.app.core.text import SafeNotify, visible
 from kvchat.app.tui.actions import bindings, help_rows, palette
 from kvchat.app.tui.readable import readable_variables
 from kvchat.app.tui.screens import ChatScreen, HelpScreen
+from kvchat.app.tui.session import reopening_model
 from kvchat.model.runtime.events import EngineFactory
 
 
@@ -125,8 +126,13 @@ class KVChatApp(SafeNotify, App[int]):
         return path
 
 
-def default_model_path(settings: Settings) -> str | None:
-    """No --model: the last model used, else the shipped one, else none (pick in the UI)."""
+def default_model_path(settings: Settings, store: ConversationStore | None = None
+                       ) -> str | None:
+    """No --model: the model of the chat that reopens (its cache is that model's), else
+    the last model used, else the shipped one, else none (pick in the UI)."""
+    reopening = reopening_model(store or ConversationStore(), settings)
+    if reopening is not None:
+        return reopening
     # absolute only: an old relative entry would depend on where kvchat was started
     last = settings.last_model
     if last and Path(last).is_absolute() and Path(last).is_dir():

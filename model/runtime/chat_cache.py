@@ -29,6 +29,7 @@ from kvchat.model.cache.kv import (
 from kvchat.model.cache.kv_math import cached_widths
 from kvchat.model.cache.prefix_pool import PrefixPool, common_prefix_len
 from kvchat.model.errors import KVChatError, error_line
+from kvchat.model.files import model_name
 
 from .events import CacheRestored, CacheSaved, GenParams
 
@@ -64,6 +65,20 @@ def model_identity(model_info: dict[str, Any]) -> str:
     identity = {k: model_info.get(k) for k in keys}
     identity["fingerprint"] = model_fingerprint(str(model_info.get("path") or ""))
     return json.dumps(identity)
+
+
+def other_model(saved_identity: Any, model_info: dict[str, Any]) -> str:
+    """Why a saved cache's model is not the loaded one, naming both when they are two
+    folders (a chat continued on another model saves that model's cache)."""
+    try:
+        saved_path = json.loads(saved_identity)["path"]
+    except (TypeError, ValueError, KeyError):
+        saved_path = None
+    here = str(model_info.get("path") or "")
+    if isinstance(saved_path, str) and saved_path and saved_path != here:
+        return (f"it was saved with another model ({model_name(saved_path)},"
+                f" not {model_name(here)})")
+    return "it was saved with another model (this folder's files have changed since)"
 
 
 class ChatCache:
@@ -161,8 +176,8 @@ class ChatCache:
             if model is None:
                 raise KVChatError("no model loaded")
             caches, meta = load_cache(path)
-            if meta.get("kvchat_model") != model_identity(model_info):
-                raise KVChatError("it was saved with another model")
+            if (saved_with := meta.get("kvchat_model")) != model_identity(model_info):
+                raise KVChatError(other_model(saved_with, model_info))
             ids = json.loads(meta["kvchat_ids"])
             bound = json.loads(meta["kvchat_bound"])
             if not isinstance(ids, list) or not isinstance(bound, list) or (

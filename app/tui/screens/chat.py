@@ -44,6 +44,7 @@ from kvchat.app.tui.screens.picker import ModelPickerScreen
 from kvchat.app.tui.screens.settings_form import SettingsScreen
 from kvchat.app.tui.session import (
     apply_theme,
+    model_of_chat,
     remember_session,
     restore_session,
     retitle_after_edit,
@@ -564,11 +565,13 @@ class ChatScreen(InterruptKey, Screen[None]):
         except StoreError as e:
             self.notify(str(e), severity="error")
             return False
-        await self.show_conversation(conv)
+        await self.show_conversation(conv, follow_model=True)
         return True
 
-    async def show_conversation(self, conv: Conversation) -> None:
-        """Make `conv` (already read from the store) the open chat."""
+    async def show_conversation(self, conv: Conversation, follow_model: bool = False) -> None:
+        """Make `conv` (already read from the store) the open chat; `follow_model`: on the
+        model it was held with, when that is another folder here (its cache is that
+        model's; at start-up app.default_model_path chose it already)."""
         conv_id = conv.id
         self._end_edit()
         self._restored_tokens = 0  # set again if this chat's cache comes back
@@ -587,6 +590,8 @@ class ChatScreen(InterruptKey, Screen[None]):
             if m["role"] == "user":
                 self.input.remember(m["content"])
         cache = self.store.cache_path(conv_id)
+        if follow_model and (held_with := model_of_chat(conv.model, self.model_path)):
+            self.load_model(held_with)  # the engine restores the cache after the load
         if self.engine is not None and self.settings.save_kv_cache and cache.is_file():
             self.engine.restore_cache(cache)
         if opened is conv:
