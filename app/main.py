@@ -137,7 +137,8 @@ def _main(argv: list[str]) -> int:
             from kvchat.app.tui.app import run_tui
 
             return run_tui(args.tui_model)
-        with _visible_output(json_mode=bool(getattr(args, "json", False))):
+        with _visible_output(json_mode=bool(getattr(args, "json", False)),
+                             names=args.command != "generate"):
             return _command_module(args.command).run(args)
     except UsageError as e:  # a command's own check of its options
         return _usage_error(str(e), argv)
@@ -147,15 +148,17 @@ def _main(argv: list[str]) -> int:
 
 
 @contextlib.contextmanager
-def _visible_output(json_mode: bool) -> Iterator[None]:
-    """Plain output reaches the terminal with control characters made visible; --json
-    output stays exact (JSON escapes control characters itself)."""
+def _visible_output(json_mode: bool, names: bool) -> Iterator[None]:
+    """Plain output reaches the terminal with control characters made visible, and with
+    bidi and zero-width characters shown too where it holds only names and figures
+    (`names`: every command but generate, which prints a reply; stderr's lines always);
+    --json output is `json_text`'s (exact, escaped)."""
     from kvchat.app.core.text import VisibleWriter
 
     saved = sys.stdout, sys.stderr
     if not json_mode:
-        sys.stdout = VisibleWriter(sys.stdout)  # type: ignore[assignment]
-    sys.stderr = VisibleWriter(sys.stderr)  # type: ignore[assignment]
+        sys.stdout = VisibleWriter(sys.stdout, names)  # type: ignore[assignment]
+    sys.stderr = VisibleWriter(sys.stderr, names=True)  # type: ignore[assignment]
     try:
         yield
     finally:

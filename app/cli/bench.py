@@ -26,7 +26,6 @@ same definitions around `mlx_lm.generate.generate_step`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -42,6 +41,7 @@ from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.engine_service import EngineOptions, EngineService
 from kvchat.app.core.errors import UsageError, report
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
+from kvchat.app.core.text import json_text
 from kvchat.model.cache.kv_math import kv_bytes_per_token
 from kvchat.model.decoder.kv_format import KVQuant
 from kvchat.model.runtime import threads
@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
     if q is not None and args.agreement_tokens > 0:
         result["kv_quality"] = _agreement(path, q, args.agreement_tokens)
     if args.json:
-        print(json.dumps(result))
+        print(json_text(result))
         return 0
     print(_render(result))
     return 0

@@ -9,12 +9,12 @@ MQA. The data is model/explain/anatomy.py's; the chat's Anatomy screen shows the
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.errors import UsageError, report
+from kvchat.app.core.text import json_text
 from kvchat.model.errors import KVChatError, ModelLoadError
 
 
@@ -63,10 +63,10 @@ def run(args: argparse.Namespace) -> int:
     except KVChatError as e:
         report(str(e))
         if args.json:
-            print(json.dumps({"error": str(e)}))
+            print(json_text({"error": str(e)}))
         return 2 if isinstance(e, UsageError) else 1
     if args.json:
-        print(json.dumps(out))
+        print(json_text(out))
     else:
         from kvchat.model.explain.anatomy import render_text
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
@@ -13,7 +12,7 @@ from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.engine_service import EngineOptions, EngineService
 from kvchat.app.core.errors import UsageError, debug, interrupted, report
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
-from kvchat.app.core.text import SafeStream
+from kvchat.app.core.text import SafeStream, json_text
 from kvchat.model.cache.kv_math import human_bytes
 from kvchat.model.errors import KVChatError, error_line
 from kvchat.model.runtime.events import Done, GenParams, stats_json
@@ -223,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     elif done.finish_reason == "error" and rc == 0:
         rc = 1
     if args.json:
-        print(json.dumps(result_object(done)))
+        print(json_text(result_object(done)))
     else:
         tail = safe.flush()
         if streamed or tail:

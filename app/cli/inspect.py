@@ -9,7 +9,6 @@ formula.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.errors import UsageError, report
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
+from kvchat.app.core.text import json_text
 from kvchat.model.cache.kv_math import (
     BudgetError,
     KVQuant,
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         report(str(e))
         return 1
     if args.json:
-        print(json.dumps(out))
+        print(json_text(out))
     else:
         print(_render(out))
     if out.get("live") and not out["live"]["equal"]:

@@ -8,14 +8,12 @@ with the reason instead.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from kvchat.app.core.discovery import ModelRow, default_model_dirs, human_bytes, model_rows
 from kvchat.app.core.settings import load_settings
-from kvchat.app.core.text import visible_name
-from kvchat.model.files import replace_surrogates
+from kvchat.app.core.text import json_text, visible_name
 
 COLUMNS = ("NAME", "ARCH", "BITS", "DTYPE", "MEMORY", "SOURCE", "PATH")
 
@@ -81,8 +79,9 @@ def run(args: argparse.Namespace) -> int:
     looked_in = [str(root) for root, _ in default_model_dirs(settings.model_dirs, given=given)]
     if getattr(args, "json", False):
         out = {"models": [r.to_dict() for r in rows], "looked_in": looked_in}
-        # a folder name that is not UTF-8 cannot be JSON text: U+FFFD, as on screen
-        print(replace_surrogates(json.dumps(out, indent=2, ensure_ascii=False)))
+        # a folder name that is not UTF-8 cannot be JSON text: U+FFFD, as on screen; C1
+        # and bidi characters escaped (app/core/text.py)
+        print(json_text(out, indent=2))
         return 0
     if not rows:
         print("no local models found; looked in: " + ", ".join(looked_in))

@@ -24,7 +24,7 @@ from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.engine_service import CHAT_OPTIONS, EngineService
 from kvchat.app.core.settings import Settings, load_settings
 from kvchat.app.core.store import ConversationStore, StoreError, write_near_data
-from kvchat.app.core.text import SafeNotify, visible
+from kvchat.app.core.text import SafeNotify, visible_name
 from kvchat.app.tui.actions import bindings, help_rows, palette
 from kvchat.app.tui.readable import readable_variables
 from kvchat.app.tui.screens import ChatScreen, HelpScreen
@@ -82,9 +82,9 @@ class KVChatApp(SafeNotify, App[int]):
         # literal text (as SafeNotify's); the model's name in $text-muted where Textual
         # dims it, which falls below 4.5:1 on a light theme's header
         if not sub_title:
-            return Content(visible(title))
-        return Content.assemble(Content(visible(title)), (" — ", "$text-muted"),
-                                Content(visible(sub_title)).stylize("$text-muted"))
+            return Content(visible_name(title))
+        return Content.assemble(Content(visible_name(title)), (" — ", "$text-muted"),
+                                Content(visible_name(sub_title)).stylize("$text-muted"))
 
     def get_default_screen(self) -> Screen[Any]:
         return self.chat
