@@ -17,7 +17,13 @@ from typing import Any
 import mlx.core as mx
 
 from kvchat.model.decoder.config import load_config
-from kvchat.model.decoder.weights import IGNORED_SUFFIXES, compute_dtype, dequantize_on_load, rename
+from kvchat.model.decoder.weights import (
+    IGNORED_SUFFIXES,
+    compute_dtype,
+    dequantize_on_load,
+    rename,
+    validate_quantization,
+)
 from kvchat.model.files import has_tokenizer, tensor_headers
 
 # safetensors dtype names -> MLX dtypes (the floating ones the loader casts)
@@ -64,6 +70,8 @@ def model_facts(folder: str | Path) -> ModelFacts:
     folder is not loadable)."""
     folder = Path(folder).expanduser()
     cfg = load_config(folder)
+    if cfg.quantization:  # a block load_model would refuse: this folder cannot load
+        validate_quantization(cfg.quantization)
     tensors = list(tensor_headers(folder).items())
     file_bytes = sum(i["data_offsets"][1] - i["data_offsets"][0] for _, i in tensors)
     renamed = [(rename(cfg, n), i) for n, i in tensors]
