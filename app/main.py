@@ -63,6 +63,9 @@ def build_parser() -> Any:
                    " shipped model)")
     p.add_argument("--hosts", dest="hostfile", metavar="HOSTFILE",
                    help="split the chat's model across the hosts of an mlx.launch hostfile")
+    p.add_argument("--ignore-memory-check", action="store_true",
+                   help="open the chat's model even when its weights plus its K/V cache need"
+                   " more memory than the machine has available")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")  # parser_class: Parser
     for name, help_text in COMMANDS.items():
         _command_module(name).add_arguments(
@@ -136,7 +139,7 @@ def _main(argv: list[str]) -> int:
         if args.command is None:
             from kvchat.app.tui.app import run_tui
 
-            return run_tui(args.tui_model)
+            return run_tui(args.tui_model, ignore_memory_check=args.ignore_memory_check)
         with _visible_output(json_mode=bool(getattr(args, "json", False)),
                              names=args.command != "generate"):
             return _command_module(args.command).run(args)

@@ -8,6 +8,7 @@ import sys
 import traceback
 from typing import Any
 
+from kvchat.app.core import memory
 from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.engine_service import EngineOptions, EngineService
 from kvchat.app.core.errors import UsageError, debug, interrupted, report
@@ -87,6 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--quiet", action="store_true",
                    help="no statistics line on stderr after the text")
+    memory.add_argument(p)
 
 
 def params_from_args(args: argparse.Namespace) -> GenParams:
@@ -193,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
     rc = 0
     try:
         prompt, params = _prompt(args)
+        memory.require_fit(args.model or DEFAULT_MODEL, params.max_kv_size,
+                           kv_quant_from_args(args), ignore=args.ignore_memory_check)
         service = EngineService("thread", EngineOptions(tokenizer=args.tokenizer))
         runner = service.client(args.model or DEFAULT_MODEL,
                                 on_delta=None if args.json else stream)

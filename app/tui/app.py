@@ -20,6 +20,7 @@ from textual.content import Content
 from textual.screen import Screen
 
 from kvchat import metal_kernels
+from kvchat.app.core import memory
 from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.engine_service import CHAT_OPTIONS, EngineService
 from kvchat.app.core.settings import Settings, load_settings
@@ -64,6 +65,8 @@ class KVChatApp(SafeNotify, App[int]):
         *,
         engine_factory: EngineFactory | None = None,
         store: ConversationStore | None = None,
+        ignore_memory_check: bool = False,
+        notes: Iterable[str] = (),
     ) -> None:
         super().__init__()
         self.chat = ChatScreen(
@@ -72,6 +75,12 @@ class KVChatApp(SafeNotify, App[int]):
             engine_factory or EngineService(options=CHAT_OPTIONS).build,
             model_path,
         )
+        self.chat.ignore_memory_check = ignore_memory_check  # the picker's loads too
+        self._notes = list(notes)  # why the start-up model was not loaded, say
+
+    def on_mount(self) -> None:
+        for note in self._notes:
+            self.notify(note, severity="warning", title="Model not loaded", timeout=30)
 
     def get_css_variables(self) -> dict[str, str]:
         # every text colour at 4.5:1 or better, whichever theme is active
@@ -142,23 +151,37 @@ def default_model_path(settings: Settings, store: ConversationStore | None = Non
     return None
 
 
+def startup_model(model_path: str | None, settings: Settings, ignore_memory_check: bool = False
+                  ) -> tuple[str | None, list[str]]:
+    """The model the chat starts on, and why none when one was meant (notes to show).
+    --model that cannot load or fit: one line before the UI starts (KVChatError); the
+    remembered model no longer fitting: the chat starts without it and says why."""
+    if model_path is not None:
+        path = str(validate_model_path(model_path))
+        memory.require_fit(path, settings.max_kv_size, settings.gen_params().kv_quant(),
+                           ignore=ignore_memory_check)
+        return path, []
+    default = default_model_path(settings)
+    why = default and memory.refusal(default, settings.gen_params(), ignore_memory_check)
+    return (None, [why]) if why else (default, [])
+
+
 def run_tui(
     model_path: str | None,
     settings: Settings | None = None,
     engine_factory: EngineFactory | None = None,
     service: EngineService | None = None,
+    ignore_memory_check: bool = False,
 ) -> int:
     """Entry point for `kvchat [--model DIR]`. A bad --model folder raises a one-line
     KVChatError before the UI starts (app.main prints it and exits 1). The engine comes
     from `engine_factory`, else from `service` (default: an engine process)."""
     settings = settings if settings is not None else load_settings()
-    if model_path is not None:
-        path: str | None = str(validate_model_path(model_path))
-    else:
-        path = default_model_path(settings)
+    path, notes = startup_model(model_path, settings, ignore_memory_check)
     service = service or EngineService(options=CHAT_OPTIONS)
     try:
-        app = KVChatApp(path, settings, engine_factory=engine_factory or service.build)
+        app = KVChatApp(path, settings, engine_factory=engine_factory or service.build,
+                        ignore_memory_check=ignore_memory_check, notes=notes)
         app.run()
     finally:
         # the screen closed the engine on unmount: this ends what is left (ranks)

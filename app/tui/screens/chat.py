@@ -23,6 +23,7 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Header, LoadingIndicator, Static
 
+from kvchat.app.core import memory
 from kvchat.app.core.kv_quality import agreement_line
 from kvchat.app.core.settings import Settings, remember_model
 from kvchat.app.core.store import (
@@ -101,6 +102,7 @@ class ChatScreen(InterruptKey, Screen[None]):
     BINDINGS = bindings("chat")
 
     phase: reactive[Phase] = reactive(Phase.IDLE, bindings=True, init=False)
+    ignore_memory_check = False  # kvchat --ignore-memory-check: loads skip app/core/memory.py
 
     def __init__(
         self,
@@ -526,6 +528,9 @@ class ChatScreen(InterruptKey, Screen[None]):
     def load_model(self, path: str | None) -> None:
         """Swap weights on the engine thread; the conversation continues on the new model."""
         if not path or self._refuse_busy() or self.engine is None:
+            return
+        if why := memory.refusal(path, self.settings.gen_params(), self.ignore_memory_check):
+            self.notify(why, severity="error", title="Model not loaded")  # the old one stays
             return
         self.go(Phase.LOADING)  # the label comes with the engine's Loading event
         self.engine.load(path)
