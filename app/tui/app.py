@@ -10,6 +10,7 @@ app/tui/bridge.py. The UI never runs MLX in a Textual worker; the only worker th
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
@@ -97,6 +98,24 @@ class KVChatApp(SafeNotify, App[int]):
 
     def get_default_screen(self) -> Screen[Any]:
         return self.chat
+
+    _quit_asked_at = float("-inf")
+
+    def action_quit(self) -> None:  # type: ignore[override]
+        """Ctrl+Q (the palette's Quit, Ctrl+C twice): leave, unless the open chat has turns
+        a save could not write (a full or read-only disk): then one more try, and when
+        that fails too, say so; a second Ctrl+Q within QUIT_CONFIRM_S leaves without them."""
+        chat = self.chat
+        if chat.unsaved and not chat.retry_save():
+            now = time.monotonic()
+            if now - self._quit_asked_at > QUIT_CONFIRM_S:
+                self._quit_asked_at = now
+                self.notify("This chat's last turns are not saved (see above). Press Ctrl+Q"
+                            " again to quit without them, or free some space and press it"
+                            " once to save and quit.", severity="error",
+                            title="Not saved: quit anyway?", timeout=QUIT_CONFIRM_S)
+                return
+        self.exit()
 
     def on_unmount(self) -> None:
         self.chat.close_engine()
@@ -189,6 +208,7 @@ def run_tui(
     return app.return_code or 0
 
 
+QUIT_CONFIRM_S = 6.0  # a second Ctrl+Q within this leaves a chat that could not be saved
 CLOSE_WAIT_S = 1.0  # as the chat screen's own close: app.main.finish waits for the rest
 
 

@@ -103,6 +103,7 @@ class ChatScreen(InterruptKey, Screen[None]):
 
     phase: reactive[Phase] = reactive(Phase.IDLE, bindings=True, init=False)
     ignore_memory_check = False  # kvchat --ignore-memory-check: loads skip app/core/memory.py
+    unsaved = False  # the last save of this chat failed: quitting asks first (app.py)
 
     def __init__(
         self,
@@ -359,8 +360,14 @@ class ChatScreen(InterruptKey, Screen[None]):
             self.store.save(self.conversation)
         except StoreError as e:
             self.notify(str(e), severity="error", title="Chat not saved")
+            self.unsaved = True
             return False
+        self.unsaved = False
         return True
+
+    def retry_save(self) -> bool:
+        """Save again (before quitting); True when the chat is on disk."""
+        return self._save_chat()
 
     def _autosave(self) -> None:
         if not self._save_chat():
