@@ -173,8 +173,6 @@ def test_generate_keeps_a_reply_exact_and_escapes_it_in_json() -> None:
 async def test_the_chat_title_shows_a_bidi_model_name(env: Path) -> None:  # noqa: F811
     """The header's title and model name are names: a bidi override in the folder's name
     is shown, never applied."""
-    from textual.widgets._header import HeaderTitle
-
     from kvchat.app.core.settings import Settings
     from kvchat.app.tui.app import KVChatApp
     from tests.scripted_engine import ScriptedEngine
@@ -184,5 +182,5 @@ async def test_the_chat_title_shows_a_bidi_model_name(env: Path) -> None:  # noq
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot)
         assert app.chat.sub_title == ODD  # the name as it is
-        shown = str(app.query_one(HeaderTitle).render())
+        shown = str(app.query_one("HeaderTitle").render())  # the header's title widget
         assert ODD_SHOWN in shown and not UNSAFE.search(shown)
