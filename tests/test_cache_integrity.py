@@ -404,3 +404,21 @@ def test_a_second_fingerprint_reads_no_file_again(saved: dict[str, object],
     weights = model / "model.safetensors"
     digest = integrity.file_digest(weights)
     assert digest == hashlib.sha256(weights.read_bytes()).hexdigest() and reads == []
+
+
+def test_the_chat_engine_hashes_a_loaded_model_in_the_background(
+        saved: dict[str, object]) -> None:
+    """warm_fingerprint (the chat's engine option): the weights are hashed once the model
+    loads, so the first save finds the digest kept; an engine without it reads nothing."""
+    from kvchat.model.cache import integrity
+
+    weights = os.path.realpath(saved["model"] / "model.safetensors")  # type: ignore[operator]
+    integrity._digests.clear()
+    with EngineClient(saved["model"], timeout=60):  # type: ignore[arg-type]
+        time.sleep(0.2)
+        assert weights not in integrity._digests
+    with EngineClient(saved["model"], timeout=60, warm_fingerprint=True):  # type: ignore[arg-type]
+        deadline = time.monotonic() + 30
+        while weights not in integrity._digests and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert weights in integrity._digests
