@@ -63,6 +63,9 @@ def build_parser() -> Any:
                    " the last one used, else the shipped model)")
     p.add_argument("--hosts", dest="hostfile", metavar="HOSTFILE",
                    help="split the chat's model across the hosts of an mlx.launch hostfile")
+    p.add_argument("--ignore-memory-check", action="store_true",
+                   help="open the chat's model even when its weights plus its K/V cache need"
+                   " more memory than the machine has available")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")  # parser_class: Parser
     for name, help_text in COMMANDS.items():
         _command_module(name).add_arguments(
@@ -137,8 +140,9 @@ def _main(argv: list[str]) -> int:
         if args.command is None:
             from kvchat.app.tui.app import run_tui
 
-            return run_tui(args.tui_model)
-        with _visible_output(json_mode=bool(getattr(args, "json", False))):
+            return run_tui(args.tui_model, ignore_memory_check=args.ignore_memory_check)
+        with _visible_output(json_mode=bool(getattr(args, "json", False)),
+                             names=args.command != "generate"):
             return _command_module(args.command).run(args)
     except UsageError as e:  # a command's own check of its options
         return _usage_error(str(e), argv)
@@ -169,15 +173,17 @@ def _resolve_models(args: Any) -> None:
 
 
 @contextlib.contextmanager
-def _visible_output(json_mode: bool) -> Iterator[None]:
-    """Plain output reaches the terminal with control characters made visible; --json
-    output stays exact (JSON escapes control characters itself)."""
+def _visible_output(json_mode: bool, names: bool) -> Iterator[None]:
+    """Plain output reaches the terminal with control characters made visible, and with
+    bidi and zero-width characters shown too where it holds only names and figures
+    (`names`: every command but generate, which prints a reply; stderr's lines always);
+    --json output is `json_text`'s (exact, escaped)."""
     from kvchat.app.core.text import VisibleWriter
 
     saved = sys.stdout, sys.stderr
     if not json_mode:
-        sys.stdout = VisibleWriter(sys.stdout)  # type: ignore[assignment]
-    sys.stderr = VisibleWriter(sys.stderr)  # type: ignore[assignment]
+        sys.stdout = VisibleWriter(sys.stdout, names)  # type: ignore[assignment]
+    sys.stderr = VisibleWriter(sys.stderr, names=True)  # type: ignore[assignment]
     try:
         yield
     finally:

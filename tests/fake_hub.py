@@ -19,7 +19,8 @@ to another server, `stall_after` holds a CDN response after that many bytes, `cu
 drops every CDN response after that many bytes and ignores Range, `endless` sends a CDN
 body with no Content-Length that never ends, `corrupt` flips a byte of what the CDN sends,
 `info` replaces the model-info body, `bad_range` answers a Range with 206 from half the
-offset asked.
+offset asked, `bomb` sends `bomb_body` (gzip, Content-Encoding: gzip) as the model-info
+answer ("api"), as a 500 error answer to it ("error") or as a CDN file ("cdn").
 
 Run standalone for a demo: python -m tests.fake_hub REPO_ID FOLDER [--throttle BPS]
 """
@@ -77,6 +78,8 @@ class FakeHub:
     corrupt: bool = False
     info: object = None  # the model-info body to send instead (any JSON value)
     bad_range: bool = False  # answer a Range request with 206 from half the offset asked
+    bomb: str | None = None  # "api", "error" or "cdn": that answer is `bomb_body`, gzipped
+    bomb_body: bytes = b""
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
     _server: ThreadingHTTPServer | None = None
 
@@ -159,6 +162,10 @@ class FakeHub:
         repo = self._repo(h, repo_id, rev, method)
         if repo is None:
             return
+        if self.bomb in ("api", "error"):
+            self._send(h, 200 if self.bomb == "api" else 500, self.bomb_body, method,
+                       {"Content-Type": "application/json", "Content-Encoding": "gzip"})
+            return
         if self.info is not None:
             self._send(h, 200, json.dumps(self.info).encode(), method,
                        {"Content-Type": "application/json"})
@@ -205,6 +212,10 @@ class FakeHub:
                         data = data[:-1] + bytes([data[-1] ^ 1])
                     if self.endless and method == "GET":
                         self._endless(h, data)
+                        return
+                    if self.bomb == "cdn" and method == "GET":
+                        self._send(h, 200, self.bomb_body, method, {
+                            "ETag": f'"{digest}"', "Content-Encoding": "gzip"})
                         return
                     self._send(h, 200, data, method, {"ETag": f'"{digest}"'},
                                ranged=self.cut_always is None, slow=True)

@@ -4,6 +4,7 @@ mlx-lm's own classes). The reference is the same greedy run never interrupted.""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +144,8 @@ def test_engine_restores_only_for_the_model_that_saved(tmp_path: Path) -> None:
         b.engine.restore_cache(path)
         ev = b.wait(CacheRestored)
         assert isinstance(ev, CacheRestored) and ev.tokens == 0
-        assert ev.error == "K/V cache not restored: it was saved with another model"
+        assert ev.error == (
+            "K/V cache not restored: it was saved with another model (a, not b)")
     with EngineClient("/models/a", engine=ScriptedEngine, timeout=30) as again:
         again.engine.restore_cache(path)
         ev = again.wait(CacheRestored)
@@ -153,3 +155,30 @@ def test_engine_restores_only_for_the_model_that_saved(tmp_path: Path) -> None:
         again.run(follow, GenParams(max_tokens=4))
         started = [e for e in again.events if isinstance(e, Started)][-1]
         assert started.cached_tokens == saved.tokens and started.reprefilled_tokens == 0
+
+
+def test_a_cache_file_is_as_private_as_its_chat(tmp_path: Path) -> None:
+    """0600 whatever the umask, as the chat's JSON (app/core/store.py's atomic writes):
+    the K/V are the conversation in another form. Written over an older 0644 file too."""
+    from kvchat.app.core.store import Conversation, ConversationStore
+
+    model = tiny()
+    caches = MAKERS["full"]()
+    greedy(model, caches, PROMPT, 3)
+    store = ConversationStore(tmp_path)
+    conv = Conversation()
+    conv.add_message("user", "hello")
+    chat = store.save(conv)
+    path = store.cache_path(conv.id)
+    path.write_bytes(b"old")
+    path.chmod(0o644)
+    old = os.umask(0o022)
+    try:
+        save_cache(path, caches, {"kvchat_ids": "[]"})
+    finally:
+        os.umask(old)
+    assert chat.stat().st_mode & 0o777 == 0o600
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir() if ".tmp" in p.name] == []
+    loaded, meta = load_cache(path)
+    assert meta["kvchat_ids"] == "[]" and loaded[0].offset == caches[0].offset

@@ -99,3 +99,78 @@ async def test_second_window_opens_a_copy_and_no_turn_is_lost(env: Path) -> None
     assert [m["content"] for m in copy.messages][:3] == [
         "first window's words", "ok", "second window's words"]
 
+
+
+def _locks(root: Path) -> list[str]:
+    return sorted(p.name for p in root.glob(".*.lock"))
+
+
+def test_lock_files_go_when_the_chats_are_let_go(tmp_path: Path) -> None:
+    """A lock file exists only while a store holds its chat: saves, busy checks, release,
+    close and delete leave none behind."""
+    store = ConversationStore(tmp_path)
+    convs = [_chat(f"chat {i}") for i in range(3)]
+    for c in convs:
+        store.save(c)  # a plain save locks while it writes
+    assert _locks(tmp_path) == []
+    assert not store.busy(convs[0].id) and _locks(tmp_path) == []
+    assert store.claim(convs[0].id) and store.claim(convs[1].id)
+    assert _locks(tmp_path) == sorted(f".{c.id}.lock" for c in convs[:2])
+    other = ConversationStore(tmp_path)
+    assert other.busy(convs[0].id)  # held, and the file stays while it is
+    store.release(convs[0].id)
+    assert _locks(tmp_path) == [f".{convs[1].id}.lock"]
+    assert other.claim(convs[0].id)  # free again: a fresh file under the same name
+    other.close()
+    store.delete(convs[1].id)
+    store.claim(convs[2].id)
+    store.close()
+    assert _locks(tmp_path) == []
+
+
+def test_a_killed_holders_lock_file_is_removed_when_listing(tmp_path: Path) -> None:
+    conv = _chat("x")
+    ConversationStore(tmp_path).save(conv)
+    code = ("import time; from kvchat.app.core.store import ConversationStore as S;"
+            f"s = S({str(tmp_path)!r}); assert s.claim({conv.id!r}); print('held', flush=True);"
+            " time.sleep(60)")
+    p = processes.popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                        cwd=REPO_ROOT)
+    assert p.stdout is not None and p.stdout.readline().strip() == "held"
+    store = ConversationStore(tmp_path)
+    store.list()  # a live holder's file is kept
+    assert _locks(tmp_path) == [f".{conv.id}.lock"] and store.busy(conv.id)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(10)
+    assert _locks(tmp_path) == [f".{conv.id}.lock"]  # the kernel dropped the lock, not the file
+    store.list()
+    assert _locks(tmp_path) == []
+    assert store.claim(conv.id)
+
+
+def test_a_claim_never_holds_a_file_removed_under_it(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race the removal opens: a claim opens the file, its holder removes it and lets
+    go, the claim locks the removed file. It must try again on the name, or two windows
+    would each hold a lock (on two different files) for one chat."""
+    from kvchat.app.core import store as store_mod
+
+    conv = _chat("x")
+    a, b = ConversationStore(tmp_path), ConversationStore(tmp_path)
+    a.save(conv)
+    assert a.claim(conv.id)
+    real_flock = store_mod.fcntl.flock
+    raced = []
+
+    def flock(fd: int, op: int) -> None:
+        if not raced:  # b has opened a's file; a lets go (removing it) before b locks
+            raced.append(True)
+            a.release(conv.id)
+        real_flock(fd, op)
+
+    monkeypatch.setattr(store_mod.fcntl, "flock", flock)
+    assert b.claim(conv.id) and raced
+    monkeypatch.undo()
+    assert _locks(tmp_path) == [f".{conv.id}.lock"]
+    assert not a.claim(conv.id)  # b holds the file under the name, so a cannot
+    b.close()

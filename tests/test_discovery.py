@@ -349,11 +349,12 @@ def test_models_cmd_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     make_model(tmp_path / "m" / "q", model_type="bitnet", quant={"bits": 4})
     assert _run(["--dir", str(tmp_path / "m")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["NAME", "ARCH", "BITS", "DTYPE", "MEMORY", "SOURCE", "PATH"]
+    assert lines[0].split() == ["NAME", "ARCH", "BITS", "DTYPE", "MEMORY", "FITS", "SOURCE",
+                                "PATH"]
     # neither fake folder can be loaded: listed, marked, and the reason is printed
     # a folder named with --dir is listed as such, not as one of the settings' folders
     assert lines[1].split() == [
-        "q", "✗", "bitnet", "4", "-", "-", "--dir", str((tmp_path / "m" / "q").resolve()),
+        "q", "✗", "bitnet", "4", "-", "-", "-", "--dir", str((tmp_path / "m" / "q").resolve()),
     ]
     assert lines[2].split()[:6] == ["small-model", "✗", "llama", "-", "-", "-"]
     # aligned: the PATH column starts at the same offset on every row
@@ -376,7 +377,7 @@ def test_models_cmd_json_and_settings_dirs(
     m = out["models"][0]
     assert set(m) == {"name", "path", "architecture", "size_bytes", "bits", "source", "supported",
                       "loadable", "problem", "weight_bytes", "compute_dtype", "file_dtype",
-                      "quantization"}
+                      "quantization", "memory"}
     assert m["quantization"] is None  # a folder; a GGUF file's type otherwise
     assert str(tmp_path / "fromsettings") in out["looked_in"]
 

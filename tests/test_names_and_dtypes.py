@@ -105,3 +105,82 @@ async def test_ctrl_y_copies_visible_text_only(env: Path) -> None:  # noqa: F811
     assert copied == clipboard_text(reply)
     assert copied.startswith("Here: ]52;c;aGVsbG8=]0;pwned[31mred[0m")
     assert copied.endswith("end\nline two\tend")
+
+
+# a folder name with a bidi override (reads "evil" + reversed "gpj.exe"), a zero-width
+# space and a raw C1 CSI (U+009B): what `inspect`, `explain` and `models` show of it
+ODD = "evil\u202egpj\u200b\u009b2Jx"
+ODD_SHOWN = "evil<U+202E>gpj<U+200B><9B>2Jx"
+UNSAFE = re.compile("[\u202e\u200b\u009b]")
+
+
+def _kvchat(*args: str, cfg: Path) -> str:
+    import sys
+
+    r = processes.run([sys.executable, "-m", "kvchat.app", *args], capture_output=True,
+                      cwd=REPO_ROOT, env={**os.environ, "KVCHAT_CONFIG_DIR": str(cfg)},
+                      timeout=180)
+    assert r.returncode == 0, r.stderr.decode("utf-8", "replace")
+    out = r.stdout.decode("utf-8")
+    assert not UNSAFE.search(out) and not RAW_CONTROL.search(out.replace("\n", ""))
+    return out
+
+
+@pytest.fixture(scope="module")
+def odd_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("odd") / ODD
+    shutil.copytree(MINI, folder)
+    return folder
+
+
+@pytest.mark.parametrize("command", ["inspect", "explain", "models"])
+def test_names_are_shown_in_plain_output_and_escaped_in_json(
+        odd_model: Path, tmp_path: Path, command: str) -> None:
+    """Plain output shows the name as visible_name does; --json holds the exact name,
+    with the bidi override, the zero-width space and the C1 byte as \\u escapes."""
+    import json
+
+    where = ["--dir", str(odd_model.parent)] if command == "models" else [
+        "--model", str(odd_model)]
+    plain = _kvchat(command, *where, cfg=tmp_path)
+    assert ODD_SHOWN in plain
+    raw = _kvchat(command, *where, "--json", cfg=tmp_path)
+    assert "\\u202e" in raw and "\\u009b" in raw and "\\u200b" in raw
+    assert ODD in json.dumps(json.loads(raw), ensure_ascii=False)
+
+
+def test_generate_keeps_a_reply_exact_and_escapes_it_in_json() -> None:
+    """generate's plain output is a reply: bidi and ZWJ stay (an emoji sequence), C1 is
+    made visible; its --json escapes them and reads back exact."""
+    import io
+    import json
+
+    from kvchat.app.core.text import VisibleWriter, json_text
+
+    reply = "👩\u200d💻 \u202eabc \u009b2J"
+    out = io.StringIO()
+    VisibleWriter(out).write(reply)
+    assert out.getvalue() == "👩\u200d💻 \u202eabc <9B>2J"
+    names = io.StringIO()
+    VisibleWriter(names, names=True).write(reply)
+    assert names.getvalue() == "👩<U+200D>💻 <U+202E>abc <9B>2J"
+    text = json_text({"text": reply})
+    assert not UNSAFE.search(text) and "\u200d" not in text
+    assert json.loads(text) == {"text": reply}
+
+
+@async_test
+async def test_the_chat_title_shows_a_bidi_model_name(env: Path) -> None:  # noqa: F811
+    """The header's title and model name are names: a bidi override in the folder's name
+    is shown, never applied."""
+    from kvchat.app.core.settings import Settings
+    from kvchat.app.tui.app import KVChatApp
+    from tests.scripted_engine import ScriptedEngine
+
+    app = KVChatApp(f"/models/{ODD}", Settings(),
+                    engine_factory=lambda on_event, path: ScriptedEngine(on_event, path))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        assert app.chat.sub_title == ODD  # the name as it is
+        shown = str(app.query_one("HeaderTitle").render())  # the header's title widget
+        assert ODD_SHOWN in shown and not UNSAFE.search(shown)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -295,3 +296,120 @@ def test_an_empty_file_in_the_repo_is_fetched(cache: Path,
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         snap = pull(REPO)
     assert (snap / "added_tokens.json").read_bytes() == b""
+
+
+# ---- answers bounded once decoded, and what is refused before any weight ---------------
+
+
+@pytest.fixture(scope="module")
+def gzip_bomb() -> bytes:
+    """About 1 MB of gzip that decodes to 1 GiB of zeros."""
+    import zlib
+
+    c = zlib.compressobj(9, zlib.DEFLATED, zlib.MAX_WBITS | 16)
+    zeros = bytes(2**20)
+    body = b"".join(c.compress(zeros) for _ in range(1024)) + c.flush()
+    assert 900_000 < len(body) < 1_100_000
+    return body
+
+
+# in a child process, so its peak memory is its own: the growth from just before the pull
+_PULL_AND_MEASURE = """
+import json, resource, sys
+from kvchat.app.core.hub_download import pull
+from kvchat.model.errors import KVChatError
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    pull(sys.argv[1])
+    error = None
+except KVChatError as e:
+    error = str(e)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"error": error, "growth_kib": peak - base}))
+"""
+
+
+@pytest.mark.parametrize("where", ["api", "error", "cdn"])
+def test_a_gzip_bomb_never_expands_past_the_answer_bound(cache: Path, gzip_bomb: bytes,
+                                                         where: str) -> None:
+    """1 MB on the wire that decodes to 1 GiB, as the model-info answer, as an error
+    answer and as a file: one line, and the pull's peak memory grows by well under the
+    bomb (the bound is hub_http.ANSWER_MAX_BYTES; a file is refused before any byte)."""
+    import json
+    import sys
+
+    from kvchat.app.core.hub_http import ANSWER_MAX_BYTES
+    from tests import processes
+
+    with FakeHub({REPO: FakeRepo.from_folder(MINI)}, bomb=where, bomb_body=gzip_bomb) as hub:
+        r = processes.run([sys.executable, "-c", _PULL_AND_MEASURE, REPO],
+                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=120,
+                          env={**os.environ, "HF_ENDPOINT": hub.url})
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["error"] and "\n" not in out["error"]
+    if where == "api":
+        assert f"sent more than {ANSWER_MAX_BYTES:,} bytes once decompressed" in out["error"]
+    if where == "cdn":
+        assert "answered in 'gzip' encoding, but it was asked for none" in out["error"]
+        part = next((repo_folder(REPO, cache) / "blobs").glob("*.incomplete"))
+        assert part.stat().st_size == 0  # nothing decoded was written
+    assert out["growth_kib"] * 1024 < 3 * ANSWER_MAX_BYTES + 64 * 2**20, out
+
+
+def test_an_answer_within_the_bound_decodes_as_usual(cache: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control: a gzipped model-info answer (as the Hub sends them) still reads."""
+    import gzip
+    import json
+
+    repo = FakeRepo.from_folder(MINI)
+    siblings = [{"rfilename": n, "size": len(d)} for n, d in repo.files.items()]
+    body = gzip.compress(json.dumps({"id": REPO, "sha": repo.sha, "siblings": siblings,
+                                     "private": False}).encode())
+    with FakeHub({REPO: repo}, bomb="api", bomb_body=body) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        snap = pull(REPO)
+    assert (snap / "model.safetensors").read_bytes() == WEIGHTS
+
+
+def test_a_file_name_too_long_to_store_is_refused_before_any_download(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = FakeRepo.from_folder(MINI)
+    long_name = "n" * 300 + ".json"
+    repo.files[long_name] = b"{}"
+    with FakeHub({REPO: repo}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        with pytest.raises(PullError) as e:
+            pull(REPO)
+        assert not [p for m, p, _ in hub.requests if "/resolve/" in p or "/cdn/" in p]
+    assert "whose name is 305 bytes long ('nnnnn" in str(e.value)
+    assert "over the 255 a file system stores" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_quantization_kvchat_cannot_load_is_refused_before_the_weights(
+        cache: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """config.json comes first and is checked as the loader checks it: the weights are
+    never requested, and the line names the file and the values."""
+    import json
+
+    folder = tmp_path / "mini"
+    shutil.copytree(MINI, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization"] = {"bits": 3, "group_size": 7}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with FakeHub({REPO: FakeRepo.from_folder(folder)}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        with pytest.raises(PullError) as e:
+            pull(REPO)
+        fetched = [p for m, p, _ in hub.requests if m == "GET" and (
+            "/cdn/" in p or p.endswith(".safetensors"))]
+    assert fetched == []
+    assert str(e.value) == (
+        "refusing the pull before its weights: config.json: unsupported quantization bits=3"
+        " group_size=7 (kvchat loads bits 2, 3, 4, 5, 6, 8 in groups of 32, 64, 128)")
+    # the folder's listing says so too (inspect, models and the picker read these facts)
+    from kvchat.model.explain.facts import folder_status
+
+    assert folder_status(folder)[1] == str(e.value).removeprefix(
+        "refusing the pull before its weights: ")

@@ -108,7 +108,8 @@ def test_models_and_health_say_ready(server: Server) -> None:
     models = server.client().models.list().data
     assert models[0].id == MODEL_ID
     assert models[0].model_extra["kvchat"]["status"] == "ready"
-    assert httpx.get(server.url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url.removesuffix("/v1") + "/health").json() == {
+        "status": "ok", "engine": "idle", "running_s": None, "waiting": 0}
 
 
 def test_the_models_figures_are_the_design_names_and_agree(server: Server,

@@ -106,6 +106,44 @@ def test_a_model_that_fails_to_load_leaves_the_old_one_serving() -> None:
     asyncio.run(scenario())
 
 
+def test_health_reports_the_engine_as_it_is() -> None:
+    """/health: 503 while loading, then ok and idle; busy with the running job's age and
+    the queue while a turn runs (a turn that never ends shows as one); 503 "stopped" once
+    the engine is gone, although the model had loaded."""
+    from kvchat.app.serve.server import health
+
+    engines: list[ScriptedEngine] = []
+
+    def make(on_event: Any) -> ScriptedEngine:
+        engines.append(ScriptedEngine(on_event, "/models/scripted", pause_after=2,
+                                      load_delay=0.3))
+        return engines[-1]
+
+    async def scenario() -> None:
+        worker = EngineWorker(make, max_queue=2, notice=lambda m: None)
+        await worker.start()
+        assert health(worker) == (503, {"status": "loading"})
+        await asyncio.wait_for(worker.ready.wait(), 30)
+        assert health(worker) == (200, {"status": "ok", "engine": "idle", "running_s": None,
+                                        "waiting": 0})
+        engine = engines[0]
+        first = worker.submit(chat("first"), PARAMS)
+        await wait_until(engine.paused.is_set)
+        worker.submit(chat("second"), PARAMS)
+        await asyncio.sleep(0.3)
+        code, body = health(worker)
+        assert (code, body["status"], body["engine"], body["waiting"]) == (200, "ok", "busy", 1)
+        assert body["running_s"] >= 0.3
+        engine.alive = False  # the engine process died (a crash in native code)
+        assert health(worker) == (503, {"status": "stopped"})
+        engine.alive = True
+        engine.resume()
+        assert (await finished(first)).text == REPLY
+        worker.close()
+
+    asyncio.run(scenario())
+
+
 LIMITS = protocol.Limits(("m", "/models/m"), capacity=64, max_kv_size=64, keep=4)
 
 

@@ -332,6 +332,81 @@ async def test_real_persistence_round_trip_and_export(env: Path) -> None:
     assert len(saved["messages"]) == 4
 
 
+@async_test
+async def test_real_chat_held_with_another_model_reopens_warm_on_it(env: Path) -> None:
+    """The cold reopen the hostile sweep found: a chat continued on a second model (its
+    saved K/V cache is that model's), its window wrapped, a reply stopped. Reopened while
+    the first model is loaded (here `--model`), the cache cannot serve it: that is said in
+    one line naming both models. Opened from History, the chat goes back to its own model
+    and continues warm: every token of the saved cache reused, none re-read."""
+    copy = env / "models" / "stories-copy"
+    shutil.copytree(STORIES, copy)
+    window = settings(max_tokens=40, max_kv_size=64, keep=4, model_dirs=[str(env / "models")])
+    app, seen = real_app(window)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await turn(pilot, PROMPT)
+        app.chat.load_model(str(copy))
+        await wait_for(pilot, lambda: app.chat.model_path == str(copy.resolve()), timeout=120)
+        await turn(pilot, "The cat")
+        app.chat.settings.max_tokens = 3000
+        app.chat.input.load_text("Then")
+        press_now(app, "enter", "\r")
+        await wait_for(pilot, lambda: busy(app))
+        await wait_for(pilot, lambda: bool(replies(app)) and len(replies(app)[-1].content) > 60)
+        press_now(app, "escape")
+        await wait_for(pilot, lambda: not busy(app))
+        assert last(seen, Done).finish_reason == "cancelled"
+        assert last(seen, Done).stats.wrapped
+        conv_id = app.chat.conversation.id
+        await wait_for(pilot, lambda: app.chat.store.cache_path(conv_id).is_file())
+
+    app2, seen2 = real_app(window)  # started on the first model, the chat reopening
+    async with app2.run_test(size=SIZE) as pilot:
+        notes = record_notifications(app2)
+        await ready(pilot)
+        await wait_for(pilot, lambda: any(isinstance(e, CacheRestored) for e in seen2))
+        refused = last(seen2, CacheRestored)
+        assert refused.tokens == 0 and refused.error == (
+            "K/V cache not restored: it was saved with another model (stories-copy, not"
+            " stories260K)")
+        assert app2.chat.conversation.id == conv_id
+        await pilot.press("f2")
+        assert isinstance(app2.screen, HistoryScreen)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app2.chat.model_path == str(copy.resolve()), timeout=120)
+        await wait_for(pilot, lambda: last(seen2, CacheRestored) is not refused)
+        restored = last(seen2, CacheRestored)
+        assert restored.error is None and restored.tokens > 64
+        await turn(pilot, "The end")
+        started = last(seen2, Started)
+        assert started.cached_tokens == restored.tokens and started.reprefilled_tokens == 0
+        assert any(m.startswith("Reopened") or "re-prefilled" in m for m, _ in notes)
+
+
+def test_start_up_picks_the_model_of_the_chat_that_reopens(env: Path) -> None:
+    """Without --model the app starts on the model the reopening chat was held with, so
+    it comes back warm with no second load; else on the last model used."""
+    from kvchat.app.core.store import Conversation, ConversationStore
+    from kvchat.app.tui.app import default_model_path
+    from kvchat.app.tui.session import SessionState, save_session, session_path
+
+    copy = env / "models" / "stories-copy"
+    shutil.copytree(STORIES, copy)
+    store = ConversationStore(env / "data" / "chats")
+    conv = Conversation(model=str(copy))
+    conv.add_message("user", PROMPT)
+    store.save(conv)
+    s = settings(last_model=str(STORIES.resolve()))
+    assert default_model_path(s, store) == str(STORIES.resolve())  # no session yet
+    save_session(session_path(store), SessionState(last_chat=conv.id))
+    assert default_model_path(s, store) == str(copy)
+    assert default_model_path(dataclasses.replace(s, restore_session=False), store) == str(
+        STORIES.resolve())
+    shutil.rmtree(copy)  # gone since: the last model used
+    assert default_model_path(s, store) == str(STORIES.resolve())
+
+
 async def _key_latency(pilot: Any, key: str, char: str | None, done: Any) -> float:
     """Queue a key event as the terminal driver does; seconds until done() holds."""
     t0 = time.perf_counter()

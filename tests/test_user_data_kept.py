@@ -181,3 +181,55 @@ def test_fifo_in_the_chats_folder_never_freezes_the_history(tmp_path: Path) -> N
         pytest.fail("listing chats blocked on a FIFO")
     convs = result[0]
     assert [c.id for c in convs] == [conv.id]
+
+
+@async_test
+async def test_quit_asks_when_the_chat_could_not_be_saved(
+        config_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk: the turn's save fails (one toast), and Ctrl+Q does not quit silently:
+    it tries again, says the turns would be lost, and only a second Ctrl+Q leaves. Once
+    the disk has room, one Ctrl+Q saves the chat and quits."""
+    import errno
+
+    from kvchat.app.core import store as store_mod
+    from kvchat.app.core.settings import Settings
+    from tests.scripted_engine import record_notifications
+
+    real_write = store_mod.atomic_write_text
+
+    def disk_full(*a: Any, **kw: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def factory(on_event: Any, p: str | None) -> ScriptedEngine:
+        return ScriptedEngine(on_event, p)
+
+    monkeypatch.setattr(store_mod, "atomic_write_text", disk_full)
+    app = KVChatApp("/models/m", Settings(), engine_factory=factory)
+    async with app.run_test() as pilot:
+        seen = record_notifications(app)
+        await wait_for(pilot, lambda: bool(app.chat.model_info))
+        await app.chat.send("words I typed")
+        await wait_for(pilot, lambda: not app.chat.generating and len(
+            app.chat.conversation.messages) == 2)
+        assert any("No space left on device" in m for m, _ in seen)
+        await pilot.press("ctrl+q")
+        await pilot.pause()
+        assert app.is_running
+        assert "Press Ctrl+Q again to quit without them" in seen[-1][0]
+        await pilot.press("ctrl+q")
+        await wait_for(pilot, lambda: not app.is_running)
+    assert not list((config_dir.parent / "data").rglob("*.json"))  # really lost, as warned
+
+    app = KVChatApp("/models/m", Settings(), engine_factory=factory)
+    async with app.run_test() as pilot:
+        await wait_for(pilot, lambda: bool(app.chat.model_info))
+        await app.chat.send("words I typed")
+        await wait_for(pilot, lambda: not app.chat.generating and len(
+            app.chat.conversation.messages) == 2)
+        assert app.chat.unsaved
+        monkeypatch.setattr(store_mod, "atomic_write_text", real_write)  # room again
+        await pilot.press("ctrl+q")
+        await wait_for(pilot, lambda: not app.is_running)
+        conv_id = app.chat.conversation.id
+    saved = ConversationStore().load(conv_id)
+    assert [m["role"] for m in saved.messages] == ["user", "assistant"]

@@ -26,7 +26,6 @@ same definitions around `mlx_lm.generate.generate_step`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -37,13 +36,15 @@ from typing import Any
 import numpy as np
 
 from kvchat.app.cli.generate import add_model_argument
-from kvchat.app.core import blas, kv_quality
+from kvchat.app.core import blas, kv_quality, memory
 from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.engine_service import EngineOptions, EngineService
 from kvchat.app.core.errors import UsageError, report
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
+from kvchat.app.core.text import json_text
 from kvchat.model.cache.kv_math import kv_bytes_per_token
 from kvchat.model.decoder.kv_format import KVQuant
+from kvchat.model.errors import KVChatError
 from kvchat.model.gguf_file import is_gguf
 from kvchat.model.runtime import threads
 from kvchat.model.runtime.events import GenParams
@@ -75,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-quantized", action="store_true",
                    help="keep quantized weights quantized (CPU default: dequantize)")
     add_kv_arguments(p)
+    memory.add_argument(p)
     p.add_argument("--agreement-tokens", type=int, default=512, metavar="N",
                    help="with --kv-bits: also measure greedy agreement with the float cache"
                    " over N tokens (0 = skip; default %(default)s); the settings screen shows"
@@ -217,6 +219,12 @@ def run(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     path = str(args.model or DEFAULT_MODEL)
+    try:  # the runs hold at most the prompt and the generated tokens
+        memory.require_fit(path, None, q, kv_tokens=args.prompt_tokens + args.gen_tokens,
+                           ignore=args.ignore_memory_check)
+    except KVChatError as e:
+        report(str(e))
+        return 1
     ours = _Ours(path, compiled=not args.no_compile, q=q)
     try:
         info = ours.info
@@ -312,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
     if q is not None and args.agreement_tokens > 0:
         result["kv_quality"] = _agreement(path, q, args.agreement_tokens)
     if args.json:
-        print(json.dumps(result))
+        print(json_text(result))
         return 0
     print(_render(result))
     return 0

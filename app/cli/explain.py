@@ -9,12 +9,13 @@ MQA. The data is model/explain/anatomy.py's; the chat's Anatomy screen shows the
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
+from kvchat.app.core import memory
 from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.errors import UsageError, report
+from kvchat.app.core.text import json_text
 from kvchat.model.errors import KVChatError, ModelLoadError
 
 
@@ -29,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="2017: the same model with the 2017 block (post-LayerNorm, ReLU FFN"
                    " 1.5x wider, sinusoidal positions, MHA), for comparison"
                    " (default %(default)s)")
+    memory.add_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -60,14 +62,17 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--context must be >= 0, got {args.context}")
         if args.gap < 0:
             raise UsageError(f"--gap must be >= 0, got {args.gap}")
-        out = explain_folder(args.model or DEFAULT_MODEL, args.context, args.gap, args.block)
+        folder = args.model or DEFAULT_MODEL
+        # the model is loaded (its weights; no cache is made)
+        memory.require_fit(folder, kv_tokens=0, ignore=args.ignore_memory_check)
+        out = explain_folder(folder, args.context, args.gap, args.block)
     except KVChatError as e:
         report(str(e))
         if args.json:
-            print(json.dumps({"error": str(e)}))
+            print(json_text({"error": str(e)}))
         return 2 if isinstance(e, UsageError) else 1
     if args.json:
-        print(json.dumps(out))
+        print(json_text(out))
     else:
         from kvchat.model.explain.anatomy import render_text
 

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
 from typing import Any
 
+from kvchat.app.core import memory
 from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.engine_service import EngineOptions, EngineService
 from kvchat.app.core.errors import UsageError, debug, interrupted, report
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
-from kvchat.app.core.text import SafeStream
+from kvchat.app.core.text import SafeStream, json_text
 from kvchat.model.cache.kv_math import human_bytes
 from kvchat.model.errors import KVChatError, error_line
 from kvchat.model.files import load_json
@@ -96,6 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--quiet", action="store_true",
                    help="no statistics line on stderr after the text")
+    memory.add_argument(p)
 
 
 def params_from_args(args: argparse.Namespace) -> GenParams:
@@ -226,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
     rc = 0
     try:
         prompt, params = _prompt(args)
+        memory.require_fit(args.model or DEFAULT_MODEL, params.max_kv_size,
+                           kv_quant_from_args(args), ignore=args.ignore_memory_check)
         service = EngineService("thread", EngineOptions(tokenizer=args.tokenizer))
         runner = service.client(args.model or DEFAULT_MODEL,
                                 on_delta=None if args.json else stream)
@@ -255,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     elif done.finish_reason == "error" and rc == 0:
         rc = 1
     if args.json:
-        print(json.dumps(result_object(done)))
+        print(json_text(result_object(done)))
     else:
         tail = safe.flush()
         if streamed or tail:

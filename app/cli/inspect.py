@@ -9,14 +9,15 @@ formula.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from kvchat.app.core import memory
 from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.errors import UsageError, report
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
+from kvchat.app.core.text import json_text
 from kvchat.model.cache.kv_math import (
     BudgetError,
     KVQuant,
@@ -60,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_kv_arguments(p, start=False)
     p.add_argument("--hosts", type=int, default=None, metavar="N",
                    help="split the layers across N pipeline ranks: bytes per rank")
+    memory.add_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         report(str(e))
         return 1
     if args.json:
-        print(json.dumps(out))
+        print(json_text(out))
     else:
         print(_render(out))
     if out.get("live") and not out["live"]["equal"]:
@@ -186,7 +188,9 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
         "kv_bits": q.bits if q else dtype_bytes * 8,
         "kv_group_size": q.group_for(hd) if q else None,
         "quantized": _quantized(cfg, q, dtype_bytes, context, budget, weights),
-        "live": _live(source, cfg, q) if args.live else None,
+        # will it fit: the weights and the K/V at this context, against what is available
+        "memory": memory.model_fit(source, context, q).to_dict() if args.model else None,
+        "live": _live(source, cfg, q, args.ignore_memory_check) if args.live else None,
         "ranks": _ranks(args, source, cfg, dtype_bytes, context),
     }
     return out
@@ -239,7 +243,8 @@ def _quantized(cfg: ModelConfig, q: KVQuant | None, dtype_bytes: int, context: i
     }
 
 
-def _live(folder: Path, cfg: ModelConfig, q: KVQuant | None = None) -> dict[str, Any]:
+def _live(folder: Path, cfg: ModelConfig, q: KVQuant | None = None,
+          ignore_memory: bool = False) -> dict[str, Any]:
     """Greedy-generate LIVE_TOKENS tokens from BOS through make_cache and measure the
     cache from its arrays (resident slices' nbytes, every part of a quantized buffer)
     next to the formula."""
@@ -250,6 +255,7 @@ def _live(folder: Path, cfg: ModelConfig, q: KVQuant | None = None) -> dict[str,
     from kvchat.model.runtime.events import CACHE_FIELDS, stats_json
     from kvchat.model.runtime.generate import generate_step
 
+    memory.require_fit(folder, None, q, kv_tokens=LIVE_TOKENS, ignore=ignore_memory)
     model = load_model(folder)
     caches = make_cache(model.config, kv=q)
     bos = cfg.raw.get("bos_token_id", 1)
@@ -385,6 +391,12 @@ def _render(o: dict[str, Any]) -> str:
             lines.append(f"note: {what} {f['file_dtype']}; kvchat computes and caches in"
                          f" {f['compute_dtype']} on the {f['device']}, so the figures above use"
                          f" {f['kv_dtype_bytes']} B/element")
+    m = o.get("memory")
+    if m:
+        verdict = "fits" if m["fits"] else (
+            "does NOT fit" + (f"; --max-kv-size {m['max_kv_size_that_fits']:,} would"
+                              if m["max_kv_size_that_fits"] else ""))
+        lines.append(f"memory: {m['line']}: {verdict}")
     if o["budget_bytes"] is not None:
         after = " after the weights" if o["weights_bytes"] else ""
         fits = ("any context length fits (every layer slides)" if o["budget_tokens"] is None

@@ -5,22 +5,24 @@ loads one); BITS is a GGUF file's type (Q4_K_M, …) there.
 
 MEMORY and DTYPE are what loading allocates on this backend (model/explain/facts.py, the numbers
 `inspect`, the picker and the side panel show too); a folder kvchat cannot load is listed
-with the reason instead.
+with the reason instead. FITS: whether the weights plus the chat's K/V cache (its settings'
+bound, else the model's context) fit the memory available now (app/core/memory.py; "?"
+when the machine cannot tell).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from kvchat.app.core import memory
 from kvchat.app.core.discovery import ModelRow, default_model_dirs, human_bytes, model_rows
-from kvchat.app.core.settings import load_settings
-from kvchat.app.core.text import visible_name
-from kvchat.model.files import replace_surrogates
+from kvchat.app.core.settings import Settings, load_settings
+from kvchat.app.core.text import json_text, visible_name
+from kvchat.model.errors import KVChatError
 
-COLUMNS = ("NAME", "ARCH", "BITS", "DTYPE", "MEMORY", "SOURCE", "PATH")
+COLUMNS = ("NAME", "ARCH", "BITS", "DTYPE", "MEMORY", "FITS", "SOURCE", "PATH")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +46,27 @@ def _short(path: Path) -> str:
         return str(path)
 
 
-def format_table(rows: list[ModelRow]) -> str:
+def fits(rows: list[ModelRow], settings: Settings) -> dict[Path, memory.Fit]:
+    """Each loadable row's verdict with the chat's cache bound."""
+    params = settings.gen_params()
+    out = {}
+    for r in rows:
+        if r.loadable and r.facts is not None:
+            try:
+                out[r.entry.path] = memory.model_fit(r.entry.path, params.max_kv_size,
+                                                     params.kv_quant(), facts=r.facts)
+            except (KVChatError, OSError, ValueError):
+                pass
+    return out
+
+
+def _fits_cell(fit: memory.Fit | None) -> str:
+    if fit is None:
+        return "-"
+    return "?" if fit.available is None else "yes" if fit.fits else "no"
+
+
+def format_table(rows: list[ModelRow], verdicts: dict[Path, memory.Fit] | None = None) -> str:
     # names and paths come from folders: shown as what they are (bidi, zero-width, bytes
     # that are not UTF-8), and measured after that, so the columns line up
     table = [COLUMNS] + [
@@ -54,6 +76,7 @@ def format_table(rows: list[ModelRow]) -> str:
             str(r.entry.bits or r.entry.quantization or "-"),  # a GGUF file: its type
             r.facts.compute_dtype if r.facts else "-",
             human_bytes(r.facts.weight_bytes) if r.facts else "-",
+            _fits_cell((verdicts or {}).get(r.entry.path)),
             r.entry.source,
             _short(r.entry.path),
         ))
@@ -82,15 +105,19 @@ def run(args: argparse.Namespace) -> int:
     given = list(getattr(args, "dirs", []))
     rows = model_rows(settings.model_dirs, given=given)
     looked_in = [str(root) for root, _ in default_model_dirs(settings.model_dirs, given=given)]
+    verdicts = fits(rows, settings)
     if getattr(args, "json", False):
-        out = {"models": [r.to_dict() for r in rows], "looked_in": looked_in}
-        # a folder name that is not UTF-8 cannot be JSON text: U+FFFD, as on screen
-        print(replace_surrogates(json.dumps(out, indent=2, ensure_ascii=False)))
+        out = {"models": [{**r.to_dict(), "memory": verdicts[r.entry.path].to_dict()
+                           if r.entry.path in verdicts else None} for r in rows],
+               "looked_in": looked_in}
+        # a folder name that is not UTF-8 cannot be JSON text: U+FFFD, as on screen; C1
+        # and bidi characters escaped (app/core/text.py)
+        print(json_text(out, indent=2))
         return 0
     if not rows:
         print("no local models found; looked in: " + ", ".join(looked_in))
         return 0
-    print(format_table(rows))
+    print(format_table(rows, verdicts))
     bad = [r for r in rows if not r.loadable]
     if bad:
         print("\n✗ = kvchat cannot load it:")

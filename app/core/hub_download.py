@@ -18,8 +18,12 @@ named by the ETag only when that is a plain hex digest (else by a hash of it), t
 revision must be a ref name, file names must be plain relative names, and every path is
 checked to resolve inside the cache before it is opened, created, deleted or linked. The
 token goes only to the endpoint's own host. A pull is bounded: connect and read timeouts,
-a retry budget per file and per pull, writing stops at the announced size, a size or
-sha256 mismatch deletes the file, and free disk space is checked before the first byte.
+a retry budget per file and per pull, every answer bounded once decoded (hub_http.py: API
+and error answers, files at their announced size), writing stops at the announced size,
+a size or sha256 mismatch deletes the file, and free disk space is checked before the
+first byte. Refused before any weight is downloaded: a file name the disk cannot hold
+(over 255 bytes), and a config.json kvchat cannot load (its quantization block, say):
+config.json comes first and is checked as the loader checks it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvchat.app.core import hub_http
 from kvchat.app.core.discovery import hf_cache_dir
 from kvchat.model.errors import KVChatError, one_line
 from kvchat.model.files import PICKLE_PATTERNS
@@ -122,12 +127,20 @@ def blob_name(etag: str) -> str:
     return hashlib.sha256(etag.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+NAME_MAX_BYTES = 255  # what a file name may take on the file systems kvchat runs on
+
+
 def check_file_name(name: object) -> str:
-    """A repo file name: relative, normalised, no backslash or NUL."""
+    """A repo file name: relative, normalised, no backslash or NUL, each part short
+    enough for a file system to store."""
     if (not isinstance(name, str) or not name or name.startswith("/") or "\\" in name
             or "\0" in name or posixpath.normpath(name) != name
             or name.split("/")[0] == ".."):
         raise PullError(f"the Hub listed a file named {str(name)!r:.80}; refusing to write it")
+    longest = max(name.split("/"), key=lambda part: len(part.encode("utf-8", "surrogatepass")))
+    if (n := len(longest.encode("utf-8", "surrogatepass"))) > NAME_MAX_BYTES:
+        raise PullError(f"the Hub listed a file whose name is {n:,} bytes long ({name!r:.60}…),"
+                        f" over the {NAME_MAX_BYTES} a file system stores; refusing the pull")
     return name
 
 
@@ -239,7 +252,9 @@ def _fetch(url: str, part: Path, name: str, size: int, headers: dict[str, str],
             h["Range"] = f"bytes={have}-"
         try:
             with get_session().stream("GET", url, headers=h, follow_redirects=True,
-                                      timeout=timeout) as r:
+                                      timeout=timeout,
+                                      # a backstop: the loop below stops at `size` itself
+                                      extensions=hub_http.max_bytes(size + 2**20)) as r:
                 hf_raise_for_status(r)
                 if r.status_code == 206 and _range_start(r) != have:  # not the part we asked
                     progress.received(-have)
@@ -325,6 +340,20 @@ def _check_listing(repo_id: str, names: list[str]) -> None:
         raise PullError(f"{repo_id} has no *.safetensors weights")
     if "tokenizer.json" not in names and "tokenizer.model" not in names:
         raise PullError(f"{repo_id} has no tokenizer.json or tokenizer.model")
+
+
+def _check_config(snapshot: Path) -> None:
+    """config.json as the loader will read it, before the weights come: a model kvchat
+    cannot build (an unknown family, a quantization block it cannot load) is refused."""
+    from kvchat.model.decoder.config import load_config
+    from kvchat.model.decoder.weights import validate_quantization
+
+    try:
+        cfg = load_config(snapshot)
+        if cfg.quantization:
+            validate_quantization(cfg.quantization)
+    except KVChatError as e:
+        raise PullError(f"refusing the pull before its weights: {e}") from None
 
 
 def _has_partials(repo_id: str, cache: Path) -> bool:
@@ -421,7 +450,7 @@ def pull(
         return snap
     try:
         return _pull(repo_id, revision, cache, on_progress, cancel or threading.Event())
-    except PullError:
+    except KVChatError:  # ours, one line already (an answer past its bound too)
         raise
     except Exception as e:  # httpx / huggingface_hub errors -> one line
         raise PullError(_one_line(e, repo_id, _has_partials(repo_id, cache))) from None
@@ -437,6 +466,7 @@ def _pull(
     # huggingface_hub reads HF_HUB_OFFLINE once, at import; pull() has just read it from
     # the environment as it is now (and returned from the cache if it is set)
     constants.HF_HUB_OFFLINE = False
+    hub_http.install()  # every answer bounded once decoded
     ep = endpoint()
     try:
         info = HfApi(endpoint=ep).model_info(repo_id, revision=revision, files_metadata=True,
@@ -449,7 +479,9 @@ def _pull(
     sha = check_commit(info.sha, ep)
     siblings = info.siblings or []
     _check_listing(repo_id, [s.rfilename for s in siblings])
-    files = [s for s in siblings if _wanted(s.rfilename)]
+    # config.json first: it is checked before any weight is fetched
+    files = sorted((s for s in siblings if _wanted(s.rfilename)),
+                   key=lambda s: s.rfilename != "config.json")
     for s in files:
         check_file_name(s.rfilename)
     progress = PullProgress(
@@ -508,6 +540,8 @@ def _pull(
                 progress.file_done = size
                 progress.bytes_done += size
         _link(cache, snapshot, name, blob)
+        if name == "config.json":
+            _check_config(snapshot)
         with progress.lock:
             progress.files_done += 1
         on_progress(progress)

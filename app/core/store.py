@@ -10,9 +10,12 @@ never a torn one. A corrupt file is skipped when listing
 
 One writer per chat: a window claims the chat it shows (an advisory flock on
 `.<id>.lock`, which the kernel drops when the process ends, however it ends); any other
-save takes the lock only while it writes. A second kvchat on the same folder cannot claim
-an open chat: it opens a copy (and says so), and a save of the original is refused in one
-line rather than overwriting turns.
+save takes the lock only while it writes. The lock file is removed when the chat is let
+go (and a stale one, left by a killed process, when the folder is listed): removed while
+still locked, and a claim that locked a file since removed from its name tries again, so
+two processes never hold two different files of one name. A second kvchat on the same
+folder cannot claim an open chat: it opens a copy (and says so), and a save of the
+original is refused in one line rather than overwriting turns.
 """
 
 from __future__ import annotations
@@ -227,7 +230,7 @@ class ConversationStore:
         self.skipped: list[tuple[Path, str]] = []
         self._held: dict[str, int] = {}  # chat id -> descriptor holding its lock
         # a store that goes away (a temporary one, say) lets its chats go with it
-        weakref.finalize(self, _close_all, self._held)
+        weakref.finalize(self, _close_all, self._held, self.root)
         # ids whose newer copy was rescued from a killed save's temp file at start-up
         self.recovered: list[str] = self._recover_temps()
 
@@ -239,30 +242,35 @@ class ConversationStore:
             return True
         if fcntl is None:
             return True
-        lock = self.path_for(conv_id).with_name(f".{conv_id}.lock")
+        lock = self.lock_path(conv_id)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-                         | getattr(os, "O_NOFOLLOW", 0), 0o600)
         except OSError:
             return True  # a read-only folder: nothing can be saved anyway; saves will say
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            return False
-        self._held[conv_id] = fd
-        return True
+        while True:
+            try:
+                fd = _lock_file(lock)
+            except BlockingIOError:
+                return False
+            except OSError:
+                return True  # as above: the saves will say
+            if fd is not None:
+                self._held[conv_id] = fd
+                return True
+
+    def lock_path(self, conv_id: str) -> Path:
+        return self.path_for(conv_id).with_name(f".{conv_id}.lock")
 
     def release(self, conv_id: str) -> None:
-        """Let another window have the chat (this one moved to another chat)."""
+        """Let another window have the chat (this one moved to another chat); its lock
+        file goes."""
         fd = self._held.pop(conv_id, None)
         if fd is not None:
-            os.close(fd)  # closing the descriptor drops the flock
+            _unlock(self.lock_path(conv_id), fd)
 
     def close(self) -> None:
         """Release every chat this store holds."""
-        _close_all(self._held)
+        _close_all(self._held, self.root)
 
     def busy(self, conv_id: str) -> bool:
         """Whether another process holds the chat (without keeping it)."""
@@ -355,8 +363,6 @@ class ConversationStore:
         """Remove a conversation (and its K/V cache); False when there was none."""
         if not self.claim(conv_id):
             raise ChatBusy(f"chat {conv_id} is open in another kvchat window; not deleted")
-        with contextlib.suppress(OSError):
-            self.path_for(conv_id).with_name(f".{conv_id}.lock").unlink()
         self.release(conv_id)
         with contextlib.suppress(OSError):
             self.cache_path(conv_id).unlink()
@@ -425,7 +431,8 @@ class ConversationStore:
         return recovered
 
     def _clean_stale_temps(self) -> None:
-        """Remove temp files a killed save left behind (old enough to be no live save's)."""
+        """Remove temp files a killed save left behind (old enough to be no live save's),
+        and lock files no process holds (a killed kvchat's)."""
         now = time.time()
         with contextlib.suppress(OSError):
             stale = [*self.root.glob(".*.json.*.tmp"), *self.root.glob(".*.tmp.safetensors")]
@@ -433,12 +440,53 @@ class ConversationStore:
                 with contextlib.suppress(OSError):
                     if now - tmp.stat().st_mtime > _STALE_TMP_S:
                         tmp.unlink()
-
-
-def _close_all(held: dict[str, int]) -> None:
-    for fd in held.values():
+        if fcntl is None:
+            return
         with contextlib.suppress(OSError):
-            os.close(fd)
+            for lock in self.root.glob(".*.lock"):
+                conv_id = lock.name[1:-len(".lock")]
+                if conv_id in self._held or not _ID_RE.match(conv_id):
+                    continue
+                with contextlib.suppress(OSError):
+                    fd = _lock_file(lock, create=False)
+                    if fd is not None:
+                        _unlock(lock, fd)
+
+
+def _lock_file(lock: Path, create: bool = True) -> int | None:
+    """A descriptor holding the flock on `lock` (made 0600 when `create`); None when the
+    file it locked was removed from that name meanwhile (the caller tries again).
+    BlockingIOError when another process holds it."""
+    flags = (os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+             | (os.O_CREAT if create else 0))
+    fd = os.open(lock, flags, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # the last holder may have removed the file between our open and our flock: a
+        # lock on a file no longer under that name guards nothing
+        st, now = os.fstat(fd), os.stat(lock, follow_symlinks=False)
+        if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+            return fd
+    except FileNotFoundError:
+        pass
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
+
+
+def _unlock(lock: Path, fd: int) -> None:
+    """Remove the lock file while still holding it, then let it go."""
+    with contextlib.suppress(OSError):
+        lock.unlink()
+    with contextlib.suppress(OSError):
+        os.close(fd)  # closing the descriptor drops the flock
+
+
+def _close_all(held: dict[str, int], root: Path) -> None:
+    for conv_id, fd in held.items():
+        _unlock(root / f".{conv_id}.lock", fd)
     held.clear()
 def write_near_data(store: ConversationStore, sub: str, write: Callable[[Path], Path]) -> Path:
     """`write(folder)` into <data dir>/<sub> (exports, screenshots), else into the current

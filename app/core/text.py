@@ -19,11 +19,19 @@ typed text keep them (a ZWJ joins an emoji, a ZWNJ is part of Persian spelling).
 Bytes of a file name that are not UTF-8 reach Python as lone surrogates: every helper
 here shows them as U+FFFD, so printing or rendering a name never fails.
 
-``--json`` output keeps the exact text: JSON escapes control characters itself.
+``--json`` output keeps the exact text, escaped: `json_text()` is what every command's
+``--json`` prints. JSON escapes C0 itself, but leaves DEL, C1 (a raw U+009B is a CSI to
+many terminals) and bidi / zero-width characters raw; those are written as ``\\uXXXX``
+escapes, which read back as the same text.
+
+The plain output of the commands goes through `VisibleWriter` (app/main.py): names only
+(`names=True`, every command but ``generate``, whose output is a reply) are shown as
+`visible_name()` shows them.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -59,6 +67,21 @@ def visible_name(text: object) -> str:
     return _INVISIBLE.sub(lambda m: f"<U+{ord(m.group()):04X}>", visible(text))
 
 
+# what JSON leaves raw and a terminal acts on or reorders: DEL and C1, the invisible
+# characters above, and the line/paragraph separators
+_JSON_RAW = re.compile("[\x7f-\x9f\u061c\u200b-\u200f\u2028\u2029\u202a-\u202e"
+                       "\u2060-\u2069\ufeff]")
+
+
+def json_text(obj: Any, **kw: Any) -> str:
+    """`json.dumps(obj)` for a terminal: UTF-8 text as it is (ensure_ascii off), lone
+    surrogates (bytes of a name that are not UTF-8) as U+FFFD, and DEL, C1, bidi and
+    zero-width characters as \\uXXXX escapes. Only strings can hold them, so the escape
+    is valid JSON that reads back as the same text."""
+    out = replace_surrogates(json.dumps(obj, ensure_ascii=False, **kw))
+    return _JSON_RAW.sub(lambda m: f"\\u{ord(m.group()):04x}", out)
+
+
 def clipboard_text(text: str) -> str:
     """What Ctrl+Y copies: the text as shown, control characters (ESC, BEL, ...) removed,
     so a paste can never replay a terminal sequence; newlines and tabs stay."""
@@ -91,13 +114,16 @@ class SafeStream:
 
 class VisibleWriter:
     """A text stream whose write() makes control characters visible: the plain output
-    of the CLI commands (model names from folders, error text) goes through one."""
+    of the CLI commands (model names from folders, error text) goes through one;
+    `names`: the output is names and figures, never a reply, so bidi and zero-width
+    characters are shown too (`visible_name`)."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, names: bool = False) -> None:
         self._stream = stream
+        self._show = visible_name if names else visible
 
     def write(self, s: str) -> int:
-        self._stream.write(visible(s))
+        self._stream.write(self._show(s))
         return len(s)
 
     def write_control(self, seq: str) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvchat.app.core import memory
 from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.engine_service import EngineOptions, EngineService
 from kvchat.app.core.errors import UsageError
@@ -67,6 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-kv-size", type=int, default=None, metavar="N",
                    help="bound every request's KV cache to N tokens (rotating)")
     add_kv_arguments(p)
+    memory.add_argument(p)
     p.add_argument("--keep", type=int, default=None, metavar="K",
                    help=f"sink tokens kept when the cache rotates (needs --max-kv-size;"
                    f" default {GenParams().keep})")
@@ -252,6 +254,10 @@ def run(args: argparse.Namespace) -> int:
     model = str(Path(args.model or DEFAULT_MODEL).expanduser().resolve())
     check_model_folder(model)  # a folder we cannot load: one line before anything starts
     _check_context(args, model)
+    if not args.serve_hostfile:  # weights, every request's cache bound and the pool
+        memory.require_fit(model, bound.max_kv_size, kv_quant_from_args(args),
+                           extra_bytes=int(args.cache_pool_mb * 2**20),
+                           ignore=args.ignore_memory_check)
     # Ctrl+C stops the server, which then closes the engine (app/core/engine_service.py)
     service = EngineService("process", engine_options(args))
     try:

@@ -323,10 +323,22 @@ class KVChatServer:
         return JSONResponse(body)
 
     async def health(self, request: HttpRequest) -> Any:
-        w = self.worker
-        status = 200 if w.is_ready else 503
-        return JSONResponse({"status": "ok" if w.is_ready else
-                             ("failed" if w.load_error else "loading")}, status_code=status)
+        code, body = health(self.worker)
+        return JSONResponse(body, status_code=code)
+
+
+def health(w: EngineWorker) -> tuple[int, dict[str, Any]]:
+    """/health: 200 only while the model is loaded and the engine lives; what it is doing
+    (a job running for how long, how many wait), so a monitor sees a turn that never ends."""
+    alive = w.engine is not None and getattr(w.engine, "alive", True)
+    if not (w.is_ready and alive):
+        state = "failed" if w.load_error else ("stopped" if w.ready.is_set() else "loading")
+        return 503, {"status": state}
+    job = w.current
+    running_s = None if job is None or job.t_start is None else time.monotonic() - job.t_start
+    return 200, {"status": "ok", "engine": "busy" if job is not None else "idle",
+                 "running_s": None if running_s is None else round(running_s, 1),
+                 "waiting": len(w.waiting)}
 
 
 def _digest(value: Any) -> str:

@@ -10,6 +10,7 @@ app/tui/bridge.py. The UI never runs MLX in a Textual worker; the only worker th
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
@@ -20,14 +21,16 @@ from textual.content import Content
 from textual.screen import Screen
 
 from kvchat import metal_kernels
+from kvchat.app.core import memory
 from kvchat.app.core.discovery import DEFAULT_MODEL
-from kvchat.app.core.engine_service import EngineService
+from kvchat.app.core.engine_service import CHAT_OPTIONS, EngineService
 from kvchat.app.core.settings import Settings, load_settings
 from kvchat.app.core.store import ConversationStore, StoreError, write_near_data
-from kvchat.app.core.text import SafeNotify, visible
+from kvchat.app.core.text import SafeNotify, visible_name
 from kvchat.app.tui.actions import bindings, help_rows, palette
 from kvchat.app.tui.readable import readable_variables
 from kvchat.app.tui.screens import ChatScreen, HelpScreen
+from kvchat.app.tui.session import reopening_model
 from kvchat.model.gguf_file import is_gguf
 from kvchat.model.runtime.events import EngineFactory
 
@@ -64,14 +67,22 @@ class KVChatApp(SafeNotify, App[int]):
         *,
         engine_factory: EngineFactory | None = None,
         store: ConversationStore | None = None,
+        ignore_memory_check: bool = False,
+        notes: Iterable[str] = (),
     ) -> None:
         super().__init__()
         self.chat = ChatScreen(
             settings if settings is not None else load_settings(),
             store if store is not None else ConversationStore(),
-            engine_factory or EngineService().build,
+            engine_factory or EngineService(options=CHAT_OPTIONS).build,
             model_path,
         )
+        self.chat.ignore_memory_check = ignore_memory_check  # the picker's loads too
+        self._notes = list(notes)  # why the start-up model was not loaded, say
+
+    def on_mount(self) -> None:
+        for note in self._notes:
+            self.notify(note, severity="warning", title="Model not loaded", timeout=30)
 
     def get_css_variables(self) -> dict[str, str]:
         # every text colour at 4.5:1 or better, whichever theme is active
@@ -82,12 +93,30 @@ class KVChatApp(SafeNotify, App[int]):
         # literal text (as SafeNotify's); the model's name in $text-muted where Textual
         # dims it, which falls below 4.5:1 on a light theme's header
         if not sub_title:
-            return Content(visible(title))
-        return Content.assemble(Content(visible(title)), (" — ", "$text-muted"),
-                                Content(visible(sub_title)).stylize("$text-muted"))
+            return Content(visible_name(title))
+        return Content.assemble(Content(visible_name(title)), (" — ", "$text-muted"),
+                                Content(visible_name(sub_title)).stylize("$text-muted"))
 
     def get_default_screen(self) -> Screen[Any]:
         return self.chat
+
+    _quit_asked_at = float("-inf")
+
+    def action_quit(self) -> None:  # type: ignore[override]
+        """Ctrl+Q (the palette's Quit, Ctrl+C twice): leave, unless the open chat has turns
+        a save could not write (a full or read-only disk): then one more try, and when
+        that fails too, say so; a second Ctrl+Q within QUIT_CONFIRM_S leaves without them."""
+        chat = self.chat
+        if chat.unsaved and not chat.retry_save():
+            now = time.monotonic()
+            if now - self._quit_asked_at > QUIT_CONFIRM_S:
+                self._quit_asked_at = now
+                self.notify("This chat's last turns are not saved (see above). Press Ctrl+Q"
+                            " again to quit without them, or free some space and press it"
+                            " once to save and quit.", severity="error",
+                            title="Not saved: quit anyway?", timeout=QUIT_CONFIRM_S)
+                return
+        self.exit()
 
     def on_unmount(self) -> None:
         self.chat.close_engine()
@@ -126,8 +155,13 @@ class KVChatApp(SafeNotify, App[int]):
         return path
 
 
-def default_model_path(settings: Settings) -> str | None:
-    """No --model: the last model used, else the shipped one, else none (pick in the UI)."""
+def default_model_path(settings: Settings, store: ConversationStore | None = None
+                       ) -> str | None:
+    """No --model: the model of the chat that reopens (its cache is that model's), else
+    the last model used, else the shipped one, else none (pick in the UI)."""
+    reopening = reopening_model(store or ConversationStore(), settings)
+    if reopening is not None:
+        return reopening
     # absolute only: an old relative entry would depend on where kvchat was started
     last = settings.last_model
     if last and Path(last).is_absolute() and (Path(last).is_dir() or is_gguf(last)):
@@ -137,23 +171,37 @@ def default_model_path(settings: Settings) -> str | None:
     return None
 
 
+def startup_model(model_path: str | None, settings: Settings, ignore_memory_check: bool = False
+                  ) -> tuple[str | None, list[str]]:
+    """The model the chat starts on, and why none when one was meant (notes to show).
+    --model that cannot load or fit: one line before the UI starts (KVChatError); the
+    remembered model no longer fitting: the chat starts without it and says why."""
+    if model_path is not None:
+        path = str(validate_model_path(model_path))
+        memory.require_fit(path, settings.max_kv_size, settings.gen_params().kv_quant(),
+                           ignore=ignore_memory_check)
+        return path, []
+    default = default_model_path(settings)
+    why = default and memory.refusal(default, settings.gen_params(), ignore_memory_check)
+    return (None, [why]) if why else (default, [])
+
+
 def run_tui(
     model_path: str | None,
     settings: Settings | None = None,
     engine_factory: EngineFactory | None = None,
     service: EngineService | None = None,
+    ignore_memory_check: bool = False,
 ) -> int:
     """Entry point for `kvchat [--model DIR]`. A bad --model folder raises a one-line
     KVChatError before the UI starts (app.main prints it and exits 1). The engine comes
     from `engine_factory`, else from `service` (default: an engine process)."""
     settings = settings if settings is not None else load_settings()
-    if model_path is not None:
-        path: str | None = str(validate_model_path(model_path))
-    else:
-        path = default_model_path(settings)
-    service = service or EngineService()
+    path, notes = startup_model(model_path, settings, ignore_memory_check)
+    service = service or EngineService(options=CHAT_OPTIONS)
     try:
-        app = KVChatApp(path, settings, engine_factory=engine_factory or service.build)
+        app = KVChatApp(path, settings, engine_factory=engine_factory or service.build,
+                        ignore_memory_check=ignore_memory_check, notes=notes)
         app.run()
     finally:
         # the screen closed the engine on unmount: this ends what is left (ranks)
@@ -161,6 +209,7 @@ def run_tui(
     return app.return_code or 0
 
 
+QUIT_CONFIRM_S = 6.0  # a second Ctrl+Q within this leaves a chat that could not be saved
 CLOSE_WAIT_S = 1.0  # as the chat screen's own close: app.main.finish waits for the rest
 
 
@@ -174,7 +223,7 @@ def run_chat(hostfile: str, model: str | None) -> int:
     path = str(validate_model_path(model)) if model else default_model_path(settings)
     if path is None:
         raise HostsError("give --model DIR: no default model to split across hosts")
-    service = EngineService()
+    service = EngineService(options=CHAT_OPTIONS)
     try:
         service.split_across(hostfile, path)
         return run_tui(path, settings, service=service)

@@ -23,7 +23,7 @@ from kvchat.app.core.store import (
     write_near_data,
 )
 from kvchat.app.core.text import clipboard_text
-from kvchat.app.tui.session import remember_session, use_saved_theme
+from kvchat.app.tui.session import model_of_chat, remember_session, use_saved_theme
 from kvchat.app.tui.turn import Phase, busy_reason
 from kvchat.app.tui.turn_controller import TurnController
 from kvchat.app.tui.widgets import ChatInput, ChatMessage, StatsPanel, Transcript
@@ -43,6 +43,7 @@ class ChatView(Protocol):
     phase: Phase
     app: Any
     focused: Any
+    unsaved: bool
 
     @property
     def transcript(self) -> Transcript: ...
@@ -57,6 +58,8 @@ class ChatView(Protocol):
                timeout: float | None = None) -> None: ...
 
     def refresh_bindings(self) -> None: ...
+
+    def load_model(self, path: str | None) -> None: ...
 
 
 class ConversationCommands:
@@ -214,11 +217,13 @@ class ConversationCommands:
         except StoreError as e:
             self.view.notify(str(e), severity="error")
             return False
-        await self.show_conversation(conv)
+        await self.show_conversation(conv, follow_model=True)
         return True
 
-    async def show_conversation(self, conv: Conversation) -> None:
-        """Make `conv` (already read from the store) the open chat."""
+    async def show_conversation(self, conv: Conversation, follow_model: bool = False) -> None:
+        """Make `conv` (already read from the store) the open chat; `follow_model`: on the
+        model it was held with, when that is another folder here (its cache is that
+        model's; at start-up app.default_model_path chose it already)."""
         view = self.view
         conv_id = conv.id
         self.end_edit()
@@ -238,6 +243,8 @@ class ConversationCommands:
             if m["role"] == "user":
                 view.input.remember(m["content"])
         cache = view.store.cache_path(conv_id)
+        if follow_model and (held_with := model_of_chat(conv.model, view.model_path)):
+            view.load_model(held_with)  # the engine restores the cache after the load
         if view.engine is not None and view.settings.save_kv_cache and cache.is_file():
             view.engine.restore_cache(cache)
         if opened is conv:
@@ -264,7 +271,9 @@ class ConversationCommands:
             self.view.store.save(self.conversation)
         except StoreError as e:
             self.view.notify(str(e), severity="error", title="Chat not saved")
+            self.view.unsaved = True
             return False
+        self.view.unsaved = False
         return True
 
     def autosave(self) -> None:

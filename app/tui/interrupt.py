@@ -24,7 +24,7 @@ class InterruptKey:
         screen: Any = self
         now = time.monotonic()
         if now - self._interrupt_at < QUIT_WINDOW_S:
-            screen.app.exit()
+            screen.app.action_quit()  # which asks first when the chat is not saved
             return
         if screen.generating:
             self._interrupt_at = now

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from textual.widgets import Static
 
+from kvchat.app.core import memory
 from kvchat.app.core.settings import Settings, remember_model
 from kvchat.app.core.text import literal
 from kvchat.app.tui.session import restore_session
@@ -36,6 +37,7 @@ class ModelView(Protocol):
     model_path: str | None
     phase: Phase
     sub_title: str
+    ignore_memory_check: bool
 
     @property
     def panel(self) -> StatsPanel: ...
@@ -66,6 +68,9 @@ class ModelSwap:
             view.notify(why, severity="warning")
             return
         if view.engine is None:
+            return
+        if why := memory.refusal(path, view.settings.gen_params(), view.ignore_memory_check):
+            view.notify(why, severity="error", title="Model not loaded")  # the old one stays
             return
         view.go(Phase.LOADING)  # the label comes with the engine's Loading event
         view.engine.load(path)

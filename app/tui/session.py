@@ -7,6 +7,7 @@ setting turns both the saving and the restoring off.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,35 @@ def load_session(path: Path) -> SessionState:
 def save_session(path: Path, state: SessionState) -> None:
     data = {"last_chat": state.last_chat, "input_history": state.input_history[-HISTORY_MAX:]}
     atomic_write_text(path, json.dumps(data, ensure_ascii=False, indent=1) + "\n")
+
+
+def model_of_chat(chat_model: str | None, loaded: str | None) -> str | None:
+    """The model folder a chat was held with (`Conversation.model`) when it is not the
+    loaded one and is still a model folder here; None otherwise. A chat's saved K/V cache
+    is that model's, so the chat continues warm only on it."""
+    if not chat_model or not Path(chat_model).is_absolute():
+        return None
+    folder = Path(chat_model)
+    if not (folder / "config.json").is_file():
+        return None
+    if loaded and os.path.realpath(folder) == os.path.realpath(loaded):
+        return None
+    return str(folder)
+
+
+def reopening_model(store: ConversationStore, settings: Any) -> str | None:
+    """At start without --model: the model of the chat `restore_session` will reopen, so
+    that chat comes back on its own model (and its cache) with no second load."""
+    if not settings.restore_session:
+        return None
+    state = load_session(session_path(store))
+    if state.last_chat is None:
+        return None
+    try:
+        conv = store.load(state.last_chat)
+    except StoreError:
+        return None
+    return model_of_chat(conv.model, None)
 
 
 # ---- hooks the chat screen calls ---------------------------------------------------------

@@ -9,7 +9,8 @@ only. Our
 loader reads the same file into our classes through `from_state(state)`, then restores
 each layer's `extras` (what mlx-lm's state has no place for: a trimmed ring's lowest
 valid position, a padded head_dim) from the metadata. Writes are atomic: a temporary
-file in the same folder, renamed over the old one. A checksum of the arrays and the header
+file in the same folder (made 0600 before MLX writes into it), renamed over the old one.
+A checksum of the arrays and the header
 (cache_integrity.py) is sealed into the header and verified before anything is trusted.
 """
 
@@ -46,6 +47,7 @@ CLASSES: dict[str, type] = {
 }
 EXTRAS_KEY = "kvchat_extras"  # no dots: tree_unflatten splits keys at dots
 LEGACY_KEY = "kvchat_meta_state"  # files before the mlx-lm 0.32 protocol
+FILE_MODE = 0o600
 
 
 def savable(caches: list[Any]) -> bool:
@@ -98,6 +100,10 @@ def save_cache(path: str | Path, caches: list[Any], metadata: dict[str, str]) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{secrets.token_hex(3)}.tmp.safetensors")
     try:
+        # private from its first byte, as the chat it caches (K/V are the conversation in
+        # another form): MLX writes into the file made here and keeps its mode
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
+                         FILE_MODE))
         mx.save_safetensors(str(tmp), arrays, header)
         os.replace(tmp, path)
     except BaseException:

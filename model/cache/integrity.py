@@ -2,16 +2,19 @@
 
 Three checks, each one line when it fails (the caller then prefills the history again):
 
-- a fingerprint of the model folder (each weight file's name, size, mtime, safetensors
-  header and three 4 KiB samples of its data; config, tokenizer and template files
-  whole; a GGUF file's first 64 MiB and two samples), computed in milliseconds and
-  cached per folder until a file's size or mtime changes: weights replaced in place give
-  another fingerprint;
+- a fingerprint of the model (folder or GGUF file): a sha256 of every byte of each weight, config,
+  tokenizer and template file, streamed in 1 MiB reads; each file's digest is kept in
+  memory by (real path, size, mtime, ctime, inode), so opening the same files again costs
+  a stat each, and any change to a byte of them (a tensor negated in place) gives another
+  fingerprint. The first computation reads the weights once (seconds for gigabytes: the
+  engine starts it in the background as a model loads, `warm_fingerprint`);
 - a sha256 over the file's arrays (name, dtype, shape, bytes) and its string metadata
   (token ids, offsets, bound), stored in the metadata: a flipped bit, a NaN, zeros, an
   int32 copy or a moved offset no longer match;
-- the layers against the model: count, dtype, K/V shapes (heads, head size), offsets
-  against the token ids, ids inside the vocabulary, finite values.
+- the layers against the model: count, kind, every part of K and V (shape and dtype; a
+  quantized layer's packed rows, scales and biases, its bits and group), offsets against
+  the token ids, ring bounds (size, sinks, one slot per resident token, a lowest valid
+  position kvchat could have written), ids inside the vocabulary, finite values.
 
 Self-contained (save_cache/load_cache call `seal` and `verify`; the engine calls
 `model_fingerprint` and `check_layers`), so the file's layout can change around it.
@@ -27,34 +30,61 @@ from typing import Any
 
 import mlx.core as mx
 
+from kvchat.model.decoder.kv_format import KVQuant
+from kvchat.model.decoder.kv_quant import Packed
+from kvchat.model.errors import KVChatError
+from kvchat.model.files import open_regular
+
 from .kv import QUANTIZED, CacheError, parts
+from .kv_math import KVWidths
 
 CHECKSUM_KEY = "kvchat_checksum"
-SAMPLE = 4096
-WHOLE = 64 * 1024 * 1024  # bytes of a file hashed from its start (text files: all)
+READ_CHUNK = 1 << 20
 # what a model folder holds besides weights that changes what the cache means
 TEXT_FILES = ("config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
               "special_tokens_map.json", "generation_config.json", "chat_template.jinja",
               "chat_template.json", "vocab.json", "merges.txt", "tokenizer.tiktoken")
 
-_fingerprints: dict[str, tuple[tuple[Any, ...], str]] = {}
+# real path -> ((size, mtime_ns, ctime_ns, inode), sha256 hex) of a file hashed whole
+_digests: dict[str, tuple[tuple[int, ...], str]] = {}
+_hashing: dict[str, threading.Lock] = {}  # one reader per file; others wait for its digest
 _lock = threading.Lock()
 
 
-def _stat_key(files: list[Path]) -> tuple[Any, ...]:
-    out = []
-    for f in files:
-        try:
-            st = f.stat()
-            out.append((f.name, st.st_size, st.st_mtime_ns, st.st_ino))
-        except OSError:
-            out.append((f.name, None))
-    return tuple(out)
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    # ctime too: a write in place that sets mtime back still moves it
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """sha256 of every byte of a regular file, read in 1 MiB chunks; cached by (real path,
+    size, mtime, ctime, inode). OSError / NotRegularFile pass through."""
+    real = os.path.realpath(path)
+    with _lock:
+        gate = _hashing.setdefault(real, threading.Lock())
+    with gate:  # a second caller (the engine, while the warm-up reads) waits for the first
+        with open_regular(real) as f:
+            before = _identity(os.fstat(f.fileno()))
+            with _lock:
+                hit = _digests.get(real)
+            if hit is not None and hit[0] == before:
+                return hit[1]
+            h = hashlib.sha256()
+            buf = bytearray(READ_CHUNK)
+            view = memoryview(buf)
+            while n := f.readinto(buf):
+                h.update(view[:n])
+            after = _identity(os.fstat(f.fileno()))
+        digest = h.hexdigest()
+        if after == before:  # a file written while it was read is hashed again next time
+            with _lock:
+                _digests[real] = (before, digest)
+        return digest
 
 
 def model_fingerprint(folder: str | os.PathLike[str]) -> str:
-    """A hex digest that changes whenever the model's weights, config or tokenizer do;
-    "" for a folder with none of them (a scripted model in tests)."""
+    """A hex digest that changes whenever a byte of the model's weights, config or
+    tokenizer does; "" for a folder with none of them (a scripted model in tests)."""
     folder = Path(folder)
     if folder.is_file():  # a GGUF file: weights, config and tokenizer in one
         files = [folder]
@@ -66,38 +96,25 @@ def model_fingerprint(folder: str | os.PathLike[str]) -> str:
         files = weights + [folder / n for n in TEXT_FILES if (folder / n).is_file()]
     if not files:
         return ""
-    key = _stat_key(files)
-    with _lock:
-        hit = _fingerprints.get(str(folder.resolve()))
-    if hit and hit[0] == key:
-        return hit[1]
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode("utf-8", "surrogateescape") + b"\0")
         try:
-            with open(f, "rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
-                h.update(str(size).encode() + b"\0")
-                if f.suffix == ".safetensors":
-                    head = fh.read(8)
-                    # a header length past the file's end (a file changed since it
-                    # loaded) must not reach seek(), which overflows past 2**63
-                    n = min(int.from_bytes(head, "little"), size) if len(head) == 8 else 0
-                    h.update(head + fh.read(min(n, 100 * 1024 * 1024)))
-                    for at in (8 + n, (8 + n + size) // 2, max(8 + n, size - SAMPLE)):
-                        fh.seek(at)
-                        h.update(fh.read(SAMPLE))
-                else:  # text files whole; a GGUF file's metadata, then samples
-                    h.update(fh.read(WHOLE))
-                    for at in (size // 2, size - SAMPLE) if size > WHOLE else ():
-                        fh.seek(at)
-                        h.update(fh.read(SAMPLE))
+            h.update(file_digest(f).encode())
         except OSError as e:
             h.update(f"unreadable {e.errno}".encode())
-    digest = h.hexdigest()
-    with _lock:
-        _fingerprints[str(folder.resolve())] = (key, digest)
-    return digest
+        except KVChatError:  # not a regular file
+            h.update(b"not a regular file")
+    return h.hexdigest()
+
+
+def warm_fingerprint(folder: str | os.PathLike[str]) -> threading.Thread:
+    """Compute `model_fingerprint(folder)` on a background thread (file reads and sha256
+    let the GIL go), so the first save or restore of a chat's cache finds it done."""
+    t = threading.Thread(target=model_fingerprint, args=(folder,), daemon=True,
+                         name="kvchat-fingerprint")
+    t.start()
+    return t
 
 
 def checksum(arrays: dict[str, mx.array], header: dict[str, str]) -> str:
@@ -130,42 +147,84 @@ def verify(arrays: dict[str, mx.array], header: dict[str, str]) -> None:
         raise CacheError("its checksum does not match: the file is damaged")
 
 
-def check_layers(caches: list[Any], ids: list[int], expected: list[Any], *, n_kv_heads: int,
-                 head_dim: int | None, dtype: str | None, vocab_size: int) -> None:
-    """CacheError (one line) unless every layer fits the model and the token ids;
-    `expected` is the model's own fresh cache for the chat's bound (kinds and rings)."""
+def _layout(width: int, heads: int, tokens: int, dtype: str, q: KVQuant | None
+            ) -> list[tuple[tuple[int, ...], str]]:
+    """The (shape, dtype) of each part of one K or V buffer the model would write: the
+    floats, or the packed rows (uint32) with a scale and a bias per group (the dtype)."""
+    if q is None:
+        return [((1, heads, tokens, width), dtype)]
+    p = Packed.of(q, width)
+    groups = (1, heads, tokens, p.dim // p.group_size)
+    return [((1, heads, tokens, p.dim * p.bits // 32), "uint32"), (groups, dtype),
+            (groups, dtype)]
+
+
+def _dtype(a: mx.array) -> str:
+    return str(a.dtype).removeprefix("mlx.core.")
+
+
+def _check_ring(i: int, c: Any, e: Any, tokens: int) -> None:
+    """A rotating layer's bounds as kvchat writes them: the model's size and sinks, every
+    resident slot present, and a lowest valid position between the sinks and the newest
+    token that leaves the window at most one token short (an exact trim's only trace)."""
+    if (c.max_size, c.keep) != (e.max_size, e.keep):
+        raise CacheError(f"layer {i}'s ring ({c.max_size} slots, keep {c.keep}) is not the"
+                         f" cache bound's ({e.max_size}, keep {e.keep})")
+    if tokens != min(c.offset, c.max_size):
+        raise CacheError(f"layer {i}'s ring holds {tokens} slots for {c.offset} tokens"
+                         f" (it needs {min(c.offset, c.max_size)})")
+    lo = c._lo
+    if not (isinstance(lo, int) and not isinstance(lo, bool) and c.keep <= lo <= c.offset
+            and c._ring_lo(c.offset) <= max(c.keep, c.offset - c._ring + 1)):
+        raise CacheError(f"layer {i}'s lowest ring position {lo!r} is impossible for"
+                         f" {c.offset} tokens in a ring of {c.max_size} (keep {c.keep})")
+
+
+def check_layers(caches: list[Any], ids: list[int], expected: list[Any], *,
+                 widths: KVWidths, dtype: str | None, vocab_size: int) -> None:
+    """CacheError (one line) unless every layer is what the model would have written for
+    these token ids: `expected` is the model's own fresh cache for the chat's bound (kinds,
+    rings, quantization), `widths` its K/V heads and features, `dtype` its compute dtype.
+    Every part of K and V is checked (shape and dtype, a quantized layer's scales and
+    biases too), the offsets, the ring bounds, and that the floats are finite."""
     if len(caches) != len(expected):
         raise CacheError(f"it has {len(caches)} layers, the model {len(expected)}")
     if not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
         raise CacheError("its token ids are outside the model's vocabulary")
     for i, (c, e) in enumerate(zip(caches, expected, strict=True)):
-        if c.keys is None or c.values is None:
-            raise CacheError(f"layer {i} holds no 4-D keys and values")
-        # a quantized layer's parts: packed rows, then scales and biases in the float dtype
-        kp, vp = parts(c.keys), parts(c.values)
-        k, v = kp[0], vp[0]
-        if any(p.ndim != 4 for p in (*kp, *vp)):
-            raise CacheError(f"layer {i} holds no 4-D keys and values")
-        width = c.head_dim if getattr(c, "quant", None) is not None else k.shape[3]
-        if k.shape[:3] != v.shape[:3] or k.shape[0] != 1 or k.shape[1] != n_kv_heads or (
-                head_dim is not None and width != head_dim):
-            raise CacheError(f"layer {i} has keys {tuple(k.shape)} / values {tuple(v.shape)},"
-                             f" not (1, {n_kv_heads}, tokens, {head_dim})")
-        floats = (kp[1:], vp[1:]) if len(kp) > 1 else (kp, vp)
-        got = str(floats[0][0].dtype).removeprefix("mlx.core.")
-        if dtype is not None and (got != dtype or floats[1][0].dtype != floats[0][0].dtype):
-            raise CacheError(f"layer {i} is {got}, the model computes in {dtype}")
-        if c.offset != len(ids):
-            raise CacheError(f"layer {i} says {c.offset} tokens, the chat has {len(ids)}")
         # --quantized-kv-start: a float layer may have become its quantized twin
         if type(c) is not type(e) and QUANTIZED.get(type(e)) is not type(c):
             raise CacheError(f"layer {i} is a {type(c).__name__}, the model makes a"
                              f" {type(e).__name__}")
-        rotating = hasattr(e, "max_size")
-        if not rotating and k.shape[2] != c.offset:
-            raise CacheError(f"layer {i} holds {k.shape[2]} tokens at offset {c.offset}")
-        if rotating and ((c.max_size, c.keep) != (e.max_size, e.keep)
-                         or k.shape[2] > min(c.max_size, c.offset)):
-            raise CacheError(f"layer {i}'s ring does not match the cache bound")
-        if not all(mx.all(mx.isfinite(p)).item() for p in (*floats[0], *floats[1])):
+        if c.keys is None or c.values is None:
+            raise CacheError(f"layer {i} holds no keys and values")
+        if c.offset != len(ids):
+            raise CacheError(f"layer {i} says {c.offset} tokens, the chat has {len(ids)}")
+        q = None
+        if getattr(c, "quant", None) is not None:
+            q = getattr(e, "quant", None) or getattr(e, "pending_quant", None)
+            if q is None or (c.bits, c.group_size, c.head_dim) != (
+                    q.bits, q.group_for(widths.k), widths.k):
+                want = "float" if q is None else \
+                    f"{q.bits}-bit in groups of {q.group_for(widths.k)}, head_dim {widths.k}"
+                raise CacheError(f"layer {i} is {c.bits}-bit in groups of {c.group_size},"
+                                 f" head_dim {c.head_dim}; the cache bound makes {want}")
+        kp, vp = parts(c.keys), parts(c.values)
+        tokens = kp[0].shape[2] if kp[0].ndim == 4 else -1
+        for name, got, width in (("keys", kp, widths.k), ("values", vp, widths.v)):
+            want = _layout(width, widths.heads, tokens, dtype or _dtype(got[-1]), q)
+            have = [(tuple(a.shape), _dtype(a)) for a in got]
+            if have != want:
+                raise CacheError(f"layer {i}'s {name} are {_describe(have)}, the model's"
+                                 f" {_describe(want)}")
+        if hasattr(e, "max_size"):
+            _check_ring(i, c, e, tokens)
+        elif tokens != c.offset:
+            raise CacheError(f"layer {i} holds {tokens} tokens at offset {c.offset}")
+        floats = (*kp[1:], *vp[1:]) if q is not None else (*kp, *vp)
+        if not all(mx.all(mx.isfinite(p)).item() for p in floats):
             raise CacheError(f"layer {i} holds values that are not finite")
+
+
+def _describe(layout: list[tuple[tuple[int, ...], str]]) -> str:
+    return " + ".join(f"{dt} {shape}" for shape, dt in layout)

@@ -118,15 +118,24 @@ def _split_fused_qkv(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str
     return out
 
 
-def _validate_quantization(q: Any) -> dict[str, Any]:
+def validate_quantization(q: Any) -> dict[str, Any]:
+    """config.json's quantization block as load_model will apply it (mlx's format: bits
+    and group_size, and per-layer overrides of the same shape); ModelLoadError naming
+    the file and the values otherwise. `inspect`, `models` and `pull` check it too."""
     if not isinstance(q, dict) or "bits" not in q or "group_size" not in q:
         raise ModelLoadError(
             "config.json quantization block is not in the mlx format (needs bits and group_size)"
         )
-    if q["bits"] not in QUANT_BITS or q["group_size"] not in QUANT_GROUPS:
-        raise ModelLoadError(
-            f"unsupported quantization bits={q['bits']} group_size={q['group_size']}"
-        )
+    layers = [("", q)] + [(f" for {k}", v) for k, v in q.items() if isinstance(v, dict)]
+    for where, block in layers:
+        bits, group = block.get("bits", q["bits"]), block.get("group_size", q["group_size"])
+        if bits not in QUANT_BITS or group not in QUANT_GROUPS or isinstance(bits, bool) \
+                or isinstance(group, bool):
+            raise ModelLoadError(
+                f"config.json: unsupported quantization bits={bits!r:.20}"
+                f" group_size={group!r:.20}{where[:80]} (kvchat loads bits"
+                f" {', '.join(map(str, QUANT_BITS))} in groups of"
+                f" {', '.join(map(str, QUANT_GROUPS))})")
     return q
 
 
@@ -268,7 +277,7 @@ def load_model(
             del weights[k]
     if excluded:
         weights = {k: v for k, v in weights.items() if not k.startswith(excluded)}
-    quant = _validate_quantization(cfg.quantization) if cfg.quantization else None
+    quant = validate_quantization(cfg.quantization) if cfg.quantization else None
     if quant is not None:
         if quantize is not None:
             raise ModelLoadError("the checkpoint is already quantized; drop the quantize option")

@@ -18,7 +18,13 @@ import mlx.core as mx
 
 from kvchat.model.decoder import gguf
 from kvchat.model.decoder.config import load_config
-from kvchat.model.decoder.weights import IGNORED_SUFFIXES, compute_dtype, dequantize_on_load, rename
+from kvchat.model.decoder.weights import (
+    IGNORED_SUFFIXES,
+    compute_dtype,
+    dequantize_on_load,
+    rename,
+    validate_quantization,
+)
 from kvchat.model.files import has_tokenizer, tensor_headers
 from kvchat.model.gguf_file import is_gguf, read_gguf
 from kvchat.model.text.gguf_tokenizer import has_tokenizer as gguf_has_tokenizer
@@ -70,6 +76,8 @@ def model_facts(folder: str | Path) -> ModelFacts:
     if is_gguf(folder):
         return _gguf_facts(folder)
     cfg = load_config(folder)
+    if cfg.quantization:  # a block load_model would refuse: this folder cannot load
+        validate_quantization(cfg.quantization)
     tensors = list(tensor_headers(folder).items())
     file_bytes = sum(i["data_offsets"][1] - i["data_offsets"][0] for _, i in tensors)
     renamed = [(rename(cfg, n), i) for n, i in tensors]

@@ -29,6 +29,7 @@ from kvchat.model.cache.kv import (
     untrimmable_miss,
     why_not_trimmable,
 )
+from kvchat.model.cache.kv_math import cached_widths
 from kvchat.model.cache.misses import (
     MODEL_CHANGED,
     NEW_CONVERSATION,
@@ -45,6 +46,7 @@ from kvchat.model.cache.prefix_pool import (
     common_prefix_len,
 )
 from kvchat.model.errors import KVChatError, error_line
+from kvchat.model.files import model_name
 
 from .events import CacheRestored, CacheSaved, GenParams
 
@@ -85,6 +87,20 @@ def model_identity(model_info: dict[str, Any]) -> str:
     identity = {k: model_info.get(k) for k in keys}
     identity["fingerprint"] = model_fingerprint(str(model_info.get("path") or ""))
     return json.dumps(identity)
+
+
+def other_model(saved_identity: Any, model_info: dict[str, Any]) -> str:
+    """Why a saved cache's model is not the loaded one, naming both when they are two
+    folders (a chat continued on another model saves that model's cache)."""
+    try:
+        saved_path = json.loads(saved_identity)["path"]
+    except (TypeError, ValueError, KeyError):
+        saved_path = None
+    here = str(model_info.get("path") or "")
+    if isinstance(saved_path, str) and saved_path and saved_path != here:
+        return (f"it was saved with another model ({model_name(saved_path)},"
+                f" not {model_name(here)})")
+    return "it was saved with another model (this folder's files have changed since)"
 
 
 class ChatCache:
@@ -223,8 +239,8 @@ class ChatCache:
             if model is None:
                 raise KVChatError("no model loaded")
             caches, meta = load_cache(path)
-            if meta.get("kvchat_model") != model_identity(model_info):
-                raise KVChatError("it was saved with another model")
+            if (saved_with := meta.get("kvchat_model")) != model_identity(model_info):
+                raise KVChatError(other_model(saved_with, model_info))
             ids = json.loads(meta["kvchat_ids"])
             bound = json.loads(meta["kvchat_bound"])
             if not isinstance(ids, list) or not isinstance(bound, list) or (
@@ -234,8 +250,8 @@ class ChatCache:
             cfg = model.config
             try:
                 check_layers(caches, ids, new_cache(model, _bound_params(bound)),
-                             n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                             dtype=model_info.get("dtype"), vocab_size=cfg.vocab_size)
+                             widths=cached_widths(cfg), dtype=model_info.get("dtype"),
+                             vocab_size=cfg.vocab_size)
             except KVChatError as e:
                 raise KVChatError(f"{path.name}: {e}") from None
         except (KVChatError, ValueError, KeyError, TypeError) as e:

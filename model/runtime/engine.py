@@ -32,6 +32,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from kvchat import metal_kernels
+from kvchat.model.cache.integrity import warm_fingerprint
 from kvchat.model.cache.kv import layer_stats
 from kvchat.model.cache.kv_math import (
     attention_name,
@@ -151,6 +152,7 @@ class Engine:
         compiled: bool = True,
         prefix_pool_bytes: int = 0,
         views: Views | None = None,
+        warm_fingerprint: bool = False,
     ):
         self._on_event = on_event
         self._views = views or Views()
@@ -163,6 +165,8 @@ class Engine:
         self.reuse_prefix = reuse_prefix  # off: every turn prefills its whole prompt
         self.tokenizer_kind = tokenizer  # "auto" | "sentencepiece" | "hf"
         self.compiled = compiled  # off: the plain step (same ids; for comparison)
+        # a client that saves and restores caches: hash a loaded model's files at once
+        self.warm_fingerprint = warm_fingerprint
         # engine-thread state
         self.model: Transformer | None = None
         self.tokenizer: Tokenizer | None = None
@@ -352,6 +356,8 @@ class Engine:
         mx.clear_cache()
         freed = max(0, before - mx.get_active_memory())
         self.model_info = info
+        if self.warm_fingerprint:
+            warm_fingerprint(path)
         self._emit(Loaded(dict(self.model_info), freed))
 
     def _turn(self, turn: int, prompt: Prompt, params: GenParams, t_submit: float) -> None:

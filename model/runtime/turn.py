@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from kvchat.model.errors import NEVER_CAUGHT, KVChatError, error_line
 from kvchat.model.text.chat_template import TemplateCancelled
-from kvchat.model.text.tokenizer import Tokenizer
+from kvchat.model.text.tokenizer import TokenizeCancelled, Tokenizer
 from kvchat.model.text.tool_calls import (
     CallFormat,
     ToolCallError,
@@ -139,7 +139,7 @@ def prompt_ids(ctx: TurnContext, prompt: Prompt, tools: ToolUse | None = None) -
     # ids with tools: a conversation the caller already rendered with them (the server
     # tokenizes before queueing, app/serve/prompts.py); the calls are still parsed here
     if isinstance(prompt, str):
-        return ctx.tokenizer.encode(prompt)
+        return ctx.tokenizer.encode(prompt, should_stop=ctx.stop)
     if all(isinstance(x, int) for x in prompt):
         vocab = ctx.model.config.vocab_size
         bad = [x for x in prompt if not 0 <= x < vocab]  # type: ignore[operator]
@@ -204,7 +204,7 @@ def run_turn(ctx: TurnContext, prompt: Prompt, params: GenParams, t_submit: floa
         params, context_room = fit_context(params, len(ids), capacity)
         constraint = make_constraint(ctx, params, tools)
         yield from _generate(ctx, ids, params, t_submit, context_room, tools, constraint)
-    except TemplateCancelled:
+    except (TemplateCancelled, TokenizeCancelled):
         yield Done("cancelled", "", [], ids)
     except PartialReply as p:
         _debug(p.error)

@@ -29,24 +29,51 @@ leading space stripped), so both files of one model decode valid text alike; byt
 not valid UTF-8 become U+FFFD per bad sequence, as SentencePiece does.
 
 ``StreamDetokenizer`` turns tokens into text deltas as they arrive; see its docstring.
+
+Text to encode is untrusted (a prompt, a pasted file, a server request) and so is the
+tokenizer (a downloaded tokenizer.json), so encoding is bounded (docs/reliability.md,
+"Tokenizers"): at most `MAX_ENCODE_CHARS` characters (the rendered prompt's own cap), and
+on the Rust library a deadline that grows with the text (`encode_time_limit`). The Rust
+call holds the GIL in ``encode``, so it runs as ``encode_batch`` (which lets it go) on a
+worker thread the caller stops waiting for at the deadline or on cancel; a worker still
+stuck makes the next encode a refusal rather than a second stuck thread. A panic of the
+library (``pyo3_runtime.PanicException``, a BaseException: a pre-tokenizer regex past the
+regex engine's limit, say) is one ``TokenizerError`` line.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
+import time
 from collections.abc import Callable, Container, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from kvchat.model.errors import ModelLoadError, one_line
+from kvchat.model.errors import NEVER_CAUGHT, ModelLoadError, one_line
 from kvchat.model.files import read_json_object
 from kvchat.model.gguf_file import is_gguf, read_gguf
 
 from . import chat_template as _chat
 from .gguf_tokenizer import gguf_vocab
 
-__all__ = ["StreamDetokenizer", "Tokenizer", "TokenizerError", "load_tokenizer"]
+__all__ = ["MAX_ENCODE_CHARS", "StreamDetokenizer", "Tokenizer", "TokenizeCancelled",
+           "TokenizerError", "encode_time_limit", "load_tokenizer"]
+
+# The library's thread pool would only serve batches we never send, and a process that
+# forks after using it prints a warning into whatever owns the terminal.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+MAX_ENCODE_CHARS = _chat.RENDER_OUTPUT_LIMIT  # what a chat template may render, too
+# A deadline of ENCODE_BASE_S plus one second per ENCODE_CHARS_PER_S characters:
+# stories260K's tokenizer.json read 175,000 characters a second on a loaded 2-core CPU, so
+# a real tokenizer meets it only on a far slower machine, a pathological pre-tokenizer
+# (catastrophic regex backtracking) within seconds.
+ENCODE_BASE_S = 10.0
+ENCODE_CHARS_PER_S = 50_000
+_POLL_S = 0.05  # how often a wait checks the caller's cancel flag
 
 Kind = Literal["sentencepiece", "hf"]
 
@@ -58,6 +85,20 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 class TokenizerError(ModelLoadError):
     """A tokenizer that cannot be found or loaded, or text/ids it cannot handle."""
+
+
+class TokenizeCancelled(TokenizerError):
+    """The caller's should_stop() asked a running encode to stop (the turn was cancelled)."""
+
+
+def encode_time_limit(n_chars: int) -> float:
+    """Seconds an encode of `n_chars` characters may take before it is refused."""
+    return ENCODE_BASE_S + n_chars / ENCODE_CHARS_PER_S
+
+
+def _library_error(e: BaseException, what: str) -> TokenizerError:
+    """A tokenizer library's failure (a Rust panic included) as one line."""
+    return TokenizerError(f"the tokenizer failed {what}: {one_line(e, 200)}")
 
 
 def _token_str(value: Any) -> str | None:
@@ -162,7 +203,8 @@ class _SentencePieceBackend:
         ids = self.sp.encode(self.unk_piece + text)
         return ids[len(head):]
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, should_stop: Callable[[], bool] | None = None) -> list[int]:
+        # SentencePiece runs in C++ in time linear in the text: the length cap bounds it
         if self.split_re is None:
             return self.sp.encode(text)
         ids: list[int] = []
@@ -209,6 +251,7 @@ class _HFBackend:
         self.byte_fallback = "ByteFallback" in json.dumps(decoder)
         self._added = set(self.tok.get_added_tokens_decoder())
         self._to_add: dict[int, tuple[str, bool]] = {}
+        self._stuck: threading.Thread | None = None  # a worker abandoned at its deadline
 
     def register(self, text: str, token_id: int, special: bool) -> None:
         """Make a config-declared token an added token, as transformers does (if in the vocab)."""
@@ -236,20 +279,57 @@ class _HFBackend:
     def id_to_token(self, token_id: int) -> str | None:
         return self.tok.id_to_token(token_id)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, should_stop: Callable[[], bool] | None = None,
+               add_special_tokens: bool = False) -> list[int]:
+        """The library's ids, on a worker thread the caller waits for until the deadline
+        (see the module docstring)."""
+        stuck = self._stuck
+        if stuck is not None and stuck.is_alive():
+            raise TokenizerError("the tokenizer is still working on an earlier text that took"
+                                 " too long; try again in a moment")
+        limit = encode_time_limit(len(text))
+        result: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                enc = self.tok.encode_batch([text], add_special_tokens=add_special_tokens)
+                result["ids"] = enc[0].ids
+            except BaseException as e:  # noqa: BLE001 - a panic too: handed to the caller
+                result["error"] = e
+
+        worker = threading.Thread(target=work, name="kvchat-tokenize", daemon=True)
+        deadline = time.monotonic() + limit
+        worker.start()
+        while worker.is_alive():
+            worker.join(_POLL_S)
+            if worker.is_alive() and should_stop is not None and should_stop():
+                self._stuck = worker
+                raise TokenizeCancelled("tokenizing cancelled")
+            if worker.is_alive() and time.monotonic() > deadline:
+                self._stuck = worker
+                raise TokenizerError(
+                    f"the tokenizer took longer than {limit:.0f} s on {len(text):,} characters;"
+                    " refused (a tokenizer.json whose pre-tokenizer is pathological?)")
+        if "error" in result:
+            raise _library_error(result["error"], f"on {len(text):,} characters")
+        return result["ids"]
 
     def post_processor_adds(self, token_id: int) -> bool:
         """Does the post-processor put ``token_id`` in front (transformers' add_bos default)?"""
-        with_special = self.tok.encode("a", add_special_tokens=True).ids
-        plain = self.tok.encode("a", add_special_tokens=False).ids
+        with_special = self.encode("a", add_special_tokens=True)
+        plain = self.encode("a")
         return len(with_special) > len(plain) and with_special[0] == token_id
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         # The library silently drops unknown ids; we refuse them, as the SentencePiece path does.
         if ids and (min(ids) < 0 or max(ids) >= self.size):
             raise TokenizerError(f"token ids out of range 0..{self.size - 1}")
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        try:
+            return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        except NEVER_CAUGHT:
+            raise
+        except BaseException as e:  # a panic of the library's decoder
+            raise _library_error(e, "to decode") from None
 
     def pending_ids(self, skip_special_tokens: bool = False) -> frozenset[int]:
         # tokenizers' ByteFallback decoder judges a whole run of <0xNN> tokens at once: if any
@@ -425,9 +505,15 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; BOS first iff ``add_special_tokens`` and ``add_bos``."""
-        ids = self._backend.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True,
+               should_stop: Callable[[], bool] | None = None) -> list[int]:
+        """Token ids of ``text``; BOS first iff ``add_special_tokens`` and ``add_bos``.
+        Bounded (module docstring): TokenizerError past `MAX_ENCODE_CHARS` characters or
+        the time limit, TokenizeCancelled when ``should_stop()`` turns true meanwhile."""
+        if len(text) > MAX_ENCODE_CHARS:
+            raise TokenizerError(f"text of {len(text):,} characters is longer than the"
+                                 f" {MAX_ENCODE_CHARS:,} the tokenizer reads at once")
+        ids = self._backend.encode(text, should_stop)
         if add_special_tokens and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
@@ -479,9 +565,10 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **extra: Any) -> list[int]:
-        """Ids of the rendered chat; the template writes BOS itself (as apply_chat_template)."""
+        """Ids of the rendered chat; the template writes BOS itself (as apply_chat_template).
+        ``should_stop`` in ``extra`` stops the render and the encode alike."""
         return self.encode(self.render_chat(messages, add_generation_prompt, **extra),
-                           add_special_tokens=False)
+                           add_special_tokens=False, should_stop=extra.get("should_stop"))
 
 
 def load_tokenizer(

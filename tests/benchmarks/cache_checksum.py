@@ -1,13 +1,18 @@
-"""What the saved K/V cache's checksum (model/cache_integrity.checksum) costs, against
-plain sha256 of the same bytes, in one run: python -m tests.benchmarks.cache_checksum"""
+"""What the saved K/V cache's checksum (model/cache/integrity.checksum) costs, against
+plain sha256 of the same bytes, and what the model fingerprint's full-file hash costs the
+first time and again (a stat per file): python -m tests.benchmarks.cache_checksum"""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import tempfile
 import time
+from pathlib import Path
 
 import mlx.core as mx
 
+from kvchat.model.cache import integrity
 from kvchat.model.cache.integrity import checksum
 
 
@@ -28,6 +33,20 @@ def main() -> None:
         plain = time.perf_counter() - t
         print(f"{total:.0f} MiB: checksum {ours * 1e3:.0f} ms ({total / ours:.0f} MiB/s),"
               f" plain sha256 {plain * 1e3:.0f} ms ({total / plain:.0f} MiB/s)")
+    with tempfile.TemporaryDirectory() as d:
+        weights = Path(d) / "model.safetensors"
+        mib = 512
+        with open(weights, "wb") as f:
+            for _ in range(mib):
+                f.write(os.urandom(2**20))
+        t = time.perf_counter()
+        integrity.file_digest(weights)
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        integrity.file_digest(weights)
+        again = time.perf_counter() - t
+        print(f"fingerprint of a {mib} MiB weight file: first {first * 1e3:.0f} ms"
+              f" ({mib / first:.0f} MiB/s, page cache warm), again {again * 1e6:.0f} µs")
 
 
 if __name__ == "__main__":

@@ -86,6 +86,8 @@ class ChatScreen(InterruptKey, Screen[None]):
     BINDINGS = bindings("chat")
 
     phase: reactive[Phase] = reactive(Phase.IDLE, bindings=True, init=False)
+    ignore_memory_check = False  # kvchat --ignore-memory-check: loads skip app/core/memory.py
+    unsaved = False  # the last save of this chat failed: quitting asks first (app.py)
 
     def __init__(
         self,
@@ -243,9 +245,13 @@ class ChatScreen(InterruptKey, Screen[None]):
         """Show a saved chat (and restore its K/V cache when saved)."""
         return await self.commands.open_conversation(conv_id)
 
-    async def show_conversation(self, conv: Conversation) -> None:
+    async def show_conversation(self, conv: Conversation, follow_model: bool = False) -> None:
         """Make `conv` (already read from the store) the open chat."""
-        await self.commands.show_conversation(conv)
+        await self.commands.show_conversation(conv, follow_model)
+
+    def retry_save(self) -> bool:
+        """Save again (before quitting); True when the chat is on disk."""
+        return self.commands.save_chat()
 
     def load_model(self, path: str | None) -> None:
         """Swap weights in the engine; the conversation continues on the new model."""
