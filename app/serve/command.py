@@ -256,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     _check_context(args, model)
     if not args.serve_hostfile:  # weights, every request's cache bound and the pool
         memory.require_fit(model, bound.max_kv_size, kv_quant_from_args(args),
-                           extra_bytes=int(args.cache_pool_mb * 2**20),
+                           extra_bytes=pool_budget(args.cache_pool_mb, physical_memory())[0],
                            ignore=args.ignore_memory_check)
     # Ctrl+C stops the server, which then closes the engine (app/core/engine_service.py)
     service = EngineService("process", engine_options(args))
