@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvchat.app.core import blas
-from tests import processes
+from tests.helpers import processes
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = ("import json, mlx.core as mx; from kvchat.app.core.blas import active_blas;"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvchat.app.core import blas
-from tests import processes
+from tests.helpers import processes
 
 REPO = Path(__file__).resolve().parents[1]
 AVX512 = blas.CORE_NEEDS["skylakex"]

@@ -17,8 +17,7 @@ from kvchat.app.serve import protocol
 from kvchat.app.serve.log import RequestLog
 from kvchat.app.serve.worker import EngineWorker, NotReady, QueueFull
 from kvchat.model.runtime.events import Done, GenParams
-
-from .scripted_engine import REPLY, ScriptedEngine
+from tests.helpers.scripted_engine import REPLY, ScriptedEngine
 
 PARAMS = GenParams(max_tokens=200)
 

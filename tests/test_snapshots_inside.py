@@ -17,10 +17,14 @@ from kvchat.app.core.settings import Settings
 from kvchat.app.tui.app import KVChatApp
 from kvchat.app.tui.screens import AnatomyScreen, AttentionScreen, HelpScreen
 from kvchat.model.runtime.events import AttentionView, Done
-from tests.scripted_engine import ScriptedEngine, wait_for
-from tests.test_snapshots import MODEL, env, settle  # noqa: F401  (env: autouse fixture)
+from tests.helpers.app import MODEL
+from tests.helpers.scripted_engine import ScriptedEngine, wait_for
+from tests.helpers.snapshots import settle
 
-SIZES = [(80, 24), (160, 48)]
+# 160×48 runs in the slow tier: the same screens, drawn bigger
+SIZES = [pytest.param((80, 24), id="80x24"),
+         pytest.param((160, 48), id="160x48", marks=pytest.mark.slow)]
+pytestmark = pytest.mark.usefixtures("env", "pinned_machine")
 
 
 def fixed_view(layer: int, group: int | None, n_layers: int, n_groups: int) -> AttentionView:
@@ -59,7 +63,7 @@ def fast_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("kvchat.metal_kernels.backend", lambda: "fast")
 
 
-@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("size", SIZES)
 def test_anatomy_screen(snap_compare: Any, size: tuple[int, int]) -> None:
     app = app_with_views()
 
@@ -73,7 +77,7 @@ def test_anatomy_screen(snap_compare: Any, size: tuple[int, int]) -> None:
     assert snap_compare(app, terminal_size=size, run_before=run_before)
 
 
-@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("size", SIZES)
 def test_attention_view(snap_compare: Any, size: tuple[int, int]) -> None:
     app = app_with_views()
 
@@ -95,10 +99,11 @@ def test_attention_view(snap_compare: Any, size: tuple[int, int]) -> None:
     assert snap_compare(app, terminal_size=size, run_before=run_before)
 
 
+@pytest.mark.slow
 def test_reachable_from_palette_help_and_layer_view() -> None:
     """Both screens are in the palette and Help; `a` in the layer view opens the
     attention view on the selected layer; closing it stops the engine's watching."""
-    from tests.scripted_engine import async_test
+    from tests.helpers.scripted_engine import async_test
 
     @async_test
     async def run() -> None:

@@ -95,6 +95,7 @@ def _run(data: Path, run: Path, steps: int, **kw: object) -> L.TrainArgs:
     return L.TrainArgs(data=str(data), run=str(run), steps=steps, **{**TINY, **kw})
 
 
+@pytest.mark.slow  # a training run
 def test_fifty_steps_lower_the_loss(tiny_data: Path, tmp_path: Path) -> None:
     meta = L.train(_run(tiny_data, tmp_path / "run", 50))
     losses = [loss for _, loss in meta["history"]]
@@ -107,6 +108,7 @@ def test_fifty_steps_lower_the_loss(tiny_data: Path, tmp_path: Path) -> None:
                                               "state.json"}
 
 
+@pytest.mark.slow  # a training run
 def test_resume_continues_identically(tiny_data: Path, tmp_path: Path) -> None:
     full = L.train(_run(tiny_data, tmp_path / "a", 20))
     part = L.train(_run(tiny_data, tmp_path / "b", 20), stop_after=10)
@@ -126,6 +128,7 @@ def test_resume_without_checkpoint_is_one_line_error(tmp_path: Path) -> None:
         L.train(_run(tmp_path, tmp_path / "none", 5), resume=True)
 
 
+@pytest.mark.slow  # a training run
 def test_export_writes_a_loadable_4bit_folder(tiny_data: Path, tmp_path: Path) -> None:
     from kvchat.model import load_model
     from kvchat.model.text.tokenizer import load_tokenizer

@@ -22,7 +22,7 @@ import pytest
 from kvchat.app.core.settings import load_settings, remember_model, save_settings
 from kvchat.app.core.store import Conversation, ConversationStore
 from kvchat.app.tui.app import KVChatApp
-from tests.scripted_engine import ScriptedEngine, async_test, wait_for
+from tests.helpers.scripted_engine import ScriptedEngine, async_test, wait_for
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ body with no Content-Length that never ends, `corrupt` flips a byte of what the 
 `info` replaces the model-info body, `bad_range` answers a Range with 206 from half the
 offset asked.
 
-Run standalone for a demo: python -m tests.fake_hub REPO_ID FOLDER [--throttle BPS]
+Run standalone for a demo: python -m tests.helpers.fake_hub REPO_ID FOLDER [--throttle BPS]
 """
 
 from __future__ import annotations
