@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import shutil
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,6 +18,14 @@ import pytest
 from tests.helpers import processes
 from tests.helpers.checkpoints import TINY_SPECS, build_tiny_checkpoint
 from tests.helpers.paths import MINI, STORIES260K
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A run started in the background by a script (nohup, `cmd &`) inherits SIGINT
+    ignored, and so would every child a test starts; the tests that stop a child with
+    SIGINT, as Ctrl+C does, need the default a terminal gives."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

@@ -21,9 +21,7 @@ from tests.helpers.app import MODEL
 from tests.helpers.scripted_engine import ScriptedEngine, wait_for
 from tests.helpers.snapshots import settle
 
-# 160×48 runs in the slow tier: the same screens, drawn bigger
-SIZES = [pytest.param((80, 24), id="80x24"),
-         pytest.param((160, 48), id="160x48", marks=pytest.mark.slow)]
+SIZES = [(80, 24), (160, 48)]
 pytestmark = pytest.mark.usefixtures("env", "pinned_machine")
 
 
@@ -63,7 +61,7 @@ def fast_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("kvchat.metal_kernels.backend", lambda: "fast")
 
 
-@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_anatomy_screen(snap_compare: Any, size: tuple[int, int]) -> None:
     app = app_with_views()
 
@@ -77,7 +75,7 @@ def test_anatomy_screen(snap_compare: Any, size: tuple[int, int]) -> None:
     assert snap_compare(app, terminal_size=size, run_before=run_before)
 
 
-@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_attention_view(snap_compare: Any, size: tuple[int, int]) -> None:
     app = app_with_views()
 

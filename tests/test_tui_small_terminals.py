@@ -61,7 +61,9 @@ def footer_keys(app: KVChatApp) -> list[tuple[str, Any]]:
 # ---- a layout for every size -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("size", [(60, 20), (80, 24), (99, 30)])
+# the fast tier keeps 80×24, the size terminals open at
+@pytest.mark.parametrize("size", [pytest.param((60, 20), marks=pytest.mark.slow), (80, 24),
+                                  pytest.param((99, 30), marks=pytest.mark.slow)])
 @async_test
 async def test_narrow_starts_with_the_status_line_and_the_key_shows_the_panel(
         env: Path, size: tuple[int, int]) -> None:
