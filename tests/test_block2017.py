@@ -103,7 +103,6 @@ def test_explain_names_the_2017_block() -> None:
     assert data["worked"]["rope_relative"] is None  # no RoPE layer to show it on
 
 
-@pytest.mark.slow  # a training run
 def test_training_switch_and_table(tmp_path: Path) -> None:
     from kvchat.model.training import data as D
     from kvchat.model.training.blocks import compare_blocks

@@ -203,7 +203,6 @@ def test_a_settings_file_with_markup_values_loads(env: Path) -> None:
 # ---- Ctrl+C ---------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 @async_test
 async def test_ctrl_c_once_stops_the_reply_twice_quits(env: Path) -> None:
     app = make_app("/models/m", pause_after=2)

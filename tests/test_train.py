@@ -95,6 +95,8 @@ def _run(data: Path, run: Path, steps: int, **kw: object) -> L.TrainArgs:
     return L.TrainArgs(data=str(data), run=str(run), steps=steps, **{**TINY, **kw})
 
 
+# The longer runs are slow; the export's 10 steps are the fast tier's pass through the
+# training loop and the 4-bit export.
 @pytest.mark.slow  # a training run
 def test_fifty_steps_lower_the_loss(tiny_data: Path, tmp_path: Path) -> None:
     meta = L.train(_run(tiny_data, tmp_path / "run", 50))
@@ -128,7 +130,6 @@ def test_resume_without_checkpoint_is_one_line_error(tmp_path: Path) -> None:
         L.train(_run(tmp_path, tmp_path / "none", 5), resume=True)
 
 
-@pytest.mark.slow  # a training run
 def test_export_writes_a_loadable_4bit_folder(tiny_data: Path, tmp_path: Path) -> None:
     from kvchat.model import load_model
     from kvchat.model.text.tokenizer import load_tokenizer
