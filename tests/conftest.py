@@ -1,184 +1,31 @@
-"""Shared fixtures: tiny random Hugging Face checkpoints built offline, and the real model.
+"""Fixtures shared across test modules: tiny random Hugging Face checkpoints (built once
+per session, tests/helpers/checkpoints.py), the real model, private folders for the app,
+and the end of every process a test started.
 
-Checkpoints are made with transformers + torch on the CPU (float32, fixed seeds,
-`save_pretrained(safe_serialization=True)`) once per session and cached by name, so any
-test module can ask for them cheaply. Sizes are tiny (hidden 64, 2 layers, vocab 256) to
-keep the suite fast on a couple of cores.
+Helpers that are not fixtures live in tests/helpers/; a test module never imports another.
 """
 
 from __future__ import annotations
 
-import json
+import gc
 import shutil
+import signal
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests import processes
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-# the real pretrained model the tests use is part of the repository (1 MB, MIT, see its
-# PROVENANCE.md), so a fresh clone tests itself; every test module finds it here
-STORIES260K = REPO_ROOT / "tests" / "models" / "stories260K"
-
-# llama3 RoPE scaling with a short original context, so scaling changes logits at
-# 48 tokens. head_dim 32 with theta 5e5 gives wavelengths 6.3, 14.3, 32.5, 74, ...:
-# with original_max_position_embeddings 32 (high 32/4 = 8, low 32/1 = 32) that puts
-# pairs in all three bands (kept, smoothly blended, divided by `factor`).
-LLAMA3_ROPE: dict[str, Any] = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
-
-_BASE: dict[str, Any] = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+from tests.helpers import processes
+from tests.helpers.checkpoints import TINY_SPECS, build_tiny_checkpoint
+from tests.helpers.paths import MINI, STORIES260K
 
 
-@dataclass(frozen=True)
-class TinySpec:
-    """One tiny checkpoint: HF class, config overrides, and how config.json is written."""
-
-    arch: str  # "llama" | "mistral" | "qwen2"
-    overrides: dict[str, Any] = field(default_factory=dict)
-    # "parameters": as transformers 5 writes it (rope_parameters);
-    # "classic": rewritten to rope_theta + rope_scaling (older transformers, mlx-lm reads this)
-    rope_form: str = "parameters"
-    # does mlx-lm 0.32.2 build the same function as transformers from this config.json?
-    mlx_lm_agrees: bool = True
-    note: str = ""
-    seed: int = 0  # weights' seed; llama3 and llama3_classic share one on purpose
-
-
-TINY_SPECS: dict[str, TinySpec] = {
-    "llama": TinySpec("llama", {"tie_word_embeddings": False}),
-    "llama_tied": TinySpec("llama", {"tie_word_embeddings": True}, seed=1),
-    "llama3": TinySpec(
-        "llama",
-        {"num_attention_heads": 2, "num_key_value_heads": 1, "rope_parameters": LLAMA3_ROPE},
-        mlx_lm_agrees=False,
-        note="mlx-lm 0.32.2 ignores rope_parameters (uses theta 1e4, no scaling)",
-        seed=2,
-    ),
-    "llama3_classic": TinySpec(
-        "llama",
-        {"num_attention_heads": 2, "num_key_value_heads": 1, "rope_parameters": LLAMA3_ROPE},
-        rope_form="classic",
-        seed=2,
-    ),
-    # linear scaling (positions / factor), transformers 5 form: mlx-lm misses it too
-    "llama_linear": TinySpec(
-        "llama",
-        {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
-        mlx_lm_agrees=False,
-        note="mlx-lm 0.32.2 ignores rope_parameters (no linear scaling)",
-        seed=3,
-    ),
-    # head_dim 32 while hidden / heads = 16: q_proj is 64 -> 128, o_proj 128 -> 64
-    "head_dim": TinySpec("llama", {"head_dim": 32}, seed=4),
-    # 4 query heads share 1 KV head
-    "mistral": TinySpec("mistral", {"sliding_window": None, "num_key_value_heads": 1}, seed=5),
-    "mistral_swa": TinySpec(
-        "mistral",
-        {"sliding_window": 16},
-        mlx_lm_agrees=False,
-        note="mlx-lm 0.32.2 maps mistral to llama and ignores sliding_window",
-        seed=6,
-    ),
-    # Qwen2 always has q/k/v biases; theta 1e6 as real Qwen2 (mlx-lm's qwen2 default)
-    "qwen2": TinySpec(
-        "qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, seed=7
-    ),
-}
-
-
-def _hf_classes(arch: str) -> tuple[type, type]:
-    import transformers as tf
-
-    return {
-        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-    }[arch]
-
-
-def _randomize(model: Any, seed: int) -> None:
-    """Non-trivial weights: HF's init (std 0.02, norms 1, biases 0) would give almost
-    uniform logits and hide bugs in norm weights, biases and attention patterns."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
-            if "norm" in ("." + name).rsplit(".", 2)[-2]:  # a norm's own (not DBRX's Wqkv)
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith(".bias"):
-                p.copy_(0.2 * noise)
-            else:
-                p.copy_(0.15 * noise)
-
-
-def _write_tokenizer(folder: Path, vocab_size: int) -> None:
-    """A word-level tokenizer so mlx_lm.load / mlx_lm.convert accept the folder offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
-    fast.save_pretrained(str(folder))
-
-
-def classic_rope(cfg: dict[str, Any]) -> None:
-    """A config dict's `rope_parameters` as `rope_theta` + `rope_scaling`, in place."""
-    params = dict(cfg.pop("rope_parameters"))
-    cfg["rope_theta"] = params.pop("rope_theta")
-    cfg["rope_scaling"] = None if params.get("rope_type", "default") == "default" else params
-
-
-def _to_classic_rope(folder: Path) -> None:
-    """Rewrite config.json from `rope_parameters` to `rope_theta` + `rope_scaling`."""
-    cfg_path = folder / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    classic_rope(cfg)
-    cfg_path.write_text(json.dumps(cfg, indent=2))
-
-
-def build_tiny_checkpoint(spec: TinySpec, folder: Path) -> Path:
-    import torch
-
-    seed = spec.seed
-    config_cls, model_cls = _hf_classes(spec.arch)
-    cfg = config_cls(**{**_BASE, **spec.overrides})
-    torch.manual_seed(seed)
-    model = model_cls(cfg).to(torch.float32).eval()
-    _randomize(model, seed)
-    model.save_pretrained(str(folder), safe_serialization=True)
-    _write_tokenizer(folder, cfg.vocab_size)
-    if spec.rope_form == "classic":
-        _to_classic_rope(folder)
-    return folder
+def pytest_configure(config: pytest.Config) -> None:
+    """A run started in the background by a script (nohup, `cmd &`) inherits SIGINT
+    ignored, and so would every child a test starts; the tests that stop a child with
+    SIGINT, as Ctrl+C does, need the default a terminal gives."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
@@ -244,9 +91,63 @@ def stories260k() -> Path:
     return STORIES260K
 
 
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Config and data folders in tmp_path: tests never touch the user's files."""
+    monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path
+
+
+@pytest.fixture
+def hermetic_env(env: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """`env`, and the folders the model picker scans (the HF cache, LM Studio's under
+    HOME) in tmp_path too."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(env / "hf"))
+    monkeypatch.setenv("HOME", str(env / "home"))
+    return env
+
+
+@pytest.fixture
+def models_env(hermetic_env: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """`hermetic_env` with the Hub reachable (other modules set the offline switches) and
+    tmp_path/models holding mini, mini-2 and no-tokenizer (a folder it cannot load)."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    models = hermetic_env / "models"
+    shutil.copytree(MINI, models / "mini")
+    shutil.copytree(MINI, models / "mini-2")
+    no_tok = models / "no-tokenizer"
+    shutil.copytree(MINI, no_tok)
+    (no_tok / "tokenizer.model").unlink()
+    return hermetic_env
+
+
+@pytest.fixture
+def pinned_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stats panel describes the machine it runs on (its BLAS, its cores): pin both,
+    so a snapshot is the same on every machine."""
+    monkeypatch.setattr("kvchat.app.core.blas.active_blas",
+                        lambda: {"name": "OpenBLAS", "path": None, "fast": True})
+    from kvchat.model.runtime import threads
+
+    monkeypatch.setattr(threads, "_policy", threads.Policy(cores=2))  # a 2-core automatic policy
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _freeze_the_heap_each_module_starts_with() -> None:
+    """Collect, then move what is alive when a module starts (imported modules: torch and
+    transformers alone are ~350,000 objects; session fixtures) out of the collector's
+    reach. The engine runs a full gc.collect() at every model load and close
+    (model/runtime/engine.py): in the app's own process that is quick, in a test process
+    holding torch it took 0.5-1.5 s each, most of a UI test's time."""
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _end_started_processes() -> Iterator[None]:
-    """Kill the process group of every child a test started (tests/processes.py), passed
-    or failed, so no child outlives its test."""
+    """Kill the process group of every child a test started (tests/helpers/processes.py),
+    passed or failed, so no child outlives its test."""
     yield
     processes.end_all()

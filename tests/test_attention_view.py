@@ -73,6 +73,7 @@ def stories_ref(stories260k: Path, stories_run: Any) -> list[np.ndarray]:
                                   lambda t, j: j < KEEP or t - j < ring)
 
 
+@pytest.mark.slow
 def test_rotating_cache_matches_transformers(stories_run: Any, stories_ref: Any) -> None:
     model, caches, ids = stories_run
     T = len(ids)
@@ -114,11 +115,11 @@ def test_view_shares_match_the_reference(stories_run: Any, stories_ref: Any) -> 
         assert view.write_slot == KEEP + (oldest - KEEP) % ring
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+@pytest.mark.parametrize("name", ["gemma2", pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def test_softcap_sinks_and_window_match_transformers(tmp_path: Path, name: str) -> None:
     """Gemma 2: soft-capping and its query_pre_attn_scalar scale; gpt-oss: a learned sink
     logit per head (it takes a share, then is dropped); both: sliding and global layers."""
-    from tests.test_families import FAMILY_SPECS, IDS, WINDOW, build
+    from tests.helpers.families import FAMILY_SPECS, IDS, WINDOW, build
 
     folder = build(FAMILY_SPECS[name], tmp_path / name)
     prompt = [int(i) for i in IDS[0, :20]]

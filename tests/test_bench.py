@@ -79,6 +79,7 @@ def fp16_checkpoint(tiny_checkpoint: Any, tmp_path: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_dtype_mismatch_is_reported_not_hidden(fp16_checkpoint: Path, capsys) -> None:
     base = ("--model", str(fp16_checkpoint), "--against", "mlx-lm", "--mlx-lm-dtype", "native")
     r = _bench(capsys, *base)
@@ -110,6 +111,7 @@ def test_text_output_names_dtypes_and_roofline(stories260k: Path, capsys) -> Non
     assert "kvchat " in share and "mlx-lm " in share
 
 
+@pytest.mark.slow
 def test_bench_chat_runs_both_sides(stories260k: Path, capsys) -> None:
     """`python -m tests.benchmarks.chat`: the real app and the UI-less client decode the
     same number of tokens and each reports a rate (docs/performance.md)."""
@@ -125,6 +127,7 @@ def test_bench_chat_runs_both_sides(stories260k: Path, capsys) -> None:
     assert r["ratio_of"] == "chat ÷ generate" and r["chat_mode"] == "headless app (Pilot)"
 
 
+@pytest.mark.slow  # the chat in tmux: tests/test_tmux_chat.py is the fast tier's
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 def test_bench_chat_drives_the_real_app_in_tmux(stories260k: Path, capsys) -> None:
     """`bench_chat --tmux`: the real app in a real terminal answers the typed prompt with

@@ -28,7 +28,7 @@ import pytest
 
 from kvchat.app.core import blas, linux_blas
 from kvchat.app.core.linux_blas import LoadReport
-from tests import processes
+from tests.helpers import processes
 
 REPO = Path(__file__).resolve().parents[1]
 AVX2 = frozenset({"sse3", "avx", "avx2", "fma"})

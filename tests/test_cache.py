@@ -29,8 +29,7 @@ from kvchat.model.cache.kv import (
 from kvchat.model.cache.stats import CacheStats
 from kvchat.model.decoder.config import ModelConfig
 from kvchat.model.decoder.transformer import Transformer
-
-from .conftest import STORIES260K as STORIES
+from tests.helpers.paths import STORIES260K as STORIES
 
 
 def tiny_cfg(kv_heads: int = 2, window: int | None = None, layers: int = 2) -> ModelConfig:
@@ -278,6 +277,7 @@ def stories() -> Path:
     return STORIES
 
 
+@pytest.mark.slow
 def test_greedy_rotation_matches_mlx_lm_on_stories260k(stories: Path) -> None:
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import RotatingKVCache as MlxRotating

@@ -122,7 +122,7 @@ def test_engine_restores_only_for_the_model_that_saved(tmp_path: Path) -> None:
     in one line, by another; for the same model the next turn reuses all of it."""
     from kvchat.model.runtime.client import EngineClient
     from kvchat.model.runtime.events import CacheRestored, CacheSaved, GenParams, Started
-    from tests.scripted_engine import ScriptedEngine
+    from tests.helpers.scripted_engine import ScriptedEngine
 
     chat = [{"role": "user", "content": "hello there"}]
     path = tmp_path / "c.kv.safetensors"

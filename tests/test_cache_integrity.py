@@ -22,8 +22,7 @@ import pytest
 from kvchat.model.cache.integrity import CHECKSUM_KEY, checksum, model_fingerprint
 from kvchat.model.runtime.client import EngineClient
 from kvchat.model.runtime.events import CacheRestored, CacheSaved, GenParams, Started
-
-from .conftest import STORIES260K as _BESIDE
+from tests.helpers.paths import STORIES260K as _BESIDE
 
 # beside the checkout (as conftest finds it), or where KVCHAT_STORIES260K says (a worktree)
 STORIES260K = _BESIDE if _BESIDE.is_dir() else Path(os.environ.get("KVCHAT_STORIES260K", _BESIDE))

@@ -16,12 +16,10 @@ import pytest
 
 from kvchat.app.core.store import ChatBusy, Conversation, ConversationStore
 from kvchat.app.tui.session import SessionState, save_session
-from tests import processes
-from tests.scripted_engine import async_test, record_notifications, wait_for
-
-from .conftest import REPO_ROOT
-from .test_tui_app import ready, turn
-from .test_tui_flows import env, make_app  # noqa: F401 (env: a fixture)
+from tests.helpers import processes
+from tests.helpers.app import folder_app, ready, turn
+from tests.helpers.paths import REPO_ROOT
+from tests.helpers.scripted_engine import async_test, record_notifications, wait_for
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="flock is POSIX")
 
@@ -71,15 +69,15 @@ def test_the_lock_dies_with_its_process(tmp_path: Path) -> None:
 
 
 @async_test
-async def test_second_window_opens_a_copy_and_no_turn_is_lost(env: Path) -> None:  # noqa: F811
-    root = env / "data" / "chats"
+async def test_second_window_opens_a_copy_and_no_turn_is_lost(models_env: Path) -> None:
+    root = models_env / "data" / "chats"
     other = ConversationStore(root)  # the first window, holding its chat
     conv = _chat("first window's words")
     other.claim(conv.id)
     other.save(conv)
     save_session(root.parent / "session.json", SessionState(last_chat=conv.id))
 
-    app = make_app(env)
+    app = folder_app(models_env)
     seen = record_notifications(app)
     async with app.run_test(size=(120, 40)) as pilot:
         await ready(pilot)

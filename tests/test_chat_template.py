@@ -18,8 +18,8 @@ from kvchat.model.text.chat_template import (
     render,
 )
 from kvchat.model.text.tokenizer import load_tokenizer
-from tests.conftest import STORIES260K as STORIES
-from tests.tokenizer_fixtures import (
+from tests.helpers.paths import STORIES260K as STORIES
+from tests.helpers.tiny_tokenizers import (
     STYLES,
     byte_level_bpe,
     chat_folder,

@@ -25,9 +25,8 @@ import pytest
 from kvchat.app.core.engine_service import EngineService
 from kvchat.app.main import main
 from kvchat.model.runtime.events import Done, TurnStats
-from tests import processes
-
-from .conftest import REPO_ROOT, STORIES260K
+from tests.helpers import processes
+from tests.helpers.paths import REPO_ROOT, STORIES260K
 
 RAW_CONTROL = "".join(map(chr, [*range(0, 9), *range(11, 32), *range(0x7F, 0xA0)]))
 ENV = {**os.environ, "KVCHAT_NO_OPENBLAS": "1", "PYTHONPATH": str(REPO_ROOT)}

@@ -21,9 +21,8 @@ from kvchat.app.main import build_parser
 from kvchat.app.tui.app import KVChatApp
 from kvchat.model.decoder.weights import load_model, weight_bytes
 from kvchat.model.explain.facts import check_model_folder, model_facts
-from tests import processes
-
-from .conftest import REPO_ROOT, STORIES260K
+from tests.helpers import processes
+from tests.helpers.paths import REPO_ROOT, STORIES260K
 
 MINI = REPO_ROOT / "assets" / "kvchat-mini"
 
@@ -97,6 +96,7 @@ def test_overflow_refuse_finishes_with_context_full_not_length() -> None:
     assert short["finish_reason"] == "length" and len(short["ids"]) == 3
 
 
+@pytest.mark.slow
 def test_empty_prompt_is_refused() -> None:
     for extra in (["--raw"], []):
         r = kvchat("generate", "--model", str(STORIES260K), "--prompt", "  ", *extra)
@@ -108,6 +108,7 @@ def test_empty_prompt_is_refused() -> None:
 # ---- 3. one set of numbers ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_models_inspect_and_the_loaded_model_agree(tmp_path: Path) -> None:
     facts = model_facts(MINI)
     loaded = load_model(MINI)

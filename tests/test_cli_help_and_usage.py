@@ -17,9 +17,8 @@ import pytest
 from kvchat.app.cli import generate as generate_cmd
 from kvchat.app.cli import inspect as inspect_cmd
 from kvchat.app.core.settings import Settings
-from tests import processes
-
-from .conftest import REPO_ROOT, STORIES260K
+from tests.helpers import processes
+from tests.helpers.paths import REPO_ROOT, STORIES260K
 
 MINI = REPO_ROOT / "assets" / "kvchat-mini"
 ENV = {**os.environ, "KVCHAT_NO_OPENBLAS": "1", "PYTHONPATH": str(REPO_ROOT)}
@@ -84,6 +83,7 @@ def test_every_default_is_in_help(name: str) -> None:
         assert "default" in shown and str(action.default) in shown, (name, action.option_strings)
 
 
+@pytest.mark.slow
 def test_plain_generate_ends_with_a_newline_and_one_stats_line() -> None:
     ref = json.loads(kvchat(*GREEDY, "--max-tokens", "12", "--json").stdout)
     assert ref["finish_reason"] == "length"  # cut by --max-tokens mid-story

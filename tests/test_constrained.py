@@ -24,11 +24,10 @@ from kvchat.model.runtime.constrained import (
     response_format_grammar,
 )
 from kvchat.model.runtime.events import GenParams
-from tests import processes
+from tests.helpers import processes
 from tests.helpers.chat_models import random_chat_model
-from tests.tokenizer_fixtures import CHATML
-
-from .conftest import REPO_ROOT, STORIES260K
+from tests.helpers.paths import REPO_ROOT, STORIES260K
+from tests.helpers.tiny_tokenizers import CHATML
 
 PERSON = {
     "type": "object",

@@ -25,20 +25,13 @@ from kvchat.app.tui import readable
 from kvchat.app.tui.app import KVChatApp
 from kvchat.app.tui.turn_notices import overflow_message
 from kvchat.model.runtime.events import Overflow
-from tests.scripted_engine import ScriptedEngine, async_test, wait_for
+from tests.helpers.scripted_engine import ScriptedEngine, async_test, wait_for
 
 MODEL = "/models/stories260K"
 THEMES = ["textual-dark", "textual-light"]
 LINE_H, CHAR_W, BASELINE = 24.4, 12.2, 20  # Rich's SVG grid
 # box drawing, block elements and geometric shapes: borders, bars, sparkline, not text
 DECORATION = re.compile(r"^[\s\u2500-\u25ff⭘]*$")
-
-
-@pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
-    return tmp_path
 
 
 def wcag_ratio(fg: str, bg: str) -> float:
@@ -87,6 +80,7 @@ def low_contrast(app: KVChatApp, scene: str, checked: list[str]) -> list[str]:
     return bad
 
 
+@pytest.mark.slow  # every text of two themes: the longest UI check
 @pytest.mark.parametrize("theme", THEMES)
 @async_test
 async def test_every_text_reaches_4_5_to_1(env: Path, theme: str) -> None:

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvchat.model.text.tokenizer import StreamDetokenizer, Tokenizer, load_tokenizer
-from tests.conftest import STORIES260K as STORIES
-from tests.tokenizer_fixtures import (
+from tests.helpers.paths import STORIES260K as STORIES
+from tests.helpers.tiny_tokenizers import (
     byte_level_bpe,
     sentencepiece_byte_fallback,
     tokenizer_json_from_sentencepiece,

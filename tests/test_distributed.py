@@ -1,6 +1,6 @@
 """Pipeline parallelism on loopback: two and three real mx.distributed ranks (ring backend).
 
-Rank 0 runs either `tests/distributed_driver.py` (what `kvchat --hosts` does: it starts
+Rank 0 runs either `tests/helpers/distributed_driver.py` (what `kvchat --hosts` does: it starts
 the other ranks with app.core.hosts and drives the real Engine) or the CLI under mlx.launch.
 References are the single-process Engine's greedy ids on the same folder.
 """
@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from tests import processes
-from tests.conftest import REPO_ROOT, TinySpec, build_tiny_checkpoint
+from tests.helpers import processes
+from tests.helpers.checkpoints import TinySpec, build_tiny_checkpoint
+from tests.helpers.paths import REPO_ROOT
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="ring backend needs POSIX")
 
@@ -70,7 +71,8 @@ def _hostfile(tmp: Path, n: int, models: dict[int, Path] | None = None) -> Path:
 def _driver(hostfile: Path, model: Path, *args: str, **popen: Any) -> subprocess.Popen[str]:
     popen.setdefault("env", _env(_free_port(4)))
     return processes.popen(
-        [sys.executable, "-m", "tests.distributed_driver", str(hostfile), str(model), *args],
+        [sys.executable, "-m", "tests.helpers.distributed_driver", str(hostfile), str(model),
+         *args],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, **popen,
     )
 
@@ -105,12 +107,13 @@ def wide_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Gemma 3 (sliding, sliding, global, sliding; sandwich blocks, offset norms,
-    scaled embedding, tied head) built by transformers, as tests/test_families.py does."""
-    from tests.test_families import FAMILY_SPECS, build
+    scaled embedding, tied head) built by transformers (tests/helpers/families.py)."""
+    from tests.helpers.families import FAMILY_SPECS, build
 
     return build(FAMILY_SPECS["gemma3_text"], tmp_path_factory.mktemp("gemma3"))
 
 
+@pytest.mark.slow  # ranks on loopback
 def test_split_gemma3_equals_single_process(gemma3: Path, tmp_path: Path) -> None:
     """Every rank runs Transformer's own embed / blocks / head: a family with sliding and
     global layers, sandwich norms and a scaled embedding gives the single process's ids
@@ -190,8 +193,11 @@ CASES = [  # (model, ranks, prompt, max tokens, max kv size)
 ]
 
 
-@pytest.mark.parametrize("name,ranks,prompt,max_tokens,max_kv", CASES,
-                         ids=[f"{c[0]}-{c[1]}ranks-{'rot' if c[4] else 'full'}" for c in CASES])
+@pytest.mark.parametrize("name,ranks,prompt,max_tokens,max_kv", [
+    # the fast tier runs one 2-rank loopback pipeline (llama, rotating); the rest are slow
+    pytest.param(*c, id=f"{c[0]}-{c[1]}ranks-{'rot' if c[4] else 'full'}",
+                 marks=() if c[:2] == ("llama", 2) else pytest.mark.slow)
+    for c in CASES])
 def test_greedy_ids_equal_single_process(
     name: str, ranks: int, prompt: str, max_tokens: int, max_kv: int | None,
     request: pytest.FixtureRequest, tiny_checkpoint: Callable[[str], Path], tmp_path: Path,
@@ -233,6 +239,7 @@ def test_greedy_ids_equal_single_process(
 
 
 # ---- memory: each rank holds its slice ------------------------------------------------
+@pytest.mark.slow  # ranks on loopback
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_rank_weight_bytes_are_its_slice(ranks: int, wide_llama: Path, tmp_path: Path) -> None:
     """Tolerance: MLX active memory after load within 5 % + 1 MiB of the slice's bytes
@@ -252,6 +259,7 @@ def test_rank_weight_bytes_are_its_slice(ranks: int, wide_llama: Path, tmp_path:
 
 
 # ---- faults ------------------------------------------------------------------------------
+@pytest.mark.slow  # ranks on loopback
 @pytest.mark.parametrize("ranks,victim,at", [(2, 1, "token"), (3, 1, "token"),
                                              (3, 2, "prefill")])
 def test_killed_rank_ends_the_turn_with_one_line(
@@ -268,6 +276,7 @@ def test_killed_rank_ends_the_turn_with_one_line(
     assert all(code is not None for code in exits), exits
 
 
+@pytest.mark.slow  # ranks on loopback
 def test_hung_rank_is_named_within_the_heartbeat_timeout(
     tiny_checkpoint: Callable[[str], Path], tmp_path: Path
 ) -> None:
@@ -317,6 +326,7 @@ def _fault_mid_turn(
     return first, second, exits
 
 
+@pytest.mark.slow  # ranks on loopback
 def test_mismatched_model_folders_are_refused_naming_the_rank(
     tiny_checkpoint: Callable[[str], Path], tmp_path: Path
 ) -> None:
@@ -338,6 +348,7 @@ def test_mismatched_model_folders_are_refused_naming_the_rank(
         assert msg.startswith("rank 1 (127.0.0.1) has a different model") and what in msg
 
 
+@pytest.mark.slow  # ranks on loopback
 def test_rank_that_never_connects_fails_in_bounded_time(
     tiny_checkpoint: Callable[[str], Path], tmp_path: Path
 ) -> None:
@@ -358,6 +369,7 @@ def test_rank_that_never_connects_fails_in_bounded_time(
 
 
 # ---- the documented command: mlx.launch -- kvchat generate ---------------------------
+@pytest.mark.slow  # ranks on loopback
 @pytest.mark.skipif(not MLX_LAUNCH.exists(), reason="mlx.launch not installed")
 def test_mlx_launch_generate_json_rank0_alone_prints(stories260k: Path) -> None:
     want, _ = _single(stories260k, STORY, 30, None)

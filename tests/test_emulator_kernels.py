@@ -2,7 +2,7 @@
 backend code (`MetalBackend(factory=tests.metal_emulator.metal_kernel)`).
 
 1. Parity: every kernel equals the `ops` reference and `mx.fast` on the cases of
-   tests/test_kernels.py (hidden 1 … 8193, rows 1 … 512, float32/float16/bfloat16, offsets
+   tests/helpers/kernels.py (hidden 1 … 8193, rows 1 … 512, float32/float16/bfloat16, offsets
    0 and 1000 and arrays, both RoPE layouts, llama3 periods, linear scale, partial rotary,
    GQA 8/2, 32/8, 4/1), with the tolerances stated there per dtype: (rtol, atol) float32
    (1e-5, 1e-6), float16 (2^-9, 2^-14), bfloat16 (2^-6, 2^-14), plus RoPE's angle allowance.
@@ -30,7 +30,8 @@ import pytest
 from kvchat import metal_kernels
 from kvchat.metal_kernels.metal import MetalBackend, read_source
 from tests import metal_emulator as me
-from tests.test_kernels import (
+from tests.helpers.greedy import greedy_ids
+from tests.helpers.kernels import (
     NORM_CASES,
     ROPE_CASES,
     assert_close,
@@ -38,9 +39,21 @@ from tests.test_kernels import (
     run_norm,
     run_rope,
 )
-from tests.test_stories260k import greedy_ids
 
 pytestmark = pytest.mark.skipif(not me.available(), reason=str(me.unavailable_reason()))
+
+# The fast tier runs the kernels through the emulator on one RMSNorm and one RoPE case;
+# every other case, thread order, mutant and the whole model run in the slow tier.
+FAST_NORM = dict(rows=3, hidden=576, dtype=mx.float32)
+FAST_ROPE = dict(B=2, hq=8, hk=2, T=17, D=64, dims=64, traditional=False, offset=1000,
+                 freqs=False, scale=1.0, dtype=mx.float32)
+
+
+def cases(found: list[dict], fast: dict) -> list:
+    """`found` as test parameters, all but `fast` marked slow."""
+    assert fast in found
+    return [pytest.param(c, id=case_id(c), marks=() if c == fast else pytest.mark.slow)
+            for c in found]
 
 EMU = "emulated"
 ORDERS = [("sequential", 0), ("reversed", 0), ("shuffled", 7)]
@@ -97,7 +110,7 @@ def check_rope(case: dict, backend: str = EMU) -> None:
 # ----------------------------------------------------------------------------- parity
 
 
-@pytest.mark.parametrize("case", EMU_NORM_CASES, ids=case_id)
+@pytest.mark.parametrize("case", cases(EMU_NORM_CASES, FAST_NORM))
 def test_norm_kernels_equal_ops_and_fast(emulated, case: dict) -> None:
     before = me.launches["kvchat_rms_norm"], me.launches["kvchat_add_rms_norm"]
     check_norm(case)
@@ -105,13 +118,14 @@ def test_norm_kernels_equal_ops_and_fast(emulated, case: dict) -> None:
     assert after == (before[0] + 1, before[1] + 1)  # both ran on the emulator
 
 
-@pytest.mark.parametrize("case", ROPE_CASES, ids=case_id)
+@pytest.mark.parametrize("case", cases(ROPE_CASES, FAST_ROPE))
 def test_rope_kernel_equals_ops_and_fast(emulated, case: dict) -> None:
     before = me.launches["kvchat_rope"]
     check_rope(case)
     assert me.launches["kvchat_rope"] == before + 2  # rope_qk and rope
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ORDERS[1:], ids=lambda o: o[0])
 @pytest.mark.parametrize("case", ORDER_NORM_CASES, ids=case_id)
 def test_norm_kernels_do_not_depend_on_thread_order(emulated, case: dict, order) -> None:
@@ -186,6 +200,7 @@ def _wrong(kind: str, text: str, case: dict) -> list[str]:
     return failed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["rms_norm", "rope"])
 def test_unmutated_sources_pass_the_mutant_inputs_in_every_order(emulated, kind: str) -> None:
     for k, *_, cases in MUTANTS:
@@ -194,6 +209,7 @@ def test_unmutated_sources_pass_the_mutant_inputs_in_every_order(emulated, kind:
                 assert _wrong(kind, read_source(kind), case) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[m[1] for m in MUTANTS])
 def test_broken_kernel_variants_fail(emulated, mutant) -> None:
     kind, _, old, new, occurrence, cases = mutant
@@ -220,6 +236,7 @@ def fast_ids(stories260k: Path) -> list[int]:
     return _greedy(stories260k, "fast")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", [ORDERS[0], ORDERS[2]], ids=lambda o: o[0])
 def test_stories260k_decodes_the_same_on_the_emulated_kernels(
     emulated, stories260k: Path, fast_ids: list[int], order
@@ -280,6 +297,7 @@ def _launch_all(backend, x7, x4096, q, k):
     ]
 
 
+@pytest.mark.slow
 def test_shipped_kernel_sources_are_the_text_mlx_generates(capfd) -> None:
     theirs = _printed_sources(capfd, mx.fast.metal_kernel, _launch_all, trace=True)
     if "```" not in theirs:

@@ -22,8 +22,7 @@ from kvchat.model.runtime.events import (
     Stats,
     TextDelta,
 )
-
-from .conftest import STORIES260K
+from tests.helpers.paths import STORIES260K
 
 
 def Client(**kw) -> EngineClient:  # noqa: N802 - reads as a class at the call sites
@@ -195,6 +194,7 @@ def _chat(client: EngineClient, turns: list[str]) -> tuple[list[str], list[int]]
     return replies, prefilled
 
 
+@pytest.mark.slow
 def test_five_turn_chat_reuse_gives_same_replies_with_far_less_prefill():
     turns = [
         "Tell me about a cat.",
@@ -261,12 +261,12 @@ def test_prompt_longer_than_context_rotates_or_refuses(client):
 
 def test_ids_past_the_tokenizer_vocab_are_never_sampled(copy_checkpoint):
     """Embedding tables are often padded past the tokenizer; those ids cannot be decoded."""
-    from .conftest import _write_tokenizer
+    from tests.helpers.checkpoints import write_tokenizer
 
     folder = copy_checkpoint("llama")  # model vocab 256
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (folder / f).unlink(missing_ok=True)
-    _write_tokenizer(folder, 40)
+    write_tokenizer(folder, 40)
     events: queue.Queue[Event] = queue.Queue()
     engine = Engine(events.put, folder)
     try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import struct
 import time
 from pathlib import Path
@@ -35,13 +34,12 @@ from kvchat.model.files import DTYPE_BYTES, safetensors_header
 from kvchat.model.text import chat_template
 from kvchat.model.text.chat_template import TemplateError, render
 from kvchat.model.text.tokenizer import load_tokenizer
-
-from .conftest import REPO_ROOT
+from tests.helpers.hostile_text import RAW_CONTROL
+from tests.helpers.paths import REPO_ROOT
 
 FUZZ = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
-RAW_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 json_scalars = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**40), 2**40),

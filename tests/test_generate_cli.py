@@ -8,9 +8,8 @@ import sys
 
 import pytest
 
-from tests import processes
-
-from .conftest import REPO_ROOT, STORIES260K
+from tests.helpers import processes
+from tests.helpers.paths import REPO_ROOT, STORIES260K
 
 
 def kvchat(*args: str, stdin: str | None = None, env: dict | None = None):

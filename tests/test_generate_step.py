@@ -33,7 +33,10 @@ def _ids(model: Any, prompt: list[int], kind: str, compiled: bool, n: int) -> li
     return ids
 
 
-@pytest.mark.parametrize("kind", ["unbounded", "context", "rotating"])
+# on the real model the fast tier runs the rotating cache; every kind runs on the tiny
+# checkpoints below
+@pytest.mark.parametrize("kind", [pytest.param("unbounded", marks=pytest.mark.slow),
+                                  pytest.param("context", marks=pytest.mark.slow), "rotating"])
 def test_stories260k_compiled_ids_equal_plain(stories260k: Path, kind: str) -> None:
     model = load_model(stories260k)
     for prompt in ([1], [1, 403, 407, 261, 426, 297] * 10):  # BOS; a prompt past the ring
@@ -82,6 +85,7 @@ def test_caches_consistent_after_early_close(stories260k: Path) -> None:
     assert caches[0].offset == 3 + prog.fed
 
 
+@pytest.mark.slow  # a 4,000-token prefill
 def test_compiled_step_writes_kv_in_place(stories260k: Path) -> None:
     """The step's slice_update must reuse the cache buffers (MLX donates them when the
     cache no longer holds the old ones): the K buffer keeps its address step after

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvchat.app.core.hosts import HostsError, check_hosts, read_hostfile
-from tests import processes
-
-from .conftest import REPO_ROOT
+from tests.helpers import processes
+from tests.helpers.paths import REPO_ROOT
 
 MINI = REPO_ROOT / "assets" / "kvchat-mini"  # 4 layers
 

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvchat.app.cli import inspect as inspect_cmd
-
-from .conftest import STORIES260K as STORIES
+from tests.helpers.paths import STORIES260K as STORIES
 
 GiB = 1024**3
 

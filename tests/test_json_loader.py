@@ -20,7 +20,7 @@ from kvchat.app.core.settings import Settings, load_settings, remember_model, sa
 from kvchat.app.core.store import Conversation, ConversationStore, atomic_write_text
 from kvchat.app.tui.session import SessionState, load_session, save_session
 from kvchat.model.files import BadJSONFile, load_json
-from tests import processes
+from tests.helpers import processes
 
 CHAT = Conversation(id="20260101-000000-abcdef").to_dict()
 
@@ -164,7 +164,7 @@ def test_history_names_a_skipped_chat_file(tmp_path: Path, monkeypatch: pytest.M
 
     from kvchat.app.tui.app import KVChatApp
     from kvchat.app.tui.screens import HistoryScreen
-    from tests.scripted_engine import ScriptedEngine, record_notifications, wait_for
+    from tests.helpers.scripted_engine import ScriptedEngine, record_notifications, wait_for
 
     monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
     monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
@@ -194,7 +194,7 @@ def test_every_command_starts_with_a_bad_settings_file(tmp_path: Path, kind: str
     anything started) or a lone surrogate: one warning naming the file, exit 0."""
     import sys
 
-    from .conftest import REPO_ROOT
+    from tests.helpers.paths import REPO_ROOT
 
     cfg = tmp_path / "config"
     cfg.mkdir()

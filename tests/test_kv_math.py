@@ -15,8 +15,7 @@ from kvchat.model.cache.kv_math import (
     tokens_that_fit,
 )
 from kvchat.model.decoder.config import ModelConfig
-
-from .conftest import STORIES260K as STORIES
+from tests.helpers.paths import STORIES260K as STORIES
 
 GiB = 1024**3
 

@@ -210,6 +210,7 @@ def test_bytes_are_the_arrays_sizes(bits: int) -> None:
     assert sum(_array_bytes(x) for x in caches) == s.cache_bytes == kv_bytes_at(c, 30, 4, q=q)
 
 
+@pytest.mark.slow  # a 30,000-token soak
 def test_4bit_rotating_cache_memory_is_flat_over_30000_tokens() -> None:
     q = KVQuant(4)
     c = QuantizedRotatingKVCache(256, 4, q)
@@ -302,6 +303,7 @@ def test_8bit_rotating_agrees_on_stories260k(stories260k: Path) -> None:
     assert _agreement(stories260k) >= 0.95
 
 
+@pytest.mark.slow  # the same check on stories260k stays fast
 def test_8bit_rotating_agrees_on_the_shipped_model() -> None:
     assert _agreement(MINI) >= 0.95
 

@@ -249,3 +249,74 @@ def test_an_import_against_the_direction_is_found(tmp_path: Path, rel: str, text
     })
     found = violations(graph(root))
     assert len(found) == 1 and needle in found[0], found
+
+
+# ---- the test suite: no test module imports another ------------------------------------
+# What test modules share lives in tests/helpers/ (fixtures in tests/conftest.py): a test
+# module imported by another runs its module-level code twice under two names, and drags
+# its fixtures and marks along.
+
+
+def suite_modules(root: Path) -> dict[str, Path]:
+    """Dotted name -> file, for every .py under tests/ (package `tests`)."""
+    found = {}
+    for path in sorted((root / TESTS).rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("").parts
+        if rel[-1] == "__init__":
+            rel = rel[:-1]
+        found[".".join(rel)] = path
+    return found
+
+
+def imports_of_test_modules(root: Path) -> list[str]:
+    """`file imports module` for each import of a test module (a `test_*.py` under tests/)
+    anywhere in a file under tests/, lazy imports inside functions included."""
+    known = suite_modules(root)
+    test_mods = {m for m in known if m.rpartition(".")[2].startswith("test_")}
+    found = []
+    for module, path in known.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                target = node.module or ""
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                names = [target, *(f"{target}.{a.name}" for a in node.names)]
+            else:
+                continue
+            found += [f"{path.relative_to(root)} imports {t}" for name in names
+                      for t in test_mods if name == t or name.startswith(f"{t}.")]
+    return sorted(set(found))
+
+
+def test_no_test_module_imports_another() -> None:
+    assert len(suite_modules(ROOT)) > 60  # the walk found the suite
+    assert imports_of_test_modules(ROOT) == []
+
+
+def test_a_test_module_imported_by_another_is_found(tmp_path: Path) -> None:
+    files = {
+        "tests/__init__.py": "",
+        "tests/helpers/__init__.py": "",
+        "tests/helpers/app.py": "from tests.helpers.paths import ROOT\n",
+        "tests/helpers/paths.py": "ROOT = 1\n",
+        "tests/test_a.py": "from tests.helpers.app import test_like_name\n",
+        "tests/test_b.py": "from .test_a import helper\n",
+        "tests/test_c.py": "from tests import test_a\n",
+        "tests/test_d.py": "def f():\n    import tests.test_a as a\n",
+        "tests/test_e.py": "from tests.helpers import app, paths\n",
+        "tests/helpers/h.py": "def f():\n    from ..test_a import x\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert imports_of_test_modules(tmp_path) == [
+        "tests/helpers/h.py imports tests.test_a",
+        "tests/test_b.py imports tests.test_a",
+        "tests/test_c.py imports tests.test_a",
+        "tests/test_d.py imports tests.test_a",
+    ]

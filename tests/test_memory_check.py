@@ -14,8 +14,8 @@ import pytest
 
 from kvchat.app.core import memory
 from kvchat.app.main import main
-from tests.conftest import STORIES260K
-from tests.scripted_engine import async_test, record_notifications, wait_for
+from tests.helpers.paths import STORIES260K
+from tests.helpers.scripted_engine import async_test, record_notifications, wait_for
 
 # stories260K: float32 on the CPU; 5 layers, 4 K/V heads of 8, a 512-token context
 LAYERS, KV_HEADS, HEAD_DIM, CONTEXT = 5, 4, 8, 512
@@ -155,7 +155,7 @@ def test_the_chat_refuses_a_model_that_does_not_fit(meminfo, tmp_path: Path,
 @async_test
 async def test_the_picker_keeps_the_old_model_when_the_new_one_does_not_fit(
         meminfo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.test_tui_app import engine, make_app, ready
+    from tests.helpers.app import engine, make_app, ready
 
     monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
     monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))

@@ -28,9 +28,8 @@ from kvchat.model.errors import ConfigError, KVChatError
 from kvchat.model.files import read_json_object, safetensors_header
 from kvchat.model.runtime.engine import Engine
 from kvchat.model.runtime.events import Done, GenParams, Loaded, LoadFailed
-from tests import processes
-
-from .conftest import REPO_ROOT
+from tests.helpers import processes
+from tests.helpers.paths import REPO_ROOT
 
 
 @pytest.fixture

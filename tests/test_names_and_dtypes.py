@@ -17,16 +17,11 @@ import pytest
 from kvchat.app.core.text import clipboard_text, literal, visible, visible_name
 from kvchat.model.decoder.weights import load_model
 from kvchat.model.errors import ModelLoadError
-from tests import processes, test_tui_app
-from tests.scripted_engine import async_test
-
-from .conftest import REPO_ROOT
-from .test_text_is_data import CONTROLS
-from .test_tui_app import ready, turn
-
-MINI = REPO_ROOT / "assets" / "kvchat-mini"
-env = test_tui_app.env
-RAW_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+from tests.helpers import processes
+from tests.helpers.app import make_app, ready, turn
+from tests.helpers.hostile_text import CONTROLS, RAW_CONTROL
+from tests.helpers.paths import MINI, REPO_ROOT
+from tests.helpers.scripted_engine import async_test
 
 
 def test_bidi_and_zero_width_are_shown_in_names_but_kept_in_text() -> None:
@@ -93,9 +88,9 @@ def test_non_float_weights_are_refused_naming_the_tensor(
 
 
 @async_test
-async def test_ctrl_y_copies_visible_text_only(env: Path) -> None:  # noqa: F811
+async def test_ctrl_y_copies_visible_text_only(env: Path) -> None:
     reply = f"Here: {CONTROLS}\r\nline two\tend"
-    app = test_tui_app.make_app(reply=reply)
+    app = make_app(reply=reply)
     async with app.run_test(size=(120, 40)) as pilot:
         await ready(pilot)
         await turn(pilot, "go")
@@ -175,7 +170,7 @@ async def test_the_chat_title_shows_a_bidi_model_name(env: Path) -> None:  # noq
     is shown, never applied."""
     from kvchat.app.core.settings import Settings
     from kvchat.app.tui.app import KVChatApp
-    from tests.scripted_engine import ScriptedEngine
+    from tests.helpers.scripted_engine import ScriptedEngine
 
     app = KVChatApp(f"/models/{ODD}", Settings(),
                     engine_factory=lambda on_event, path: ScriptedEngine(on_event, path))

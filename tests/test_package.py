@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvchat import app as _app
-from tests import processes
+from tests.helpers import processes
 
 REPO = Path(__file__).resolve().parents[1]
 # "" in the repository layout, "kvchat." once installed under the kvchat namespace

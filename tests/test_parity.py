@@ -17,7 +17,7 @@ reference; `test_mlx_lm_misreads_config` records the size of mlx-lm's error ther
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,7 @@ import pytest
 
 from kvchat.model import load_model
 from kvchat.model.cache.kv import make_prompt_cache
-
-from .conftest import LLAMA3_ROPE, TINY_SPECS
+from tests.helpers.checkpoints import LLAMA3_ROPE, TINY_SPECS
 
 SEQ_LEN = 48
 IDS = np.random.default_rng(1234).integers(3, 256, size=(1, SEQ_LEN))
@@ -47,6 +46,16 @@ MLX_LM_CONFIG_FIX: dict[str, dict[str, Any] | None] = {
     # all layers sliding: mlx-lm's llama needs at least one full-attention layer
     "mistral_swa": None,
 }
+
+
+# The fast tier runs llama plain and with llama3-scaled RoPE; the other checkpoints run in
+# the slow tier.
+FAST = ("llama", "llama3")
+
+
+def names(found: Iterable[str]) -> list[Any]:
+    """`found` as test parameters, those not in FAST marked slow."""
+    return [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in found]
 
 
 def tolerance(ref: np.ndarray) -> float:
@@ -115,7 +124,7 @@ def reference(
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", names(NAMES))
 def test_whole_sequence_matches_transformers(
     name: str, fmt: str, folder_for: Callable, reference: Callable
 ) -> None:
@@ -127,7 +136,7 @@ def test_whole_sequence_matches_transformers(
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "q4"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", names(NAMES))
 def test_token_by_token_through_cache(
     name: str, fmt: str, folder_for: Callable, reference: Callable
 ) -> None:
@@ -140,7 +149,7 @@ def test_token_by_token_through_cache(
     assert max_diff(ours, ref) <= tolerance(ref)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", names(NAMES))
 def test_chunked_prefill_through_cache(name: str, folder_for: Callable, reference: Callable):
     """A prefill chunk after earlier tokens: causal mask offset by the cache."""
     ref = reference(name, "fp32")
@@ -155,7 +164,8 @@ def test_chunked_prefill_through_cache(name: str, folder_for: Callable, referenc
 @pytest.mark.parametrize("fmt", FORMATS)
 # a config mlx-lm cannot express at all (None) has no run to compare; its gap is
 # documented by test_mlx_lm_misreads_config (a skip here would show in every run)
-@pytest.mark.parametrize("name", [n for n in NAMES if MLX_LM_CONFIG_FIX.get(n, {}) is not None])
+@pytest.mark.parametrize(
+    "name", names(n for n in NAMES if MLX_LM_CONFIG_FIX.get(n, {}) is not None))
 def test_matches_mlx_lm(name: str, fmt: str, folder_for: Callable) -> None:
     """Same folder, same logits as mlx-lm (given a config mlx-lm reads as transformers does)."""
     fix = MLX_LM_CONFIG_FIX.get(name, {})
@@ -167,7 +177,7 @@ def test_matches_mlx_lm(name: str, fmt: str, folder_for: Callable) -> None:
     assert diff <= tolerance(theirs)
 
 
-@pytest.mark.parametrize("name", [n for n, s in TINY_SPECS.items() if not s.mlx_lm_agrees])
+@pytest.mark.parametrize("name", names(n for n, s in TINY_SPECS.items() if not s.mlx_lm_agrees))
 def test_mlx_lm_misreads_config(name: str, folder_for: Callable, reference: Callable) -> None:
     """Documents the known mlx-lm 0.32.2 gaps: its logits are off, ours are not."""
     ref = reference(name, "fp32")
@@ -214,7 +224,7 @@ def test_rope_config_forms_agree(reference: Callable) -> None:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2"])
+@pytest.mark.parametrize("name", names(["llama", "llama_tied", "qwen2"]))
 def test_quantize_on_load_matches_convert(
     name: str, bits: int, tiny_checkpoint: Callable, mlx_quantized: Callable
 ) -> None:

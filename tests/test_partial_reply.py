@@ -6,16 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvchat.app.core.store import ConversationStore
-from tests.scripted_engine import async_test
-
-from .test_tui_app import ready, turn
-from .test_tui_flows import env  # noqa: F401 (a fixture)
+from tests.helpers.app import ready, turn
+from tests.helpers.scripted_engine import async_test
 
 
 def test_engine_keeps_the_partial_reply_and_its_ids() -> None:
     from kvchat.model.runtime.client import EngineClient
     from kvchat.model.runtime.events import GenParams, TextDelta
-    from tests.scripted_engine import ScriptedEngine
+    from tests.helpers.scripted_engine import ScriptedEngine
 
     with EngineClient("/models/a", timeout=30,
                       engine=lambda cb, p: ScriptedEngine(cb, p, fail_after=5)) as c:
@@ -28,10 +26,10 @@ def test_engine_keeps_the_partial_reply_and_its_ids() -> None:
 
 
 @async_test
-async def test_partial_reply_from_a_dead_rank_is_saved_marked(env: Path) -> None:  # noqa: F811
+async def test_partial_reply_from_a_dead_rank_is_saved_marked(env: Path) -> None:
     from kvchat.app.core.settings import Settings
     from kvchat.app.tui.app import KVChatApp
-    from tests.scripted_engine import ScriptedEngine
+    from tests.helpers.scripted_engine import ScriptedEngine
 
     app = KVChatApp("/models/m", Settings(),
                     engine_factory=lambda cb, p: ScriptedEngine(cb, p, fail_after=5))

@@ -1,4 +1,4 @@
-"""tests/processes.py: a child a test started, and what that child started, end with it."""
+"""tests/helpers/processes.py: a child a test started, and what that child started, end with it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import processes
+from tests.helpers import processes
 
 # a child that starts a grandchild, prints its pid, and waits for it
 PARENT = ["sh", "-c", "sleep 600 & echo $!; wait"]

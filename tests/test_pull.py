@@ -1,4 +1,4 @@
-"""`kvchat pull` against a fake Hub on 127.0.0.1 (tests/fake_hub.py) serving the shipped
+"""`kvchat pull` against a fake Hub on 127.0.0.1 (tests/helpers/fake_hub.py) serving the shipped
 model the way huggingface_hub expects the real Hub to."""
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ import pytest
 
 from kvchat.app.core.hub_download import PullCancelled, PullError, pull, repo_folder
 from kvchat.model.explain.facts import check_model_folder
-from tests import processes
-
-from .conftest import REPO_ROOT
-from .fake_hub import FakeHub, FakeRepo
+from tests.helpers import processes
+from tests.helpers.fake_hub import FakeHub, FakeRepo
+from tests.helpers.paths import REPO_ROOT
 
 MINI = REPO_ROOT / "assets" / "kvchat-mini"
 REPO = "kvchat-test/mini"

@@ -1,4 +1,4 @@
-"""`kvchat pull` against a hostile Hub (tests/fake_hub.py on 127.0.0.1): whatever the
+"""`kvchat pull` against a hostile Hub (tests/helpers/fake_hub.py on 127.0.0.1): whatever the
 server answers, nothing is written outside the cache, the token stays with the endpoint's
 host, and a stalled, cut-short, endless or wrong body ends in one line, bounded."""
 
@@ -14,13 +14,11 @@ import pytest
 
 from kvchat.app.core import hub_download
 from kvchat.app.core.hub_download import PullError, pull, repo_folder
-from tests.scripted_engine import async_test, wait_for
+from tests.helpers.app import folder_app, open_picker, ready
+from tests.helpers.fake_hub import FakeHub, FakeRepo
+from tests.helpers.paths import MINI, REPO_ROOT
+from tests.helpers.scripted_engine import async_test, wait_for
 
-from .conftest import REPO_ROOT
-from .fake_hub import FakeHub, FakeRepo
-from .test_tui_flows import env, make_app, open_picker, ready  # noqa: F401 (env: a fixture)
-
-MINI = REPO_ROOT / "assets" / "kvchat-mini"
 REPO = "kvchat-test/mini"
 WEIGHTS = (MINI / "model.safetensors").read_bytes()
 
@@ -203,7 +201,7 @@ def test_free_space_is_checked_before_the_first_byte(cache: Path,
 
 @async_test
 async def test_picker_esc_stops_a_stalled_pull_at_once_and_quit_is_not_held(
-        env: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        models_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The chat's picker, with a server that stalls mid-file and the default (20 s) read
     timeout: Esc says "stopped" at once, and the pull runs on a daemon thread (a Textual
     thread worker would be joined at interpreter exit, holding Ctrl+Q)."""
@@ -213,7 +211,7 @@ async def test_picker_esc_stops_a_stalled_pull_at_once_and_quit_is_not_held(
 
     with FakeHub({REPO: FakeRepo.from_folder(MINI)}, stall_after=100_000, lifetime_s=30) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
-        app = make_app(env)
+        app = folder_app(models_env)
         async with app.run_test(size=(120, 40)) as pilot:
             await ready(pilot)
             picker = await open_picker(pilot)
@@ -339,7 +337,7 @@ def test_a_gzip_bomb_never_expands_past_the_answer_bound(cache: Path, gzip_bomb:
     import sys
 
     from kvchat.app.core.hub_http import ANSWER_MAX_BYTES
-    from tests import processes
+    from tests.helpers import processes
 
     with FakeHub({REPO: FakeRepo.from_folder(MINI)}, bomb=where, bomb_body=gzip_bomb) as hub:
         r = processes.run([sys.executable, "-c", _PULL_AND_MEASURE, REPO],

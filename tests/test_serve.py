@@ -23,10 +23,9 @@ from typing import Any
 
 import pytest
 
-from tests import processes
+from tests.helpers import processes
+from tests.helpers.paths import REPO_ROOT
 from tests.helpers.server_process import ServerProcess, free_port
-
-from .conftest import REPO_ROOT
 
 openai = pytest.importorskip("openai")
 try:  # the HTTP client the openai package depends on (newer releases ship it as httpx2)
@@ -181,6 +180,7 @@ def test_raw_completion_equals_generate_raw(server: Server, model_dir: Path) -> 
     assert r.usage.completion_tokens == len(ref["ids"])
 
 
+@pytest.mark.slow  # two ten-turn conversations
 def test_ten_turn_conversations_prefill_like_the_chat(server: Server, model_dir: Path) -> None:
     """Two conversations interleaved through the server prefill (prompt minus cached
     tokens) about what the chat's single-conversation engine prefills for each alone."""
@@ -387,6 +387,7 @@ def test_api_key_and_log_lines(server: Server) -> None:
     assert done and "prompt=" in done[0] and "finish=" in done[0]
 
 
+@pytest.mark.slow  # two ranks
 def test_a_model_split_across_two_local_ranks_serves_the_same_text(
         server: Server, model_dir: Path, tmp_path: Path) -> None:
     """--hosts: rank 1 runs the second half of the layers; the reply is the same."""

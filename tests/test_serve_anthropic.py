@@ -16,10 +16,9 @@ from typing import Any
 
 import pytest
 
-from tests import processes
+from tests.helpers import processes
+from tests.helpers.paths import REPO_ROOT
 from tests.helpers.server_process import ServerProcess
-
-from .conftest import REPO_ROOT
 
 anthropic = pytest.importorskip("anthropic")
 try:  # the HTTP client the clients depend on (newer releases ship it as httpx2)

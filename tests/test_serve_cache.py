@@ -26,9 +26,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.paths import REPO_ROOT
 from tests.helpers.server_process import ServerProcess
-
-from .conftest import REPO_ROOT
 
 openai = pytest.importorskip("openai")
 try:  # the HTTP client the openai package depends on (newer releases ship it as httpx2)

@@ -19,7 +19,7 @@ import pytest
 
 from tests.helpers.chat_models import QWEN25, random_chat_model
 from tests.helpers.server_process import ServerProcess
-from tests.tokenizer_fixtures import LLAMA3 as LLAMA3_NO_TOOLS
+from tests.helpers.tiny_tokenizers import LLAMA3 as LLAMA3_NO_TOOLS
 
 openai = pytest.importorskip("openai")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -17,8 +17,7 @@ from kvchat.app.serve import protocol
 from kvchat.app.serve.log import RequestLog
 from kvchat.app.serve.worker import EngineWorker, NotReady, QueueFull
 from kvchat.model.runtime.events import Done, GenParams
-
-from .scripted_engine import REPLY, ScriptedEngine
+from tests.helpers.scripted_engine import REPLY, ScriptedEngine
 
 PARAMS = GenParams(max_tokens=200)
 
@@ -245,7 +244,7 @@ def _doc_table(section: str) -> dict[str, str]:
     """Field -> status from the table under `section` of docs/serve.md."""
     import re
 
-    from .conftest import REPO_ROOT
+    from tests.helpers.paths import REPO_ROOT
 
     text = (REPO_ROOT / "docs" / "serve.md").read_text()
     body = text.split(section, 1)[1].split("\n## ", 1)[0]

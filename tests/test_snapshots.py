@@ -1,8 +1,8 @@
 """SVG snapshots of the main screen, the stats panel, the model picker, help, settings and
 the per-layer cache view.
 
-Every number on screen is pinned by the scripted engine (tests/scripted_engine.py): its
-statistics are functions of the token count, never of the clock. Regenerate baselines
+Every number on screen is pinned by the scripted engine (tests/helpers/scripted_engine.py):
+its statistics are functions of the token count, never of the clock. Regenerate baselines
 with `pytest tests/test_snapshots.py --snapshot-update` and review the SVGs.
 """
 
@@ -22,37 +22,18 @@ from kvchat.app.tui.app import KVChatApp
 from kvchat.app.tui.widgets import StatsPanel
 from kvchat.model.explain.facts import ModelFacts
 from kvchat.model.runtime.events import TurnStats
-from tests.scripted_engine import (
+from tests.helpers.app import MODEL, make_app
+from tests.helpers.scripted_engine import (
     REPLY,
     ScriptedEngine,
     model_info_for,
     split_reply,
     wait_for,
 )
+from tests.helpers.snapshots import no_blink, settle
 
-MODEL = "/models/stories260K"
 APP_CSS = Path(__file__).resolve().parents[1] / "app" / "tui" / "kvchat.tcss"
-
-
-@pytest.fixture(autouse=True)
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
-    # the panel's BLAS row describes the test machine; pin it
-    monkeypatch.setattr("kvchat.app.core.blas.active_blas",
-                        lambda: {"name": "OpenBLAS", "path": None, "fast": True})
-    # and its threads row the test machine's cores: pin a 2-core automatic policy
-    from kvchat.model.runtime import threads
-
-    monkeypatch.setattr(threads, "_policy", threads.Policy(cores=2))
-    return tmp_path
-
-
-def scripted_app(**engine_kw: Any) -> KVChatApp:
-    def factory(on_event: Any, path: str | None) -> ScriptedEngine:
-        return ScriptedEngine(on_event, path, **engine_kw)
-
-    return KVChatApp(MODEL, Settings(), engine_factory=factory)
+pytestmark = pytest.mark.usefixtures("env", "pinned_machine")
 
 
 def streaming_text(app: KVChatApp) -> str | None:
@@ -60,23 +41,8 @@ def streaming_text(app: KVChatApp) -> str | None:
     return replies[-1].content if replies else None
 
 
-def no_blink(app: App[Any]) -> None:
-    """A blinking cursor is not a stable pixel."""
-    for w in app.screen.query("Input, TextArea"):
-        w.cursor_blink = False  # type: ignore[attr-defined]
-
-
-async def settle(pilot: Any) -> None:
-    await wait_for(pilot, lambda: bool(pilot.app.chat.model_info))
-    # only once the input has focus: switching blinking off pins the cursor's visibility
-    # to whether the box has focus at that moment
-    await wait_for(pilot, lambda: pilot.app.chat.input.has_focus)
-    no_blink(pilot.app)
-    await pilot.pause()
-
-
 def test_main_screen_mid_generation(snap_compare: Any) -> None:
-    app = scripted_app(pause_after=40)
+    app = make_app(pause_after=40)
     first = "".join(split_reply(REPLY)[:40])
 
     async def run_before(pilot: Any) -> None:
@@ -90,8 +56,9 @@ def test_main_screen_mid_generation(snap_compare: Any) -> None:
     assert snap_compare(app, terminal_size=(120, 36), run_before=run_before)
 
 
+@pytest.mark.slow
 def test_main_screen_after_stop(snap_compare: Any) -> None:
-    app = scripted_app(pause_after=25)
+    app = make_app(pause_after=25)
 
     async def run_before(pilot: Any) -> None:
         await settle(pilot)
@@ -106,6 +73,10 @@ def test_main_screen_after_stop(snap_compare: Any) -> None:
     assert snap_compare(app, terminal_size=(120, 36), run_before=run_before)
 
 
+# A parametrized snapshot test sits in one tier whole: syrupy matches snapshot names
+# without their parameters, so a size left out of the run would count as an unused
+# snapshot and fail it. The fast tier has the main screen at 120×36 (mid-generation).
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [(50, 15), (60, 20), (80, 24), (120, 40), (200, 60)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
 def test_main_screen_at_every_size(snap_compare: Any, size: tuple[int, int]) -> None:
@@ -135,7 +106,7 @@ def test_main_screen_before_the_first_turn(snap_compare: Any,
     monkeypatch.setattr("kvchat.app.core.blas.active_blas",
                         lambda: {"name": "reference BLAS", "path": None, "fast": False,
                                  "fix": "sudo apt-get install libopenblas0-pthread"})
-    app = scripted_app()
+    app = make_app()
 
     async def run_before(pilot: Any) -> None:
         await settle(pilot)
@@ -148,7 +119,7 @@ def test_main_screen_before_the_first_turn(snap_compare: Any,
 def test_layer_view(snap_compare: Any, size: tuple[int, int]) -> None:
     """Ctrl+L after a turn: layer, attention, tokens, capacity, bytes and as-MHA in view
     at 80 columns; the rest one ←/→ per column away."""
-    app = scripted_app()
+    app = make_app()
 
     async def run_before(pilot: Any) -> None:
         await settle(pilot)
@@ -237,6 +208,7 @@ def test_stats_panel(snap_compare: Any) -> None:
     assert snap_compare(PanelApp(), terminal_size=(40, 40))
 
 
+@pytest.mark.slow
 def test_model_picker(snap_compare: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     entries = [
         ModelEntry("stories260K", Path(MODEL), "llama", 1_044_992, None, "configured"),
@@ -252,7 +224,7 @@ def test_model_picker(snap_compare: Any, monkeypatch: pytest.MonkeyPatch) -> Non
     rows = [ModelRow(e, f, None) for e, f in zip(entries, facts, strict=True)]
     rows[-1] = ModelRow(entries[-1], None, "unknown architecture 'gemma2'")
     monkeypatch.setattr("kvchat.app.tui.screens.picker.model_rows", lambda *a, **k: rows)
-    app = scripted_app()
+    app = make_app()
 
     async def run_before(pilot: Any) -> None:
         await settle(pilot)
@@ -265,7 +237,7 @@ def test_model_picker(snap_compare: Any, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_help_screen(snap_compare: Any) -> None:
-    app = scripted_app()
+    app = make_app()
 
     async def run_before(pilot: Any) -> None:
         await settle(pilot)
@@ -275,8 +247,9 @@ def test_help_screen(snap_compare: Any) -> None:
     assert snap_compare(app, terminal_size=(100, 34), run_before=run_before)
 
 
+@pytest.mark.slow
 def test_settings_screen_with_error(snap_compare: Any) -> None:
-    app = scripted_app()
+    app = make_app()
 
     async def run_before(pilot: Any) -> None:
         await settle(pilot)

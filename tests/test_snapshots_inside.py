@@ -18,10 +18,12 @@ from kvchat.app.tui.app import KVChatApp
 from kvchat.app.tui.screens import AnatomyScreen, AttentionScreen, HelpScreen
 from kvchat.model.runtime.attention_watch import AttentionWatch
 from kvchat.model.runtime.events import AttentionView, Done
-from tests.scripted_engine import ScriptedEngine, wait_for
-from tests.test_snapshots import MODEL, env, settle  # noqa: F401  (env: autouse fixture)
+from tests.helpers.app import MODEL
+from tests.helpers.scripted_engine import ScriptedEngine, wait_for
+from tests.helpers.snapshots import settle
 
 SIZES = [(80, 24), (160, 48)]
+pytestmark = pytest.mark.usefixtures("env", "pinned_machine")
 
 
 def fixed_view(layer: int, group: int | None, n_layers: int, n_groups: int) -> AttentionView:
@@ -106,10 +108,11 @@ def test_attention_view(snap_compare: Any, size: tuple[int, int]) -> None:
     assert snap_compare(app, terminal_size=size, run_before=run_before)
 
 
+@pytest.mark.slow
 def test_reachable_from_palette_help_and_layer_view() -> None:
     """Both screens are in the palette and Help; `a` in the layer view opens the
     attention view on the selected layer; closing it stops the engine's watching."""
-    from tests.scripted_engine import async_test
+    from tests.helpers.scripted_engine import async_test
 
     @async_test
     async def run() -> None:

@@ -28,7 +28,7 @@ from kvchat.app.core.store import (
     to_markdown,
 )
 from kvchat.model.errors import KVChatError
-from tests import processes
+from tests.helpers import processes
 
 REPO = Path(__file__).resolve().parents[1]
 

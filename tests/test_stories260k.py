@@ -4,25 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
 
-from kvchat.model import load_model
-from kvchat.model.cache.kv import make_prompt_cache
+from tests.helpers.greedy import BOS, greedy_ids
 
-BOS = 1
 STEPS = 60
-
-
-def greedy_ids(folder: Path, steps: int) -> list[int]:
-    """Greedy argmax for `steps` tokens from BOS through our KV cache (one token per step)."""
-    model = load_model(folder)
-    cache = make_prompt_cache(model)
-    ids = [BOS]
-    for _ in range(steps):
-        logits = model(mx.array([ids[-1:]]), cache=cache)
-        ids.append(int(mx.argmax(logits[0, -1]).item()))
-    return ids[1:]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 from textual.widgets import DataTable, Input
 
 from kvchat.app.core.discovery import ModelEntry, ModelRow
@@ -25,15 +26,10 @@ from kvchat.app.tui.screens import HistoryScreen, LayerCacheScreen, ModelPickerS
 from kvchat.app.tui.screens.settings_form import SettingsScreen
 from kvchat.app.tui.turn import Phase
 from kvchat.model.runtime.events import Done, TurnStats
-from tests import test_tui_app
-from tests.scripted_engine import ScriptedEngine, async_test, wait_for
+from tests.helpers.hostile_text import CONTROLS, MARKUP, RAW_CONTROL
+from tests.helpers.scripted_engine import ScriptedEngine, async_test, wait_for
 
-MARKUP = "Why does Llama 2 use [INST] and [/INST]? [bold]b[/bold] [@click=app.quit]x[/] [/]"
-# OSC 52 (set clipboard), OSC 0 (window title), CSI colour, BEL, a C1 CSI, DEL
-CONTROLS = "\x1b]52;c;aGVsbG8=\x07\x1b]0;pwned\x07\x1b[31mred\x1b[0m\x9b2J\x7f\x00end"
 HOSTILE = f"{MARKUP} {CONTROLS}"
-env = test_tui_app.env  # the same fixture: private config and data folders
-RAW_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 SIZE = (160, 50)
 
 
@@ -225,6 +221,7 @@ async def test_ctrl_c_once_stops_the_reply_twice_quits(env: Path) -> None:
         await wait_for(pilot, lambda: not app.is_running)
 
 
+@pytest.mark.slow
 @async_test
 async def test_ctrl_c_without_a_reply_warns_then_quits(env: Path) -> None:
     app = make_app("/models/m")

@@ -12,7 +12,7 @@ import pytest
 from kvchat.model.cache.kv import make_prompt_cache
 from kvchat.model.runtime import threads
 from kvchat.model.runtime.threads import MIN_WORK_PER_THREAD, Policy
-from tests import processes
+from tests.helpers import processes
 
 # kvchat-mini: hidden 192, MLP 512; SmolLM-135M: hidden 576, MLP 1536 (their config.json)
 MINI = (192, 512)

@@ -1,4 +1,4 @@
-"""Issue 21 in a real 80×24 terminal (tmux), the size every laptop opens: the chat column
+"""A real 80×24 terminal (tmux), the size every laptop opens: the chat column
 takes the width, a message gets its reply, the status line carries the numbers, Help and
 Quit are in the footer, and F3 brings the panel back."""
 
@@ -8,16 +8,21 @@ import os
 import shlex
 from pathlib import Path
 
-from .test_tmux_chat import STORIES, Tmux, pytestmark  # noqa: F401
-from .test_tmux_pull_and_ctrl_c import _chat_env, _command, _session, _wait_file
+import pytest
+
+from tests.helpers.paths import STORIES260K as STORIES
+from tests.helpers.tmux import NEEDS_TMUX, Tmux, chat_env, command, session, wait_file
+
+# the chat in tmux stays in the fast tier once (tests/test_tmux_chat.py)
+pytestmark = [NEEDS_TMUX, pytest.mark.slow]
 
 
 def test_chat_at_80x24(tmp_path: Path) -> None:
-    env, status = _chat_env(tmp_path, {"temp": 0.0, "max_tokens": 40, "max_kv_size": 64})
+    env, status = chat_env(tmp_path, {"temp": 0.0, "max_tokens": 40, "max_kv_size": 64})
     tmux = Tmux(f"kvchat-small-{os.getpid()}")
     try:
-        _session(tmux, "chat", (80, 24),
-                 _command(f"--model {shlex.quote(str(STORIES))}", env, status))
+        session(tmux, "chat", (80, 24),
+                 command(f"--model {shlex.quote(str(STORIES))}", env, status))
         tmux.wait_screen("chat", lambda s: "stories260K" in s and "Message" in s, timeout=90)
         tmux("send-keys", "-t", "chat", "-l", "Once upon a time")
         tmux("send-keys", "-t", "chat", "Enter")
@@ -36,6 +41,6 @@ def test_chat_at_80x24(tmp_path: Path) -> None:
         tmux("send-keys", "-t", "chat", "F3")
         tmux.wait_screen("chat", lambda s: "Speed" in s and "KV cache" in s, timeout=30)
         tmux("send-keys", "-t", "chat", "C-q")
-        assert _wait_file(status, 30) == "0"
+        assert wait_file(status, 30) == "0"
     finally:
         tmux.kill_server()

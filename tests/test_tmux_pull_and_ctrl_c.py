@@ -1,55 +1,21 @@
-"""Issue 14 in a real terminal (tmux): `kvchat pull` draws its progress bars in place,
+"""In a real terminal (tmux): `kvchat pull` draws its progress bars in place,
 the chat's footer at 80 columns ends cleanly, and Ctrl+C stops a streaming reply."""
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
-import sys
-import time
 from pathlib import Path
 
-from .fake_hub import FakeHub, FakeRepo
-from .test_tmux_chat import REPO, STORIES, Tmux, pytestmark  # noqa: F401
+import pytest
 
-MINI = REPO / "assets" / "kvchat-mini"
+from tests.helpers.fake_hub import FakeHub, FakeRepo
+from tests.helpers.paths import MINI, REPO_ROOT
+from tests.helpers.paths import STORIES260K as STORIES
+from tests.helpers.tmux import NEEDS_TMUX, Tmux, chat_env, command, session, wait_file
 
-
-def _command(args: str, env: dict[str, str], status: Path) -> str:
-    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-    # other test modules set HF_HUB_OFFLINE=1 for the whole process; tmux inherits it
-    return (f"cd {shlex.quote(str(REPO))} && env -u COLUMNS -u LINES -u HF_HUB_OFFLINE"
-            f" -u TRANSFORMERS_OFFLINE {exports}"
-            f" {shlex.quote(sys.executable)} -m kvchat.app {args};"
-            f" echo $? > {shlex.quote(str(status))}")
-
-
-def _session(tmux: Tmux, name: str, size: tuple[int, int], command: str) -> None:
-    w, h = size
-    # remain-on-exit: a command that ends early leaves its output to read
-    tmux("start-server", ";", "set-option", "-g", "default-size", f"{w}x{h}", ";",
-         "set-option", "-g", "remain-on-exit", "on", ";",
-         "new-session", "-d", "-s", name, "-x", str(w), "-y", str(h), command)
-
-
-def _chat_env(tmp_path: Path, settings: dict[str, object]) -> tuple[dict[str, str], Path]:
-    """(the environment, the exit-status file) for the chat in tmux with its own settings
-    and data folders under tmp_path."""
-    config, data = tmp_path / "config", tmp_path / "data"
-    config.mkdir()
-    (config / "settings.json").write_text(json.dumps(settings))
-    env = {"KVCHAT_CONFIG_DIR": str(config), "KVCHAT_DATA_DIR": str(data),
-           "TERM": "xterm-256color", "LD_PRELOAD": os.environ.get("LD_PRELOAD", "")}
-    return env, tmp_path / "status"
-
-
-def _wait_file(path: Path, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert path.exists(), f"{path} never appeared"
-    return path.read_text().strip()
+# the chat in tmux stays in the fast tier once (tests/test_tmux_chat.py)
+pytestmark = [NEEDS_TMUX, pytest.mark.slow]
 
 
 def test_pull_progress_bars_in_a_terminal(tmp_path: Path) -> None:
@@ -58,9 +24,9 @@ def test_pull_progress_bars_in_a_terminal(tmp_path: Path) -> None:
     # ~1.3 MiB at 250 KB/s: a few seconds to watch the bars move
     with FakeHub({"demo/mini": FakeRepo.from_folder(MINI)}, throttle_bps=250_000) as hub:
         env = {"HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "hf"),
-               "TERM": "xterm-256color", "PYTHONPATH": str(REPO)}
+               "TERM": "xterm-256color", "PYTHONPATH": str(REPO_ROOT)}
         try:
-            _session(tmux, "pull", (110, 10), _command("pull demo/mini", env, status))
+            session(tmux, "pull", (110, 10), command("pull demo/mini", env, status))
             mid = tmux.wait_screen(
                 "pull", lambda s: "model.safetensors" in s and "ETA" in s
                 and "total 2/7" in s, timeout=60)
@@ -68,7 +34,7 @@ def test_pull_progress_bars_in_a_terminal(tmp_path: Path) -> None:
             # two lines redrawn in place: the file's bar, then the total with speed and ETA
             assert lines[0].startswith("model.safetensors") and "░" in lines[0]
             assert lines[1].startswith("total 2/7 files") and "/s · ETA" in lines[1]
-            assert _wait_file(status, 90) == "0"
+            assert wait_file(status, 90) == "0"
             # with the history: on exit tmux scrolls the pane a line to say "Pane is dead"
             done = tmux("capture-pane", "-p", "-S", "-", "-t", "pull")
         finally:
@@ -83,11 +49,11 @@ def test_pull_progress_bars_in_a_terminal(tmp_path: Path) -> None:
 
 
 def test_footer_at_80_columns_and_ctrl_c_stops(tmp_path: Path) -> None:
-    env, status = _chat_env(tmp_path, {"temp": 0.0, "max_tokens": 3000, "max_kv_size": 256})
+    env, status = chat_env(tmp_path, {"temp": 0.0, "max_tokens": 3000, "max_kv_size": 256})
     tmux = Tmux(f"kvchat-80-{os.getpid()}")
     try:
-        _session(tmux, "chat", (80, 24),
-                 _command(f"--model {shlex.quote(str(STORIES))}", env, status))
+        session(tmux, "chat", (80, 24),
+                 command(f"--model {shlex.quote(str(STORIES))}", env, status))
         # the model's name in the title: loaded (a message sent mid-load is refused)
         screen = tmux.wait_screen(
             "chat", lambda s: "palette" in s and "Message" in s and "stories260K" in s,
@@ -102,6 +68,6 @@ def test_footer_at_80_columns_and_ctrl_c_stops(tmp_path: Path) -> None:
         stopped = tmux.wait_screen("chat", lambda s: "■ stopped" in s, timeout=30)
         assert "ctrl+q" not in stopped.lower()
         tmux("send-keys", "-t", "chat", "C-q")
-        assert _wait_file(status, 30) == "0"
+        assert wait_file(status, 30) == "0"
     finally:
         tmux.kill_server()

@@ -4,15 +4,19 @@ must end within 2 s, with status 0 and no "terminate called" abort."""
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
-import sys
 import time
 from pathlib import Path
 
-from .test_tmux_chat import REPO, STORIES, Tmux, pytestmark  # noqa: F401
+import pytest
+
+from tests.helpers.paths import STORIES260K as STORIES
+from tests.helpers.tmux import NEEDS_TMUX, Tmux, chat_env, command, session
+
+# the chat in tmux stays in the fast tier once (tests/test_tmux_chat.py)
+pytestmark = [NEEDS_TMUX, pytest.mark.slow]
 
 HANG = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
 
@@ -20,23 +24,12 @@ HANG = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% end
 def test_quit_while_the_engine_is_busy(tmp_path: Path) -> None:
     model = Path(shutil.copytree(STORIES, tmp_path / "slow-template"))
     (model / "chat_template.jinja").write_text(HANG)
-    config = tmp_path / "config"
-    config.mkdir()
-    (config / "settings.json").write_text(json.dumps({"temp": 0.0}))
-    status = tmp_path / "exit_status"
-    env = {"KVCHAT_CONFIG_DIR": str(config), "KVCHAT_DATA_DIR": str(tmp_path / "data"),
-           "TERM": "xterm-256color", "LD_PRELOAD": os.environ.get("LD_PRELOAD", "")}
-    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-    command = (
-        f"cd {shlex.quote(str(REPO))} && env -u COLUMNS -u LINES {exports}"
-        f" {shlex.quote(sys.executable)} -m kvchat.app --model {shlex.quote(str(model))};"
-        f" echo $? > {shlex.quote(str(status))}; sleep 30"
-    )
+    env, status = chat_env(tmp_path, {"temp": 0.0})
     tmux = Tmux(f"kvchat-quit-{os.getpid()}")
     target = "kvchat"
     try:
-        tmux("start-server", ";", "set-option", "-g", "default-size", "120x36", ";",
-             "new-session", "-d", "-s", target, "-x", "120", "-y", "36", command)
+        # remain-on-exit keeps the pane, so its last screen can be read after the exit
+        session(tmux, target, (120, 36), command(f"--model {shlex.quote(str(model))}", env, status))
         tmux.wait_screen(target, lambda s: "slow-template" in s and "Message" in s,
                          timeout=90)
         tmux("send-keys", "-t", target, "-l", "Once upon a time")

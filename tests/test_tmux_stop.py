@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.tmux import Tmux, generated_tokens, start_chat
+from tests.helpers.tmux import NEEDS_TMUX, Tmux, generated_tokens, start_chat
 
-from .test_tmux_chat import pytestmark  # noqa: F401  (skipped without tmux)
+pytestmark = NEEDS_TMUX
 
 # greedy, no repetition penalty, a 4096-token window: stories260K's reply to "One day"
 # runs 875 tokens (seconds), and the window never overflows, so no "Context full" toast

@@ -21,7 +21,7 @@ from kvchat.model.text.tokenizer import (
     TokenizerError,
     load_tokenizer,
 )
-from tests.conftest import STORIES260K
+from tests.helpers.paths import STORIES260K
 
 # Catastrophic backtracking: Oniguruma gives up past its retry limit, and the library
 # unwraps that error into a panic (pyo3_runtime.PanicException, a BaseException).

@@ -34,10 +34,9 @@ from kvchat.model.text.tool_calls import (
     template_messages,
 )
 from tests.helpers.chat_models import QWEN25, random_chat_model
-from tests.tokenizer_fixtures import CHATML, GEMMA, byte_level_bpe, write_folder
-from tests.tokenizer_fixtures import LLAMA3 as LLAMA3_NO_TOOLS
-
-from .conftest import STORIES260K
+from tests.helpers.paths import STORIES260K
+from tests.helpers.tiny_tokenizers import CHATML, GEMMA, byte_level_bpe, write_folder
+from tests.helpers.tiny_tokenizers import LLAMA3 as LLAMA3_NO_TOOLS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

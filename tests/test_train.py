@@ -95,6 +95,9 @@ def _run(data: Path, run: Path, steps: int, **kw: object) -> L.TrainArgs:
     return L.TrainArgs(data=str(data), run=str(run), steps=steps, **{**TINY, **kw})
 
 
+# The longer runs are slow; the export's 10 steps are the fast tier's pass through the
+# training loop and the 4-bit export.
+@pytest.mark.slow  # a training run
 def test_fifty_steps_lower_the_loss(tiny_data: Path, tmp_path: Path) -> None:
     meta = L.train(_run(tiny_data, tmp_path / "run", 50))
     losses = [loss for _, loss in meta["history"]]
@@ -107,6 +110,7 @@ def test_fifty_steps_lower_the_loss(tiny_data: Path, tmp_path: Path) -> None:
                                               "state.json"}
 
 
+@pytest.mark.slow  # a training run
 def test_resume_continues_identically(tiny_data: Path, tmp_path: Path) -> None:
     full = L.train(_run(tiny_data, tmp_path / "a", 20))
     part = L.train(_run(tiny_data, tmp_path / "b", 20), stop_after=10)

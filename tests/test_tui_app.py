@@ -1,4 +1,4 @@
-"""The chat app driven by Pilot over the scripted engine (tests/scripted_engine.py).
+"""The chat app driven by Pilot over the scripted engine (tests/helpers/scripted_engine.py).
 
 Fast and deterministic: the scripted engine runs on its own thread like the real one,
 so the thread hop is exercised, but its reply and statistics are fixed. The same flows
@@ -31,12 +31,23 @@ from kvchat.app.tui.screens import (
 )
 from kvchat.app.tui.screens.settings_form import SettingsScreen
 from kvchat.app.tui.turn import Phase
-from kvchat.app.tui.widgets import ChatMessage, ContextGauge
+from kvchat.app.tui.widgets import ContextGauge
 from kvchat.app.tui.widgets.format import context_level, fmt_device, fmt_saving, human_bytes
 from kvchat.app.tui.widgets.stats_panel import CONTENT_W, LABEL_W
 from kvchat.model.errors import ModelLoadError
 from kvchat.model.runtime.events import Done, Loaded, Started, Stats, TextDelta, TurnStats
-from tests.scripted_engine import (
+from tests.helpers.app import (
+    SIZE,
+    busy,
+    engine,
+    last_done,
+    make_app,
+    ready,
+    replies,
+    send,
+    turn,
+)
+from tests.helpers.scripted_engine import (
     REPLY,
     WEIGHT_BYTES,
     ScriptedEngine,
@@ -47,60 +58,9 @@ from tests.scripted_engine import (
     wait_for,
 )
 
-MODEL = "/models/stories260K"
-SIZE = (120, 40)
-
-
-@pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Config and data folders in tmp_path: tests never touch the user's files."""
-    monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
-    return tmp_path
-
-
-def make_app(settings: Settings | None = None, **engine_kw: Any) -> KVChatApp:
-    def factory(on_event: Any, path: str | None) -> ScriptedEngine:
-        return ScriptedEngine(on_event, path, **engine_kw)
-
-    return KVChatApp(MODEL, settings or Settings(), engine_factory=factory)
-
-
-def engine(app: KVChatApp) -> ScriptedEngine:
-    assert isinstance(app.chat.engine, ScriptedEngine)
-    return app.chat.engine
-
-
-def busy(app: KVChatApp) -> bool:
-    return app.chat.phase.generating
-
-
-async def ready(pilot: Any) -> None:
-    await wait_for(pilot, lambda: bool(pilot.app.chat.model_info))
-
-
-async def send(pilot: Any, text: str) -> None:
-    pilot.app.chat.input.load_text(text)
-    await pilot.press("enter")
-
-
-async def turn(pilot: Any, text: str) -> None:
-    await send(pilot, text)
-    await wait_for(pilot, lambda: not busy(pilot.app))
-
-
-def replies(app: KVChatApp) -> list[ChatMessage]:
-    return [w for w in app.chat.transcript.messages if w.role == "assistant"]
-
 
 def static_text(app: KVChatApp, selector: str) -> str:
     return str(app.chat.query_one(selector, Static).render())
-
-
-def last_done(app: KVChatApp) -> Done:
-    done = [e for e in engine(app).events if isinstance(e, Done)]
-    assert done, "no turn has ended"
-    return done[-1]
 
 
 # ---- chat ----------------------------------------------------------------------------
@@ -140,6 +100,7 @@ async def test_reply_streams_then_renders_markdown(env: Path) -> None:
         assert app.chat.phase is Phase.IDLE and app.chat.input.border_subtitle is None
 
 
+@pytest.mark.slow
 @async_test
 async def test_enter_sends_ctrl_j_inserts_newline(env: Path) -> None:
     app = make_app()
@@ -156,6 +117,7 @@ async def test_enter_sends_ctrl_j_inserts_newline(env: Path) -> None:
         assert len(engine(app).submitted) == 1
 
 
+@pytest.mark.slow
 @async_test
 async def test_input_history_up_down(env: Path) -> None:
     app = make_app()
@@ -241,6 +203,7 @@ async def test_edit_and_resend_truncates_there(env: Path) -> None:
         assert app.chat.edit_index is None
 
 
+@pytest.mark.slow
 @async_test
 async def test_escape_cancels_an_edit(env: Path) -> None:
     app = make_app()
@@ -253,6 +216,7 @@ async def test_escape_cancels_an_edit(env: Path) -> None:
         assert app.chat.edit_index is None and app.chat.input.text == ""
 
 
+@pytest.mark.slow
 @async_test
 async def test_autoscroll_only_while_at_bottom(env: Path) -> None:
     app = make_app(reply=REPLY * 4, pause_after=150)
@@ -274,6 +238,7 @@ async def test_autoscroll_only_while_at_bottom(env: Path) -> None:
         assert t.max_scroll_y > 0
 
 
+@pytest.mark.slow
 @async_test
 async def test_new_chat_copy_and_export(env: Path) -> None:
     app = make_app()
@@ -322,6 +287,7 @@ async def test_panel_numbers_follow_the_formulas(env: Path) -> None:
         assert "fast" in runtime and human_bytes(3_407_872) in runtime
 
 
+@pytest.mark.slow
 @async_test
 async def test_panel_is_throttled_not_per_token(env: Path) -> None:
     # a Stats event after every token, ~300 tokens: the panel must still render ~10/s
@@ -347,6 +313,7 @@ async def test_panel_is_throttled_not_per_token(env: Path) -> None:
         assert len(renders) < tokens / 3
 
 
+@pytest.mark.slow
 @async_test
 async def test_panel_keep_is_the_settings_before_and_after_the_first_turn(env: Path) -> None:
     """Unbounded (the model's 512-token context): the cache still rotates with `keep`
@@ -437,6 +404,7 @@ async def test_help_lists_every_binding(env: Path) -> None:
         assert not isinstance(app.screen, HelpScreen)
 
 
+@pytest.mark.slow
 @async_test
 async def test_every_action_is_in_the_command_palette(env: Path) -> None:
     app = make_app()
@@ -463,6 +431,7 @@ async def test_every_action_is_in_the_command_palette(env: Path) -> None:
         assert app.chat.conversation.messages == []
 
 
+@pytest.mark.slow
 @async_test
 async def test_settings_validate_save_and_apply(env: Path) -> None:
     app = make_app()
@@ -499,6 +468,7 @@ async def test_settings_validate_save_and_apply(env: Path) -> None:
         assert last_done(app).finish_reason == "length"
 
 
+@pytest.mark.slow
 @async_test
 async def test_history_reopens_a_chat(env: Path) -> None:
     app = make_app()
@@ -520,6 +490,7 @@ async def test_history_reopens_a_chat(env: Path) -> None:
         assert len(app.chat.conversation.messages) == 4
 
 
+@pytest.mark.slow
 @async_test
 async def test_reopened_chat_continues_warm(env: Path) -> None:
     app = make_app()
@@ -549,6 +520,7 @@ async def test_reopened_chat_continues_warm(env: Path) -> None:
         assert (f"{held:,} tokens from the saved cache; 0 re-prefilled.", "information") in notes
 
 
+@pytest.mark.slow
 @async_test
 async def test_kv_cache_saving_can_be_turned_off(env: Path) -> None:
     app = make_app(Settings(save_kv_cache=False))
@@ -605,6 +577,7 @@ async def test_swap_model_via_picker_and_failed_swap(
         assert "(still on other-model)" in errors[0]
 
 
+@pytest.mark.slow
 @async_test
 async def test_layer_view(env: Path) -> None:
     app = make_app()
@@ -624,6 +597,7 @@ async def test_layer_view(env: Path) -> None:
         assert not isinstance(app.screen, LayerCacheScreen)
 
 
+@pytest.mark.slow
 @async_test
 async def test_layer_view_scrolls_a_column_per_key(env: Path) -> None:
     app = make_app()

@@ -1,4 +1,4 @@
-"""Issue 14's paper cuts, driven through the real app with Pilot (scripted engine where
+"""Paper cuts, driven through the real app with Pilot (scripted engine where
 the model does not matter) and through the CLI."""
 
 from __future__ import annotations
@@ -11,44 +11,24 @@ from typing import Any
 import pytest
 from textual.widgets import Button, DataTable, Input, OptionList, Select, Static, Switch
 
-from kvchat.app.core.settings import Settings, load_settings
-from kvchat.app.tui.app import KVChatApp
+from kvchat.app.core.settings import load_settings
 from kvchat.app.tui.screens import HistoryScreen, ModelPickerScreen
 from kvchat.app.tui.screens.settings_form import SettingsScreen
 from kvchat.model.files import model_name
 from kvchat.model.runtime.events import Overflow, PrefillProgress
-from tests.scripted_engine import ScriptedEngine, async_test, record_notifications, wait_for
-
-from .conftest import REPO_ROOT
-from .fake_hub import FakeHub, FakeRepo
-from .test_tui_app import engine, last_done, ready, replies, turn
-
-MINI = REPO_ROOT / "assets" / "kvchat-mini"
-SIZE = (120, 40)
-
-
-@pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Every folder the app reads or writes lives in tmp_path."""
-    monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # other modules set them
-        monkeypatch.delenv(var, raising=False)
-    models = tmp_path / "models"
-    shutil.copytree(MINI, models / "mini")
-    shutil.copytree(MINI, models / "mini-2")
-    no_tok = models / "no-tokenizer"
-    shutil.copytree(MINI, no_tok)
-    (no_tok / "tokenizer.model").unlink()
-    return tmp_path
-
-
-def make_app(env: Path, model: str | None = None, **settings: Any) -> KVChatApp:
-    s = Settings(model_dirs=[str(env / "models")], **settings)
-    path = model or str((env / "models" / "mini").resolve())
-    return KVChatApp(path, s, engine_factory=lambda cb, p: ScriptedEngine(cb, p, token_delay=0.001))
+from tests.helpers.app import (
+    SIZE,
+    engine,
+    folder_app,
+    last_done,
+    open_picker,
+    ready,
+    replies,
+    turn,
+)
+from tests.helpers.fake_hub import FakeHub, FakeRepo
+from tests.helpers.paths import MINI
+from tests.helpers.scripted_engine import async_test, record_notifications, wait_for
 
 
 async def new_chat(pilot: Any, text: str) -> str:
@@ -56,14 +36,6 @@ async def new_chat(pilot: Any, text: str) -> str:
     await pilot.press("ctrl+n")
     await turn(pilot, text)
     return pilot.app.chat.conversation.id
-
-
-async def open_picker(pilot: Any) -> ModelPickerScreen:
-    await pilot.press("ctrl+o")
-    picker = pilot.app.screen
-    assert isinstance(picker, ModelPickerScreen)
-    await wait_for(pilot, lambda: picker.scanned)
-    return picker
 
 
 def messages(seen: list[tuple[str, str]]) -> list[str]:
@@ -74,9 +46,10 @@ def messages(seen: list[tuple[str, str]]) -> list[str]:
 # ---- 1. the picker --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @async_test
-async def test_picker_typed_path_cursor_current_and_no_reload(env: Path) -> None:
-    app = make_app(env)
+async def test_picker_typed_path_cursor_current_and_no_reload(models_env: Path) -> None:
+    app = folder_app(models_env)
     seen = record_notifications(app)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
@@ -88,24 +61,25 @@ async def test_picker_typed_path_cursor_current_and_no_reload(env: Path) -> None
         # Enter on the current model: no reload, one line saying so
         await pilot.press("enter")
         await wait_for(pilot, lambda: not isinstance(app.screen, ModelPickerScreen))
-        assert engine(app).loads == [str((env / "models" / "mini").resolve())]
+        assert engine(app).loads == [str((models_env / "models" / "mini").resolve())]
         assert "That model is already loaded." in messages(seen)
         # typing goes to the path box (focus starts there), Enter loads what was typed
         picker = await open_picker(pilot)
-        await pilot.press(*str(env / "models" / "mini-2"))
-        assert picker.query_one("#path", Input).value == str(env / "models" / "mini-2")
+        await pilot.press(*str(models_env / "models" / "mini-2"))
+        assert picker.query_one("#path", Input).value == str(models_env / "models" / "mini-2")
         await pilot.press("enter")
-        want = str((env / "models" / "mini-2").resolve())
+        want = str((models_env / "models" / "mini-2").resolve())
         await wait_for(pilot, lambda: app.chat.model_path == want)
 
 
+@pytest.mark.slow
 @async_test
-async def test_picker_lists_a_model_opened_by_its_path(env: Path) -> None:
+async def test_picker_lists_a_model_opened_by_its_path(models_env: Path) -> None:
     """A model opened by a path outside every searched folder is in the list, marked ●
     and under the cursor, as "by path"; it is listed once."""
-    elsewhere = env / "elsewhere" / "stories260K"
+    elsewhere = models_env / "elsewhere" / "stories260K"
     shutil.copytree(MINI, elsewhere)
-    app = make_app(env, model=str(elsewhere))
+    app = folder_app(models_env, model=str(elsewhere))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         picker = await open_picker(pilot)
@@ -121,8 +95,8 @@ async def test_picker_lists_a_model_opened_by_its_path(env: Path) -> None:
 
 
 @async_test
-async def test_picker_arrows_move_the_list_and_unloadable_is_refused(env: Path) -> None:
-    app = make_app(env)
+async def test_picker_arrows_move_the_list_and_unloadable_is_refused(models_env: Path) -> None:
+    app = folder_app(models_env)
     seen = record_notifications(app)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
@@ -141,28 +115,30 @@ async def test_picker_arrows_move_the_list_and_unloadable_is_refused(env: Path) 
         assert any("no tokenizer" in m for m in messages(seen))
 
 
+@pytest.mark.slow
 @async_test
-async def test_picker_relative_path_is_saved_absolute(env: Path,
+async def test_picker_relative_path_is_saved_absolute(models_env: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(env)
-    app = make_app(env)
+    monkeypatch.chdir(models_env)
+    app = folder_app(models_env)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         picker = await open_picker(pilot)
         picker.query_one("#path", Input).value = "models/mini-2"
         await pilot.press("enter")
-        want = str((env / "models" / "mini-2").resolve())
+        want = str((models_env / "models" / "mini-2").resolve())
         await wait_for(pilot, lambda: load_settings().last_model == want)
     assert Path(load_settings().last_model or "").is_absolute()
 
 
+@pytest.mark.slow
 @async_test
-async def test_picker_pulls_a_repo_id_then_offers_it(env: Path,
+async def test_picker_pulls_a_repo_id_then_offers_it(models_env: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     repo = "kvchat-test/mini"
     with FakeHub({repo: FakeRepo.from_folder(MINI)}, throttle_bps=2_000_000) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
-        app = make_app(env)
+        app = folder_app(models_env)
         async with app.run_test(size=SIZE) as pilot:
             await ready(pilot)
             picker = await open_picker(pilot)
@@ -188,11 +164,13 @@ async def test_picker_pulls_a_repo_id_then_offers_it(env: Path,
     assert picker.pulled is not None and (picker.pulled / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 @async_test
-async def test_picker_pull_error_is_one_line(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_picker_pull_error_is_one_line(models_env: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     with FakeHub({}) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
-        app = make_app(env)
+        app = folder_app(models_env)
         async with app.run_test(size=SIZE) as pilot:
             await ready(pilot)
             picker = await open_picker(pilot)
@@ -208,9 +186,10 @@ async def test_picker_pull_error_is_one_line(env: Path, monkeypatch: pytest.Monk
 # ---- 3. numbers: the panel's GQA factor and the cache figures after History ----------
 
 
+@pytest.mark.slow
 @async_test
-async def test_panel_takes_the_new_models_gqa_factor(env: Path) -> None:
-    app = make_app(env)
+async def test_panel_takes_the_new_models_gqa_factor(models_env: Path) -> None:
+    app = folder_app(models_env)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         app.chat.panel.set_model({**app.chat.model_info, "n_heads": 8, "n_kv_heads": 2})
@@ -219,9 +198,10 @@ async def test_panel_takes_the_new_models_gqa_factor(env: Path) -> None:
         assert "4× smaller" in str(app.chat.panel.query_one("#cache", Static).render())
 
 
+@pytest.mark.slow
 @async_test
-async def test_opening_a_chat_clears_the_previous_chats_cache_figures(env: Path) -> None:
-    app = make_app(env)
+async def test_opening_a_chat_clears_the_previous_chats_cache_figures(models_env: Path) -> None:
+    app = folder_app(models_env)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         first = await new_chat(pilot, "first chat")
@@ -237,8 +217,8 @@ async def test_opening_a_chat_clears_the_previous_chats_cache_figures(env: Path)
 
 
 @async_test
-async def test_prefill_progress_and_overflow_notice(env: Path) -> None:
-    app = make_app(env)
+async def test_prefill_progress_and_overflow_notice(models_env: Path) -> None:
+    app = folder_app(models_env)
     seen = record_notifications(app)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
@@ -268,11 +248,12 @@ async def test_prefill_progress_and_overflow_notice(env: Path) -> None:
 # ---- 7. keys and labels ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @async_test
-async def test_ctrl_c_stops_generation_and_is_harmless_otherwise(env: Path) -> None:
+async def test_ctrl_c_stops_generation_and_is_harmless_otherwise(models_env: Path) -> None:
     # i11's Ctrl+C: once stops the running reply, a second within 3 s quits; with no
     # reply running it only warns. Never Textual's own "press ctrl+q" notice.
-    app = make_app(env)
+    app = folder_app(models_env)
     seen = record_notifications(app)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
@@ -288,7 +269,7 @@ async def test_ctrl_c_stops_generation_and_is_harmless_otherwise(env: Path) -> N
         assert not any("to quit the app" in m for m in messages(seen))
         await pilot.press("ctrl+c")  # the second within 3 s
         await wait_for(pilot, lambda: not app.is_running)
-    idle = make_app(env)
+    idle = folder_app(models_env)
     seen = record_notifications(idle)
     async with idle.run_test(size=SIZE) as pilot:
         await ready(pilot)
@@ -317,12 +298,12 @@ def test_history_preview_and_time() -> None:
 
 
 @async_test
-async def test_history_tells_chats_with_one_title_apart(env: Path) -> None:
+async def test_history_tells_chats_with_one_title_apart(models_env: Path) -> None:
     """Three chats begun with the same words: each row shows the opening of its reply
     under the title, and today's times to the second."""
     import re
 
-    app = make_app(env)
+    app = folder_app(models_env)
     async with app.run_test(size=(80, 24)) as pilot:
         await ready(pilot)
         scripted = engine(app)
@@ -341,9 +322,10 @@ async def test_history_tells_chats_with_one_title_apart(env: Path) -> None:
         assert "there was a dog named Sam." in on_screen
 
 
+@pytest.mark.slow
 @async_test
-async def test_history_keys_cursor_confirm_and_undo(env: Path) -> None:
-    app = make_app(env)
+async def test_history_keys_cursor_confirm_and_undo(models_env: Path) -> None:
+    app = folder_app(models_env)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         oldest = await new_chat(pilot, "oldest chat")
@@ -379,9 +361,10 @@ async def test_history_keys_cursor_confirm_and_undo(env: Path) -> None:
         assert table.row_count == 3
 
 
+@pytest.mark.slow
 @async_test
-async def test_title_follows_an_edited_first_message(env: Path) -> None:
-    app = make_app(env)
+async def test_title_follows_an_edited_first_message(models_env: Path) -> None:
+    app = folder_app(models_env)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await turn(pilot, "tell me about cats")
@@ -404,11 +387,12 @@ async def test_title_follows_an_edited_first_message(env: Path) -> None:
         assert app.chat.conversation.title == "tell me about owls"
 
 
+@pytest.mark.slow
 @async_test
 async def test_settings_errors_use_labels_and_folders_theme_restore_are_saved(
-    env: Path, monkeypatch: pytest.MonkeyPatch
+    models_env: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    app = make_app(env)
+    app = folder_app(models_env)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await pilot.press("ctrl+s")
@@ -427,9 +411,9 @@ async def test_settings_errors_use_labels_and_folders_theme_restore_are_saved(
         assert app.focused is screen.query_one("#max_kv_size", Input)  # the error's field
         screen.query_one("#max_kv_size", Input).value = ""
         # model folders: add (saved absolute), remove
-        extra = env / "more-models"
+        extra = models_env / "more-models"
         extra.mkdir()
-        monkeypatch.chdir(env)
+        monkeypatch.chdir(models_env)
         screen.query_one("#new_dir", Input).value = "more-models"
         add = screen.query_one("#add_dir", Button)
         add.scroll_visible(animate=False)  # the form is taller than the window
@@ -447,7 +431,7 @@ async def test_settings_errors_use_labels_and_folders_theme_restore_are_saved(
         await pilot.press("ctrl+s")
         assert not isinstance(app.screen, SettingsScreen)
         assert app.theme == "nord"
-    saved = json.loads((env / "config" / "settings.json").read_text())
+    saved = json.loads((models_env / "config" / "settings.json").read_text())
     assert saved["model_dirs"] == [str(extra.resolve())]
     assert saved["theme"] == "nord" and saved["restore_session"] is False
 
@@ -455,9 +439,10 @@ async def test_settings_errors_use_labels_and_folders_theme_restore_are_saved(
 # ---- 8. restored at start: theme, input history, the open chat ----------------------
 
 
+@pytest.mark.slow
 @async_test
-async def test_theme_input_history_and_last_chat_come_back(env: Path) -> None:
-    app = make_app(env)
+async def test_theme_input_history_and_last_chat_come_back(models_env: Path) -> None:
+    app = folder_app(models_env)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await turn(pilot, "first question")
@@ -465,7 +450,7 @@ async def test_theme_input_history_and_last_chat_come_back(env: Path) -> None:
         app.theme = "gruvbox"  # e.g. from the palette's "Change theme"
         chat = app.chat.conversation.id
     assert load_settings().theme == "gruvbox"
-    again = make_app(env, theme="gruvbox")
+    again = folder_app(models_env, theme="gruvbox")
     loads: list[str] = []
     read = again.chat.store.load
     again.chat.store.load = lambda conv_id: loads.append(conv_id) or read(conv_id)  # type: ignore
@@ -480,7 +465,7 @@ async def test_theme_input_history_and_last_chat_come_back(env: Path) -> None:
         assert again.chat.input.sent_history == ["first question", "second question"]
         assert loads == [chat]  # the last chat is read from disk once
     # turned off: a fresh chat and an empty history
-    off = make_app(env, restore_session=False)
+    off = folder_app(models_env, restore_session=False)
     async with off.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await pilot.pause(0.2)
@@ -488,11 +473,12 @@ async def test_theme_input_history_and_last_chat_come_back(env: Path) -> None:
         assert off.chat.input.sent_history == []
 
 
+@pytest.mark.slow
 @async_test
-async def test_user_messages_render_as_markdown(env: Path) -> None:
+async def test_user_messages_render_as_markdown(models_env: Path) -> None:
     from textual.widgets import Markdown
 
-    app = make_app(env)
+    app = folder_app(models_env)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await turn(pilot, "see **this** and `code`\n\n- one\n- two")

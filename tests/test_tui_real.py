@@ -10,46 +10,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import shutil
-import statistics
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-from textual import events
 from textual.widgets import DataTable, Input, Static
 
-from kvchat.app.core.settings import Settings, load_settings
-from kvchat.app.tui.app import KVChatApp
+from kvchat.app.core.settings import load_settings
 from kvchat.app.tui.screens import HistoryScreen, ModelPickerScreen
 from kvchat.app.tui.screens.settings_form import SettingsScreen
-from kvchat.app.tui.widgets import ChatMessage
 from kvchat.app.tui.widgets.format import human_bytes
-from kvchat.model.runtime.engine_process import EngineProcess
-from kvchat.model.runtime.events import CacheRestored, Done, Event, GenParams, Loaded, Started
-from tests.conftest import STORIES260K as STORIES
-from tests.scripted_engine import async_test, record_notifications, wait_for
+from kvchat.model.runtime.events import CacheRestored, Done, Loaded, Started
+from tests.helpers.app import SIZE, busy, press_now, press_until, ready, replies, turn
+from tests.helpers.paths import STORIES260K as STORIES
+from tests.helpers.real_app import EndlessEngine, last, real_app, settings
+from tests.helpers.scripted_engine import async_test, record_notifications, wait_for
 
-SIZE = (120, 40)
 PROMPT = "Once upon a time"
-
-
-@pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
-    # the model picker scans the HF cache and LM Studio folders: keep it hermetic
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    return tmp_path
-
-
-def settings(**kw: Any) -> Settings:
-    base = {"temp": 0.0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
-            "max_tokens": 48}
-    return Settings(**{**base, **kw})
 
 
 def geometry() -> tuple[int, int, int]:
@@ -57,66 +34,8 @@ def geometry() -> tuple[int, int, int]:
     return cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
 
 
-class EndlessEngine(EngineProcess):
-    """Decodes on past EOS and BOS (stories260K ends a story with BOS) up to max_tokens:
-    for tests that need a reply still streaming after a few seconds."""
-
-    def submit(self, prompt: Any, params: GenParams | None = None) -> int:
-        return super().submit(prompt, dataclasses.replace(params or GenParams(), ignore_eos=True))
-
-
-def real_app(
-    s: Settings, engine: type[EngineProcess] = EngineProcess
-) -> tuple[KVChatApp, list[Event]]:
-    """The app on the real engine and stories260K; every event it was sent is recorded."""
-    seen: list[Event] = []
-
-    def factory(on_event: Any, path: str | None) -> EngineProcess:
-        def recording(ev: Event) -> None:
-            seen.append(ev)
-            on_event(ev)
-
-        return engine(recording, path)  # as the app runs it: in its own process
-
-    return KVChatApp(str(STORIES), s, engine_factory=factory), seen
-
-
-def last(seen: list[Event], kind: type) -> Any:
-    found = [e for e in seen if isinstance(e, kind)]
-    assert found, f"no {kind.__name__} event yet"
-    return found[-1]
-
-
-def busy(app: KVChatApp) -> bool:
-    return app.chat.phase.generating
-
-
-def replies(app: KVChatApp) -> list[ChatMessage]:
-    return [w for w in app.chat.transcript.messages if w.role == "assistant"]
-
-
-async def ready(pilot: Any) -> None:
-    await wait_for(pilot, lambda: bool(pilot.app.chat.model_info), timeout=120)
-
-
-async def send(pilot: Any, text: str) -> None:
-    pilot.app.chat.input.load_text(text)
-    await pilot.press("enter")
-
-
-def press_now(app: KVChatApp, key: str, char: str | None = None) -> None:
-    """Queue a key as the terminal driver does. pilot.press would also wait for the
-    screen to settle, which while a reply streams means until the reply ends."""
-    app.post_message(events.Key(key, char))
-
-
-async def turn(pilot: Any, text: str) -> None:
-    await send(pilot, text)
-    await wait_for(pilot, lambda: not busy(pilot.app), timeout=120)
-
-
 @async_test
-async def test_real_turn_streams_and_panel_shows_formula_bytes(env: Path) -> None:
+async def test_real_turn_streams_and_panel_shows_formula_bytes(hermetic_env: Path) -> None:
     # long enough to stream for a while: the engine (its own process) is not slowed by
     # this test's polling; a cache past the 512-token context keeps every token
     app, seen = real_app(settings(max_tokens=2000, max_kv_size=4096))
@@ -153,7 +72,7 @@ async def test_real_turn_streams_and_panel_shows_formula_bytes(env: Path) -> Non
 
 
 @async_test
-async def test_real_stop_regenerate_and_edit_trims_cache(env: Path) -> None:
+async def test_real_stop_regenerate_and_edit_trims_cache(hermetic_env: Path) -> None:
     # the engine decodes in its own process, faster than this test can press Esc on a
     # short reply: a long one (a cache past the model's 512-token context, so nothing
     # rotates and the trims below stay exact) leaves seconds to stop it
@@ -208,14 +127,15 @@ async def test_real_stop_regenerate_and_edit_trims_cache(env: Path) -> None:
         assert s.cache_bytes == 2 * layers * kv_heads * s.cache_tokens * head_dim * 4
 
 
+@pytest.mark.slow
 @async_test
-async def test_real_swap_model_and_failed_swap(env: Path) -> None:
-    copy = env / "models" / "stories-copy"
+async def test_real_swap_model_and_failed_swap(hermetic_env: Path) -> None:
+    copy = hermetic_env / "models" / "stories-copy"
     shutil.copytree(STORIES, copy)
-    broken = env / "models" / "broken"
+    broken = hermetic_env / "models" / "broken"
     broken.mkdir()
     shutil.copy(STORIES / "config.json", broken / "config.json")  # no weights
-    app, seen = real_app(settings(max_tokens=24, model_dirs=[str(env / "models")]))
+    app, seen = real_app(settings(max_tokens=24, model_dirs=[str(hermetic_env / "models")]))
     async with app.run_test(size=SIZE) as pilot:
         notes = record_notifications(app)
         await ready(pilot)
@@ -260,8 +180,9 @@ async def test_real_swap_model_and_failed_swap(env: Path) -> None:
         assert len(app.chat.conversation.messages) == 6
 
 
+@pytest.mark.slow
 @async_test
-async def test_real_settings_apply_from_next_turn(env: Path) -> None:
+async def test_real_settings_apply_from_next_turn(hermetic_env: Path) -> None:
     app, seen = real_app(settings(max_tokens=48))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
@@ -278,7 +199,7 @@ async def test_real_settings_apply_from_next_turn(env: Path) -> None:
         screen.query_one("#top_k", Input).value = "0"
         await pilot.press("ctrl+s")
         assert not isinstance(app.screen, SettingsScreen)
-        saved = json.loads((env / "config" / "settings.json").read_text())
+        saved = json.loads((hermetic_env / "config" / "settings.json").read_text())
         assert saved["max_tokens"] == 40 and saved["max_kv_size"] == 32
         assert load_settings().max_kv_size == 32
         await turn(pilot, PROMPT)
@@ -292,8 +213,9 @@ async def test_real_settings_apply_from_next_turn(env: Path) -> None:
         assert gauge.has_class("-danger")
 
 
+@pytest.mark.slow
 @async_test
-async def test_real_persistence_round_trip_and_export(env: Path) -> None:
+async def test_real_persistence_round_trip_and_export(hermetic_env: Path) -> None:
     app, seen = real_app(settings(max_tokens=24))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
@@ -301,12 +223,12 @@ async def test_real_persistence_round_trip_and_export(env: Path) -> None:
         conv_id = app.chat.conversation.id
         first_reply = app.chat.conversation.messages[1]["content"]
         await pilot.press("ctrl+e")
-        files = list((env / "data" / "exports").glob(f"*{conv_id}.md"))
+        files = list((hermetic_env / "data" / "exports").glob(f"*{conv_id}.md"))
         assert len(files) == 1
         exported = files[0]
         md = exported.read_text()
         assert PROMPT in md and first_reply.strip()[:20] in md
-    assert (env / "data" / "chats" / f"{conv_id}.json").is_file()
+    assert (hermetic_env / "data" / "chats" / f"{conv_id}.json").is_file()
 
     # a fresh app (a restart): reopen the chat from history and continue it (the
     # automatic reopening of the last chat is off here; tests/test_tui_flows*.py cover it)
@@ -328,7 +250,7 @@ async def test_real_persistence_round_trip_and_export(env: Path) -> None:
         started = last(seen2, Started)
         assert started.cached_tokens >= restored.tokens - 1 and started.reprefilled_tokens == 0
         assert any(m.endswith("; 0 re-prefilled.") for m, _ in notes)
-    saved = json.loads((env / "data" / "chats" / f"{conv_id}.json").read_text())
+    saved = json.loads((hermetic_env / "data" / "chats" / f"{conv_id}.json").read_text())
     assert len(saved["messages"]) == 4
 
 
@@ -407,66 +329,27 @@ def test_start_up_picks_the_model_of_the_chat_that_reopens(env: Path) -> None:
     assert default_model_path(s, store) == str(STORIES.resolve())
 
 
-async def _key_latency(pilot: Any, key: str, char: str | None, done: Any) -> float:
-    """Queue a key event as the terminal driver does; seconds until done() holds."""
-    t0 = time.perf_counter()
-    pilot.app.post_message(events.Key(key, char))
-    while not done():
-        await asyncio.sleep(0.0005)  # not pilot.pause: that forces a repaint per poll
-    return time.perf_counter() - t0
-
-
+@pytest.mark.slow
 @async_test
-async def test_real_key_latency_while_decoding(env: Path, capsys: pytest.CaptureFixture) -> None:
-    """Keys are handled while tokens stream. Reported, not held to a target (speed
-    targets live in benchmarks): time from a key event entering the app's queue (as the
-    terminal driver delivers it) to its effect on the app's state."""
+async def test_real_keys_are_handled_while_decoding(hermetic_env: Path) -> None:
+    """Keys are handled while tokens stream: Ctrl+S opens the settings and Esc closes
+    them, typed letters reach the input box, Esc stops the reply. How long each key takes
+    is measured by `python -m tests.benchmarks.key_latency --inside`."""
     # a rotating 256-token window lets the tiny model decode for several seconds (past the
-    # BOS that ends its story: this measures keys, not where the story ends)
+    # BOS that ends its story: this is about keys, not where the story ends)
     app, seen = real_app(settings(max_tokens=20000, max_kv_size=256), EndlessEngine)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         app.chat.input.load_text(PROMPT)
         press_now(app, "enter", "\r")
         await wait_for(pilot, lambda: bool(replies(app)) and bool(replies(app)[-1].content))
-        settings_open = await _key_latency(
-            pilot, "ctrl+s", None, lambda: isinstance(app.screen, SettingsScreen)
-        )
-        settings_while_decoding = busy(app)
-        await _key_latency(
-            pilot, "escape", None, lambda: not isinstance(app.screen, SettingsScreen)
-        )
-        typing: list[float] = []
-        while busy(app) and len(typing) < 30:
+        await press_until(pilot, "ctrl+s", None, lambda: isinstance(app.screen, SettingsScreen))
+        assert busy(app), "the reply ended before the settings opened"
+        await press_until(pilot, "escape", None,
+                          lambda: not isinstance(app.screen, SettingsScreen))
+        for _ in range(5):
             want = app.chat.input.text + "x"
-            typing.append(
-                await _key_latency(pilot, "x", "x", lambda w=want: app.chat.input.text == w)
-            )
-            await asyncio.sleep(0.03)
-        samples_while_decoding = len(typing) - (not busy(app))
-        stop_while_decoding = busy(app)
-        stop = await _key_latency(pilot, "escape", None, lambda: not busy(app))
-        assert samples_while_decoding >= 5, "too few keys landed while decoding to measure"
-        assert settings_while_decoding and stop_while_decoding
-        done = last(seen, Done)
-        assert done.finish_reason == "cancelled"
-        tokens = done.stats.generated_tokens
-        tps = done.stats.decode_tps or 0.0
-    ms = sorted(x * 1000 for x in typing)
-    report = {
-        "typing_ms_median": round(statistics.median(ms), 1),
-        "typing_ms_p90": round(ms[int(0.9 * (len(ms) - 1))], 1),
-        "typing_ms_max": round(ms[-1], 1),
-        "typing_samples_while_decoding": samples_while_decoding,
-        "ctrl_s_to_settings_open_ms": round(settings_open * 1000, 1),
-        "settings_opened_while_decoding": settings_while_decoding,
-        "esc_to_reply_stopped_ms": round(stop * 1000, 1),
-        "esc_while_decoding": stop_while_decoding,
-        "decode_tps": round(tps, 1),
-        "generated_tokens": tokens,
-    }
-    with capsys.disabled():
-        print(f"\nkey latency while decoding (stories260K): {json.dumps(report)}")
-    out = os.environ.get("KVCHAT_LATENCY_REPORT")
-    if out:
-        Path(out).write_text(json.dumps(report, indent=2) + "\n")
+            await press_until(pilot, "x", "x", lambda w=want: app.chat.input.text == w)
+        assert busy(app), "the reply ended before five keys were typed"
+        await press_until(pilot, "escape", None, lambda: not busy(app))
+        assert last(seen, Done).finish_reason == "cancelled"

@@ -1,4 +1,4 @@
-"""Issue 14 with the real engine: stories260K's BOS never reaches the transcript, the
+"""With the real engine: stories260K's BOS never reaches the transcript, the
 saved chat, the export or the clipboard; after a swap the panel shows the new model's
 GQA factor and weights as loaded (the same number `kvchat models` prints)."""
 
@@ -9,21 +9,13 @@ from textual.widgets import Static
 
 from kvchat.app.core.discovery import model_rows
 from kvchat.model.runtime.events import Done
-from tests.scripted_engine import async_test, wait_for
+from tests.helpers.app import SIZE, ready, turn
+from tests.helpers.paths import MINI
+from tests.helpers.real_app import last, real_app, settings
+from tests.helpers.scripted_engine import async_test, wait_for
 
-from .conftest import REPO_ROOT
-from .test_tui_real import (
-    env,  # noqa: F401  (hermetic config, data, HF cache, HOME)
-    last,
-    ready,
-    real_app,
-    settings,
-    turn,
-)
-
-MINI = REPO_ROOT / "assets" / "kvchat-mini"
-SIZE = (120, 40)
-pytestmark = [pytest.mark.usefixtures("env")]
+# hermetic: config, data, HF cache, HOME in tmp_path
+pytestmark = [pytest.mark.usefixtures("hermetic_env")]
 
 
 @async_test
@@ -46,6 +38,7 @@ async def test_real_bos_never_becomes_text() -> None:
         assert copied == [reply]
 
 
+@pytest.mark.slow
 @async_test
 async def test_real_swap_panel_numbers_are_the_new_models() -> None:
     app, _seen = real_app(settings(max_tokens=8))

@@ -19,7 +19,8 @@ from kvchat.app.tui.session import SESSION_FILE
 from kvchat.app.tui.widgets.format import human_bytes
 from kvchat.app.tui.widgets.status_line import status_text
 from kvchat.model.runtime.events import CacheRestored, Overflow, Started, TurnStats
-from tests.scripted_engine import (
+from tests.helpers.app import engine, ready, replies, turn
+from tests.helpers.scripted_engine import (
     ScriptedEngine,
     async_test,
     kv_bytes,
@@ -27,17 +28,15 @@ from tests.scripted_engine import (
     wait_for,
 )
 
-from .test_tui_app import engine, ready, replies, turn
-
 MODEL = "/models/stories260K"
 
 
 @pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
+def env(env: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """conftest's private folders, run from tmp_path: a file written to the working
+    directory by mistake lands there, not in the repository."""
+    monkeypatch.chdir(env)
+    return env
 
 
 def make_app(**settings: Any) -> KVChatApp:
@@ -62,7 +61,9 @@ def footer_keys(app: KVChatApp) -> list[tuple[str, Any]]:
 # ---- a layout for every size -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("size", [(60, 20), (80, 24), (99, 30)])
+# the fast tier keeps 80×24, the size terminals open at
+@pytest.mark.parametrize("size", [pytest.param((60, 20), marks=pytest.mark.slow), (80, 24),
+                                  pytest.param((99, 30), marks=pytest.mark.slow)])
 @async_test
 async def test_narrow_starts_with_the_status_line_and_the_key_shows_the_panel(
         env: Path, size: tuple[int, int]) -> None:
@@ -168,6 +169,7 @@ async def test_footer_keeps_one_order_as_focus_moves(env: Path) -> None:
 # ---- readable, typed, remembered ---------------------------------------------------------
 
 
+@pytest.mark.slow
 @async_test
 async def test_settings_open_in_the_first_field(env: Path) -> None:
     app = make_app()
@@ -193,6 +195,7 @@ async def test_sent_messages_keep_their_newlines(env: Path) -> None:
         assert "first line\nsecond line" in "\n".join(lines)
 
 
+@pytest.mark.slow
 @async_test
 async def test_reopening_a_chat_adds_no_duplicates_to_the_input_history(env: Path) -> None:
     app = make_app()
@@ -214,6 +217,7 @@ async def test_reopening_a_chat_adds_no_duplicates_to_the_input_history(env: Pat
 # ---- the panel and the notices -------------------------------------------------------------
 
 
+@pytest.mark.slow
 @async_test
 async def test_panel_shows_the_configured_bound_from_the_start(env: Path) -> None:
     app = make_app(max_kv_size=64, keep=4)
@@ -229,6 +233,7 @@ async def test_panel_shows_the_configured_bound_from_the_start(env: Path) -> Non
         assert "window   64 · keep 4" in panel_text(app, "#cache")
 
 
+@pytest.mark.slow
 @async_test
 async def test_speed_resets_with_the_chat_and_peak_says_its_scope(env: Path) -> None:
     app = make_app()
@@ -247,6 +252,7 @@ async def test_speed_resets_with_the_chat_and_peak_says_its_scope(env: Path) -> 
         assert "last turn" in panel_text(app, "#runtime")
 
 
+@pytest.mark.slow
 @async_test
 async def test_reused_counts_only_what_the_window_holds(env: Path) -> None:
     app = make_app(max_kv_size=64)
@@ -263,6 +269,7 @@ async def test_reused_counts_only_what_the_window_holds(env: Path) -> None:
         assert "reused   20 tokens this turn" in panel_text(app, "#cache")
 
 
+@pytest.mark.slow
 @async_test
 async def test_one_context_notice_per_chat(env: Path) -> None:
     app = make_app(max_kv_size=64)
@@ -289,6 +296,7 @@ async def test_one_context_notice_per_chat(env: Path) -> None:
 # ---- picker, palette, history, copy ---------------------------------------------------------
 
 
+@pytest.mark.slow
 @async_test
 async def test_picker_stays_open_on_a_folder_it_cannot_load(env: Path) -> None:
     bad = env / "not-a-model"
@@ -329,6 +337,7 @@ async def test_palette_lists_only_working_commands_and_screenshot_goes_to_data(
         assert path.read_text().startswith("<svg")
 
 
+@pytest.mark.slow
 @async_test
 async def test_undo_in_history_brings_back_the_kv_file(env: Path) -> None:
     app = make_app()
@@ -358,6 +367,7 @@ async def test_undo_in_history_brings_back_the_kv_file(env: Path) -> None:
         assert not store.trash_dir.exists() and not store.cache_path(doomed).exists()
 
 
+@pytest.mark.slow
 @async_test
 async def test_copy_says_it_goes_through_the_terminal(env: Path) -> None:
     app = make_app()

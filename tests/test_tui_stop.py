@@ -24,9 +24,8 @@ from textual import events
 
 from kvchat.app.tui.turn import Phase
 from kvchat.model.runtime.events import Done
-from tests.scripted_engine import REPLY, async_test, split_reply, wait_for
-
-from .test_tui_app import SIZE, busy, engine, last_done, make_app, ready, replies, send
+from tests.helpers.app import SIZE, busy, engine, last_done, make_app, ready, replies, send
+from tests.helpers.scripted_engine import REPLY, async_test, split_reply, wait_for
 
 
 @pytest.fixture

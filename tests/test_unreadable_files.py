@@ -19,8 +19,7 @@ from kvchat.app.main import main
 from kvchat.app.tui.session import load_session
 from kvchat.model.cache.integrity import model_fingerprint
 from kvchat.model.distributed.link import folder_fingerprint
-
-from .conftest import STORIES260K
+from tests.helpers.paths import STORIES260K
 
 EINVAL_FILE = Path("/proc/self/attr/current")
 

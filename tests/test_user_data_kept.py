@@ -22,7 +22,7 @@ import pytest
 from kvchat.app.core.settings import load_settings, remember_model, save_settings
 from kvchat.app.core.store import Conversation, ConversationStore
 from kvchat.app.tui.app import KVChatApp
-from tests.scripted_engine import ScriptedEngine, async_test, wait_for
+from tests.helpers.scripted_engine import ScriptedEngine, async_test, wait_for
 
 
 @pytest.fixture
@@ -193,7 +193,7 @@ async def test_quit_asks_when_the_chat_could_not_be_saved(
 
     from kvchat.app.core import store as store_mod
     from kvchat.app.core.settings import Settings
-    from tests.scripted_engine import record_notifications
+    from tests.helpers.scripted_engine import record_notifications
 
     real_write = store_mod.atomic_write_text
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.conftest import STORIES260K
+from tests.helpers.paths import STORIES260K
 from tests.helpers.tmux import Tmux, start_chat
 
 KEYS = "qwertyuiopasdfghjklzxcvbnmmnbvcxzlkjhgfdsapoiuytre"  # 50

@@ -19,11 +19,11 @@ from pathlib import Path
 from kvchat.app.core.engine_service import EngineService
 from kvchat.app.core.settings import Settings
 from kvchat.app.tui.app import KVChatApp
-from tests.conftest import REPO_ROOT
-from tests.scripted_engine import wait_for
-from tests.test_tui_real import busy, press_now, replies, turn
+from tests.helpers.app import busy, press_now, replies, turn
+from tests.helpers.paths import MINI
+from tests.helpers.scripted_engine import wait_for
 
-MODEL = REPO_ROOT / "assets" / "kvchat-mini"
+MODEL = MINI
 
 
 async def screenshot() -> str:

@@ -8,8 +8,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.conftest import TinySpec, build_tiny_checkpoint
-from tests.tokenizer_fixtures import CHAT_SPECIAL_TOKENS, byte_level_bpe
+from tests.helpers.checkpoints import TinySpec, build_tiny_checkpoint
+from tests.helpers.tiny_tokenizers import CHAT_SPECIAL_TOKENS, byte_level_bpe
 
 # markers some families write as control tokens: present so grammars can name them by id
 TOOL_SPECIAL_TOKENS = ("[TOOL_CALLS]", "<|python_tag|>")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import _randomize
+from tests.helpers.checkpoints import randomize as _randomize
 
 WINDOW = 16
 

@@ -1,7 +1,6 @@
-"""The chat in a real terminal: a private tmux server (-L, never a user's session), the
-screen read back with capture-pane, and `python -m kvchat.app` started in it with its own
-settings and data folders. Every pane's process group is killed with the server, so an
-app that ignores the hang-up cannot outlive a failed test or benchmark."""
+"""The real app in a real terminal: a private tmux server (-L, no user config) runs a
+command in a pane of a given size; tests type with send-keys and read the screen with
+capture-pane. Every pane's process group ends with the server."""
 
 from __future__ import annotations
 
@@ -9,14 +8,19 @@ import json
 import os
 import re
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests import processes
-from tests.conftest import REPO_ROOT, STORIES260K
+import pytest
+
+from tests.helpers import processes
+from tests.helpers.paths import REPO_ROOT, STORIES260K
+
+NEEDS_TMUX = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
 
 class Tmux:
@@ -91,3 +95,44 @@ def generated_tokens(screen: str) -> int | None:
     if m is None:
         return None
     return 0 if m.group(1) == "–" else int(m.group(1).replace(",", ""))
+
+
+def command(args: str, env: dict[str, str], status: Path) -> str:
+    """A shell line that runs `python -m kvchat.app ARGS` from the repository with `env`
+    and writes its exit status to `status`."""
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    # COLUMNS/LINES can leak in from the test process and would override the pane size;
+    # other test modules set HF_HUB_OFFLINE=1 for the whole process and tmux inherits it
+    return (f"cd {shlex.quote(str(REPO_ROOT))} && env -u COLUMNS -u LINES -u HF_HUB_OFFLINE"
+            f" -u TRANSFORMERS_OFFLINE {exports}"
+            f" {shlex.quote(sys.executable)} -m kvchat.app {args};"
+            f" echo $? > {shlex.quote(str(status))}")
+
+
+def session(tmux: Tmux, name: str, size: tuple[int, int], command: str) -> None:
+    """A detached session `name` of `size` (columns, rows) running `command`."""
+    w, h = size
+    # remain-on-exit: a command that ends early leaves its output to read
+    tmux("start-server", ";", "set-option", "-g", "default-size", f"{w}x{h}", ";",
+         "set-option", "-g", "remain-on-exit", "on", ";",
+         "new-session", "-d", "-s", name, "-x", str(w), "-y", str(h), command)
+
+
+def chat_env(tmp_path: Path, settings: dict[str, object]) -> tuple[dict[str, str], Path]:
+    """(the environment, the exit-status file) for the chat in tmux with its own settings
+    and data folders under tmp_path."""
+    config, data = tmp_path / "config", tmp_path / "data"
+    config.mkdir()
+    (config / "settings.json").write_text(json.dumps(settings))
+    env = {"KVCHAT_CONFIG_DIR": str(config), "KVCHAT_DATA_DIR": str(data),
+           "TERM": "xterm-256color", "LD_PRELOAD": os.environ.get("LD_PRELOAD", "")}
+    return env, tmp_path / "status"
+
+
+def wait_file(path: Path, timeout: float) -> str:
+    """The stripped text of `path` once it exists (an exit-status file)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert path.exists(), f"{path} never appeared"
+    return path.read_text().strip()

@@ -2,7 +2,7 @@
 (app/core/engine_service.py) starts the other ranks, joins them and builds the engine;
 drive it, print one JSON line per event of interest.
 
-    python -m tests.distributed_driver HOSTFILE MODEL [--turns N] [--pause] ...
+    python -m tests.helpers.distributed_driver HOSTFILE MODEL [--turns N] [--pause] ...
 
 --pause: on the first streamed token (--pause-at prefill: before the prefill), print
 {"paused": [rank pids]} and block the engine thread until a line arrives on stdin (the

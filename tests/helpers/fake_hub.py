@@ -22,7 +22,7 @@ body with no Content-Length that never ends, `corrupt` flips a byte of what the 
 offset asked, `bomb` sends `bomb_body` (gzip, Content-Encoding: gzip) as the model-info
 answer ("api"), as a 500 error answer to it ("error") or as a CDN file ("cdn").
 
-Run standalone for a demo: python -m tests.fake_hub REPO_ID FOLDER [--throttle BPS]
+Run standalone for a demo: python -m tests.helpers.fake_hub REPO_ID FOLDER [--throttle BPS]
 """
 
 from __future__ import annotations

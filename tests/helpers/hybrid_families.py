@@ -1,0 +1,105 @@
+"""The families with recurrent layers (Mamba, Mamba-2, gated delta rule, short
+convolutions) as tiny random checkpoints: their config overrides, built like every other
+family's by `tests.helpers.families.build`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.helpers.families import FamilySpec
+
+# the keys every tiny checkpoint shares (the config classes here read no _BASE of their own)
+_TOKENS: dict[str, Any] = {"vocab_size": 256, "bos_token_id": 1, "eos_token_id": 2,
+                           "pad_token_id": 0}
+_MAMBA: dict[str, Any] = {**_TOKENS, "hidden_size": 64, "num_hidden_layers": 2,
+                          "state_size": 8}
+# chunk 16: the 40-token prompt runs three SSD chunks, the last one partial
+_MAMBA2: dict[str, Any] = {**_TOKENS, "hidden_size": 64, "num_hidden_layers": 2,
+                           "state_size": 16, "num_heads": 8, "head_dim": 16, "n_groups": 2,
+                           "chunk_size": 16}
+
+_BAMBA: dict[str, Any] = {"num_hidden_layers": 3, "attn_layer_indices": [1], "mamba_n_heads": 8,
+                          "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 16,
+                          "mamba_chunk_size": 16}
+# gated delta rule: 2 key heads of 16 shared by 4 value heads of 16
+_DELTA: dict[str, Any] = {"linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                          "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                          "num_hidden_layers": 3, "head_dim": 16,
+                          "layer_types": ["linear_attention", "full_attention", "linear_attention"]}
+_DELTA_MOE: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2,
+                              "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
+_QWEN3_NEXT: dict[str, Any] = {**_DELTA, **_DELTA_MOE, "norm_topk_prob": True}
+# Granite 4: Bamba's mixers with Granite's multipliers (they bite), 4 experts beside the
+# fused shared MLP; NoPE unless position_embedding_type is "rope"
+_GRANITE4: dict[str, Any] = {
+    **{k: v for k, v in _BAMBA.items() if k != "attn_layer_indices"},
+    "layer_types": ["mamba", "attention", "mamba"], "num_local_experts": 4,
+    "num_experts_per_tok": 2, "shared_intermediate_size": 48, "embedding_multiplier": 12.0,
+    "attention_multiplier": 0.05, "residual_multiplier": 0.22, "logits_scaling": 8.0}
+# short convolutions (3 taps) around one attention layer; the MLP size adjusted (⅔ × 1.5,
+# rounded to 16: 96)
+_LFM2: dict[str, Any] = {"num_hidden_layers": 3, "full_attn_idxs": [1], "head_dim": 16,
+                         "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.5}
+# Nemotron-H: Mamba-2, attention (no positions), relu² MLP, ungated experts (DeepSeek-V3's
+# router, 2 groups, correction bias random) with an ungated shared expert
+_NEMOTRON_H: dict[str, Any] = {
+    **_TOKENS, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+    "layers_block_type": ["mamba", "attention", "mlp", "moe"], "mamba_num_heads": 8,
+    "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "chunk_size": 16,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32, "n_group": 2, "topk_group": 1,
+    "routed_scaling_factor": 1.5}
+_LFM2_MOE: dict[str, Any] = {
+    "num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "num_experts": 4,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_dense_layers": 1,
+    "routed_scaling_factor": 1.5}
+
+HYBRID_SPECS: dict[str, FamilySpec] = {
+    # the selective scan (time_step_rank "auto": 4), tied head
+    "mamba": FamilySpec("MambaForCausalLM", _MAMBA, own_keys=True, seed=90),
+    # B, C and Δ RMS-normed; untied head
+    "falcon_mamba": FamilySpec("FalconMambaForCausalLM", {
+        **_MAMBA, "tie_word_embeddings": False}, own_keys=True, seed=91),
+    # SSD: 8 heads of 16 in 2 groups, the gated norm per group
+    "mamba2": FamilySpec("Mamba2ForCausalLM", _MAMBA2, own_keys=True, seed=92),
+    # Mamba-2, attention (partial rotary ½), Mamba-2; in both RoPE spellings
+    "bamba": FamilySpec("BambaForCausalLM", _BAMBA, seed=93),
+    "bamba_classic": FamilySpec("BambaForCausalLM", _BAMBA, rope_form="classic", seed=93),
+    # delta rule, gated attention (offset q/k norms, partial rotary ¼), delta rule; MoE
+    # with a gated shared expert on every layer
+    "qwen3_next": FamilySpec("Qwen3NextForCausalLM", _QWEN3_NEXT, seed=94),
+    "qwen3_next_classic": FamilySpec("Qwen3NextForCausalLM", _QWEN3_NEXT, rope_form="classic",
+                                     seed=94),
+    # Qwen3.5's language model: four input projections; dense, MoE, and inside the
+    # multimodal checkpoint (the vision tower is left out)
+    "qwen3_5_text": FamilySpec("Qwen3_5ForCausalLM", _DELTA, config_class="Qwen3_5TextConfig",
+                               seed=95),
+    "qwen3_5_moe_text": FamilySpec("Qwen3_5MoeForCausalLM", {**_DELTA, **_DELTA_MOE},
+                                   config_class="Qwen3_5MoeTextConfig", seed=96),
+    "qwen3_5": FamilySpec("Qwen3_5ForConditionalGeneration", {
+        "text_config": _DELTA, "vision_config": {
+            "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+            "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
+            "temporal_patch_size": 2}}, seed=97),
+    "granitemoehybrid": FamilySpec("GraniteMoeHybridForCausalLM", _GRANITE4, seed=100),
+    "granitemoehybrid_rope": FamilySpec("GraniteMoeHybridForCausalLM", {
+        **_GRANITE4, "position_embedding_type": "rope"}, seed=101),
+    "granitemoehybrid_rope_classic": FamilySpec("GraniteMoeHybridForCausalLM", {
+        **_GRANITE4, "position_embedding_type": "rope"}, rope_form="classic", seed=101),
+    # 0 experts: the shared MLP alone is each layer's MLP (Granite-4.0-H-Micro)
+    "granitemoehybrid_dense": FamilySpec("GraniteMoeHybridForCausalLM", {
+        **_GRANITE4, "num_local_experts": 0}, seed=102),
+    "nemotron_h": FamilySpec("NemotronHForCausalLM", _NEMOTRON_H, own_keys=True, seed=103),
+    # the classic config: hybrid_override_pattern "M*-E" and num_hidden_layers
+    "nemotron_h_classic": FamilySpec("NemotronHForCausalLM", _NEMOTRON_H, own_keys=True,
+                                     seed=103),
+    # the experts read a 32-wide projection of the hidden state (moe_latent_size)
+    "nemotron_h_latent": FamilySpec("NemotronHForCausalLM", {
+        **_NEMOTRON_H, "moe_latent_size": 32}, own_keys=True, seed=104),
+    "lfm2": FamilySpec("Lfm2ForCausalLM", _LFM2, seed=98),
+    "lfm2_classic": FamilySpec("Lfm2ForCausalLM", _LFM2, rope_form="classic", seed=98),
+    # a sigmoid router whose expert_bias (set by the test: transformers' init is 0) picks
+    # experts without weighing them; layer 0 dense
+    "lfm2_moe": FamilySpec("Lfm2MoeForCausalLM", _LFM2_MOE, seed=99),
+}
