@@ -257,8 +257,8 @@ def test_failed_write_keeps_old_file(
     monkeypatch.undo()
 
     assert (tmp_path / f"{c.id}.json").read_bytes() == before
-    # temp removed (the chat's lock file, .<id>.lock, stays: it is only ever locked)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{c.id}.lock", f"{c.id}.json"]
+    # the temp file removed, and no lock file left behind (none is held after a save)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{c.id}.json"]
     assert len(st.load(c.id).messages) == 4
 
 

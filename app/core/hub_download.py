@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvchat.app.core import hub_http
 from kvchat.app.core.discovery import hf_cache_dir
 from kvchat.model.errors import KVChatError, one_line
 from kvchat.model.files import PICKLE_PATTERNS
@@ -239,6 +238,8 @@ def _fetch(url: str, part: Path, name: str, size: int, headers: dict[str, str],
     short response from where it stopped, within `retries`; never past `size` bytes."""
     import httpx2
     from huggingface_hub.utils import get_session, hf_raise_for_status
+
+    from kvchat.app.core import hub_http  # httpx: imported only when pulling
 
     timeout = httpx2.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
     part.touch()  # an empty file is complete as it is
@@ -462,6 +463,8 @@ def _pull(
     from huggingface_hub import HfApi, constants
     from huggingface_hub.file_download import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.utils import build_hf_headers
+
+    from kvchat.app.core import hub_http
 
     # huggingface_hub reads HF_HUB_OFFLINE once, at import; pull() has just read it from
     # the environment as it is now (and returned from the cache if it is set)
