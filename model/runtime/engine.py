@@ -136,7 +136,7 @@ def _close_live_engines() -> None:
 
 class Engine:
     """Implements model.events.EngineLike. Subclasses may replace model execution only:
-    `_open` (what a path loads), `clock` and `_runtime_stats` (tests/scripted_engine.py)."""
+    `_open` (what a path loads), `clock` and `_runtime_stats` (tests/helpers/scripted_engine.py)."""
 
     clock = staticmethod(time.perf_counter)
     stats_interval_s = STATS_INTERVAL_S
