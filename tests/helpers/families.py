@@ -214,7 +214,7 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
         "max_position_embeddings": 32,
         "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
     }, rope_form="classic", incremental_reference=True, seed=21),
-    # ---- mixtures of experts: 4 experts, top 2 (issue 22)
+    # ---- mixtures of experts: 4 experts, top 2
     "mixtral": FamilySpec("MixtralForCausalLM", _MOE, seed=30),
     "mixtral_classic": FamilySpec("MixtralForCausalLM", _MOE, rope_form="classic", seed=30),
     # Phi-3.5-MoE: the sparse mixer (a jitter of 0.2 keeps several experts in each
