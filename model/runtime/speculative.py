@@ -1,0 +1,393 @@
+"""Speculative decoding: draft a few tokens cheaply, check them all with one call of the
+model, keep the longest run it agrees with (docs/design.md, "Speculative decoding").
+
+Draft sources (`propose(history, k) -> (ids, q)`):
+- `PromptLookup`: the last n ids of the conversation (n = `ngram` down to 1) found earlier
+  in it; the ids that followed their latest earlier occurrence are the draft. Free to run;
+  it drafts when a reply quotes the conversation (a rewrite, a fix, names).
+- `DraftModel`: a smaller model with the same tokenizer, from its own cache, which
+  follows the conversation (the common prefix kept across turns, the rest prefilled).
+
+One step feeds the last sampled token and the k drafts in one call (`CompiledStep.verify`
+where every cache takes them in consecutive slots, else the model's own multi-token
+path), so the cache holds them all; the rejected ones are trimmed again. A ring past its
+window puts back the keys they displaced (model/cache/kv.py), so the trim is exact.
+
+Exactness:
+- greedy: a draft is kept iff it is the token plain decoding would pick at its position
+  (the same sampler, with the repetition history that position has), so the ids are
+  plain decoding's;
+- temperature > 0: the standard rule (Leviathan et al. 2023; Chen et al. 2023): keep
+  draft d with probability min(1, p(d) / q(d)); at the first rejection draw from
+  max(p − q, 0) renormalised; when all k are kept draw one more from p. The emitted ids
+  follow the target's distribution p exactly. A prompt lookup's draft is certain
+  (q = one-hot): kept with probability p(d), else a draw from p without d.
+
+A cache that cannot take tokens back exactly (no `trim`: a state cache), or a model
+split across hosts (its other ranks' caches are out of reach), runs plain decoding, and
+`Progress.speculation_off` says why.
+
+The draft length adapts to the recent acceptance (`DraftLength`): it grows while drafts
+are accepted whole and shrinks on a rejection; after `PAUSE_AFTER` steps in a row that
+accepted nothing, drafting pauses for `PAUSE_STEPS` steps (a draft-free step costs one
+plain step), so a reply that quotes nothing costs close to plain decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from kvchat.model.cache.kv import (
+    make_prompt_cache,
+    maybe_quantize,
+    pending_quantization,
+    trim_to,
+)
+
+from . import threads
+from .generate import PREFILL_CHUNK, CompiledStep, Progress, decode_step
+from .sampling import Sampler
+
+SOURCES = ("lookup", "draft")
+DEFAULT_DRAFT_TOKENS = 4
+DEFAULT_NGRAM = 3
+MAX_DRAFT_TOKENS = 16
+# drafting pauses after this many steps in a row that kept no draft, for this many steps
+PAUSE_AFTER = 2
+PAUSE_STEPS = 8
+
+Q = mx.array | None  # the draft's distributions (k, V), None: certain drafts
+
+
+class DraftSource(Protocol):
+    name: str
+
+    def propose(self, history: list[int], k: int) -> tuple[list[int], Q]: ...
+
+
+# ---- draft sources ------------------------------------------------------------------------
+class PromptLookup:
+    """Drafts by n-gram match against the conversation so far (`history`, append-only:
+    the prompt's ids, then the reply's). An index per n maps each n-gram to where the
+    id after its latest occurrence is, updated as ids arrive: a proposal is one lookup."""
+
+    name = "prompt lookup"
+
+    def __init__(self, ngram: int = DEFAULT_NGRAM) -> None:
+        self.ngram = ngram
+        self._seen = 0  # ids of the history indexed so far
+        self._after: list[dict[tuple[int, ...], int]] = [{} for _ in range(ngram)]
+
+    def _index(self, history: list[int]) -> None:
+        for i in range(self._seen, len(history)):  # history[i] follows each n-gram before it
+            for n in range(1, min(self.ngram, i) + 1):
+                self._after[n - 1][tuple(history[i - n : i])] = i
+        self._seen = len(history)
+
+    def propose(self, history: list[int], k: int) -> tuple[list[int], Q]:
+        if len(history) < self._seen:  # another history: index it afresh
+            self._seen, self._after = 0, [{} for _ in range(self.ngram)]
+        self._index(history)
+        end = len(history)
+        for n in range(min(self.ngram, end), 0, -1):  # the longest match first
+            at = self._after[n - 1].get(tuple(history[end - n :]))
+            if at is not None:
+                return history[at : at + k], None
+        return [], None
+
+
+class DraftModel:
+    """Drafts by a smaller model with the same tokenizer. Its cache follows the
+    conversation: a proposal keeps what the cache holds of `history`, trims the rest and
+    feeds what is new, then drafts k ids one step at a time (greedy, or drawn from the
+    draft's own distribution q with the target's sampling settings)."""
+
+    def __init__(self, model: Any, name: str, *, max_kv_size: int | None = None,
+                 keep: int = 4) -> None:
+        self.model, self.name = model, name
+        self.bound = (max_kv_size, keep)
+        self.caches: list[Any] | None = None
+        self.ids: list[int] = []  # what the cache holds
+        self.sampler: Sampler | None = None  # None: greedy drafts
+        self.n_ids = model.config.vocab_size
+
+    def start(self, sampler: Sampler | None, n_ids: int, max_kv_size: int | None,
+              keep: int) -> None:
+        """A new reply: its sampling (None: greedy) and the cache bound it runs under."""
+        self.sampler, self.n_ids = sampler, n_ids
+        if (max_kv_size, keep) != self.bound:
+            self.bound, self.caches, self.ids = (max_kv_size, keep), None, []
+
+    def _sync(self, history: list[int]) -> list[int]:
+        """Trim the cache to its common prefix with `history`; the ids still to feed
+        (at least one: the next draft needs its logits)."""
+        n = 0
+        limit = min(len(self.ids), len(history) - 1)
+        while n < limit and self.ids[n] == history[n]:
+            n += 1
+        if self.caches is None:
+            self.caches = make_prompt_cache(self.model, *self.bound)
+            self.ids, n = [], 0
+        elif n < len(self.ids):
+            # inexact past a ring's evicted keys (a shorter window for a while): a draft
+            # only proposes, the target decides
+            trim_to(self.caches, n)
+            del self.ids[n:]
+        return history[n:]
+
+    def _choose(self, logits: mx.array, history: list[int]) -> tuple[mx.array, mx.array | None]:
+        x = logits[None, : self.n_ids]
+        if self.sampler is None:
+            return mx.argmax(x, axis=-1), None
+        probs = self.sampler.probs(x, history_window(self.sampler, history))
+        return self.sampler.pick(probs), probs[0]
+
+    def propose(self, history: list[int], k: int) -> tuple[list[int], Q]:
+        todo = self._sync(history)
+        assert self.caches is not None
+        for i in range(0, len(todo) - 1, PREFILL_CHUNK):  # a new prompt: all but its last id
+            chunk = todo[i : min(i + PREFILL_CHUNK, len(todo) - 1)]
+            self.model(mx.array([chunk]), cache=self.caches, logits_to_keep=1)
+            mx.eval([c.state for c in self.caches])
+        step = decode_step(self.model, self.caches)
+        logits = step(mx.array(todo[-1:]))[0]
+        drafts: list[int] = []
+        qs: list[mx.array] = []
+        seen = list(history)
+        while True:
+            y, q = self._choose(logits, seen)
+            d = int(y.item())
+            drafts.append(d)
+            if q is not None:
+                qs.append(q)
+            if len(drafts) == k:
+                break
+            seen.append(d)
+            logits = step(y)[0]
+        self.ids = list(history) + drafts[:-1]
+        return drafts, (mx.stack(qs) if qs else None)
+
+
+# text whose ids two tokenizers must agree on, beside their specials and vocabularies
+PROBE = "The quick brown fox, 42 times: naïve café — 東京 🙂\n\tdef f(x): return x**2"
+
+
+def tokenizer_mismatch(target: Any, draft: Any) -> str | None:
+    """How a draft model's tokenizer differs from the target's (None: the same ids for
+    the same text): vocabulary size, special ids, every 7th token's text, a probe text."""
+    if target.vocab_size != draft.vocab_size:
+        return f"its vocabulary has {draft.vocab_size} tokens, the model's {target.vocab_size}"
+    if (target.bos_id, sorted(target.end_ids)) != (draft.bos_id, sorted(draft.end_ids)):
+        return "its BOS or end-of-text ids differ"
+    for i in range(0, target.vocab_size, 7):
+        if target.id_to_token(i) != draft.id_to_token(i):
+            return f"token {i} differs"
+    if target.encode(PROBE) != draft.encode(PROBE):
+        return "it splits text differently"
+    return None
+
+
+# ---- the rule -------------------------------------------------------------------------------
+def history_window(sampler: Sampler, history: Sequence[int]) -> mx.array | tuple[()]:
+    """The ids the repetition penalty looks at for the next position (none when off)."""
+    p = sampler.params
+    if p.repetition_penalty == 1.0:
+        return ()
+    return mx.array(list(history[-p.repetition_context_size :]), dtype=mx.int32)
+
+
+def accept(p: mx.array, drafts: Sequence[int], q: Q, u: Sequence[float],
+           draw: Callable[[mx.array], int]) -> tuple[int, int]:
+    """The standard accept/resample rule. `p` (k+1, V): the target's distributions at the
+    k drafted positions and the one after; `q` (k, V) the draft's (None: certain drafts);
+    `u` k uniform draws; `draw(probs (V,)) -> id`. Returns (drafts kept, the next id)."""
+    k = len(drafts)
+    rows = mx.arange(k)
+    idx = mx.array(list(drafts), dtype=mx.int32)
+    p_d = p[rows, idx].tolist() if k else []
+    q_d = q[rows, idx].tolist() if q is not None and k else [1.0] * k
+    for i in range(k):
+        if u[i] * q_d[i] < p_d[i]:  # u < p / q, without dividing by a tiny q
+            continue
+        if q is None:  # q one-hot at the draft: p without it
+            residual = mx.where(mx.arange(p.shape[-1]) == drafts[i], 0.0, p[i])
+        else:
+            residual = mx.maximum(p[i] - q[i], 0.0)
+        total = residual.sum()
+        # p == q leaves nothing (a rejection then has probability 0 but for rounding)
+        residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[i])
+        return i, draw(residual)
+    return k, draw(p[k])
+
+
+class Verifier:
+    """The target's side of a step: what plain decoding would pick at each verified
+    position (greedy), or its distributions there (sampling), each with the repetition
+    history that position has."""
+
+    def __init__(self, sampler: Sampler, n_ids: int) -> None:
+        self.sampler, self.n_ids = sampler, n_ids
+        self.penalised = sampler.params.repetition_penalty != 1.0
+
+    def pick(self, logits: mx.array, history: list[int]) -> mx.array:
+        """The next id after `history` from its logits (1, V): plain decoding's rule."""
+        return self.sampler(logits[..., : self.n_ids], history_window(self.sampler, history))
+
+    def judge(self, logits: mx.array, history: list[int], drafts: list[int], q: Q
+              ) -> tuple[int, int]:
+        """(drafts kept, the next id) from the logits (k+1, V) of [last id, *drafts]."""
+        x = logits[:, : self.n_ids]
+        hists = [history + drafts[:i] for i in range(len(drafts) + 1)]
+        s = self.sampler
+        if s.greedy:
+            if self.penalised:
+                picks = mx.concatenate([self.pick(x[i : i + 1], h) for i, h in enumerate(hists)])
+            else:
+                picks = mx.argmax(x, axis=-1)
+            targets = picks.tolist()
+            a = 0
+            while a < len(drafts) and targets[a] == drafts[a]:
+                a += 1
+            return a, targets[a]
+        if self.penalised:
+            p = mx.concatenate([s.probs(x[i : i + 1], history_window(s, h))
+                                for i, h in enumerate(hists)])
+        else:
+            p = s.probs(x)
+        if q is not None:
+            q = q[:, : self.n_ids]
+        u = s.uniform(len(drafts)).tolist() if drafts else []
+        return accept(p, drafts, q, u, lambda probs: int(s.pick(probs[None]).item()))
+
+
+class DraftLength:
+    """How many tokens to draft next: up to `most`; with `adaptive`, +1 after a step that
+    kept every draft, down to what was kept + 1 after one that did not, and a pause of
+    PAUSE_STEPS steps after PAUSE_AFTER steps in a row that kept none."""
+
+    def __init__(self, most: int, adaptive: bool = True) -> None:
+        self.most, self.adaptive = most, adaptive
+        self.k = most
+        self.misses = 0  # steps in a row that kept no draft
+        self.paused = 0  # steps left without drafting
+
+    def next(self) -> int:
+        if self.paused:
+            self.paused -= 1
+            return 0
+        return self.k
+
+    def update(self, drafted: int, kept: int) -> None:
+        if not self.adaptive or drafted == 0:
+            return
+        if kept == drafted:
+            self.k = min(self.most, self.k + 1)
+        else:
+            self.k = max(1, kept + 1)
+        self.misses = self.misses + 1 if kept == 0 else 0
+        if self.misses >= PAUSE_AFTER:
+            self.paused, self.misses = PAUSE_STEPS, 0
+
+
+def why_not(model: Any, caches: Sequence[Any]) -> str | None:
+    """Why speculation cannot run exactly on these caches (None: it can)."""
+    if hasattr(model, "pipeline_stats"):
+        return "speculation off: the model is split across hosts"
+    for c in caches:
+        if not (hasattr(c, "trim") and c.is_trimmable()):
+            return (f"speculation off: the {type(c).__name__} cache cannot take back"
+                    " rejected tokens")
+    if ring_room(caches) < 2:
+        return "speculation off: a one-token window cannot take back a draft"
+    return None
+
+
+def ring_room(caches: Sequence[Any]) -> int:
+    """The most tokens one step may write: a ring takes back at most its own size."""
+    sizes = [c.max_size - c.keep for c in caches if hasattr(c, "max_size")]
+    return min(sizes, default=MAX_DRAFT_TOKENS + 1)
+
+
+def _forward(model: Any, caches: Sequence[Any], step: Any, ys: list[int]) -> mx.array:
+    """Logits (n, V) of `ys` fed to the model (written to the caches) in one call."""
+    arr = mx.array(ys)
+    if len(ys) == 1:
+        return step(arr)
+    if isinstance(step, CompiledStep):
+        out = step.verify(arr)
+        if out is not None:
+            return out
+    return model(arr[None], cache=caches)[0]
+
+
+def speculative_decode(
+    model: Any,
+    logits: mx.array,
+    caches: list[Any],
+    *,
+    source: DraftSource,
+    sampler: Sampler,
+    n_ids: int,
+    history: list[int],
+    max_tokens: int = 256,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    adaptive: bool = True,
+    compiled: bool = True,
+    progress: Progress,
+) -> Iterator[int]:
+    """`generate.decode`'s contract (yield up to `max_tokens` ids, the first from
+    `logits`; closed, the caches hold the prompt and the first `progress.fed` ids) with
+    speculation from `source`. `history`: the prompt's ids (the conversation so far)."""
+    if max_tokens < 1:
+        return
+    pending = pending_quantization(caches)
+    if pending is not None and maybe_quantize(caches):
+        pending = pending_quantization(caches)
+    threads.apply_decode(threads.step_work(model))
+    step = decode_step(model, caches, compiled)
+    progress.compiled = isinstance(step, CompiledStep)
+    progress.speculation = source.name
+    verifier = Verifier(sampler, n_ids)
+    length = DraftLength(min(draft_tokens, ring_room(caches) - 1), adaptive)
+    seen = list(history)
+    y = int(verifier.pick(logits, seen).item())
+    n, extra = 0, 0  # ids yielded; ids in the cache beyond those yielded
+    try:
+        n += 1
+        yield y
+        seen.append(y)
+        while n < max_tokens:
+            if pending is not None and maybe_quantize(caches):
+                pending = pending_quantization(caches)  # the caches changed class
+                step = decode_step(model, caches, compiled)
+            k = min(length.next(), max_tokens - n - 1)
+            drafts, q = source.propose(seen, k) if k > 0 else ([], None)
+            out = _forward(model, caches, step, [y, *drafts])
+            progress.forwards += 1
+            if drafts:
+                extra = len(drafts)  # until trimmed
+                kept, z = verifier.judge(out, seen, drafts, q)
+                trim_to(caches, caches[0].offset - (len(drafts) - kept))
+                extra = kept
+                progress.drafted += len(drafts)
+                progress.accepted += kept
+                length.update(len(drafts), kept)
+            else:
+                kept, z = 0, int(verifier.pick(out, seen).item())
+            progress.fed += 1  # y is in the cache
+            for d in drafts[:kept]:
+                progress.fed += 1
+                extra -= 1
+                n += 1
+                seen.append(d)
+                yield d
+            y = z
+            n += 1
+            seen.append(y)
+            yield y
+    finally:
+        if extra:  # closed while kept drafts were still to be yielded: not in the reply
+            trim_to(caches, caches[0].offset - extra)
