@@ -27,14 +27,18 @@ A cache that cannot take tokens back exactly (no `trim`: a state cache), or a mo
 split across hosts (its other ranks' caches are out of reach), runs plain decoding, and
 `Progress.speculation_off` says why.
 
-The draft length adapts to the recent acceptance (`DraftLength`): it grows while drafts
-are accepted whole and shrinks on a rejection; after `PAUSE_AFTER` steps in a row that
-accepted nothing, drafting pauses for `PAUSE_STEPS` steps (a draft-free step costs one
-plain step), so a reply that quotes nothing costs close to plain decoding.
+The draft length adapts (`DraftLength`): each step drafts the k that maximises the
+expected tokens per second, E(α, k) / c(k + 1), where α is the recent acceptance rate per
+drafted token and c(n) the measured seconds of a step that runs n tokens, on this machine
+under its present load. Where a pass of k + 1 tokens costs k + 1 single steps (a busy
+CPU) no k pays and it drafts nothing (k = 0: a plain step); where it costs little more
+than one (a memory-bound machine), it drafts as long as drafts are accepted. The rate
+estimate drifts back to a prior while nothing is drafted, so drafting is tried again.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -55,9 +59,11 @@ SOURCES = ("lookup", "draft")
 DEFAULT_DRAFT_TOKENS = 4
 DEFAULT_NGRAM = 3
 MAX_DRAFT_TOKENS = 16
-# drafting pauses after this many steps in a row that kept no draft, for this many steps
-PAUSE_AFTER = 2
-PAUSE_STEPS = 8
+# the acceptance estimate: a prior of PRIOR_RATE over PRIOR_TRIALS drafted tokens, and the
+# weight each step keeps of the past (for the rate and for the costs)
+PRIOR_RATE = 0.5
+PRIOR_TRIALS = 2.0
+DECAY = 0.8
 
 Q = mx.array | None  # the draft's distributions (k, V), None: certain drafts
 
@@ -236,60 +242,87 @@ class Verifier:
         """The next id after `history` from its logits (1, V): plain decoding's rule."""
         return self.sampler(logits[..., : self.n_ids], history_window(self.sampler, history))
 
-    def judge(self, logits: mx.array, history: list[int], drafts: list[int], q: Q
-              ) -> tuple[int, int]:
-        """(drafts kept, the next id) from the logits (k+1, V) of [last id, *drafts]."""
+    def plan(self, logits: mx.array, history: list[int], drafts: list[int]) -> mx.array:
+        """What `decide` needs from the logits (k+1, V) of [last id, *drafts], as arrays
+        to evaluate with the step: the picks at each position (greedy, or no drafts),
+        else the target's distributions there."""
         x = logits[:, : self.n_ids]
+        if not drafts:
+            return self.pick(x, history)
         hists = [history + drafts[:i] for i in range(len(drafts) + 1)]
         s = self.sampler
         if s.greedy:
             if self.penalised:
-                picks = mx.concatenate([self.pick(x[i : i + 1], h) for i, h in enumerate(hists)])
-            else:
-                picks = mx.argmax(x, axis=-1)
-            targets = picks.tolist()
+                return mx.concatenate([self.pick(x[i : i + 1], h) for i, h in enumerate(hists)])
+            return mx.argmax(x, axis=-1)
+        if self.penalised:
+            return mx.concatenate([s.probs(x[i : i + 1], history_window(s, h))
+                                   for i, h in enumerate(hists)])
+        return s.probs(x)
+
+    def decide(self, planned: mx.array, drafts: list[int], q: Q) -> tuple[int, int]:
+        """(drafts kept, the next id)."""
+        if not drafts:
+            return 0, int(planned.item())
+        s = self.sampler
+        if s.greedy:
+            targets = planned.tolist()
             a = 0
             while a < len(drafts) and targets[a] == drafts[a]:
                 a += 1
             return a, targets[a]
-        if self.penalised:
-            p = mx.concatenate([s.probs(x[i : i + 1], history_window(s, h))
-                                for i, h in enumerate(hists)])
-        else:
-            p = s.probs(x)
         if q is not None:
             q = q[:, : self.n_ids]
-        u = s.uniform(len(drafts)).tolist() if drafts else []
-        return accept(p, drafts, q, u, lambda probs: int(s.pick(probs[None]).item()))
+        u = s.uniform(len(drafts)).tolist()
+        return accept(planned, drafts, q, u, lambda probs: int(s.pick(probs[None]).item()))
 
 
 class DraftLength:
-    """How many tokens to draft next: up to `most`; with `adaptive`, +1 after a step that
-    kept every draft, down to what was kept + 1 after one that did not, and a pause of
-    PAUSE_STEPS steps after PAUSE_AFTER steps in a row that kept none."""
+    """How many tokens to draft next (0..most): all `most` when not `adaptive`; else the
+    k with the most expected tokens per second, E(α, k) / c(k + 1), from the recent
+    acceptance α (per drafted token: a step that keeps a of k drafts tried a + 1 of
+    them, or k when it kept all) and the measured seconds c(n) of a step of n tokens
+    (unmeasured: taken as c(1), so each length gets tried)."""
 
     def __init__(self, most: int, adaptive: bool = True) -> None:
         self.most, self.adaptive = most, adaptive
-        self.k = most
-        self.misses = 0  # steps in a row that kept no draft
-        self.paused = 0  # steps left without drafting
+        self.kept, self.tried = PRIOR_RATE * PRIOR_TRIALS, PRIOR_TRIALS
+        self.cost: dict[int, float] = {}  # tokens per step -> seconds (decayed mean)
+        self._seen: set[int] = set()  # lengths whose first step (a new trace) was skipped
+
+    @property
+    def rate(self) -> float:
+        return self.kept / self.tried
 
     def next(self) -> int:
-        if self.paused:
-            self.paused -= 1
-            return 0
-        return self.k
+        if not self.adaptive or self.most == 0:
+            return self.most
+        a = min(self.rate, 0.999)
+        one = self.cost.get(1)
+        if one is None:
+            return self.most  # nothing measured yet: try the longest
+        best, k_best = 1.0 / one, 0
+        for k in range(1, self.most + 1):
+            tokens = (1 - a ** (k + 1)) / (1 - a)  # expected tokens of a k-draft step
+            gain = tokens / self.cost.get(k + 1, one)
+            if gain > best:
+                best, k_best = gain, k
+        return k_best
 
-    def update(self, drafted: int, kept: int) -> None:
-        if not self.adaptive or drafted == 0:
+    def update(self, drafted: int, kept: int, seconds: float) -> None:
+        """One step ran `drafted` + 1 tokens in `seconds` and kept `kept` drafts."""
+        if not self.adaptive:
             return
-        if kept == drafted:
-            self.k = min(self.most, self.k + 1)
+        n = drafted + 1
+        if n not in self._seen:  # a first call may trace the step: not its cost
+            self._seen.add(n)
         else:
-            self.k = max(1, kept + 1)
-        self.misses = self.misses + 1 if kept == 0 else 0
-        if self.misses >= PAUSE_AFTER:
-            self.paused, self.misses = PAUSE_STEPS, 0
+            old = self.cost.get(n)
+            self.cost[n] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+        tried = kept + (1 if kept < drafted else 0)
+        # back towards the prior while nothing is drafted, so drafting is tried again
+        self.kept = DECAY * self.kept + (1 - DECAY) * PRIOR_RATE * PRIOR_TRIALS + kept
+        self.tried = DECAY * self.tried + (1 - DECAY) * PRIOR_TRIALS + tried
 
 
 def why_not(model: Any, caches: Sequence[Any]) -> str | None:
@@ -337,10 +370,15 @@ def speculative_decode(
     adaptive: bool = True,
     compiled: bool = True,
     progress: Progress,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Iterator[int]:
     """`generate.decode`'s contract (yield up to `max_tokens` ids, the first from
     `logits`; closed, the caches hold the prompt and the first `progress.fed` ids) with
-    speculation from `source`. `history`: the prompt's ids (the conversation so far)."""
+    speculation from `source`. `history`: the prompt's ids (the conversation so far).
+
+    Each step queues the model call for [y, *drafts] before yielding y, so the caller's
+    work on y overlaps it; then it keeps the accepted drafts (trimming the rest) and
+    yields them, and the next id."""
     if max_tokens < 1:
         return
     pending = pending_quantization(caches)
@@ -354,40 +392,46 @@ def speculative_decode(
     length = DraftLength(min(draft_tokens, ring_room(caches) - 1), adaptive)
     seen = list(history)
     y = int(verifier.pick(logits, seen).item())
-    n, extra = 0, 0  # ids yielded; ids in the cache beyond those yielded
+    seen.append(y)
+    n = 0  # ids yielded
+    extra = 0  # ids in the cache past those yielded (drafts not yet kept or yielded)
+    planned: mx.array | None = None  # the step in flight
     try:
-        n += 1
-        yield y
-        seen.append(y)
-        while n < max_tokens:
+        while True:
+            if n + 1 == max_tokens:  # the last id: nothing more to run
+                n += 1
+                yield y
+                return
+            t0 = clock()
             if pending is not None and maybe_quantize(caches):
                 pending = pending_quantization(caches)  # the caches changed class
                 step = decode_step(model, caches, compiled)
-            k = min(length.next(), max_tokens - n - 1)
+            k = min(length.next(), max_tokens - n - 2)
             drafts, q = source.propose(seen, k) if k > 0 else ([], None)
-            out = _forward(model, caches, step, [y, *drafts])
+            planned = verifier.plan(_forward(model, caches, step, [y, *drafts]), seen, drafts)
+            mx.async_eval(planned)
             progress.forwards += 1
+            progress.fed += 1  # y is (being) fed
+            extra = len(drafts)
+            n += 1
+            yield y
+            kept, y = verifier.decide(planned, drafts, q)  # waits for the step
+            planned = None
             if drafts:
-                extra = len(drafts)  # until trimmed
-                kept, z = verifier.judge(out, seen, drafts, q)
                 trim_to(caches, caches[0].offset - (len(drafts) - kept))
                 extra = kept
                 progress.drafted += len(drafts)
                 progress.accepted += kept
-                length.update(len(drafts), kept)
-            else:
-                kept, z = 0, int(verifier.pick(out, seen).item())
-            progress.fed += 1  # y is in the cache
+            length.update(len(drafts), kept, clock() - t0)
             for d in drafts[:kept]:
                 progress.fed += 1
                 extra -= 1
                 n += 1
                 seen.append(d)
                 yield d
-            y = z
-            n += 1
             seen.append(y)
-            yield y
     finally:
-        if extra:  # closed while kept drafts were still to be yielded: not in the reply
+        if planned is not None:
+            mx.eval(planned)  # the step in flight finishes before the cache is touched
+        if extra:  # drafts in the cache that the reply did not get to
             trim_to(caches, caches[0].offset - extra)
