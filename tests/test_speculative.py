@@ -415,3 +415,39 @@ def test_the_panel_shows_drafted_accepted_rate_and_tokens_per_pass() -> None:
         speculation_note="speculation off: the StateCache cache cannot take back rejected"
         " tokens"))]
     assert "StateCache" in " ".join(off)
+
+
+def test_chat_settings_carry_speculation_and_fix_a_draft_without_its_folder() -> None:
+    from kvchat.app.core.settings import Settings, SettingsError
+
+    s = Settings(speculation="lookup", draft_tokens=6, lookup_ngram=2)
+    p = s.gen_params()
+    assert (p.speculation, p.draft_tokens, p.lookup_ngram) == ("lookup", 6, 2)
+    loaded = Settings.from_dict({"speculation": "draft", "draft_tokens": 99})
+    assert (loaded.speculation, loaded.draft_tokens) == ("off", 4)
+    assert len(loaded.warnings) == 2
+    with pytest.raises(SettingsError) as e:
+        Settings(speculation="draft").validate()
+    assert e.value.field == "draft_model"
+
+
+def test_serve_requests_choose_speculation_within_the_server_default() -> None:
+    from kvchat.app.serve.protocol import ApiError, Limits, parse
+
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    plain = Limits(("m",), 256)
+    lookup = Limits(("m",), 256, kv={"speculation": "lookup", "draft_tokens": 3})
+    drafts = Limits(("m",), 256, kv={"speculation": "draft", "draft_model": "/models/d"})
+    assert parse("chat", body, plain).params.speculation == "off"
+    assert parse("chat", body, lookup).params.draft_tokens == 3  # the server's default
+    asked = parse("chat", {**body, "speculation": "off"}, lookup).params
+    assert asked.speculation == "off"
+    asked = parse("chat", {**body, "speculation": "lookup", "draft_tokens": 6}, plain).params
+    assert (asked.speculation, asked.draft_tokens) == ("lookup", 6)
+    assert parse("chat", body, drafts).params.draft_model == "/models/d"
+    for bad_body, limits in (({**body, "speculation": "draft"}, plain),
+                             ({**body, "speculation": "medusa"}, plain),
+                             ({**body, "draft_tokens": 99}, lookup)):
+        with pytest.raises(ApiError) as e:
+            parse("chat", bad_body, limits)
+        assert e.value.status == 400

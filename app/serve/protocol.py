@@ -53,7 +53,9 @@ class Limits:
     keep: int = GenParams().keep
     # other models a request may name (--models-dir): id or path -> (path, context)
     local: Mapping[str, tuple[str, int]] = field(default_factory=dict)
-    kv: Mapping[str, Any] = field(default_factory=dict)  # the K/V quantization (--kv-bits)
+    # GenParams every request starts from: the K/V quantization (--kv-bits) and the
+    # speculative decoding default (--prompt-lookup / --draft-model, --draft-tokens)
+    kv: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -119,6 +121,27 @@ def _model(body: Mapping[str, Any], limits: Limits) -> tuple[str, str | None, in
                    param="model", code="model_not_found")
 
 
+# a request's speculative decoding (kvchat's extension): "off", "lookup", or "draft" where
+# the server has a draft model; never a folder (a request names no path)
+SPECULATION = {"off": "off", "lookup": "lookup", "prompt_lookup": "lookup", "draft": "draft"}
+
+
+def _speculation(body: Mapping[str, Any], limits: Limits) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    mode = _get(body, "speculation", (str,), "a string")
+    if mode is not None:
+        if mode not in SPECULATION:
+            raise bad("'speculation' must be off, lookup or draft", "speculation")
+        if SPECULATION[mode] == "draft" and not limits.kv.get("draft_model"):
+            raise bad("this server has no draft model (start it with --draft-model DIR)",
+                      "speculation")
+        out["speculation"] = SPECULATION[mode]
+    for name in ("draft_tokens", "lookup_ngram"):
+        if (v := _integer(body, name)) is not None:
+            out[name] = v
+    return out
+
+
 def _params(body: Mapping[str, Any], limits: Limits, capacity: int) -> GenParams:
     if (n := _integer(body, "n")) is not None and n != 1:
         raise bad("only n=1 is supported", "n")
@@ -140,9 +163,9 @@ def _params(body: Mapping[str, Any], limits: Limits, capacity: int) -> GenParams
         # llama-server's extension: generate max_tokens whatever the model says (benchmarks)
         "ignore_eos": _get(body, "ignore_eos", (bool,), "a boolean"),
     }
-    params = GenParams(**{k: v for k, v in fields.items() if v is not None},
-                       stop=_stops(body), max_kv_size=limits.max_kv_size, keep=limits.keep,
-                       **limits.kv)
+    asked = {k: v for k, v in fields.items() if v is not None} | _speculation(body, limits)
+    params = GenParams(**{**limits.kv, **asked}, stop=_stops(body),
+                       max_kv_size=limits.max_kv_size, keep=limits.keep)
     if params.max_tokens < 1:
         raise bad(f"'max_tokens' must be at least 1, got {params.max_tokens}", "max_tokens")
     # no reply outgrows the cache bound: a longer one would only evict its own prompt
