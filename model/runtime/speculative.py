@@ -27,13 +27,15 @@ A cache that cannot take tokens back exactly (no `trim`: a state cache), or a mo
 split across hosts (its other ranks' caches are out of reach), runs plain decoding, and
 `Progress.speculation_off` says why.
 
-The draft length adapts (`DraftLength`): each step drafts the k that maximises the
+The draft length adapts (`DraftLength`): each pass drafts the k that maximises the
 expected tokens per second, E(α, k) / c(k + 1), where α is the recent acceptance rate per
-drafted token and c(n) the measured seconds of a step that runs n tokens, on this machine
+drafted token and c(n) the measured seconds of a pass that runs n tokens, on this machine
 under its present load. Where a pass of k + 1 tokens costs k + 1 single steps (a busy
-CPU) no k pays and it drafts nothing (k = 0: a plain step); where it costs little more
-than one (a memory-bound machine), it drafts as long as drafts are accepted. The rate
-estimate drifts back to a prior while nothing is drafted, so drafting is tried again.
+CPU) no k pays and it drafts nothing; where it costs little more than one (a
+memory-bound machine) it drafts as long as drafts are accepted. Without drafts (none
+pays, or the lookup found nothing) plain steps run in a stretch, pipelined as
+`generate.decode` runs them; the rate estimate drifts back to a prior meanwhile, so
+drafting is tried again.
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ MAX_DRAFT_TOKENS = 16
 PRIOR_RATE = 0.5
 PRIOR_TRIALS = 2.0
 DECAY = 0.8
+# plain steps run in stretches, pipelined as decode's: after a lookup found nothing, and
+# (longer) while no draft length pays
+NO_MATCH_STRETCH = 4
+NO_GAIN_STRETCH = 16
 
 Q = mx.array | None  # the draft's distributions (k, V), None: certain drafts
 
@@ -242,6 +248,23 @@ class Verifier:
         """The next id after `history` from its logits (1, V): plain decoding's rule."""
         return self.sampler(logits[..., : self.n_ids], history_window(self.sampler, history))
 
+    def lazy_picks(self, history: list[int]) -> Callable[[mx.array], mx.array]:
+        """Plain decoding's pick as its loop runs it: each id stays on the device and
+        joins the repetition window there (no wait for its value)."""
+        window = self.sampler.params.repetition_context_size
+        recent = mx.array(history[-window:], dtype=mx.int32)
+
+        def pick(logits: mx.array) -> mx.array:
+            nonlocal recent
+            x = logits[..., : self.n_ids]
+            if not self.penalised:
+                return self.sampler(x)
+            y = self.sampler(x, recent)
+            recent = mx.concatenate([recent, y.astype(mx.int32)])[-window:]
+            return y
+
+        return pick
+
     def plan(self, logits: mx.array, history: list[int], drafts: list[int]) -> mx.array:
         """What `decide` needs from the logits (k+1, V) of [last id, *drafts], as arrays
         to evaluate with the step: the picks at each position (greedy, or no drafts),
@@ -280,15 +303,15 @@ class Verifier:
 class DraftLength:
     """How many tokens to draft next (0..most): all `most` when not `adaptive`; else the
     k with the most expected tokens per second, E(α, k) / c(k + 1), from the recent
-    acceptance α (per drafted token: a step that keeps a of k drafts tried a + 1 of
-    them, or k when it kept all) and the measured seconds c(n) of a step of n tokens
-    (unmeasured: taken as c(1), so each length gets tried)."""
+    acceptance α (per drafted token: a pass that keeps a of k drafts tried a + 1 of
+    them, or k when it kept all) and the measured seconds c(n) of a pass of n tokens,
+    c(1) from plain stretches (`estimate` for lengths not measured yet)."""
 
     def __init__(self, most: int, adaptive: bool = True) -> None:
         self.most, self.adaptive = most, adaptive
         self.kept, self.tried = PRIOR_RATE * PRIOR_TRIALS, PRIOR_TRIALS
-        self.cost: dict[int, float] = {}  # tokens per step -> seconds (decayed mean)
-        self._seen: set[int] = set()  # lengths whose first step (a new trace) was skipped
+        self.cost: dict[int, float] = {}  # tokens per pass -> seconds (decayed mean)
+        self._seen: set[int] = set()  # lengths whose first pass (a new trace) was skipped
 
     @property
     def rate(self) -> float:
@@ -297,32 +320,55 @@ class DraftLength:
     def next(self) -> int:
         if not self.adaptive or self.most == 0:
             return self.most
-        a = min(self.rate, 0.999)
         one = self.cost.get(1)
-        if one is None:
-            return self.most  # nothing measured yet: try the longest
+        if one is None:  # draft first; once a drafted pass is timed, time plain steps
+            return 0 if self.cost else self.most
+        a = min(self.rate, 0.999)
         best, k_best = 1.0 / one, 0
         for k in range(1, self.most + 1):
-            tokens = (1 - a ** (k + 1)) / (1 - a)  # expected tokens of a k-draft step
-            gain = tokens / self.cost.get(k + 1, one)
+            tokens = (1 - a ** (k + 1)) / (1 - a)  # expected tokens of a k-draft pass
+            gain = tokens / self.estimate(k + 1)
             if gain > best:
                 best, k_best = gain, k
         return k_best
 
-    def update(self, drafted: int, kept: int, seconds: float) -> None:
-        """One step ran `drafted` + 1 tokens in `seconds` and kept `kept` drafts."""
-        if not self.adaptive:
-            return
-        n = drafted + 1
-        if n not in self._seen:  # a first call may trace the step: not its cost
-            self._seen.add(n)
-        else:
-            old = self.cost.get(n)
-            self.cost[n] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
-        tried = kept + (1 if kept < drafted else 0)
+    def estimate(self, n: int) -> float:
+        """c(n): measured, else on the line from c(1) through the longest pass measured
+        below n (c(1) itself when none is: so it gets tried)."""
+        if n in self.cost:
+            return self.cost[n]
+        one = self.cost[1]
+        below = [m for m in self.cost if 1 < m < n]
+        if not below:
+            return one
+        m = max(below)
+        return one + (self.cost[m] - one) * (n - 1) / (m - 1)
+
+    def _cost(self, n: int, seconds: float) -> None:
+        old = self.cost.get(n)
+        self.cost[n] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+
+    def _rate(self, kept: int, tried: int) -> None:
         # back towards the prior while nothing is drafted, so drafting is tried again
         self.kept = DECAY * self.kept + (1 - DECAY) * PRIOR_RATE * PRIOR_TRIALS + kept
         self.tried = DECAY * self.tried + (1 - DECAY) * PRIOR_TRIALS + tried
+
+    def drafted(self, drafted: int, kept: int, seconds: float) -> None:
+        """A pass of `drafted` + 1 tokens took `seconds` and kept `kept` drafts."""
+        if not self.adaptive:
+            return
+        n = drafted + 1
+        if n in self._seen:
+            self._cost(n, seconds)
+        else:  # a first call may trace the pass: not its cost
+            self._seen.add(n)
+        self._rate(kept, kept + (1 if kept < drafted else 0))
+
+    def plain(self, tokens: int, seconds: float) -> None:
+        """Plain steps made `tokens` tokens in `seconds` (pipelined, as decode runs)."""
+        if self.adaptive:
+            self._cost(1, seconds / tokens)
+            self._rate(0, 0)
 
 
 def why_not(model: Any, caches: Sequence[Any]) -> str | None:
@@ -376,9 +422,10 @@ def speculative_decode(
     `logits`; closed, the caches hold the prompt and the first `progress.fed` ids) with
     speculation from `source`. `history`: the prompt's ids (the conversation so far).
 
-    Each step queues the model call for [y, *drafts] before yielding y, so the caller's
+    Each pass queues the model call for [y, *drafts] before yielding y, so the caller's
     work on y overlaps it; then it keeps the accepted drafts (trimming the rest) and
-    yields them, and the next id."""
+    yields them, and the next id. Without drafts it runs plain steps, a stretch at a
+    time, pipelined as `decode` runs them."""
     if max_tokens < 1:
         return
     pending = pending_quantization(caches)
@@ -395,7 +442,7 @@ def speculative_decode(
     seen.append(y)
     n = 0  # ids yielded
     extra = 0  # ids in the cache past those yielded (drafts not yet kept or yielded)
-    planned: mx.array | None = None  # the step in flight
+    planned: mx.array | None = None  # the pass in flight
     try:
         while True:
             if n + 1 == max_tokens:  # the last id: nothing more to run
@@ -408,21 +455,41 @@ def speculative_decode(
                 step = decode_step(model, caches, compiled)
             k = min(length.next(), max_tokens - n - 2)
             drafts, q = source.propose(seen, k) if k > 0 else ([], None)
+            if not drafts:  # plain steps, each queued before the id before it is read
+                m = min(NO_GAIN_STRETCH if k <= 0 else NO_MATCH_STRETCH, max_tokens - n - 1)
+                pick = verifier.lazy_picks(seen)
+                last = mx.array([y])
+                for i in range(m):
+                    planned = pick(step(last))
+                    mx.async_eval(planned)
+                    progress.fed += 1  # `last` is (being) fed
+                    if i:
+                        y = int(last.item())
+                        progress.forwards += 1
+                        seen.append(y)
+                    n += 1
+                    yield y
+                    last = planned
+                y = int(last.item())
+                planned = None
+                progress.forwards += 1
+                seen.append(y)
+                length.plain(m, clock() - t0)
+                continue
             planned = verifier.plan(_forward(model, caches, step, [y, *drafts]), seen, drafts)
             mx.async_eval(planned)
-            progress.forwards += 1
             progress.fed += 1  # y is (being) fed
             extra = len(drafts)
             n += 1
             yield y
-            kept, y = verifier.decide(planned, drafts, q)  # waits for the step
+            kept, y = verifier.decide(planned, drafts, q)  # waits for the pass
             planned = None
-            if drafts:
-                trim_to(caches, caches[0].offset - (len(drafts) - kept))
-                extra = kept
-                progress.drafted += len(drafts)
-                progress.accepted += kept
-            length.update(len(drafts), kept, clock() - t0)
+            progress.forwards += 1  # a pass whose ids the reply got
+            trim_to(caches, caches[0].offset - (len(drafts) - kept))
+            extra = kept
+            progress.drafted += len(drafts)
+            progress.accepted += kept
+            length.drafted(len(drafts), kept, clock() - t0)
             for d in drafts[:kept]:
                 progress.fed += 1
                 extra -= 1
@@ -432,6 +499,6 @@ def speculative_decode(
             seen.append(y)
     finally:
         if planned is not None:
-            mx.eval(planned)  # the step in flight finishes before the cache is touched
+            mx.eval(planned)  # the pass in flight finishes before the cache is touched
         if extra:  # drafts in the cache that the reply did not get to
             trim_to(caches, caches[0].offset - extra)
