@@ -191,6 +191,7 @@ class CompiledStep:
         # cache list, e.g. every new chat, reuses them instead of tracing again
         self._fns: dict[tuple[Any, ...], Any] = model.__dict__.setdefault(
             "_kvchat_decode_traces", {})
+        self.traced = False  # whether the last call built a new trace
 
     def _build(self, layout: tuple[tuple[Any, ...], ...], groups: tuple[int, ...],
                views: tuple[int, ...], n: int) -> Any:
@@ -227,6 +228,7 @@ class CompiledStep:
         return self._run(ys, ys.shape[0])
 
     def _run(self, y: mx.array, n: int) -> mx.array | None:
+        self.traced = False
         rows: list[list[int]] = []
         index: dict[tuple[Any, ...], int] = {}
         groups, buffers, views = [], [], []
@@ -246,6 +248,7 @@ class CompiledStep:
         # the kernel backend can be switched at run time: a trace keeps the one it saw
         fkey = (layout, tuple(groups), tuple(views), metal_kernels.backend(), n)
         fn = self._fns.get(fkey)
+        self.traced = fn is None  # this call traces: its time is no step's (speculative.py)
         if fn is None:
             fn = self._fns[fkey] = self._build(layout, tuple(groups), tuple(views), n)
         out = fn(y, mx.array(rows, dtype=mx.int32), *buffers)

@@ -305,13 +305,17 @@ class DraftLength:
     k with the most expected tokens per second, E(α, k) / c(k + 1), from the recent
     acceptance α (per drafted token: a pass that keeps a of k drafts tried a + 1 of
     them, or k when it kept all) and the measured seconds c(n) of a pass of n tokens,
-    c(1) from plain stretches (`estimate` for lengths not measured yet)."""
+    c(1) from plain stretches (`estimate` for lengths not measured yet).
 
-    def __init__(self, most: int, adaptive: bool = True) -> None:
+    `cost` may be shared between replies (the model's, per draft source: the engine
+    keeps it), so what one reply measured the next one starts from; α starts at the
+    prior every reply."""
+
+    def __init__(self, most: int, adaptive: bool = True,
+                 cost: dict[int, float] | None = None) -> None:
         self.most, self.adaptive = most, adaptive
         self.kept, self.tried = PRIOR_RATE * PRIOR_TRIALS, PRIOR_TRIALS
-        self.cost: dict[int, float] = {}  # tokens per pass -> seconds (decayed mean)
-        self._seen: set[int] = set()  # lengths whose first pass (a new trace) was skipped
+        self.cost = cost if cost is not None else {}  # tokens per pass -> seconds
 
     @property
     def rate(self) -> float:
@@ -353,15 +357,13 @@ class DraftLength:
         self.kept = DECAY * self.kept + (1 - DECAY) * PRIOR_RATE * PRIOR_TRIALS + kept
         self.tried = DECAY * self.tried + (1 - DECAY) * PRIOR_TRIALS + tried
 
-    def drafted(self, drafted: int, kept: int, seconds: float) -> None:
-        """A pass of `drafted` + 1 tokens took `seconds` and kept `kept` drafts."""
+    def drafted(self, drafted: int, kept: int, seconds: float | None) -> None:
+        """A pass of `drafted` + 1 tokens took `seconds` (None: not a pass's time, it
+        traced a new step) and kept `kept` drafts."""
         if not self.adaptive:
             return
-        n = drafted + 1
-        if n in self._seen:
-            self._cost(n, seconds)
-        else:  # a first call may trace the pass: not its cost
-            self._seen.add(n)
+        if seconds is not None:
+            self._cost(drafted + 1, seconds)
         self._rate(kept, kept + (1 if kept < drafted else 0))
 
     def plain(self, tokens: int, seconds: float) -> None:
@@ -369,6 +371,14 @@ class DraftLength:
         if self.adaptive:
             self._cost(1, seconds / tokens)
             self._rate(0, 0)
+
+    def stretch(self, misses: int) -> int:
+        """Plain steps to run before drafting is tried again: while no length pays the
+        longest stretch (pipelined steps cost least); after `misses` lookups in a row that
+        found nothing, a stretch that doubles from NO_MATCH_STRETCH."""
+        if self.adaptive and 1 in self.cost and self.next() == 0:
+            return NO_GAIN_STRETCH
+        return min(NO_MATCH_STRETCH << min(misses, 8), NO_GAIN_STRETCH)
 
 
 def why_not(model: Any, caches: Sequence[Any]) -> str | None:
@@ -436,7 +446,10 @@ def speculative_decode(
     progress.compiled = isinstance(step, CompiledStep)
     progress.speculation = source.name
     verifier = Verifier(sampler, n_ids)
-    length = DraftLength(min(draft_tokens, ring_room(caches) - 1), adaptive)
+    # what passes cost on this machine: kept with the model, per source, across replies
+    costs = model.__dict__.setdefault("_kvchat_pass_costs", {}).setdefault(source.name, {})
+    length = DraftLength(min(draft_tokens, ring_room(caches) - 1), adaptive, costs)
+    misses = 0  # lookups in a row that found nothing
     seen = list(history)
     y = int(verifier.pick(logits, seen).item())
     seen.append(y)
@@ -456,7 +469,8 @@ def speculative_decode(
             k = min(length.next(), max_tokens - n - 2)
             drafts, q = source.propose(seen, k) if k > 0 else ([], None)
             if not drafts:  # plain steps, each queued before the id before it is read
-                m = min(NO_GAIN_STRETCH if k <= 0 else NO_MATCH_STRETCH, max_tokens - n - 1)
+                misses = misses + 1 if k > 0 else 0
+                m = min(length.stretch(misses - 1 if k > 0 else 0), max_tokens - n - 1)
                 pick = verifier.lazy_picks(seen)
                 last = mx.array([y])
                 for i in range(m):
@@ -476,7 +490,10 @@ def speculative_decode(
                 seen.append(y)
                 length.plain(m, clock() - t0)
                 continue
-            planned = verifier.plan(_forward(model, caches, step, [y, *drafts]), seen, drafts)
+            misses = 0
+            out = _forward(model, caches, step, [y, *drafts])
+            traced = getattr(step, "traced", False)
+            planned = verifier.plan(out, seen, drafts)
             mx.async_eval(planned)
             progress.fed += 1  # y is (being) fed
             extra = len(drafts)
@@ -489,7 +506,7 @@ def speculative_decode(
             extra = kept
             progress.drafted += len(drafts)
             progress.accepted += kept
-            length.drafted(len(drafts), kept, clock() - t0)
+            length.drafted(len(drafts), kept, None if traced else clock() - t0)
             for d in drafts[:kept]:
                 progress.fed += 1
                 extra -= 1
