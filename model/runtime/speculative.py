@@ -54,13 +54,11 @@ from kvchat.model.cache.kv import (
 )
 
 from . import threads
+from .events import MAX_DRAFT_TOKENS, GenParams
 from .generate import PREFILL_CHUNK, CompiledStep, Progress, decode_step
 from .sampling import Sampler
 
-SOURCES = ("lookup", "draft")
-DEFAULT_DRAFT_TOKENS = 4
-DEFAULT_NGRAM = 3
-MAX_DRAFT_TOKENS = 16
+DEFAULTS = GenParams()  # draft_tokens, lookup_ngram
 # the acceptance estimate: a prior of PRIOR_RATE over PRIOR_TRIALS drafted tokens, and the
 # weight each step keeps of the past (for the rate and for the costs)
 PRIOR_RATE = 0.5
@@ -88,7 +86,7 @@ class PromptLookup:
 
     name = "prompt lookup"
 
-    def __init__(self, ngram: int = DEFAULT_NGRAM) -> None:
+    def __init__(self, ngram: int = DEFAULTS.lookup_ngram) -> None:
         self.ngram = ngram
         self._seen = 0  # ids of the history indexed so far
         self._after: list[dict[tuple[int, ...], int]] = [{} for _ in range(ngram)]
@@ -422,7 +420,7 @@ def speculative_decode(
     n_ids: int,
     history: list[int],
     max_tokens: int = 256,
-    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    draft_tokens: int = DEFAULTS.draft_tokens,
     adaptive: bool = True,
     compiled: bool = True,
     progress: Progress,

@@ -17,7 +17,8 @@ shape (tests/benchmarks/threads.py) with a random 2-layer draft: random weights 
 text, so every acceptance there is meaningless, only the costs are real.
 
 Columns: decode tok/s (docs/design.md's definition, median of --runs rounds that each run
-every method once, in turn, so load moves them alike), ÷ plain per round (median),
+every method once, in turn, so load moves them alike), ÷ plain per round (median, and the
+lowest and highest round),
 acceptance (kept ÷ drafted), tokens per forward pass, and whether the greedy ids equal
 plain decoding's. `oracle` drafts the plain reply's own next ids (every draft right, no
 cost): the most any source could gain on this machine. `pass cost` is the time of one
@@ -193,10 +194,11 @@ def measure(name: str, runs: int, gen: int) -> dict[str, Any]:
         for m, rs in rows.items():
             drafted = sum(r["drafted"] for r in rs)
             passes = sum(r["forwards"] for r in rs)
+            ratios = [r["tps"] / p for r, p in zip(rs, plain, strict=True)]
             table[m] = {
                 "tps": statistics.median(r["tps"] for r in rs),
-                "vs_plain": statistics.median(r["tps"] / p for r, p in zip(rs, plain,
-                                                                          strict=True)),
+                "vs_plain": statistics.median(ratios),
+                "vs_plain_rounds": ratios,
                 "acceptance": sum(r["accepted"] for r in rs) / drafted if drafted else None,
                 "tokens_per_pass": sum(r["tokens"] - 1 for r in rs) / passes if passes else None,
                 "same_ids": all(r["same"] for r in rs),
@@ -222,14 +224,15 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"\nmodel {m['model']} (draft: {m['draft']})")
         lines.append("pass cost (n tokens ÷ 1): " + ", ".join(
             f"{n}: {c:.2f}" for n, c in sorted(m["pass_cost"].items(), key=lambda x: int(x[0]))))
-        lines.append(f"{'task':<7}{'method':<12}{'tok/s':>9}{'÷ plain':>9}{'accept':>8}"
-                     f"{'tok/pass':>9}  same ids")
+        lines.append(f"{'task':<7}{'method':<12}{'tok/s':>9}{'÷ plain':>9}{'(min–max)':>13}"
+                     f"{'accept':>8}{'tok/pass':>9}  same ids")
         for task, t in m["tasks"].items():
             for meth, r in t["methods"].items():
                 acc = "–" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
                 tpp = "–" if r["tokens_per_pass"] is None else f"{r['tokens_per_pass']:.2f}"
+                spread = f"{min(r['vs_plain_rounds']):.2f}–{max(r['vs_plain_rounds']):.2f}"
                 lines.append(f"{task:<7}{meth:<12}{r['tps']:>9.1f}{r['vs_plain']:>9.2f}"
-                             f"{acc:>8}{tpp:>9}  {'yes' if r['same_ids'] else 'NO'}")
+                             f"{spread:>13}{acc:>8}{tpp:>9}  {'yes' if r['same_ids'] else 'NO'}")
             lines.append(f"{'':7}({t['prompt_tokens']} prompt tokens, a reply of"
                          f" {t['reply_tokens']})")
     return "\n".join(lines)
@@ -243,7 +246,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="most tokens per reply (kvchat-mini stops at its end of text)")
     p.add_argument("--gen-tokens-135m", type=int, default=32)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--render", metavar="FILE", help="print the table of a --json result")
     args = p.parse_args(argv)
+    if args.render:
+        print(render(json.loads(open(args.render).read())))
+        return 0
     result: dict[str, Any] = {
         "cpu": cpu_model(), "cores": os.cpu_count(), "load_before": loadavg(),
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "models": []}
