@@ -496,3 +496,20 @@ def test_serve_requests_choose_speculation_within_the_server_default() -> None:
         with pytest.raises(ApiError) as e:
             parse("chat", bad_body, limits)
         assert e.value.status == 400
+
+
+def test_bench_reports_speculative_beside_plain(stories260k: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from kvchat.app.main import main
+
+    assert main(["bench", "--model", str(stories260k), "--runs", "2", "--json",
+                 "--prompt-tokens", "24", "--gen-tokens", "24", "--draft-model",
+                 str(stories260k), "--draft-tokens", "3"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    sp = r["speculative"]
+    assert sp["source"] == "stories260K" and sp["same_ids"] is True
+    assert sp["ratio_of"] == "speculative ÷ plain"
+    assert len(sp["ratio"]["decode_tps"]["runs"]) == 2
+    assert sp["accepted"] <= sp["drafted"] and sp["decode_tps"]["median"] > 0
+    assert main(["bench", "--model", str(stories260k), "--prompt-lookup", "--draft-model",
+                 str(stories260k)]) == 2  # one source at a time
