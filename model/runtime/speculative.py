@@ -227,7 +227,7 @@ def accept(p: mx.array, drafts: Sequence[int], q: Q, u: Sequence[float],
         else:
             residual = mx.maximum(p[i] - q[i], 0.0)
         total = residual.sum()
-        # p == q leaves nothing (a rejection then has probability 0 but for rounding)
+        # p == q leaves nothing (a rejection then has probability 0 but for float error)
         residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[i])
         return i, draw(residual)
     return k, draw(p[k])

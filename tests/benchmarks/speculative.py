@@ -16,9 +16,9 @@ tokenizer differs, checked and printed); `135m` a random float32 model of SmolLM
 shape (tests/benchmarks/threads.py) with a random 2-layer draft: random weights write no
 text, so every acceptance there is meaningless, only the costs are real.
 
-Columns: decode tok/s (docs/design.md's definition, median of --runs rounds that each run
-every method once, in turn, so load moves them alike), ÷ plain per round (median, and the
-lowest and highest round),
+Columns: decode tok/s (docs/design.md's definition, median of --runs repeats that each run
+every method once, in turn, so load moves them alike), ÷ plain per repeat (median, and the
+lowest and highest repeat),
 acceptance (kept ÷ drafted), tokens per forward pass, and whether the greedy ids equal
 plain decoding's. `oracle` drafts the plain reply's own next ids (every draft right, no
 cost): the most any source could gain on this machine. `pass cost` is the time of one
@@ -148,8 +148,8 @@ def reply(model: Any, prompt: list[int], method: str, gen: int, stop: list[int],
     return ids, (len(ids) - 1) / span if span > 0 and len(ids) > 1 else 0.0, progress
 
 
-def pass_costs(model: Any, prompt: list[int], rounds: int = 5) -> dict[int, float]:
-    """One compiled pass of n tokens ÷ one of 1, at the prompt's length (best of rounds)."""
+def pass_costs(model: Any, prompt: list[int], repeats: int = 5) -> dict[int, float]:
+    """One compiled pass of n tokens ÷ one of 1, at the prompt's length (best of repeats)."""
     import mlx.core as mx
 
     from kvchat.model.cache.kv import make_prompt_cache, trim_to
@@ -161,7 +161,7 @@ def pass_costs(model: Any, prompt: list[int], rounds: int = 5) -> dict[int, floa
     list(prefill(model, prompt, caches, progress=Progress()))
     step, base = CompiledStep(model, caches), caches[0].offset
     best: dict[int, float] = {}
-    for _ in range(rounds):
+    for _ in range(repeats):
         for n in (1, 2, 3, 5):
             ys = mx.array(prompt[:n])
             for timed in (False, True):  # the first call traces
@@ -198,7 +198,7 @@ def measure(name: str, runs: int, gen: int) -> dict[str, Any]:
             table[m] = {
                 "tps": statistics.median(r["tps"] for r in rs),
                 "vs_plain": statistics.median(ratios),
-                "vs_plain_rounds": ratios,
+                "vs_plain_repeats": ratios,
                 "acceptance": sum(r["accepted"] for r in rs) / drafted if drafted else None,
                 "tokens_per_pass": sum(r["tokens"] - 1 for r in rs) / passes if passes else None,
                 "same_ids": all(r["same"] for r in rs),
@@ -230,7 +230,7 @@ def render(result: dict[str, Any]) -> str:
             for meth, r in t["methods"].items():
                 acc = "–" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
                 tpp = "–" if r["tokens_per_pass"] is None else f"{r['tokens_per_pass']:.2f}"
-                spread = f"{min(r['vs_plain_rounds']):.2f}–{max(r['vs_plain_rounds']):.2f}"
+                spread = f"{min(r['vs_plain_repeats']):.2f}–{max(r['vs_plain_repeats']):.2f}"
                 lines.append(f"{task:<7}{meth:<12}{r['tps']:>9.1f}{r['vs_plain']:>9.2f}"
                              f"{spread:>13}{acc:>8}{tpp:>9}  {'yes' if r['same_ids'] else 'NO'}")
             lines.append(f"{'':7}({t['prompt_tokens']} prompt tokens, a reply of"
