@@ -134,8 +134,8 @@ class DraftModel:
     def _sync(self, history: list[int]) -> list[int]:
         """Trim the cache to its common prefix with `history`; the ids still to feed
         (at least one: the next draft needs its logits)."""
-        n = 0
         limit = min(len(self.ids), len(history) - 1)
+        n = limit if self.ids[:limit] == history[:limit] else 0  # the usual case, at C speed
         while n < limit and self.ids[n] == history[n]:
             n += 1
         if self.caches is None:
@@ -148,11 +148,13 @@ class DraftModel:
             del self.ids[n:]
         return history[n:]
 
-    def _choose(self, logits: mx.array, history: list[int]) -> tuple[mx.array, mx.array | None]:
+    def _choose(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+        """The next draft (on the device) and the distribution it was drawn from; the
+        draft needs no repetition penalty: q only has to be what d was drawn from."""
         x = logits[None, : self.n_ids]
         if self.sampler is None:
             return mx.argmax(x, axis=-1), None
-        probs = self.sampler.probs(x, history_window(self.sampler, history))
+        probs = self.sampler.probs(x)
         return self.sampler.pick(probs), probs[0]
 
     def propose(self, history: list[int], k: int) -> tuple[list[int], Q]:
@@ -164,19 +166,16 @@ class DraftModel:
             mx.eval([c.state for c in self.caches])
         step = decode_step(self.model, self.caches)
         logits = step(mx.array(todo[-1:]))[0]
-        drafts: list[int] = []
+        ys: list[mx.array] = []
         qs: list[mx.array] = []
-        seen = list(history)
-        while True:
-            y, q = self._choose(logits, seen)
-            d = int(y.item())
-            drafts.append(d)
+        for i in range(k):  # each draft feeds the next on the device: one wait, at the end
+            y, q = self._choose(logits)
+            ys.append(y)
             if q is not None:
                 qs.append(q)
-            if len(drafts) == k:
-                break
-            seen.append(d)
-            logits = step(y)[0]
+            if i + 1 < k:
+                logits = step(y)[0]
+        drafts: list[int] = mx.concatenate(ys).tolist()  # type: ignore[assignment]
         self.ids = list(history) + drafts[:-1]
         return drafts, (mx.stack(qs) if qs else None)
 
