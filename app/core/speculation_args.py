@@ -24,8 +24,8 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding with drafts from a smaller model that shares"
                    " the model's tokenizer")
     p.add_argument("--draft-tokens", type=int, default=d.draft_tokens, metavar="K",
-                   help=f"draft at most K tokens per step, fewer while drafts are rejected"
-                   f" (1..{MAX_DRAFT_TOKENS}, default %(default)s)")
+                   help=f"draft at most K tokens per step; fewer, or none, where measured"
+                   f" speed says more do not pay (1..{MAX_DRAFT_TOKENS}, default %(default)s)")
 
 
 def speculation_fields(args: argparse.Namespace) -> dict[str, Any]:
