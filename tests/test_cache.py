@@ -156,16 +156,26 @@ def test_sliding_window_with_a_smaller_rotating_cache_intersects_both() -> None:
         assert max_diff(got, ref) < 1e-4
 
 
-def test_exact_trim_after_wrap_then_continue() -> None:
+@pytest.mark.parametrize(("chunk", "drop"), [(1, 1), (5, 1), (5, 3), (5, 4), (6, 2), (6, 6)])
+def test_exact_trim_after_wrap_then_continue(chunk: int, drop: int) -> None:
+    """After the wrap a trim is exact within the last write (a chunk puts back the keys
+    it displaced; one token displaces only a key no query needs again) and not beyond."""
     model = tiny_model()
     M, K = W, 2
     a = mx.random.randint(0, 97, (1, 3 * W), key=mx.random.key(6))
     b = mx.random.randint(0, 97, (1, 10), key=mx.random.key(7))
     caches = [RotatingKVCache(M, K) for _ in range(2)]
-    chunked_logits(model, a, caches, 5)
-    n = a.shape[1] - 1  # trimming one token after the wrap keeps the window exact
-    assert can_trim_to(caches, n) and not can_trim_to(caches, n - 1)
-    assert trim_to(caches, n) == 1
+    chunked_logits(model, a, caches, chunk)
+    last = a.shape[1] - (a.shape[1] - 1) // chunk * chunk  # tokens of the last write
+    # and one more: the token before a write displaced only a key no query needs again
+    reach = last + 1 if last > 1 else 1
+    assert can_trim_to(caches, a.shape[1] - reach)
+    assert not can_trim_to(caches, a.shape[1] - reach - 1)
+    n = a.shape[1] - drop
+    if drop > 1:  # in two steps: the second trim still finds what the write displaced
+        trim_to(caches, n + 1)
+    trim_to(caches, n)
+    assert caches[0].offset == n
     seq = mx.concatenate([a[:, :n], b], axis=1)
     got = chunked_logits(model, b, caches, 3)
     ref = reference_logits(model, seq, semantic_mask(seq.shape[1], M, K))[:, n:]

@@ -109,6 +109,21 @@ def test_json_object_reply_parses_as_an_object(clients, model) -> None:
         assert isinstance(json.loads(done.text), dict)
 
 
+def test_a_constrained_reply_decodes_without_speculation_and_says_why(clients) -> None:
+    """A grammar masks each step's logits, which a verify pass of drafted tokens does not:
+    a constrained reply that asks for speculation decodes plainly (the same ids, valid),
+    and its statistics say why."""
+    client, fmt = clients("stories260k"), schema_format(PERSON)
+    plain = client.run(MESSAGES, GenParams(max_tokens=70, temp=0.0, response_format=fmt))
+    asked = client.run(MESSAGES, GenParams(max_tokens=70, temp=0.0, response_format=fmt,
+                                           speculation="lookup"))
+    assert asked.finish_reason in ("eos", "length"), asked.error
+    assert list(asked.ids) == list(plain.ids)
+    valid(asked.text, PERSON)
+    assert asked.stats.speculation is None
+    assert "constrained" in (asked.stats.speculation_note or "")
+
+
 @pytest.mark.parametrize("schema,keyword", [
     ({"type": "array", "uniqueItems": True}, "uniqueItems"),
     ({"type": "array", "contains": {"const": 1}}, "contains"),

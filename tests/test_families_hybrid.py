@@ -326,3 +326,32 @@ def test_explain_names_the_recurrent_layers(
     out = capsys.readouterr().out
     expected = {"mamba": "2 of 2", "nemotron_h": "1 of 4"}[name]
     assert f"recurrent layers: {expected} keep a fixed-size state" in out
+
+
+def test_compiled_step_verifies_no_drafts_on_a_state_and_steps_one_token(
+    hybrid: Callable[[str], Path]
+) -> None:
+    """Nemotron-H (a Mamba-2 state, attention K/V, mixer-less MLP and expert layers): the
+    compiled step drives every cache one token at a time with the plain model's logits;
+    a speculative verify pass of several tokens is refused (None) and writes nothing,
+    since a state cannot take back the drafts it rejects."""
+    from kvchat.model.cache.state import PassCache
+    from kvchat.model.runtime.generate import CompiledStep
+
+    model = load_model(hybrid("nemotron_h"))
+    prompt, nxt = IDS[:, :12], IDS[0, 12:14]
+    caches, plain = make_prompt_cache(model), make_prompt_cache(model)
+    model(mx.array(prompt), cache=caches)
+    model(mx.array(prompt), cache=plain)
+    kinds = {type(c).__name__ for c in caches}
+    assert {"StateCache", "PassCache"} <= kinds and any(hasattr(c, "keys") for c in caches)
+    step = CompiledStep(model, caches)
+    assert step.supported
+    assert step.verify(mx.array(nxt)) is None
+    assert [c.offset for c in caches] == [12] * len(caches)
+    got = step(mx.array(nxt[:1]))
+    want = model(mx.array(nxt[None, :1]), cache=plain)[:, -1, :]
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+    assert [c.offset for c in caches] == [13] * len(caches)
+    p = next(c for c in caches if isinstance(c, PassCache))
+    assert p.next_slot(3) == (13, 0, 0, 0)  # nothing to write: any token count

@@ -11,7 +11,10 @@ Honest by construction:
 - one decode roofline: kvchat's bytes read per generated token (its weights + resident
   K/V at the middle of the reply) over a measured memory bandwidth; both sides' tok/s
   are given as a fraction of that same roofline, and every ratio is kvchat ÷ mlx-lm;
-- the OpenBLAS thread policy in effect is printed (model/runtime/threads.py).
+- the OpenBLAS thread policy in effect is printed (model/runtime/threads.py);
+- with --prompt-lookup or --draft-model, speculative decoding runs beside plain decoding
+  on the same engine and prompt ids (plain, speculative, plain, … after a warm-up of
+  each), with its acceptance and tokens per forward pass, and speculative ÷ plain per pair.
 
 A quantized folder (the shipped kvchat-mini) is dequantized by kvchat on the CPU; mlx-lm's
 own 4-bit CPU path is no comparison, so give mlx-lm a float copy of the same weights made
@@ -41,6 +44,7 @@ from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.engine_service import EngineOptions, EngineService
 from kvchat.app.core.errors import UsageError, report
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
+from kvchat.app.core.speculation_args import add_speculation_arguments, speculation_fields
 from kvchat.app.core.text import json_text
 from kvchat.model.cache.kv_math import kv_bytes_per_token
 from kvchat.model.decoder.kv_format import KVQuant
@@ -51,6 +55,7 @@ from kvchat.model.runtime.events import GenParams
 
 METRICS = ("prefill_tps", "decode_tps", "ttft_s")
 RATIO = "kvchat ÷ mlx-lm"  # how every ratio is taken (the label printed beside it)
+SPEC_RATIO = "speculative ÷ plain"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,6 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep quantized weights quantized (CPU default: dequantize)")
     add_kv_arguments(p)
     memory.add_argument(p)
+    add_speculation_arguments(p)
     p.add_argument("--agreement-tokens", type=int, default=512, metavar="N",
                    help="with --kv-bits: also measure greedy agreement with the float cache"
                    " over N tokens (0 = skip; default %(default)s); the settings screen shows"
@@ -129,15 +135,18 @@ class _Ours:
         self.kv = {} if q is None else {"kv_bits": q.bits, "kv_group_size": q.group_size,
                                         "quantized_kv_start": q.start}
 
-    def once(self, ids: list[int], gen: int) -> dict[str, float]:
+    def once(self, ids: list[int], gen: int, spec: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
         self.runner.engine.reset()
         done = self.runner.run(ids, GenParams(max_tokens=gen, temp=0.0, ignore_eos=True,
-                                              **self.kv))
+                                              **self.kv, **(spec or {})))
         if done.finish_reason == "error":
             raise RuntimeError(done.error)
         s = done.stats
         return {k: getattr(s, k) or 0.0 for k in (*METRICS, "peak_memory")} | {
-            "compiled_step": s.compiled_step}
+            "compiled_step": s.compiled_step, "ids": done.ids,
+            **{k: getattr(s, k) for k in ("speculation", "drafted", "accepted",
+                                          "tokens_per_forward", "speculation_note")}}
 
     def close(self) -> None:
         self.runner.close()
@@ -207,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         q = kv_quant_from_args(args)
+        spec = speculation_fields(args)
     except UsageError as e:
         report(str(e))
         return 2
@@ -214,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
         report("--against mlx-lm: mlx-lm reads model folders, not GGUF files; give it one"
                " with --mlx-lm-model DIR")
         return 2
+    speculative = spec if spec["speculation"] != "off" else None
     if args.keep_quantized:
         os.environ["KVCHAT_KEEP_QUANTIZED"] = "1"
     import mlx.core as mx
@@ -240,11 +251,15 @@ def run(args: argparse.Namespace) -> int:
         ours.once(ids[:8], 4)
         if ref is not None:
             ref.once(ids[:8], 4)
-        a_rows, b_rows = [], []
+        if speculative is not None:  # loads the draft model, traces the verify step
+            ours.once(ids[:8], 8, speculative)
+        a_rows, b_rows, s_rows = [], [], []
         for _ in range(args.runs):
             a_rows.append(ours.once(ids, args.gen_tokens))
             if ref is not None:
                 b_rows.append(ref.once(ids, args.gen_tokens))
+            if speculative is not None:
+                s_rows.append(ours.once(ids, args.gen_tokens, speculative))
     finally:
         ours.close()
 
@@ -317,6 +332,8 @@ def run(args: argparse.Namespace) -> int:
         result["mlx_lm"]["kv"] = ref_kv or None
         if ref_kv_note:
             result["mlx_lm"]["kv_note"] = ref_kv_note
+    if speculative is not None:
+        result["speculative"] = _speculative(a_rows, s_rows, args.draft_tokens)
     if q is not None and args.agreement_tokens > 0:
         result["kv_quality"] = _agreement(path, q, args.agreement_tokens)
     if args.json:
@@ -324,6 +341,28 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(_render(result))
     return 0
+
+
+def _speculative(plain: list[dict[str, Any]], spec: list[dict[str, Any]], most: int
+                 ) -> dict[str, Any]:
+    """Speculative decoding beside plain decoding on the same ids: its speeds, what it
+    drafted and kept, and speculative ÷ plain per pair; greedy, so the ids must agree."""
+    last = spec[-1]
+    drafted = sum(r["drafted"] or 0 for r in spec)
+    accepted = sum(r["accepted"] or 0 for r in spec)
+    return {
+        "source": last["speculation"], "draft_tokens": most,
+        "note": last["speculation_note"],
+        **_side(spec),
+        "drafted": drafted, "accepted": accepted,
+        "acceptance": accepted / drafted if drafted else 0.0,
+        "tokens_per_forward": summary([r["tokens_per_forward"] or 0.0 for r in spec]),
+        "same_ids": all(a["ids"] == b["ids"] for a, b in zip(plain, spec, strict=True)),
+        "ratio": {k: summary([b[k] / a[k] if a[k] else 0.0
+                              for a, b in zip(plain, spec, strict=True)])
+                  for k in ("decode_tps",)},
+        "ratio_of": SPEC_RATIO,
+    }
 
 
 def _mlx_lm_kv(q: KVQuant | None, head_dim: int) -> tuple[dict[str, Any], str | None]:
@@ -350,6 +389,23 @@ def _agreement(path: str, q: KVQuant, n: int) -> dict[str, Any]:
     result = measure(model, prompt, q, n=n, held_out=held_out).to_dict()
     kv_quality.record(path, result, how="kvchat bench")
     return result
+
+
+def _render_speculative(sp: dict[str, Any]) -> list[str]:
+    if sp.get("note"):
+        return [f"speculative: {sp['note']}"]
+    v = sp["ratio"]["decode_tps"]
+    pairs = ", ".join(f"{x:.2f}" for x in v["runs"])
+    return [
+        f"speculative ({sp['source']}, up to {sp['draft_tokens']} drafts):"
+        f" {sp['accepted']:,} of {sp['drafted']:,} drafted accepted ({sp['acceptance']:.0%}),"
+        f" {sp['tokens_per_forward']['median']:.2f} tokens per forward pass; same ids as"
+        f" plain: {'yes' if sp['same_ids'] else 'NO'}",
+        f"{'speculative decode_tps':<28}" + "".join(
+            f"{_fmt(sp['decode_tps'][x]):>12}" for x in ("min", "median", "max")),
+        f"{SPEC_RATIO + ' decode_tps':<28}{v['min']:>12.2f}{v['median']:>12.2f}"
+        f"{v['max']:>12.2f}   per pair: {pairs}",
+    ]
 
 
 def _fmt(v: float) -> str:
@@ -391,6 +447,9 @@ def _render(r: dict[str, Any]) -> str:
                          f"{v['max']:>12.2f}   per pair: {pairs}")
     elif "ratio_refused" in r:
         lines.append(f"no ratio: {r['ratio_refused']}")
+    sp = r.get("speculative")
+    if sp:
+        lines += _render_speculative(sp)
     kq = r.get("kv_quality")
     if kq:
         first = kq["first_divergence"]

@@ -13,6 +13,7 @@ from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.engine_service import EngineOptions, EngineService
 from kvchat.app.core.errors import UsageError, debug, interrupted, report
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
+from kvchat.app.core.speculation_args import add_speculation_arguments, speculation_fields
 from kvchat.app.core.text import SafeStream, json_text
 from kvchat.model.cache.kv_math import human_bytes
 from kvchat.model.errors import KVChatError, error_line
@@ -90,6 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      " (a keyword that cannot be enforced is refused by name)")
     fmt.add_argument("--json-object", action="store_true",
                      help="constrain the reply to one JSON object")
+    add_speculation_arguments(p)
     p.add_argument("--ignore-eos", action="store_true",
                    help="generate --max-tokens tokens: EOS (and a base model's BOS) does not"
                    " end the reply, as llama.cpp's --ignore-eos")
@@ -105,6 +107,7 @@ def params_from_args(args: argparse.Namespace) -> GenParams:
         stop=tuple(t for t in map(_text_arg, args.stop) if t is not None),
         keep=GenParams().keep if args.keep is None else args.keep,
         response_format=_response_format(args),
+        **speculation_fields(args),
     )
 
 
@@ -268,6 +271,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvchat: {context_full_line(done)}", file=sys.stderr)
         if done.finish_reason not in ("error", "cancelled") and not args.quiet:
             print(f"kvchat: {stats_line(done)}", file=sys.stderr)
+            if done.stats.speculation_note:  # asked for and not possible: say why
+                print(f"kvchat: {done.stats.speculation_note}", file=sys.stderr)
     if done.finish_reason == "error":
         report(done.error or "generation failed")
     return rc
@@ -286,4 +291,11 @@ def stats_line(done: Done) -> str:
     s = done.stats
     return (f"prompt {len(done.prompt_ids):,} tokens at {s.prefill_tps or 0:,.1f} tok/s"
             f" · generated {len(done.ids):,} tokens at {s.decode_tps or 0:,.1f} tok/s"
-            f" · peak memory {human_bytes(s.peak_memory or 0)}")
+            + (f" · {speculation_summary(done.stats)}" if s.speculation else "")
+            + f" · peak memory {human_bytes(s.peak_memory or 0)}")
+
+
+def speculation_summary(s: Any) -> str:
+    """What speculation did this reply: drafts accepted, and tokens per forward pass."""
+    return (f"{s.speculation}: {s.accepted or 0:,} of {s.drafted or 0:,} drafted accepted"
+            f" ({(s.acceptance or 0):.0%}), {s.tokens_per_forward or 0:.2f} tokens per pass")

@@ -30,7 +30,7 @@ from kvchat.model.decoder.kv_format import BITS, GROUP_SIZES
 from kvchat.model.errors import KVChatError
 from kvchat.model.files import BadJSONFile, load_json
 from kvchat.model.runtime import threads
-from kvchat.model.runtime.events import GenParams
+from kvchat.model.runtime.events import MAX_DRAFT_TOKENS, MAX_NGRAM, SPECULATION, GenParams
 from kvchat.model.runtime.sampling import SamplingParams
 
 SETTINGS_FILE = "settings.json"
@@ -62,6 +62,12 @@ class Settings:
     kv_bits: int | None = None
     kv_group_size: int | None = None
     quantized_kv_start: int = 0
+    # speculative decoding (docs/design.md): off, lookup (prompt lookup) or draft (the
+    # model in draft_model); at most draft_tokens drafted per step
+    speculation: str = "off"
+    draft_model: str | None = None
+    draft_tokens: int = 4
+    lookup_ngram: int = 3
     model_dirs: list[str] = field(default_factory=list)
     last_model: str | None = None
     kernels: str | None = None  # RMSNorm/RoPE backend (metal|fast|ops); None: the default
@@ -84,8 +90,11 @@ class Settings:
             if err:
                 raise SettingsError(err, name)
         err = _cross_error(self)
-        if err:  # with every field valid alone: K/V options without bits, or window vs keep
-            raise SettingsError(err, "kv_bits" if _kv_orphan(self) else "max_kv_size")
+        if err:  # with every field valid alone: K/V options without bits, a draft model
+            # asked for without its folder, or window vs keep
+            field = ("kv_bits" if _kv_orphan(self) else "draft_model" if _draft_orphan(self)
+                     else "max_kv_size")
+            raise SettingsError(err, field)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -113,6 +122,10 @@ class Settings:
                               " quantized_kv_start 0")
             s.kv_group_size, s.quantized_kv_start = None, 0
             err = _cross_error(s)
+        if err and _draft_orphan(s):
+            s.warnings.append(f"{err}; using the default speculation 'off'")
+            s.speculation = "off"
+            err = _cross_error(s)
         if err:
             # max_kv_size and keep relate; the unbounded default is always valid
             s.warnings.append(f"{err}; using the default max_kv_size None")
@@ -123,7 +136,7 @@ class Settings:
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(Settings) if f.init)
 _SAMPLING_FIELDS = {"temp", "top_p", "top_k", "min_p", "repetition_penalty", "seed"}
 _INT_FIELDS = {"top_k", "max_tokens", "keep", "seed", "max_kv_size", "kv_cache_max_mib",
-               "kv_bits", "kv_group_size", "quantized_kv_start"}
+               "kv_bits", "kv_group_size", "quantized_kv_start", "draft_tokens", "lookup_ngram"}
 
 
 def _is_int(x: Any) -> bool:
@@ -164,6 +177,18 @@ def _field_error(name: str, v: Any) -> str | None:
     elif name == "quantized_kv_start":
         if not _is_int(v) or v < 0:
             return f"quantized_kv_start must be an integer >= 0 (got {v!r})"
+    elif name == "speculation":
+        if v not in SPECULATION:
+            return f"speculation must be one of {', '.join(SPECULATION)} (got {v!r})"
+    elif name == "draft_model":
+        if v is not None and not isinstance(v, str):
+            return f"draft_model must be a folder path (got {v!r})"
+    elif name == "draft_tokens":
+        if not _is_int(v) or not 1 <= v <= MAX_DRAFT_TOKENS:
+            return f"draft_tokens must be an integer in 1..{MAX_DRAFT_TOKENS} (got {v!r})"
+    elif name == "lookup_ngram":
+        if not _is_int(v) or not 1 <= v <= MAX_NGRAM:
+            return f"lookup_ngram must be an integer in 1..{MAX_NGRAM} (got {v!r})"
     elif name == "save_kv_cache":
         if not isinstance(v, bool):
             return f"save_kv_cache must be true or false (got {v!r})"
@@ -200,6 +225,11 @@ def _field_error(name: str, v: Any) -> str | None:
 def _kv_orphan(s: Settings) -> bool:
     """A K/V group size or start without K/V bits (they mean nothing then)."""
     return s.kv_bits is None and (s.kv_group_size is not None or bool(s.quantized_kv_start))
+
+
+def _draft_orphan(s: Settings) -> bool:
+    """Speculation with a draft model, and no draft model folder."""
+    return s.speculation == "draft" and not s.draft_model
 
 
 def _cross_error(s: Settings) -> str | None:

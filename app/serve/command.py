@@ -28,6 +28,7 @@ from kvchat.app.core.discovery import DEFAULT_MODEL
 from kvchat.app.core.engine_service import EngineOptions, EngineService
 from kvchat.app.core.errors import UsageError
 from kvchat.app.core.kv_args import add_kv_arguments, kv_quant_from_args
+from kvchat.app.core.speculation_args import add_speculation_arguments, speculation_fields
 from kvchat.model.errors import KVChatError
 from kvchat.model.runtime.events import MAX_KV_SIZE, GenParams
 
@@ -69,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bound every request's KV cache to N tokens (rotating)")
     add_kv_arguments(p)
     memory.add_argument(p)
+    add_speculation_arguments(p)  # the default of every request; one may ask otherwise
     p.add_argument("--keep", type=int, default=None, metavar="K",
                    help=f"sink tokens kept when the cache rotates (needs --max-kv-size;"
                    f" default {GenParams().keep})")
@@ -148,7 +150,7 @@ def _check(args: argparse.Namespace) -> GenParams:
     kv_quant_from_args(args)  # the K/V flags' errors in the flags' own words
     bound = GenParams(max_kv_size=args.max_kv_size,
                       keep=GenParams().keep if args.keep is None else args.keep,
-                      **kv_fields(args))
+                      **request_defaults(args))
     try:
         bound.validate()
     except KVChatError as e:
@@ -160,6 +162,12 @@ def kv_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The K/V quantization every request's cache uses (GenParams' field names)."""
     return {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size,
             "quantized_kv_start": args.quantized_kv_start}
+
+
+def request_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """The GenParams every request starts from (ServeConfig.kv, the protocol's
+    Limits.kv): the K/V quantization and the speculative decoding default."""
+    return {**kv_fields(args), **speculation_fields(args)}
 
 
 def host_policy(args: argparse.Namespace, bound: str, port: int) -> Any:
@@ -321,7 +329,8 @@ async def _serve(args: argparse.Namespace, model: str, bound: GenParams,
     connections = ConnectionLimits(args.idle_timeout, default_max_connections())
     config = ServeConfig(api_keys=api_keys(args),
                          max_body_bytes=int(args.max_body_mb * 2**20),
-                         max_kv_size=bound.max_kv_size, keep=bound.keep, kv=kv_fields(args),
+                         max_kv_size=bound.max_kv_size, keep=bound.keep,
+                         kv=request_defaults(args),
                          allow_origins=args.allow_origins,
                          hosts=host_policy(args, host, port), idle_timeout_s=args.idle_timeout,
                          max_prompt_tokens=args.max_prompt_tokens, tokenizer=args.tokenizer,

@@ -85,6 +85,12 @@ _SAMPLING = {
     "repetition_penalty": _honoured("0 < r ≤ 100 (mlx-lm)"),
     "repetition_context_size": _honoured("≥ 1 recent tokens penalised (mlx-lm)"),
     "ignore_eos": _honoured("generate max_tokens whatever the model says (llama-server)"),
+    # speculative decoding (kvchat's; docs/design.md, Speculative decoding): the same
+    # reply when greedy, so a request may choose it within what the server loaded
+    "speculation": _honoured("`off`, `lookup`, or `draft` where the server has"
+                             " `--draft-model` (kvchat)"),
+    "draft_tokens": _honoured("1–16 drafts per step at most (kvchat)"),
+    "lookup_ngram": _honoured("1–8 ids matched by prompt lookup (kvchat)"),
 }
 
 CHAT = {

@@ -58,7 +58,9 @@ class Limits:
     keep: int = GenParams().keep
     # other models a request may name (--models-dir): id or path -> (path, context)
     local: Mapping[str, tuple[str, int]] = field(default_factory=dict)
-    kv: Mapping[str, Any] = field(default_factory=dict)  # the K/V quantization (--kv-bits)
+    # GenParams every request starts from: the K/V quantization (--kv-bits) and the
+    # speculative decoding default (--prompt-lookup / --draft-model, --draft-tokens)
+    kv: Mapping[str, Any] = field(default_factory=dict)
     context: int = 0  # the loaded model's context length (0: unknown, use `capacity`)
     max_prompt_tokens: int | None = None  # --max-prompt-tokens (None: the context)
 
@@ -171,6 +173,27 @@ def _model(body: Mapping[str, Any], limits: Limits) -> tuple[str, str | None, in
                    param="model", code="model_not_found")
 
 
+# a request's speculative decoding (kvchat's extension): "off", "lookup", or "draft" where
+# the server has a draft model; never a folder (a request names no path)
+SPECULATION = {"off": "off", "lookup": "lookup", "prompt_lookup": "lookup", "draft": "draft"}
+
+
+def _speculation(body: Mapping[str, Any], limits: Limits) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    mode = _get(body, "speculation", (str,), "a string")
+    if mode is not None:
+        if mode not in SPECULATION:
+            raise bad("'speculation' must be off, lookup or draft", "speculation")
+        if SPECULATION[mode] == "draft" and not limits.kv.get("draft_model"):
+            raise bad("this server has no draft model (start it with --draft-model DIR)",
+                      "speculation")
+        out["speculation"] = SPECULATION[mode]
+    for name in ("draft_tokens", "lookup_ngram"):
+        if (v := _integer(body, name)) is not None:
+            out[name] = v
+    return out
+
+
 def _params(body: Mapping[str, Any], limits: Limits, capacity: int,
             stop: tuple[str, ...] | None = None) -> GenParams:
     """GenParams from the sampling fields (OpenAI's names; `stop`: given by the caller
@@ -195,10 +218,10 @@ def _params(body: Mapping[str, Any], limits: Limits, capacity: int,
     # a rotating window (--max-kv-size) was asked for; otherwise the reply stops when the
     # context is full rather than evict the prompt it answers
     overflow = "rotate" if limits.max_kv_size else "refuse"
-    params = GenParams(**{k: v for k, v in values.items() if v is not None},
+    asked = {k: v for k, v in values.items() if v is not None} | _speculation(body, limits)
+    params = GenParams(**{**limits.kv, **asked},
                        stop=_stops(body) if stop is None else stop,
-                       max_kv_size=limits.max_kv_size, keep=limits.keep,
-                       overflow=overflow, **limits.kv)
+                       max_kv_size=limits.max_kv_size, keep=limits.keep, overflow=overflow)
     # no reply outgrows the cache bound: a longer one would only evict its own prompt
     params.max_tokens = min(params.max_tokens, capacity)
     try:

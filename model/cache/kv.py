@@ -12,6 +12,12 @@ M and written in place: position p lives in slot p while p < M; after that, ring
 p ≥ K live in slot K + (p − K) mod (M − K) (the same layout as mlx-lm's RotatingKVCache
 at decode time, so both give bit-identical logits token by token).
 
+Trimming is exact within the last write: a multi-token write that wraps the ring keeps
+copies of the slots it overwrote (`_Undo`), so dropping its last tokens (speculative
+decoding's rejected drafts, docs/design.md "Speculative decoding") puts back the keys
+they displaced. A trim reaching further back than the last write loses the evicted
+keys: the window is then shorter until the ring refills, never stale.
+
 Quantized caches (`QuantizedKVCache`, `QuantizedRotatingKVCache`) are the same classes
 storing each buffer as the (packed, scales, biases) triple of `mx.quantize`
 (model/decoder/kv_quant.py): every slot operation below maps over a buffer's parts, so writing in
@@ -180,10 +186,10 @@ class _Buffers:
         trace key and its in-trace writes; None for floats."""
         return self.packed() if self.quant is not None else None
 
-    def commit_one(self, keys: Buf, values: Buf) -> None:
-        """Take the buffers the compiled step wrote one token into."""
+    def commit(self, keys: Buf, values: Buf, n: int = 1) -> None:
+        """Take the buffers the compiled step wrote `n` tokens into (at `next_slot(n)`)."""
         self.keys, self.values = keys, values
-        self._advance(self.offset + 1)
+        self._advance(self.offset + n)
 
     def quantized(self, q: KVQuant) -> _Buffers:
         """This cache, its buffers quantized (mlx-lm's `to_quantized`): the class of the
@@ -192,6 +198,7 @@ class _Buffers:
         obj = cls.__new__(cls)
         obj.__dict__.update(self.__dict__)
         obj.__dict__.pop("pending_quant", None)
+        obj.__dict__.pop("_undo", None)  # float copies: a quantized write starts afresh
         obj.quant = q
         if self.keys is not None and self.values is not None:
             obj.head_dim = parts(self.keys)[0].shape[-1]
@@ -293,12 +300,12 @@ class KVCache(_Buffers):
         """What a trace needs to know about this cache's slots: position p lives in p."""
         return ("full", self.layout_packed())
 
-    def next_slot(self) -> tuple[int, int, int, int]:
-        """Make room for one more token; (offset, slot, resident length after the write,
-        lowest valid position)."""
+    def next_slot(self, n: int = 1) -> tuple[int, int, int, int] | None:
+        """Make room for `n` more tokens in consecutive slots; (offset, first slot,
+        resident length after the write, lowest valid position)."""
         o = self.offset
-        self.grow_to(o + 1)
-        return o, self.slot_for(o), o + 1, 0
+        self.grow_to(o + n)
+        return o, self.slot_for(o), o + n, 0
 
     @property
     def state(self) -> tuple[Any, ...]:
@@ -371,6 +378,31 @@ class QuantizedKVCache(_Quantized, KVCache):
     extras = ("head_dim",)
 
 
+class _Undo:
+    """What one multi-token ring write displaced: for each run of slots it wrote, the
+    first position written there and copies of the slots' previous K and V. Valid until
+    the next write; `end` is the offset the write (or a trim since) left."""
+
+    def __init__(self, start: int, lo: int, end: int) -> None:
+        self.start, self.lo, self.end = start, lo, end  # lo: the lowest ring position before
+        self.runs: list[tuple[int, int, int, Buf, Buf]] = []  # (position, slot, run, k, v)
+
+    def save(self, p: int, slot: int, run: int, keys: Buf, values: Buf) -> None:
+        # a gather copies: a slice would keep the whole old buffer alive
+        idx = mx.arange(slot, slot + run)
+        take = lambda x: mx.take(x, idx, axis=2)  # noqa: E731
+        self.runs.append((p, slot, run, map_parts(take, keys), map_parts(take, values)))
+
+    def restore(self, keys: Buf, values: Buf, new: int) -> None:
+        """Put back what the positions [new, end) overwrote."""
+        for p, slot, run, k, v in self.runs:
+            a, b = max(p, new), min(p + run, self.end)
+            if a < b:
+                _write(keys, slot + a - p, k, a - p, b - a)
+                _write(values, slot + a - p, v, a - p, b - a)
+        self.end = new
+
+
 class RotatingKVCache(_Buffers):
     """Bounded cache: `keep` sink tokens plus a ring of the `max_size − keep` most recent.
 
@@ -397,6 +429,7 @@ class RotatingKVCache(_Buffers):
         # lowest ring position still valid, as lowered by a trim past evicted tokens;
         # the effective bound is max(_lo, offset − ring, keep) (see _ring_lo)
         self._lo = keep
+        self._undo: _Undo | None = None  # what the last write displaced (exact trims)
 
     # ---- layout ---------------------------------------------------------------------
     @property
@@ -494,36 +527,48 @@ class RotatingKVCache(_Buffers):
         else:
             out_k, out_v = keys, values
         self._reserve(M, keys, values, M)
+        # a chunk no longer than the ring can be taken back exactly (see trim)
+        undo = _Undo(o, self._ring_lo(o), o + n) if n <= R else None
         if o < K:  # sink positions land in their own slots
             e = min(K, o + n)
+            if undo is not None:
+                undo.save(o, o, e - o, self.keys, self.values)
             _write(self.keys, o, keys, 0, e - o)
             _write(self.values, o, values, 0, e - o)
         p = max(K, o, o + n - R)  # first chunk position that survives in the ring
         while p < o + n:  # at most two contiguous runs (before and after the ring end)
             s = self.slot_for(p)
             run = min(o + n - p, M - s)
+            if undo is not None:
+                undo.save(p, s, run, self.keys, self.values)
             _write(self.keys, s, keys, p - o, run)
             _write(self.values, s, values, p - o, run)
             p += run
         self._advance(o + n)
+        self._undo = undo
         return out_k, out_v
 
     def _advance(self, offset: int) -> None:
         self._lo = self._ring_lo(offset)
         self.offset = offset
+        self._undo = None  # a new write: the previous one can no longer be taken back
 
     # ---- one token at a time, for the compiled step (model/runtime/generate.py) ---------------
     def slot_layout(self) -> tuple[Any, ...]:
         """What a trace needs to know about this cache's slots: `keep` sinks, then a ring."""
         return ("ring", self.layout_packed(), self.max_size, self.keep)
 
-    def next_slot(self) -> tuple[int, int, int, int]:
-        """Make room for one more token; (offset, slot, resident length after the write,
-        lowest valid ring position after it)."""
+    def next_slot(self, n: int = 1) -> tuple[int, int, int, int] | None:
+        """Make room for `n` more tokens; (offset, first slot, resident length after the
+        write, lowest valid ring position after it). None when n > 1 tokens would not
+        fit before the buffer end: written in place they would displace keys that the
+        earlier of them still see (update_and_fetch's chunk path handles that)."""
         o = self.offset
-        length = min(o + 1, self.max_size)
+        if n > 1 and o + n > self.max_size:
+            return None
+        length = min(o + n, self.max_size)
         self.grow_to(length)
-        return o, self.slot_for(o), length, self._ring_lo(o + 1)
+        return o, self.slot_for(o), length, self._ring_lo(o + n)
 
     # ---- protocol -------------------------------------------------------------------
     def size(self) -> int:
@@ -535,19 +580,37 @@ class RotatingKVCache(_Buffers):
         assert self.keys is not None
         return min(self.offset, self.max_size, slots(self.keys))
 
+    def _last_write(self) -> _Undo | None:
+        u = getattr(self, "_undo", None)  # absent on a cache made by from_state
+        return u if u is not None and u.end == self.offset else None
+
     def can_trim_to(self, n: int) -> bool:
         """True when, after trimming to `n` tokens, the query at position n would find
-        every key its window needs (False once rotation evicted some of them)."""
+        every key its window needs (False once rotation evicted some of them; always
+        True within the last write, whose displaced keys come back)."""
         if not 0 <= n <= self.offset:
             return False
-        lo = min(self._ring_lo(self.offset), max(self.keep, n))
+        u = self._last_write()
+        if u is not None and n >= u.start:
+            return True
+        # from the state before the last write, when that can be taken back
+        ring_lo = u.lo if u is not None else self._ring_lo(self.offset)
+        lo = min(ring_lo, max(self.keep, n))
         return lo <= max(self.keep, n - self._ring + 1)
 
     def trim(self, n: int) -> int:
-        """Drop the last `n` tokens. Past evicted tokens (see can_trim_to) the next
-        queries see a shorter window until the ring refills; never stale keys."""
+        """Drop the last `n` tokens. Within the last write the keys it displaced come
+        back (exact); past evicted tokens (see can_trim_to) the next queries see a
+        shorter window until the ring refills; never stale keys."""
         n = max(0, min(self.offset, n))
         new = self.offset - n
+        u = self._last_write()
+        if u is not None and self.keys is not None and self.values is not None:
+            u.restore(self.keys, self.values, max(new, u.start))
+            self._lo, self.offset = u.lo, u.end
+            if new >= u.start:
+                return n
+            self._undo = None
         self._lo = min(self._ring_lo(self.offset), max(self.keep, new))
         self.offset = new
         return n
@@ -567,6 +630,7 @@ class RotatingKVCache(_Buffers):
         self.offset, self.keep, self.max_size = int(offset), int(keep), int(max_size)
         self._lo = self.keep
         self._lo = self._ring_lo(self.offset)  # untrimmed; `extras` restores a trimmed one
+        self._undo = None
 
     @classmethod
     def from_state(cls, state: Any) -> RotatingKVCache:

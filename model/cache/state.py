@@ -65,13 +65,15 @@ class StateCache:
         """The trace's key: a state, and how many arrays it carries (conv, recurrent)."""
         return ("state", sum(a is not None for a in (self.conv, self.recurrent)))
 
-    def next_slot(self) -> tuple[int, int, int, int]:
-        """The trace's row: only the offset means something here."""
-        return self.offset, 0, 0, 0
+    def next_slot(self, n: int = 1) -> tuple[int, int, int, int] | None:
+        """The trace's row: only the offset means something here. None for n > 1 (a
+        speculative verify pass): a state cannot take back the drafts it rejects."""
+        return (self.offset, 0, 0, 0) if n == 1 else None
 
-    def commit_one(self, conv: mx.array, recurrent: mx.array | None = None) -> None:
-        """Take the states the compiled step computed for one more token."""
-        self.update(1, conv, recurrent)
+    def commit(self, conv: mx.array, recurrent: mx.array | None = None, n: int = 1) -> None:
+        """Take the states the compiled step computed for `n` more tokens (kv.py's
+        `commit`, with a state's arrays in place of K/V buffers)."""
+        self.update(n, conv, recurrent)
 
     # ---- state (kv.py's protocol) ---------------------------------------------------------
     @property
@@ -124,8 +126,12 @@ class PassCache(StateCache):
     def slot_layout(self) -> tuple[Any, ...]:
         return ("pass",)
 
-    def commit_one(self, *arrays: mx.array) -> None:
-        self.advance(1)
+    def next_slot(self, n: int = 1) -> tuple[int, int, int, int]:
+        """Any number of tokens: there is nothing to write, and a trim is exact."""
+        return self.offset, 0, 0, 0
+
+    def commit(self, *arrays: mx.array, n: int = 1) -> None:
+        self.advance(n)
 
     def is_trimmable(self) -> bool:
         return True

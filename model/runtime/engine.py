@@ -42,7 +42,7 @@ from kvchat.model.cache.kv_math import (
 )
 from kvchat.model.cache.misses import MODEL_CHANGED
 from kvchat.model.decoder.transformer import Transformer
-from kvchat.model.decoder.weights import parameter_count, weight_bytes
+from kvchat.model.decoder.weights import load_model, parameter_count, weight_bytes
 from kvchat.model.distributed import pipeline
 from kvchat.model.errors import NEVER_CAUGHT, KVChatError, error_line
 from kvchat.model.files import model_name
@@ -66,6 +66,7 @@ from .events import (
     TurnStats,
 )
 from .generate import PREFILL_CHUNK
+from .speculative import DraftModel, tokenizer_mismatch
 from .turn import TurnContext, run_turn
 from .turn_stats import STATS_INTERVAL_S, current_stats, runtime_stats
 
@@ -171,6 +172,7 @@ class Engine:
         self.model: Transformer | None = None
         self.tokenizer: Tokenizer | None = None
         self.model_info: dict[str, Any] = {}
+        self._draft: tuple[str, DraftModel] | None = None  # the last draft model loaded
         # the conversation's K/V cache, and a server's pool of idle caches of other
         # conversations (the chat has one conversation and no pool)
         self._chat = ChatCache(prefix_pool_bytes)
@@ -350,6 +352,7 @@ class Engine:
             return
         before = mx.get_active_memory()
         self.model, self.tokenizer = model, tokenizer
+        self._draft = None  # checked against the old tokenizer
         self._chat.drop(pool=True, why=MODEL_CHANGED)  # remembered: a later miss says so
         del model
         gc.collect()
@@ -369,11 +372,31 @@ class Engine:
             stop=lambda: turn <= self._cancel_upto, clock=self.clock, stats=self._stats_now,
             watch=self._watch, prefill_chunk=self.prefill_chunk, compiled=self.compiled,
             reuse_prefix=self.reuse_prefix, stats_interval_s=self.stats_interval_s,
+            draft=self._draft_model,
         )
         # closed whatever happens here: its in-flight step ends before the cache is touched
         with contextlib.closing(run_turn(ctx, prompt, params, t_submit)) as events:
             for event in events:
                 self._emit(event)
+
+    def _draft_model(self, path: str) -> DraftModel:
+        """The draft model in `path`, loaded on first use and kept (one at a time);
+        KVChatError (one line) when it does not load or its tokenizer is not the model's."""
+        if self._draft is not None and self._draft[0] == path:
+            return self._draft[1]
+        assert self.tokenizer is not None
+        self._draft = None
+        try:
+            model = load_model(path)
+            tokenizer = load_tokenizer(path, prefer=self.tokenizer_kind)  # type: ignore[arg-type]
+        except KVChatError as e:
+            raise KVChatError(f"draft model: {e}") from None
+        if (why := tokenizer_mismatch(self.tokenizer, tokenizer)) is not None:
+            raise KVChatError(f"draft model {model_name(Path(path))}: {why}; it must share"
+                              " the model's tokenizer")
+        draft = DraftModel(model, model_name(Path(path)))
+        self._draft = (path, draft)
+        return draft
 
     def _explain(self, gap: int, block: str) -> None:
         if self.model is None:

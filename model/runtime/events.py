@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 OVERFLOW_MODES = ("rotate", "refuse")
 MAX_KV_SIZE = 2**31 - 1  # cache positions and masks are int32
+SPECULATION = ("off", "lookup", "draft")  # model/runtime/speculative.py
+MAX_DRAFT_TOKENS = 16
+MAX_NGRAM = 8
 
 
 def _same_fields(cls: Any, source: Any) -> dict[str, Any]:
@@ -68,6 +71,13 @@ class GenParams:
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    # speculative decoding (model/runtime/speculative.py): "off", "lookup" (n-gram match
+    # against the conversation, n = lookup_ngram down to 1) or "draft" (the model in the
+    # draft_model folder); at most draft_tokens drafted per step, adapted to acceptance
+    speculation: str = "off"
+    draft_model: str | None = None
+    draft_tokens: int = 4
+    lookup_ngram: int = 3
 
     def kv_quant(self) -> KVQuant | None:
         from kvchat.model.decoder.kv_format import kv_quant
@@ -105,6 +115,14 @@ class GenParams:
         if self.kv_bits is None and (self.kv_group_size is not None or self.quantized_kv_start):
             raise KVChatError("kv_group_size and quantized_kv_start need kv_bits (4 or 8)")
         self.kv_quant()  # KVQuantError on bits / group size / start it cannot do
+        if self.speculation not in SPECULATION:
+            raise KVChatError(f"speculation must be off, lookup or draft, got {self.speculation!r}")
+        if self.speculation == "draft" and not self.draft_model:
+            raise KVChatError("speculation with a draft model needs a draft model folder")
+        for name, most in (("draft_tokens", MAX_DRAFT_TOKENS), ("lookup_ngram", MAX_NGRAM)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= most:
+                raise KVChatError(f"{name} must be an integer in 1..{most}, got {v!r}")
         return self
 
 
@@ -130,6 +148,15 @@ class TurnStats(CacheStats):
     pipeline: dict[str, Any] | None = None
     # a server's pool of idle caches (model/cache/prefix_pool.py): entries, bytes, budget, hits
     prefix_pool: dict[str, Any] | None = None
+    # speculative decoding: what drafted ("prompt lookup", the draft model's name), the
+    # tokens drafted and accepted, accepted ÷ drafted, generated tokens per decode forward
+    # pass ((generated − 1) ÷ passes), or why speculation asked for did not run
+    speculation: str | None = None
+    drafted: int | None = None
+    accepted: int | None = None
+    acceptance: float | None = None
+    tokens_per_forward: float | None = None
+    speculation_note: str | None = None
     # the runtime
     compiled_step: bool | None = None  # the compiled single-token step served the decode
     peak_memory: int | None = None
@@ -150,6 +177,8 @@ class TurnStats(CacheStats):
 
 TURN_FIELDS = ("prompt_tokens", "cached_tokens", "prefill_tps", "ttft_s", "generated_tokens",
                "decode_tps")
+SPECULATION_FIELDS = ("speculation", "drafted", "accepted", "acceptance", "tokens_per_forward",
+                      "speculation_note")
 CACHE_FIELDS = ("cache_offset", "cache_tokens", "cache_capacity", "cache_bytes", "mha_bytes",
                 "gqa_saving", "evicted_tokens", "keep", "wrapped", "sliding_layers",
                 "sliding_bytes", "window_saving", "kv_bits", "kv_group_size", "float_bytes",

@@ -20,12 +20,16 @@ The caches stay the source of truth. Before each step each cache plans its own w
 lowest valid position; `slot_layout` names its kind and bounds); inside the trace,
 proxies with the caches' own duck-typed interface (`offset`, `update_and_fetch`,
 `make_mask`) stand in for them, so the model code is unchanged; after
-it, `commit_one` hands each cache its new buffers. A cache kind without these methods
-runs the plain (uncompiled) step. A quantized cache's buffers travel as their parts
-(packed, scales, biases) and its layout (bits, group) is in `slot_layout`: the trace
-quantizes the new token's row and writes each part with `slice_update`. A recurrent
-layer's state (model/cache/state.py, layout "state") travels as its conv and recurrent
-arrays, which the mixer replaces whole; a layer without a token mixer ("pass") as nothing.
+it, `commit` hands each cache its new buffers. The same trace, keyed by the token count
+too, verifies speculative decoding's k + 1 tokens in one call (`CompiledStep.verify`:
+model/runtime/speculative.py) wherever every cache can take them in consecutive slots.
+A cache kind without these methods runs the plain (uncompiled) step. A quantized cache's
+buffers travel as their parts (packed, scales, biases) and its layout (bits, group) is in
+`slot_layout`: the trace quantizes the new tokens' rows and writes each part with
+`slice_update`. A recurrent layer's state (model/cache/state.py, layout "state") travels
+as its conv and recurrent arrays, which the mixer replaces whole, one token at a time
+(its `next_slot(n)` is None for n > 1: a state cannot take back rejected drafts); a layer
+without a token mixer ("pass") as nothing.
 """
 
 from __future__ import annotations
@@ -78,15 +82,22 @@ class Progress:
     prefill_s: float = 0.0
     fed: int = 0  # generated tokens run through the model (their K/V are in the cache)
     compiled: bool = False  # whether the compiled step served this call
+    # speculative decoding (model/runtime/speculative.py): tokens drafted and accepted,
+    # target model calls while decoding, what drafted, or why speculation did not run
+    drafted: int = 0
+    accepted: int = 0
+    forwards: int = 0
+    speculation: str | None = None
+    speculation_off: str | None = None
 
 
 # ---- which caches the compiled step can drive -------------------------------------------
 def _steppable(cache: Any) -> bool:
-    """A cache that plans its own single-token writes (slot_layout / next_slot /
-    commit_one: model/cache/kv.py's KVCache and RotatingKVCache, state.py's caches) and
-    holds concrete buffers (a state: after its first token)."""
+    """A cache that plans its own writes (slot_layout / next_slot / commit:
+    model/cache/kv.py's KVCache and RotatingKVCache, state.py's caches) and holds
+    concrete buffers (a state: after its first token)."""
     if isinstance(cache.offset, mx.array) or not all(
-            hasattr(cache, m) for m in ("slot_layout", "next_slot", "commit_one")):
+            hasattr(cache, m) for m in ("slot_layout", "next_slot", "commit")):
         return False
     if hasattr(cache, "keys"):  # K/V: its buffers exist once a token is in
         return cache.keys is not None
@@ -115,32 +126,38 @@ def _n_arrays(static: tuple[Any, ...]) -> int:
 
 # ---- trace side -------------------------------------------------------------------------
 def _slot_mask(static: tuple[Any, ...], row: mx.array, capacity: int,
-               window: int | None) -> mx.array:
-    """Boolean (1, capacity) mask over buffer slots for the one query at position row[0]."""
+               window: int | None, n: int = 1) -> mx.array:
+    """Boolean (n, capacity) mask over buffer slots for the `n` queries at positions
+    row[0] … row[0] + n − 1, written in consecutive slots (next_slot(n))."""
     o, length, lo = row[0], row[2], row[3]
     s = mx.arange(capacity)
+    chunk = static[4] if static[0] != "full" and len(static) > 4 else None
     if static[0] == "full":
         pos = s
         valid = s < length
     else:
         M, K = static[2], static[3]
         R = M - K
-        ring_pos = o - mx.remainder(o - s, R)
+        last = o + (n - 1)  # positions count back from the last one written
+        ring_pos = last - mx.remainder(last - s, R)
         pos = mx.where(s < K, s, ring_pos)
         valid = (s < length) & mx.where(s < K, s < K, ring_pos >= lo)
-        if len(static) > 4:  # a chunked ring (Llama 4): the query's own chunk only
-            valid = valid & (pos // static[4] == o // static[4])
+    t = o if n == 1 else (o + mx.arange(n))[:, None]  # each query's position
+    if n > 1:  # a later token's key is not visible to an earlier query
+        valid = valid[None] & (pos[None] <= t)
+    if chunk is not None:  # a chunked ring (Llama 4): the query's own chunk only
+        valid = valid & (pos // chunk == t // chunk)
     if window is not None:
-        valid = valid & (o - pos < window)
-    return valid[None]
+        valid = valid & (t - pos < window)
+    return valid[None] if n == 1 else valid
 
 
 class _TracedCache:
     """Stands in for one cache inside the trace: same interface, array offsets."""
 
     def __init__(self, static: tuple[Any, ...], row: mx.array, keys: Buf,
-                 values: Buf, masks: dict[Any, mx.array], view: int):
-        self.static, self.row = static, row
+                 values: Buf, masks: dict[Any, mx.array], view: int, n: int = 1):
+        self.static, self.row, self.n = static, row, n  # n: tokens this step writes
         self.keys, self.values = keys, values
         self.view = view  # slots attention reads: every slot in use, rounded up
         self.offset = row[0]
@@ -165,11 +182,11 @@ class _TracedCache:
 
     def make_mask(self, n: int, return_array: bool = False,
                   window_size: int | None = None) -> mx.array:
-        assert n == 1, "the compiled step decodes one token"
+        assert n == self.n, "a trace writes the tokens it was built for"
         capacity = self.view
         key = (self.static, id(self.row), capacity, window_size)
         if key not in self._masks:
-            self._masks[key] = _slot_mask(self.static, self.row, capacity, window_size)
+            self._masks[key] = _slot_mask(self.static, self.row, capacity, window_size, n)
         return self._masks[key]
 
 
@@ -201,10 +218,11 @@ def _unflatten(n: int, arrays: Sequence[mx.array]) -> Buf:
 
 
 class CompiledStep:
-    """`step(y (1,) ids) -> logits (1, V)` for one token, through `mx.compile`.
+    """`step(y (1,) ids) -> logits (1, V)` for one token, through `mx.compile`;
+    `step.verify(ys (n,) ids) -> logits (n, V)` for n tokens in one call.
 
     One instance per cache list; `supported` is False when some cache cannot plan its
-    single-token writes (call the model directly then)."""
+    writes (call the model directly then)."""
 
     def __init__(self, model: Any, caches: Sequence[Any]):
         self.model = model
@@ -216,9 +234,10 @@ class CompiledStep:
         # cache list, e.g. every new chat, reuses them instead of tracing again
         self._fns: dict[tuple[Any, ...], Any] = model.__dict__.setdefault(
             "_kvchat_decode_traces", {})
+        self.traced = False  # whether the last call built a new trace
 
     def _build(self, layout: tuple[tuple[Any, ...], ...], groups: tuple[int, ...],
-               views: tuple[int, ...]) -> Any:
+               views: tuple[int, ...], n: int) -> Any:
         model = self.model
 
         def step(y: mx.array, rows: mx.array, *buffers: mx.array) -> list[mx.array]:
@@ -229,17 +248,17 @@ class CompiledStep:
             for i, static in enumerate(layout):
                 row = group_rows[groups[i]]
                 if static[0] in ("state", "pass"):
-                    n = _n_arrays(static)
-                    proxies.append(_TracedState(row, buffers[at : at + n]) if n else
+                    m = _n_arrays(static)
+                    proxies.append(_TracedState(row, buffers[at : at + m]) if m else
                                    _TracedState(row, [None]))
-                    at += n
+                    at += m
                     continue
-                n = _n_parts(static)
-                keys = _unflatten(n, buffers[at : at + n])
-                values = _unflatten(n, buffers[at + n : at + 2 * n])
-                at += 2 * n
-                proxies.append(_TracedCache(static, row, keys, values, masks, views[i]))
-            logits = model(y[None], cache=proxies)[:, -1, :]
+                k = _n_parts(static)
+                keys = _unflatten(k, buffers[at : at + k])
+                values = _unflatten(k, buffers[at + k : at + 2 * k])
+                at += 2 * k
+                proxies.append(_TracedCache(static, row, keys, values, masks, views[i], n))
+            logits = model(y[None], cache=proxies)[0]
             out = [logits]
             for p, static in zip(proxies, layout, strict=True):
                 if static[0] == "state":
@@ -251,11 +270,26 @@ class CompiledStep:
         return mx.compile(step)
 
     def __call__(self, y: mx.array) -> mx.array:
+        out = self._run(y, 1)
+        assert out is not None  # one token always has a slot
+        return out
+
+    def verify(self, ys: mx.array) -> mx.array | None:
+        """Logits (n, V) of the n tokens `ys`, run and written to the caches in one call;
+        None (nothing written) where some cache cannot take them in consecutive slots
+        now (a ring whose end they would cross: run the model directly then)."""
+        return self._run(ys, ys.shape[0])
+
+    def _run(self, y: mx.array, n: int) -> mx.array | None:
+        self.traced = False
         rows: list[list[int]] = []
         index: dict[tuple[Any, ...], int] = {}
         groups, buffers, views = [], [], []
         for c, static in zip(self.caches, self.layout, strict=True):
-            r = list(c.next_slot())
+            slot = c.next_slot(n)
+            if slot is None:
+                return None
+            r = list(slot)
             kv = static[0] not in ("state", "pass")
             views.append(view_slots(r[2], slots(c.keys)) if kv else 0)
             key = (*static, *r)
@@ -266,10 +300,11 @@ class CompiledStep:
             buffers += _arrays(c, static)
         layout = self.layout
         # the kernel backend can be switched at run time: a trace keeps the one it saw
-        fkey = (layout, tuple(groups), tuple(views), metal_kernels.backend())
+        fkey = (layout, tuple(groups), tuple(views), metal_kernels.backend(), n)
         fn = self._fns.get(fkey)
+        self.traced = fn is None  # this call traces: its time is no step's (speculative.py)
         if fn is None:
-            fn = self._fns[fkey] = self._build(layout, tuple(groups), tuple(views))
+            fn = self._fns[fkey] = self._build(layout, tuple(groups), tuple(views), n)
         out = fn(y, mx.array(rows, dtype=mx.int32), *buffers)
         # hand the new buffers to the caches before anything evaluates: the old ones
         # are then referenced by the graph alone, so MLX donates them and slice_update
@@ -278,13 +313,13 @@ class CompiledStep:
         at = 1
         for c, static in zip(self.caches, layout, strict=True):
             if static[0] in ("state", "pass"):
-                n = _n_arrays(static)
-                c.commit_one(*out[at : at + n])
-                at += n
+                m = _n_arrays(static)
+                c.commit(*out[at : at + m], n=n)
+                at += m
                 continue
-            n = _n_parts(static)
-            c.commit_one(_unflatten(n, out[at : at + n]), _unflatten(n, out[at + n : at + 2 * n]))
-            at += 2 * n
+            k = _n_parts(static)
+            c.commit(_unflatten(k, out[at : at + k]), _unflatten(k, out[at + k : at + 2 * k]), n)
+            at += 2 * k
         return out[0]
 
 

@@ -235,29 +235,27 @@ class Sampler:
 
     @property
     def greedy(self) -> bool:
-        return self.params.temp == 0
+        """Whether every draw is the argmax (temperature 0, or top-k 1)."""
+        return self.params.temp == 0 or self.params.top_k == 1
 
     def _next_key(self) -> mx.array:
         keys = mx.random.split(self._key)
         self._key = keys[0]
         return keys[1]
 
-    def __call__(
-        self,
-        logits: mx.array,
-        history: list[int] | tuple[int, ...] | mx.array = (),
-    ) -> mx.array:
+    def _filtered(
+        self, logits: mx.array, history: list[int] | tuple[int, ...] | mx.array
+    ) -> tuple[mx.array, mx.array | None]:
+        """The logits a draw is made from, (B, V) penalised — and unless greedy, tempered
+        and filtered (removed tokens -inf) over the top-k `candidates` (None: all)."""
         p = self.params
         logits = _as_2d(logits)
         if p.repetition_penalty != 1.0:
             logits = apply_repetition_penalty(
                 logits, history, p.repetition_penalty, p.repetition_context_size
             )
-        if p.temp == 0 or p.top_k == 1:
-            # top_k == 1 leaves only the argmax whatever the temperature; argmax also
-            # breaks ties exactly like greedy does.
-            return mx.argmax(logits, axis=-1).astype(mx.int32)
-
+        if self.greedy:
+            return logits, None
         x = apply_temperature(logits, p.temp)
         vocab = x.shape[-1]
         candidates = None
@@ -270,8 +268,41 @@ class Sampler:
             x = top_p_mask(x, p.top_p)
         if p.min_p > 0.0:
             x = min_p_mask(x, p.min_p)
+        return x, candidates
+
+    def __call__(
+        self,
+        logits: mx.array,
+        history: list[int] | tuple[int, ...] | mx.array = (),
+    ) -> mx.array:
+        x, candidates = self._filtered(logits, history)
+        if self.greedy:
+            # top_k == 1 leaves only the argmax whatever the temperature; argmax also
+            # breaks ties exactly like greedy does.
+            return mx.argmax(x, axis=-1).astype(mx.int32)
         tok = mx.random.categorical(x, axis=-1, key=self._next_key())
         if candidates is not None:
             tok = mx.take_along_axis(candidates, tok[..., None].astype(mx.int32), axis=-1)
             tok = tok[..., 0]
         return tok.astype(mx.int32)
+
+    # ---- speculative sampling (model/runtime/speculative.py) -----------------------------
+    def probs(
+        self, logits: mx.array, history: list[int] | tuple[int, ...] | mx.array = ()
+    ) -> mx.array:
+        """The distribution (B, V) a draw of `__call__` follows (not for greedy)."""
+        x, candidates = self._filtered(logits, history)
+        p = mx.softmax(x.astype(mx.float32), axis=-1)
+        if candidates is None:
+            return p
+        full = mx.zeros((p.shape[0], _as_2d(logits).shape[-1]), dtype=mx.float32)
+        return mx.put_along_axis(full, candidates.astype(mx.int32), p, axis=-1)
+
+    def pick(self, probs: mx.array) -> mx.array:
+        """One id per row of `probs` (B, V), drawn with this sampler's key."""
+        return mx.random.categorical(mx.log(probs), axis=-1, key=self._next_key()).astype(
+            mx.int32)
+
+    def uniform(self, n: int) -> mx.array:
+        """`n` draws from U[0, 1) with this sampler's key (speculative acceptance tests)."""
+        return mx.random.uniform(shape=(n,), key=self._next_key())

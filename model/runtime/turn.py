@@ -57,6 +57,7 @@ from .events import (
 )
 from .generate import PREFILL_CHUNK, Progress, decode, prefill
 from .sampling import Sampler
+from .speculative import DraftSource, PromptLookup, speculative_decode, why_not
 from .stops import StopMatcher
 from .turn_stats import STATS_INTERVAL_S, Evictions, TurnMeter
 
@@ -80,6 +81,9 @@ class TurnContext:
     compiled: bool = True  # off: the plain step (same ids; for comparison)
     reuse_prefix: bool = True  # off: every turn prefills its whole prompt
     stats_interval_s: float = STATS_INTERVAL_S
+    # a draft model folder -> its DraftModel, loaded once and checked against the
+    # tokenizer (the engine's; None: no draft models here)
+    draft: Callable[[str], Any] | None = None
 
 
 class PartialReply(Exception):
@@ -203,7 +207,10 @@ def run_turn(ctx: TurnContext, prompt: Prompt, params: GenParams, t_submit: floa
         capacity = params.max_kv_size or ctx.model.config.max_position_embeddings
         params, context_room = fit_context(params, len(ids), capacity)
         constraint = make_constraint(ctx, params, tools)
-        yield from _generate(ctx, ids, params, t_submit, context_room, tools, constraint)
+        # a draft model that fails to load: before prefill; none for a constrained reply
+        source = None if _unspeculated(constraint, tools) else _draft_source(ctx, params)
+        yield from _generate(ctx, ids, params, t_submit, context_room, tools, constraint,
+                             source)
     except (TemplateCancelled, TokenizeCancelled):
         yield Done("cancelled", "", [], ids)
     except PartialReply as p:
@@ -239,13 +246,34 @@ class _Every:
         return True
 
 
-def _sampler(ctx: TurnContext, params: GenParams, prompt: list[int]
+def _draft_source(ctx: TurnContext, params: GenParams) -> DraftSource | None:
+    """Where this turn's drafts come from (None: plain decoding)."""
+    if params.speculation == "lookup":
+        return PromptLookup(params.lookup_ngram)
+    if params.speculation == "draft":
+        if ctx.draft is None:
+            raise KVChatError("this engine cannot load a draft model")
+        assert params.draft_model is not None  # validate() checked
+        source = ctx.draft(params.draft_model)
+        # the draft draws with its own key: the acceptance test's draws must not repeat them
+        s = params.sampling()
+        draws = Sampler(dataclasses.replace(s, seed=None if s.seed is None else
+                                            (s.seed + 1) % 2**64))
+        source.start(None if draws.greedy else draws, _n_ids(ctx), params.max_kv_size,
+                     params.keep)
+        return source  # type: ignore[no-any-return]
+    return None
+
+
+def _n_ids(ctx: TurnContext) -> int:
+    """Ids that may be sampled: embedding tables are often padded past the tokenizer's
+    vocabulary, and an id the tokenizer cannot decode must never be sampled."""
+    return min(ctx.model.config.vocab_size, ctx.tokenizer.vocab_size)
+
+
+def _sampler(sampler: Sampler, n_ids: int, params: GenParams, prompt: list[int]
              ) -> Callable[[mx.array], mx.array]:
     """logits -> the next id, with the repetition penalty's window of recent ids."""
-    sampler = Sampler(params.sampling())
-    # embedding tables are often padded past the tokenizer's vocabulary; an id the
-    # tokenizer cannot decode must never be sampled
-    n_ids = min(ctx.model.config.vocab_size, ctx.tokenizer.vocab_size)
     window = params.repetition_context_size
     history = mx.array(prompt[-window:], dtype=mx.int32)
     use_history = params.repetition_penalty != 1.0
@@ -288,9 +316,43 @@ class _Reply:
         return "".join(self.parts)
 
 
+def _unspeculated(constraint: Constraint | None, tools: ToolUse | None) -> bool:
+    """A reply that decodes without speculation whatever was asked: a grammar masks each
+    step's logits as its state advances, which a verify pass of k + 1 drafted tokens does
+    not; a turn with tools may force a call through such a grammar (docs/design.md,
+    Speculative decoding)."""
+    return constraint is not None or tools is not None
+
+
+def _decode(ctx: TurnContext, params: GenParams, ids: list[int], logits: mx.array,
+            caches: list[Any], source: DraftSource | None, progress: Progress,
+            constraint: Constraint | None = None, tools: ToolUse | None = None
+            ) -> Iterator[int]:
+    """The decode loop for this turn: speculative from `source` where the caches can take
+    rejected drafts back exactly and the reply is unconstrained, else plain
+    (`progress.speculation_off` says why)."""
+    model, n_ids = ctx.model, _n_ids(ctx)
+    sampler = Sampler(params.sampling())
+    if params.speculation != "off" and _unspeculated(constraint, tools):
+        progress.speculation_off = ("speculation off: a constrained reply (response_format"
+                                    " or tools) decodes one token at a time")
+    elif source is not None:
+        why = why_not(model, caches)
+        if why is None:
+            return speculative_decode(
+                model, logits, caches, source=source, sampler=sampler, n_ids=n_ids,
+                history=ids, max_tokens=params.max_tokens, draft_tokens=params.draft_tokens,
+                compiled=ctx.compiled, progress=progress)
+        progress.speculation_off = why
+    return decode(model, logits, caches, sample=_sampler(sampler, n_ids, params, ids),
+                  max_tokens=params.max_tokens, compiled=ctx.compiled, progress=progress,
+                  constraint=constraint)
+
+
 def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: float,
               context_room: int | None, tools: ToolUse | None = None,
-              constraint: Constraint | None = None) -> Iterator[Event]:
+              constraint: Constraint | None = None, source: DraftSource | None = None
+              ) -> Iterator[Event]:
     model, chat = ctx.model, ctx.chat
     mx.reset_peak_memory()
     cached, again, reason = chat.prepare(model, ids, params, ctx.reuse_prefix)
@@ -329,9 +391,7 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
         if (overflow := evictions.overflow("prompt")) is not None:  # before decoding
             yield overflow
 
-        steps = decode(model, logits, caches, sample=_sampler(ctx, params, ids),
-                       max_tokens=params.max_tokens, compiled=ctx.compiled, progress=progress,
-                       constraint=constraint)
+        steps = _decode(ctx, params, ids, logits, caches, source, progress, constraint, tools)
         try:
             for token in steps:
                 now = ctx.clock()

@@ -55,10 +55,12 @@ class TurnMeter:
     t_submit: float
     t_first: float | None = None
     t_last: float | None = None
+    progress: Progress | None = None  # the decode's counts (speculation)
 
     def token(self, now: float, progress: Progress, prefilled: int) -> None:
         """A generated token arrived at `now`; `prefilled` prompt tokens ran before it."""
         self.t_last = now
+        self.progress = progress
         if self.t_first is None:
             self.t_first = now
             self.stats.ttft_s = now - self.t_submit
@@ -72,7 +74,20 @@ class TurnMeter:
         span = (last - first) if (first is not None and last is not None) else 0.0
         self.stats.generated_tokens = generated
         self.stats.decode_tps = (generated - 1) / span if generated > 1 and span > 0 else 0.0
+        if self.progress is not None:
+            self._speculation(self.progress, generated)
         return self.stats
+
+    def _speculation(self, p: Progress, generated: int) -> None:
+        """Drafted, accepted, acceptance and tokens per forward pass, when it ran; the
+        reason when it was asked for and could not."""
+        s = self.stats
+        s.speculation_note = p.speculation_off
+        if p.speculation is None:
+            return
+        s.speculation, s.drafted, s.accepted = p.speculation, p.drafted, p.accepted
+        s.acceptance = p.accepted / p.drafted if p.drafted else 0.0
+        s.tokens_per_forward = (generated - 1) / p.forwards if p.forwards else 0.0
 
 
 class Evictions:

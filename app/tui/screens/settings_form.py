@@ -1,6 +1,6 @@
 """Ctrl+S: system prompt, sampling, limits, the cache bound and its K/V bits (with the
-loaded model's measured agreement), model folders, theme and whether the last chat comes
-back at start.
+loaded model's measured agreement), speculative decoding, model folders, theme and whether
+the last chat comes back at start.
 
 Save parses every field, validates with Settings.validate() and writes with
 save_settings(). A bad value shows one line naming the field as the form labels it (not
@@ -39,9 +39,14 @@ FIELDS: tuple[tuple[str, str, str], ...] = (
     ("kv_bits", "KV bits (blank = float, 4 or 8)", "opt_int"),
     ("kv_group_size", "KV group size (blank = auto)", "opt_int"),
     ("quantized_kv_start", "quantize K/V after N tokens", "int"),
+    ("draft_tokens", "draft tokens (at most, per step)", "int"),
+    ("lookup_ngram", "lookup n-gram (longest match)", "int"),
 )
+# speculative decoding: (label, setting value)
+SPECULATION_CHOICES = (("off", "off"), ("prompt lookup", "lookup"), ("draft model", "draft"))
 # how an error names a field: the label without its hint
-LABELS = {name: label.split(" (")[0] for name, label, _ in FIELDS}
+LABELS = {name: label.split(" (")[0] for name, label, _ in FIELDS} | {
+    "speculation": "speculative decoding", "draft_model": "draft model folder"}
 _NAME_RE = re.compile(r"\b(" + "|".join(sorted(LABELS, key=len, reverse=True)) + r")\b")
 
 
@@ -75,6 +80,18 @@ def parse_field(name: str, kind: str, raw: str) -> Any:
         raise FormError(f"{LABELS[name]} must be {want} (got {raw!r})", name) from None
 
 
+def draft_folder(raw: str) -> str | None:
+    """The draft model folder as typed: blank is none; else it must be a folder (kept
+    absolute, so it means the same from any working directory)."""
+    raw = raw.strip()
+    if not raw:
+        return None
+    folder = Path(raw).expanduser()
+    if not folder.is_dir():
+        raise FormError(f"draft model folder: not a folder: {folder}", "draft_model")
+    return str(folder.resolve())
+
+
 class SettingsScreen(ModalScreen[Settings | None]):
     BINDINGS = [
         Binding("escape", "dismiss", "Cancel", id="settings.cancel"),
@@ -101,6 +118,14 @@ class SettingsScreen(ModalScreen[Settings | None]):
                 if self.kv_agreement:
                     yield Static(literal(self.kv_agreement), id="kv_agreement",
                                  classes="field-label -wide")
+                with Horizontal(classes="field"):
+                    yield Label("speculative decoding (same reply, maybe faster)",
+                                classes="field-label")
+                    yield Select(SPECULATION_CHOICES, value=s.speculation, allow_blank=False,
+                                 id="speculation", classes="field-input")
+                with Horizontal(classes="field"):
+                    yield Label("draft model folder (same tokenizer)", classes="field-label")
+                    yield Input(_shown(s.draft_model), id="draft_model", classes="field-input")
                 yield Label("model folders (searched by the picker and `kvchat models`)",
                             classes="field-label -wide")
                 yield OptionList(*map(literal, self.model_dirs), id="model_dirs")
@@ -140,6 +165,8 @@ class SettingsScreen(ModalScreen[Settings | None]):
         }
         for name, _label, kind in FIELDS:
             values[name] = parse_field(name, kind, self.query_one(f"#{name}", Input).value)
+        values["speculation"] = str(self.query_one("#speculation", Select).value)
+        values["draft_model"] = draft_folder(self.query_one("#draft_model", Input).value)
         new = dataclasses.replace(self.settings, **values)
         return new.validate()
 
@@ -154,7 +181,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
             error.update(literal(text))
             name = getattr(e, "field", None)  # FormError and SettingsError carry it
             if name in LABELS:
-                self.query_one(f"#{name}", Input).focus()
+                self.query_one(f"#{name}").focus()
             self.notify(text, severity="error", title="Settings not saved")
             return
         error.update("")

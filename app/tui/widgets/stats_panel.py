@@ -28,7 +28,7 @@ from kvchat.app.tui.widgets.format import (
     fmt_seconds,
 )
 from kvchat.model.runtime import threads
-from kvchat.model.runtime.events import CACHE_FIELDS, TURN_FIELDS, TurnStats
+from kvchat.model.runtime.events import CACHE_FIELDS, SPECULATION_FIELDS, TURN_FIELDS, TurnStats
 
 REFRESH_S = 0.1
 # the "now" rate spans at least this much decode time: the last Stats of a turn can
@@ -172,7 +172,7 @@ class StatsPanel(VerticalScroll):
         self.peak_scope = "this turn"  # the engine resets the peak counter per turn
 
     def _reset_speed(self) -> None:
-        self.stats = self.stats.with_(**dict.fromkeys(TURN_FIELDS))
+        self.stats = self.stats.with_(**dict.fromkeys((*TURN_FIELDS, *SPECULATION_FIELDS)))
         self.decode_now = None
         self.prefill = None
         self._last_point = None
@@ -279,6 +279,7 @@ class StatsPanel(VerticalScroll):
                           f"{fmt_rate(self.prefill[2])}", "bold"),
                 _row("TTFT", fmt_seconds(s.ttft_s)),
                 _row("tokens", f"{fmt_count(s.generated_tokens)} generated"),
+                *speculation_rows(s),
             )
         )
         spark = self.query_one("#spark", Sparkline)
@@ -350,6 +351,20 @@ def model_rows(info: dict[str, Any]) -> list[Text]:
         )
         if info
         else _row("shape", "–"),
+    ]
+
+
+def speculation_rows(s: TurnStats) -> list[Text]:
+    """This reply's speculative decoding: what drafts, drafted / accepted tokens and the
+    acceptance rate, tokens per forward pass; or why it is off (nothing when not asked)."""
+    if s.speculation is None:
+        note = s.speculation_note
+        return [_row("drafts", note.removeprefix("speculation "))] if note else []
+    return [
+        _row("drafts", s.speculation),
+        _row("accepted", f"{fmt_count(s.accepted)} / {fmt_count(s.drafted)} · "
+             f"{(s.acceptance or 0) * 100:.0f}%"),
+        _row("per pass", f"{s.tokens_per_forward or 0:.2f} tokens"),
     ]
 
 
