@@ -283,6 +283,9 @@ async def test_one_context_notice_per_chat(env: Path) -> None:
         for dropped in (5, 9, 14):  # a small window overflows every turn
             app.chat.bridge(Overflow(dropped, 64, "prompt"))
         await wait_for(pilot, lambda: len(notices()) == 1)
+        # what rotation means for the reply, and what to change, said once
+        assert "no longer sees the start of the conversation" in notices()[0]
+        assert "max KV size" in notices()[0]
         await pilot.pause(0.3)
         assert len(notices()) == 1
         assert "window full: oldest tokens dropped" in panel_text(app, "#gauge")

@@ -20,7 +20,9 @@ def prefill_label(ev: PrefillProgress) -> str:
 def overflow_message(ev: Overflow) -> str:
     where = "the prompt" if ev.during == "prompt" else "the reply"
     return (f"The chat outgrew the {ev.capacity:,}-token window: {ev.dropped:,} oldest tokens"
-            f" dropped during {where}. Settings (Ctrl+S) › max KV size sets the window.")
+            f" dropped during {where}. The model no longer sees the start of the"
+            " conversation, so replies can lose the thread. Settings (Ctrl+S) › max KV size"
+            " sets the window, up to the model's own context.")
 
 
 def on_turn_event(
