@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvchat.app.core import blas
+from kvchat.app.core import blas, sigint
 from kvchat.app.core.errors import UsageError, interrupted, report, report_exception
 
 COMMANDS = {
@@ -217,6 +217,7 @@ def finish(rc: int) -> None:
 
 def entry() -> None:
     """Console-script entry point."""
+    sigint.install()  # a Ctrl+C during an import is delivered after it, never lost
     try:
         blas.load_fast_blas()  # before anything imports MLX
         rc = main()
