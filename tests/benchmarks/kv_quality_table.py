@@ -25,10 +25,7 @@ from typing import Any
 from kvchat.model.cache.kv import make_prompt_cache
 
 ROOT = Path(__file__).resolve().parents[2]
-# beside the checkout (as the tests look for it), or beside the worktrees' folder
-STORIES = next((p for p in (ROOT.parent / "shared" / "models" / "stories260K",
-                            ROOT.parent.parent / "shared" / "models" / "stories260K")
-                if p.is_dir()), ROOT.parent / "shared" / "models" / "stories260K")
+STORIES = ROOT / "tests" / "models" / "stories260K"  # the checkout's copy
 MINI = ROOT / "assets" / "kvchat-mini"
 WINDOW = 128
 HELD_OUT_SEED = 20261201  # corpus stories from a seed the shipped model never trained on
