@@ -145,7 +145,7 @@ def save_cache(path: str | Path, caches: list[Any], metadata: dict[str, str],
         key: _encode_scalar(key, value, scalars)
         for key, value in tree_flatten([c.state for c in caches])
     }
-    extras = [{name: getattr(c, name) for name in c.extras} for c in caches]
+    extras = [{name: getattr(c, name) for name in getattr(c, "extras", ())} for c in caches]
     meta = {**metadata, EXTRAS_KEY: json.dumps(extras)}
     if checkpoints:
         more, meta[CHECKPOINTS_KEY] = _checkpoint_arrays(checkpoints)
@@ -196,7 +196,7 @@ def load_cache_and_checkpoints(path: str | Path
         for name, state, extra in zip(names, layers, extras, strict=True):
             cache = CLASSES[name].from_state(tuple(state))
             for attr, value in extra.items():
-                if attr not in cache.extras:
+                if attr not in getattr(cache, "extras", ()):
                     raise ValueError(f"unexpected {attr!r} for {name}")
                 setattr(cache, attr, value)
             caches.append(cache)

@@ -212,7 +212,7 @@ def _check_state(where: str, arrays: tuple[Any, ...], offset: Any, tokens: int, 
 
 
 def _describe_state(layout: list[tuple[tuple[int, ...], str] | None]) -> str:
-    return " + ".join("none" if x is None else f"{x[1]} {x[0]}" for x in layout)
+    return " + ".join(f"{x[1]} {x[0]}" for x in layout if x is not None) or "nothing"
 
 
 def check_layers(caches: list[Any], ids: list[int], expected: list[Any], *,
