@@ -26,7 +26,7 @@ from kvchat.model import load_model
 from kvchat.model.cache.checkpoints import Checkpoints
 from kvchat.model.cache.integrity import CHECKSUM_KEY, checksum
 from kvchat.model.cache.kv import make_prompt_cache
-from kvchat.model.cache.kv_math import state_bytes
+from kvchat.model.cache.kv_math import human_bytes, state_bytes
 from kvchat.model.cache.prefix_pool import PrefixPool
 from kvchat.model.runtime.client import EngineClient
 from kvchat.model.runtime.events import CacheRestored, CacheSaved, Done, GenParams, Started
@@ -86,6 +86,14 @@ def test_next_turn_prefills_only_its_new_tokens_through_a_checkpoint(
     # when the state went back; then b's end and one before it, and the new reply's end
     assert second.stats.checkpoints == 5
     assert list(second.ids) == _cold(folder, b)
+    # their bytes: the recurrent layers' states (the model's formula), 5 snapshots, each
+    # of other arrays (the newest is the live state's own)
+    per = state_bytes(load_model(folder).config, 4)
+    assert second.stats.checkpoint_bytes == 5 * per == 5 * second.stats.state_bytes
+    from kvchat.app.tui.widgets.stats_panel import state_rows
+
+    rows = [" ".join(r.plain.split()) for r in state_rows(second.stats)]
+    assert rows[1].startswith("checkpoints") and f"5 · {human_bytes(5 * per)}" in rows[1]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
