@@ -11,8 +11,9 @@ gated delta rule, LFM2's short convolution); the other families are marked slow.
 
 Beside them: the layer kinds each spelling gives, the prompt forms across several blocks,
 the state caches (kind per layer, bytes constant as tokens grow, reported apart from K/V,
-no trimming), the server's prefix pool, an engine conversation that reuses the state or
-prefills again when it cannot go back, `kvchat inspect` and `kvchat explain`.
+no trimming), the server's prefix pool, an engine conversation that reuses the state,
+restarts from a checkpoint or prefills again when it cannot go back, `kvchat inspect`
+and `kvchat explain`.
 """
 
 from __future__ import annotations
@@ -265,10 +266,11 @@ def test_prefix_pool_offers_a_state_only_where_it_extends(hybrid: Callable[[str]
 def test_engine_turns_prefill_again_when_the_state_cannot_go_back(
     hybrid: Callable[[str], Path]
 ) -> None:
-    """Two turns on a tiny Mamba through the engine: the second extends the first (its
-    state is reused as is); a third goes back into the conversation, which a state cannot
-    do, so it is prefilled again and says why. Every reply equals a fresh engine's on
-    the whole conversation."""
+    """Turns on a tiny Mamba through the engine: the second extends the first (its state
+    is reused as is); a third goes back to where the first reply ended, which a state can
+    only do through its checkpoint there (model/cache/checkpoints.py); a fourth branches
+    before any checkpoint, so it is prefilled again and says why. Every reply equals a
+    fresh engine's on the whole conversation."""
     from kvchat.model.runtime.client import EngineClient
     from kvchat.model.runtime.events import GenParams, Started
 
@@ -280,12 +282,19 @@ def test_engine_turns_prefill_again_when_the_state_cannot_go_back(
         b = a + list(first.ids) + [7, 9, 11]
         second = c.run(b, params)
         s2 = next(e for e in c.events if isinstance(e, Started))
-        d = b[:-4] + [5, 5]  # differs inside what the state already folded in
+        d = b[:-4] + [5, 5]  # differs where the first reply's last token was fed
         third = c.run(d, params)
         s3 = next(e for e in c.events if isinstance(e, Started))
+        e = a[:5] + [5, 5]  # differs inside the first prompt: no checkpoint there
+        fourth = c.run(e, params)
+        s4 = next(ev for ev in c.events if isinstance(ev, Started))
     assert s2.cached_tokens == len(a) + len(first.ids) - 1 and s2.reprefill_reason is None
-    assert s3.cached_tokens == 0 and "recurrent layers" in s3.reprefill_reason
-    for prompt, done in ((b, second), (d, third)):
+    assert s3.cached_tokens == len(b) - 4 and s3.reprefill_reason is None
+    assert third.stats.cache["miss_reason"] == "prefix_differs"
+    assert s4.cached_tokens == 0 and "recurrent layers" in s4.reprefill_reason
+    assert fourth.stats.cache["miss_reason"] == "no_checkpoint"
+    assert fourth.stats.cache["differs_at"] == 5
+    for prompt, done in ((b, second), (d, third), (e, fourth)):
         with EngineClient(folder, timeout=60) as fresh:
             assert list(fresh.run(prompt, params).ids) == list(done.ids)
 

@@ -75,6 +75,16 @@ class StateCache:
         `commit`, with a state's arrays in place of K/V buffers)."""
         self.update(n, conv, recurrent)
 
+    # ---- checkpoints (model/cache/checkpoints.py) -----------------------------------------
+    def snapshot(self) -> tuple[mx.array | None, mx.array | None, int]:
+        """The state as it is now: references to its arrays (MLX arrays are immutable and
+        `update` replaces them, so this copies nothing) and the tokens it stands for."""
+        return self.conv, self.recurrent, self.offset
+
+    def restore(self, snap: tuple[mx.array | None, mx.array | None, int]) -> None:
+        """Go back to a `snapshot` of this layer taken earlier in the same conversation."""
+        self.conv, self.recurrent, self.offset = snap[0], snap[1], int(snap[2])
+
     # ---- state (kv.py's protocol) ---------------------------------------------------------
     @property
     def state(self) -> tuple[Any, ...]:

@@ -414,4 +414,4 @@ class Engine:
         """`turn`'s numbers with the cache's and the runtime's as they are now."""
         assert self.model is not None
         return current_stats(self.model, self._chat.caches, self._chat.pool_stats(),
-                             self._runtime_stats(), turn)
+                             self._runtime_stats(), turn, self._chat.checkpoints)

@@ -182,7 +182,7 @@ SPECULATION_FIELDS = ("speculation", "drafted", "accepted", "acceptance", "token
 CACHE_FIELDS = ("cache_offset", "cache_tokens", "cache_capacity", "cache_bytes", "mha_bytes",
                 "gqa_saving", "evicted_tokens", "keep", "wrapped", "sliding_layers",
                 "sliding_bytes", "window_saving", "kv_bits", "kv_group_size", "float_bytes",
-                "kv_saving", "state_bytes", "state_layers")
+                "kv_saving", "state_bytes", "state_layers", "checkpoints", "checkpoint_bytes")
 
 
 # the annotations of TurnStats' numeric fields (strings: `from __future__ import annotations`)

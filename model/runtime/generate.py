@@ -348,9 +348,12 @@ def prefill(
     prefill_chunk: int = PREFILL_CHUNK,
     progress: Progress,
     clock: Callable[[], float] = time.perf_counter,
+    breaks: Sequence[int] = (),
 ) -> Iterator[mx.array]:
     """Run `prompt` through the model a chunk at a time; after each chunk yield the logits
     at its last position (evaluated for the final chunk only: those give the first token).
+    A chunk also ends at each of `breaks` (prompt offsets: where the caller checkpoints a
+    recurrent state, model/cache/checkpoints.py).
 
     A caller that stops between chunks (a cancel) leaves the caches holding the first
     `progress.prefilled` prompt tokens; `progress.prefill_s` is the time so far."""
@@ -358,15 +361,17 @@ def prefill(
         raise ValueError("prefill needs at least one prompt token")
     t0 = clock()
     shape = threads.matmul_shape(model)
-    for i in range(0, len(prompt), prefill_chunk):
-        chunk = prompt[i : i + prefill_chunk]
+    ends = sorted({*range(prefill_chunk, len(prompt), prefill_chunk),
+                   *(b for b in breaks if 0 < b < len(prompt)), len(prompt)})
+    for i, end in zip([0, *ends], ends, strict=False):
+        chunk = prompt[i:end]
         if isinstance(caches, list):  # --quantized-kv-start reached: quantize from here
             maybe_quantize(caches)
         threads.apply(len(chunk), *shape)  # OpenBLAS threads for this chunk's size
         logits = model(mx.array([chunk]), cache=caches, logits_to_keep=1)[:, -1, :]
-        last = i + prefill_chunk >= len(prompt)
+        last = end >= len(prompt)
         mx.eval(logits if last else [c.state for c in caches])
-        progress.prefilled = i + len(chunk)
+        progress.prefilled = end
         progress.prefill_s = clock() - t0
         yield logits
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from kvchat.model.cache.checkpoints import stateful
 from kvchat.model.errors import NEVER_CAUGHT, KVChatError, error_line
 from kvchat.model.text.chat_template import TemplateCancelled
 from kvchat.model.text.tokenizer import TokenizeCancelled, Tokenizer
@@ -358,6 +359,10 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
     cached, again, reason = chat.prepare(model, ids, params, ctx.reuse_prefix)
     caches = chat.caches
     assert caches is not None
+    # a recurrent state's checkpoints: where the prefill pauses to take them
+    plan = chat.checkpoints.plan(cached, len(ids)) if stateful(caches) else []
+    if plan and plan[0] == cached:
+        chat.checkpoints.take(caches)
     yield Started(len(ids), cached, reason, again)
     use = chat.use.to_json() if chat.use is not None else None
     meter = TurnMeter(TurnStats(prompt_tokens=len(ids), cached_tokens=cached, cache=use),
@@ -379,9 +384,11 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
     try:
         logits = None
         chunks = prefill(model, todo, caches, prefill_chunk=ctx.prefill_chunk,
-                         progress=progress, clock=ctx.clock)
+                         progress=progress, clock=ctx.clock, breaks=[p - cached for p in plan])
         while progress.prefilled < len(todo) and not ctx.stop():
             logits = next(chunks)
+            if cached + progress.prefilled in plan:
+                chat.checkpoints.take(caches)
             yield PrefillProgress(progress.prefilled, len(todo), progress.prefill_s)
         chat.ids.extend(todo[: progress.prefilled])
         if progress.prefilled < len(todo):  # cancelled during prefill
@@ -432,6 +439,8 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
     if generated:
         yield from reply.events(tail, generated[-1], final=True)
     chat.ids.extend(generated[: progress.fed])
+    if plan:  # the reply's end: where the next turn continues
+        chat.checkpoints.take(caches)
     if (overflow := evictions.overflow("reply")) is not None:
         yield overflow
     if finish == "length" and context_room is not None and len(generated) >= context_room:

@@ -303,6 +303,7 @@ class StatsPanel(VerticalScroll):
                 *([_row("windows", f"{fmt_saving(s.window_saving)} smaller")]
                   if s.sliding_layers else []),
                 _row("reused", f"{fmt_count(self.held(s.cached_tokens))} tokens this turn"),
+                *state_rows(s),
                 # before the first turn (no cache, capacity 0): the configured keep
                 _row("window", f"{fmt_count(cap)} · keep "
                      f"{fmt_count(s.keep if s.cache_capacity else self.keep)}"),
@@ -328,6 +329,15 @@ class StatsPanel(VerticalScroll):
         if self.freed_bytes is not None:
             runtime.append(_row("swap", f"freed {fmt_bytes(self.freed_bytes)}"))
         _set(self.query_one("#runtime", Static), _lines(*runtime))
+
+
+def state_rows(s: TurnStats) -> list[Text]:
+    """A model with recurrent layers: their states' bytes, and the checkpoints of them a
+    turn can go back to (docs/kv-cache.md, Checkpoints); nothing for pure K/V."""
+    if not s.state_layers:
+        return []
+    return [_row("state", fmt_bytes(s.state_bytes)),
+            _row("checkpoints", f"{fmt_count(s.checkpoints)} · {fmt_bytes(s.checkpoint_bytes)}")]
 
 
 def model_rows(info: dict[str, Any]) -> list[Text]:
