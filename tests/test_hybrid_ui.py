@@ -28,6 +28,7 @@ from kvchat.app.core.settings import Settings
 from kvchat.app.tui.app import KVChatApp
 from kvchat.app.tui.screens import LayerCacheScreen
 from kvchat.app.tui.screens.anatomy import AnatomyScreen
+from kvchat.app.tui.turn_notices import overflow_message
 from kvchat.app.tui.widgets.stats_panel import CONTENT_W, LABEL_W, state_rows
 from kvchat.model import load_model
 from kvchat.model.cache.kv import cache_stats, make_cache, make_prompt_cache
@@ -38,7 +39,7 @@ from kvchat.model.decoder.kv_format import KVQuant
 from kvchat.model.explain.anatomy import explain, render_text
 from kvchat.model.explain.views import VIEWS
 from kvchat.model.runtime.engine_process import EngineProcess
-from kvchat.model.runtime.events import Done, Event, TurnStats
+from kvchat.model.runtime.events import Done, Event, Overflow, TurnStats
 from tests.helpers.app import make_app, ready, turn
 from tests.helpers.families import IDS, build
 from tests.helpers.hybrid_families import HYBRID_SPECS
@@ -215,6 +216,19 @@ def test_state_rows(stats: TurnStats, info: dict[str, Any], capacity: int,
     assert all(len(r) <= CONTENT_W for r in rows)  # fits the panel: nothing wraps
 
 
+@pytest.mark.parametrize(("mixer", "carried"), [
+    ("mamba", True), ("mamba2", True), ("gated_delta", True),
+    ("short_conv", False),  # keeps its last K − 1 inputs only
+    (None, False),
+])
+def test_context_full_notice_says_what_recurrent_layers_keep(mixer: str | None,
+                                                             carried: bool) -> None:
+    text = overflow_message(Overflow(14, 32, "reply"), mixer)
+    assert text.startswith("The chat outgrew the 32-token window: 14 oldest tokens dropped")
+    assert ("recurrent layers still carry it" in text) is carried
+    assert ("The model no longer sees the start" in text) is not carried
+
+
 @async_test
 async def test_a_pure_attention_model_has_no_state_row(env: Path) -> None:
     app = make_app()
@@ -267,6 +281,9 @@ async def test_hybrid_model_on_screen(hybrid: Callable[[str], Path], hermetic_en
         assert lines[kv].split()[1:] == human_bytes(done.stats.cache_bytes).split()
         assert lines[kv + 1] == f"state    {human_bytes(MAMBA2_LAYER)} · fixed"
         assert lines[kv + 2] == " " * LABEL_W + "kept through rotation"
+        # the reply that overflowed says what the Mamba-2 layer still carries
+        reply = [m for m in app.chat.transcript.messages if m.role == "assistant"][-1]
+        assert "recurrent layers still carry it" in str(reply.tooltip)
 
         await pilot.press("ctrl+l")
         assert isinstance(app.screen, LayerCacheScreen)

@@ -123,6 +123,7 @@ def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
         "attention_layers": cfg.attention_layers,
         "state_layers": cfg.recurrent_layers,
         "state_bytes": state_bytes(cfg, dtype.size),
+        "mixer": next((s.mixer for s in cfg.layers if s.mixer is not None), None),
         "note": cfg.note,  # a multimodal checkpoint: what is not loaded
         "vocab_size": cfg.vocab_size,
         "tokenizer": tokenizer.kind,
