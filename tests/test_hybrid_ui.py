@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,7 @@ from tests.helpers.app import make_app, ready, turn
 from tests.helpers.families import IDS, build
 from tests.helpers.hybrid_families import HYBRID_SPECS
 from tests.helpers.scripted_engine import async_test, wait_for
+from tests.helpers.tmux import NEEDS_TMUX, Tmux, chat_env, command, session, wait_file
 
 F32 = 4
 MAMBA2_LAYER = 3 * (128 + 2 * 2 * 16) * F32 + 8 * 16 * 16 * F32  # 10,496
@@ -310,3 +313,40 @@ async def test_hybrid_model_on_screen(hybrid: Callable[[str], Path], hermetic_en
         body = str(screen.query_one("#anatomy-text", Static).render())
         assert f"per layer {MAMBA2_LAYER:,} B" in body
         assert "layers: Mamba-2 0; full attention 1; MLP-only 2; MoE-only 3" in body
+
+
+@NEEDS_TMUX
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+def test_hybrid_panel_in_a_real_terminal(size: tuple[int, int], tmp_path: Path,
+                                         hybrid: Callable[[str], Path]) -> None:
+    """The real app in tmux on the tiny Nemotron-H with a 32-token window: the state row
+    and its rotation line sit under the K/V bytes, inside the panel, at 120 columns and at
+    80 (where F3 shows the panel), before the first turn and after one that rotated."""
+    folder = hybrid("nemotron_h")
+    env, status = chat_env(tmp_path, {"temp": 0.0, "max_tokens": 40, "max_kv_size": 32})
+    tmux = Tmux(f"kvchat-hybrid-{os.getpid()}-{size[0]}")
+    state = f"state    {human_bytes(MAMBA2_LAYER)} · fixed"
+    try:
+        session(tmux, "chat", size, command(f"--model {shlex.quote(str(folder))}", env, status))
+        tmux.wait_screen("chat", lambda s: folder.name in s and "Message" in s, timeout=90)
+        if size[0] < 100:  # the panel starts hidden below 100 columns
+            tmux("send-keys", "-t", "chat", "F3")
+        for prompt in (None, "a b c d e f g"):
+            if prompt is not None:
+                tmux("send-keys", "-t", "chat", "-l", prompt)
+                tmux("send-keys", "-t", "chat", "Enter")
+            # after the turn: once the context-full toast no longer covers the panel
+            screen = tmux.wait_screen(
+                "chat", lambda s, p=prompt: state in s and (p is None or "40 generated" in s),
+                timeout=90)
+            lines = screen.splitlines()
+            assert len(lines) == size[1] and all(len(ln) <= size[0] for ln in lines)
+            at = next(i for i, ln in enumerate(lines) if state in ln)
+            column = lines[at].index(state)
+            assert lines[at - 1][column:].startswith("KV ")
+            assert lines[at + 1][column:].rstrip() == " " * LABEL_W + "kept through rotation"
+        tmux("send-keys", "-t", "chat", "C-q")
+        assert wait_file(status, 30) == "0"
+    finally:
+        tmux.kill_server()
