@@ -592,7 +592,8 @@ async def test_layer_view(env: Path) -> None:
         titles = [str(c.label) for c in table.ordered_columns]
         # what a layer holds and costs first; a float cache's "as float" would repeat
         # "bytes", and a model without windows has no window to show
-        assert titles[:6] == ["layer", "attention", "tokens", "capacity", "bytes", "as MHA"]
+        assert titles[:6] == ["layer", "kind", "tokens", "capacity", "bytes", "as MHA"]
+        assert "attention" not in titles and "state" not in titles  # "kind" says it
         assert "as float" not in titles and "window" not in titles
         await pilot.press("escape")
         assert not isinstance(app.screen, LayerCacheScreen)

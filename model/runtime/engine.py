@@ -39,6 +39,7 @@ from kvchat.model.cache.kv_math import (
     cached_widths,
     gqa_heads,
     kv_saving,
+    state_bytes,
 )
 from kvchat.model.cache.misses import MODEL_CHANGED
 from kvchat.model.decoder.transformer import Transformer
@@ -93,6 +94,7 @@ class Views:
 
 def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
     cfg = model.config
+    dtype = _float_dtype(model)
     quant = getattr(model, "quantization", None)
     path = Path(getattr(model, "path", ""))
     return {
@@ -103,7 +105,7 @@ def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
         "bits": quant["bits"] if quant else None,
         # quantized checkpoints are dequantized on load on the CPU (model/decoder/weights.py)
         "dequantized": bool(getattr(model, "dequantized", False)),
-        "dtype": str(_float_dtype(model)).removeprefix("mlx.core."),
+        "dtype": str(dtype).removeprefix("mlx.core."),
         "weight_bytes": weight_bytes(model),
         "n_layers": cfg.num_hidden_layers,
         "n_heads": cfg.num_attention_heads,
@@ -116,6 +118,12 @@ def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
         "as_gqa_factor": cached_widths(cfg, gqa_heads(cfg)).bytes_per_token(1, 1)
         / cached_widths(cfg).bytes_per_token(1, 1) if cfg.mla is not None else None,
         "context": cfg.max_position_embeddings,
+        # recurrent layers: their states' bytes (kv_math's formula, the same at every
+        # token) before a turn has built the caches, and the layers that attend beside them
+        "attention_layers": cfg.attention_layers,
+        "state_layers": cfg.recurrent_layers,
+        "state_bytes": state_bytes(cfg, dtype.size),
+        "mixer": next((s.mixer for s in cfg.layers if s.mixer is not None), None),
         "note": cfg.note,  # a multimodal checkpoint: what is not loaded
         "vocab_size": cfg.vocab_size,
         "tokenizer": tokenizer.kind,
