@@ -43,6 +43,7 @@ from tests.helpers.hybrid_families import HYBRID_SPECS
 
 # one fixture per block kind runs by default; the rest are slow
 FAST = {"mamba", "mamba2", "qwen3_next", "lfm2"}
+FAST |= {"recurrent_gemma"}  # the RG-LRU
 NAMES = [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in HYBRID_SPECS]
 
 
@@ -175,6 +176,7 @@ def test_hybrid_4bit_matches_transformers_on_dequantized(
     ("bamba", None, "RAR"),  # attn_layer_indices [1]
     ("qwen3_next", None, "RRRA"),  # every 4th layer attends
     ("nemotron_h", ["mamba", "attention", "mlp", "moe"], "RAFF"),
+    ("recurrent_gemma", None, "RRA"),  # block_types' default, repeated
 ])
 def test_layer_kinds_from_each_spelling(family: str, types: list[str] | None,
                                         kinds: str) -> None:
@@ -355,3 +357,25 @@ def test_compiled_step_verifies_no_drafts_on_a_state_and_steps_one_token(
     assert [c.offset for c in caches] == [13] * len(caches)
     p = next(c for c in caches if isinstance(c, PassCache))
     assert p.next_slot(3) == (13, 0, 0, 0)  # nothing to write: any token count
+
+
+# ---- the RG-LRU, OLMo-hybrid and Kimi-Linear families ----------------------------------------
+@pytest.mark.parametrize(("name", "per_layer"), [
+    # conv state (K − 1) × lru_width and the RG-LRU's lru_width, float32
+    ("recurrent_gemma", (3 * 64 + 64) * 4),
+])
+def test_inspect_counts_each_recurrent_layers_state(
+    name: str, per_layer: int, hybrid: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvchat inspect --live` on each new hybrid: the state bytes from the config (the
+    sizes counted by hand here) equal what the caches hold after a prompt."""
+    from kvchat.app.cli import inspect as inspect_cmd
+
+    p = argparse.ArgumentParser()
+    inspect_cmd.add_arguments(p)
+    folder = hybrid(name)
+    layers = load_model(folder).config.recurrent_layers
+    assert inspect_cmd.run(p.parse_args(["--model", str(folder), "--json", "--live"])) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["state_layers"] == layers and out["state_bytes"] == layers * per_layer
+    assert out["live"]["equal"] and out["live"]["state_bytes"] == layers * per_layer

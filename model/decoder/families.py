@@ -50,8 +50,8 @@ AttentionKind = Literal["gqa", "mla", "none"]
 # (model/cache/state.py) instead of a K/V cache: "mamba" (Mamba's selective scan,
 # ssm.MambaMixer) | "mamba2" (Mamba-2's SSD, ssm.Mamba2Mixer) | "gated_delta" (Qwen3-Next's
 # gated delta rule, delta.GatedDeltaNet) | "short_conv" (LFM2's gated short convolution,
-# conv.ShortConv)  [layers.MIXERS]
-MixerKind = Literal["mamba", "mamba2", "gated_delta", "short_conv"]
+# conv.ShortConv) | "rglru" (Griffin's RG-LRU, rglru.RecurrentBlock)  [layers.MIXERS]
+MixerKind = Literal["mamba", "mamba2", "gated_delta", "short_conv", "rglru"]
 # one fused c_attn holding q, k, v one after the other, split on load: "linear" stored
 # (out, in) (StarCoder 1) | "conv1d" stored (in, out) as GPT-2's Conv1D  [weights.py]
 FusedQkvKind = Literal["linear", "conv1d"]
@@ -85,7 +85,7 @@ LAYER_KIND_ALIASES = {"mamba": RECURRENT, "conv": RECURRENT, "attention": FULL}
 FFN, FFN_MOE = "mlp", "moe"
 FFN_KINDS = (FFN, FFN_MOE)
 
-# activation names in config.json -> the function mlx computes (layers.ACTIVATIONS)
+# activation names in config.json -> the function mlx computes (activations.ACTIVATIONS)
 ACTIVATION_NAMES = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu", "gelu_fast", "relu",
                     "relu2", "xielu")
 
@@ -182,6 +182,21 @@ def _every_nth_attention(key: str, default: int) -> LayerRule:
     return rule
 
 
+def _block_types(key: str, default: tuple[str, ...]) -> LayerRule:
+    """RecurrentGemma: `block_types` ("recurrent", "attention") repeated over the layers;
+    its attention layers are local (they slide)."""
+    kinds = {"recurrent": RECURRENT, "attention": SLIDING}
+
+    def rule(cfg: dict[str, Any], n: int) -> list[str]:
+        types = cfg.get(key) or list(default)
+        if not isinstance(types, list) or not all(t in kinds for t in types):
+            raise ConfigError(f"config.json: {key} must list \"recurrent\" and \"attention\","
+                              f" got {types!r:.60}")
+        return [kinds[types[i % len(types)]] for i in range(n)]
+
+    return rule
+
+
 def no_rope_layers(cfg: dict[str, Any], n: int) -> list[int]:
     """SmolLM3's `no_rope_layers` (1 = RoPE, 0 = NoPE), else every interval-th is NoPE."""
     given = cfg.get("no_rope_layers")
@@ -272,6 +287,9 @@ class Family:
     parallel_block: BlockKind = "parallel"
     fused_proj: bool = False  # one qkv_proj and one gate_up_proj (Phi-3)
     embed_scale_sqrt_hidden: bool = False  # Gemma: embeddings × √hidden_size
+    # RecurrentGemma: that √hidden_size rounded to bfloat16 first (transformers' buffer)
+    embed_scale_bf16: bool = False
+    ffn_half: bool = False  # RecurrentGemma: the MLP is intermediate_size // 2 wide
     multipliers: bool = False  # Granite: embedding/attention/residual multipliers, logits_scaling
     query_pre_attn_scalar: bool = False  # Gemma 2/3: attention scale = scalar^-0.5
     softcaps: bool = False  # Gemma 2/3: attn/final logit soft-capping keys are honoured
@@ -864,6 +882,29 @@ FAMILIES: dict[str, Family] = {
         mixer_rule=_attention_listed("full_attn_idxs"),
         moe=MoeFamily(score="sigmoid", correction_bias=True,
                       correction_bias_flag="use_expert_bias", sparse_layers="first_dense"),
+    ),
+    # ---- hybrid families added with the RG-LRU, OLMo-hybrid and Kimi-Linear rows
+    # RecurrentGemma (Griffin): pre-norm layers (temporal_pre_norm, channel_pre_norm) whose
+    # temporal block is the RG-LRU or local attention (block_types repeated), offset norms,
+    # embeddings × √hidden in bfloat16, an MLP of intermediate_size // 2 with biases,
+    # o_proj with a bias, partial rotary ½, soft-capped logits, tied head
+    "recurrent_gemma": Family(
+        norm="offset", activation_key="hidden_activation", mixer="rglru",
+        mixer_rule=_block_types("block_types", ("recurrent", "recurrent", "attention")),
+        o_bias=True, tie_word_embeddings=True, embed_scale_sqrt_hidden=True,
+        embed_scale_bf16=True, softcaps=True, ffn_half=True,
+        key_aliases={"attention_window_size": "sliding_window",
+                     "logits_soft_cap": "final_logit_softcapping"},
+        renames=((".temporal_pre_norm.", ".input_layernorm."),
+                 (".channel_pre_norm.", ".post_attention_layernorm."),
+                 (".mlp_block.", ".mlp."), ("model.final_norm.", "model.norm."),
+                 *((f".temporal_block.{p}.", f".self_attn.{p}.")
+                   for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                 (".temporal_block.conv_1d.", ".mixer.conv1d."),
+                 (".temporal_block.", ".mixer.")),
+        defaults={"partial_rotary_factor": 0.5, "mlp_bias": True, "rms_norm_eps": 1e-6,
+                  "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 2048,
+                  "final_logit_softcapping": 30.0, "conv1d_width": 4},
     ),
     # the 2017 block, for `python -m kvchat.model.training train --block 2017` and
     # explain's comparison: post-LayerNorm, ReLU FFN, sinusoidal positions

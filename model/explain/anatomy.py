@@ -29,7 +29,8 @@ from kvchat.model.cache.kv_math import (
     kv_bytes_per_token,
 )
 from kvchat.model.decoder.config import ModelConfig
-from kvchat.model.decoder.layers import ACTIVATIONS, RoPE
+from kvchat.model.decoder.activations import ACTIVATIONS
+from kvchat.model.decoder.layers import RoPE
 from kvchat.model.decoder.rope import RopeConfig
 
 # ---- the design's worked examples ---------------------------------------------------------
