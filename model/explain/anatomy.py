@@ -28,8 +28,8 @@ from kvchat.model.cache.kv_math import (
     kv_bytes_by_kind,
     kv_bytes_per_token,
 )
-from kvchat.model.decoder.config import ModelConfig
 from kvchat.model.decoder.activations import ACTIVATIONS
+from kvchat.model.decoder.config import ModelConfig
 from kvchat.model.decoder.layers import RoPE
 from kvchat.model.decoder.rope import RopeConfig
 
