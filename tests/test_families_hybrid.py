@@ -177,6 +177,7 @@ def test_hybrid_4bit_matches_transformers_on_dequantized(
     ("qwen3_next", None, "RRRA"),  # every 4th layer attends
     ("nemotron_h", ["mamba", "attention", "mlp", "moe"], "RAFF"),
     ("recurrent_gemma", None, "RRA"),  # block_types' default, repeated
+    ("olmo_hybrid", None, "RRA"),  # every 4th attends, else the last
 ])
 def test_layer_kinds_from_each_spelling(family: str, types: list[str] | None,
                                         kinds: str) -> None:
@@ -363,6 +364,8 @@ def test_compiled_step_verifies_no_drafts_on_a_state_and_steps_one_token(
 @pytest.mark.parametrize(("name", "per_layer"), [
     # conv state (K − 1) × lru_width and the RG-LRU's lru_width, float32
     ("recurrent_gemma", (3 * 64 + 64) * 4),
+    # conv state (K − 1) × (q, k, v: 64 + 64 + 64), the delta rule's 4 heads × 16 × 16
+    ("olmo_hybrid", (3 * 192 + 4 * 16 * 16) * 4),
 ])
 def test_inspect_counts_each_recurrent_layers_state(
     name: str, per_layer: int, hybrid: Callable[[str], Path], capsys: pytest.CaptureFixture[str]

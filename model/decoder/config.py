@@ -167,6 +167,7 @@ class ModelConfig:
     lm_head_bias: bool = False
     activation: str = "silu"
     block: BlockKind = "pre"
+    recurrent_block: BlockKind | None = None  # the recurrent layers' block, where not `block`
     qk_norm: QkNormKind | None = None
     fused_proj: bool = False
     positions: PositionKind = "rope"
@@ -562,6 +563,7 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
         or bool(fam.head_bias_key and cfg.get(fam.head_bias_key)), "embed_norm": fam.embed_norm,
         "rope_negative": fam.rope_negative, "attention_sinks": fam.attention_sinks,
         "positions": fam.positions, "attention_gate": fam.attention_gate,
+        "recurrent_block": fam.recurrent_block,
     }
     if fam.temperature_tuning and cfg.get("attn_temperature_tuning", True):
         out["temperature"] = (float(cfg.get("floor_scale", 8192)),

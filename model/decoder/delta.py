@@ -3,7 +3,8 @@ per value head) decays and is corrected toward each new value,
 
     S_t = g_t·S_{t−1} + k_t ⊗ β_t·(v_t − g_t·S_{t−1}ᵀk_t),    y_t = S_tᵀ q_t,
 
-with g_t = exp(−exp(A)·softplus(a_t + dt_bias)) ∈ (0, 1), β_t = sigmoid(b_t), q and k
+with g_t = exp(−exp(A)·softplus(a_t + dt_bias)) ∈ (0, 1), β_t = sigmoid(b_t) (OLMo-hybrid:
+2·sigmoid(b_t), so the update may overshoot: negative eigenvalues), q and k
 L2-normed (q also × k_dim^−½). A prompt runs the chunked form (transformers' and FLA's): in
 a chunk of CHUNK tokens the updates are condensed into one unit lower-triangular solve
 (the "UT transform") and a few matmuls, the state carried between chunks; one token runs
@@ -91,17 +92,23 @@ class GatedDeltaNet(nn.Module):
     delta rule per value head, a gated RMSNorm (norm first, then × silu(z)), out_proj.
     Qwen3-Next packs q, k, v, z (and b, a) per key head in two projections
     (in_proj_qkvz, in_proj_ba); Qwen3.5 has four (in_proj_qkv, in_proj_z, in_proj_b,
-    in_proj_a) in plain order."""
+    in_proj_a) in plain order; OLMo-hybrid's q, k and v have a projection each (q_proj,
+    k_proj, v_proj) and its β may reach 2 (beta_scale)."""
 
     def __init__(self, cfg: DeltaConfig, hidden: int):
         super().__init__()
         self.cfg = cfg
         key, value = cfg.k_heads * cfg.k_dim, cfg.v_heads * cfg.v_dim
-        if cfg.fused_in_proj:
+        if cfg.proj == "fused":
             self.in_proj_qkvz = nn.Linear(hidden, 2 * key + 2 * value, bias=False)
             self.in_proj_ba = nn.Linear(hidden, 2 * cfg.v_heads, bias=False)
         else:
-            self.in_proj_qkv = nn.Linear(hidden, 2 * key + value, bias=False)
+            if cfg.proj == "separate":
+                self.q_proj = nn.Linear(hidden, key, bias=False)
+                self.k_proj = nn.Linear(hidden, key, bias=False)
+                self.v_proj = nn.Linear(hidden, value, bias=False)
+            else:
+                self.in_proj_qkv = nn.Linear(hidden, 2 * key + value, bias=False)
             self.in_proj_z = nn.Linear(hidden, value, bias=False)
             self.in_proj_b = nn.Linear(hidden, cfg.v_heads, bias=False)
             self.in_proj_a = nn.Linear(hidden, cfg.v_heads, bias=False)
@@ -115,9 +122,11 @@ class GatedDeltaNet(nn.Module):
         """(q|k|v flat (b, T, conv_dim), z (b, T, Hv, Dv), b and a (b, T, Hv))."""
         cfg = self.cfg
         B, T, _ = x.shape
-        if not cfg.fused_in_proj:
+        if cfg.proj != "fused":
             z = self.in_proj_z(x).reshape(B, T, cfg.v_heads, cfg.v_dim)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+            qkv = (self.in_proj_qkv(x) if cfg.proj == "split" else mx.concatenate(
+                [self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1))
+            return qkv, z, self.in_proj_b(x), self.in_proj_a(x)
         r = cfg.v_heads // cfg.k_heads  # value heads per key head
         qkvz = self.in_proj_qkvz(x).reshape(B, T, cfg.k_heads, -1)
         q, k, v, z = mx.split(qkvz, [cfg.k_dim, 2 * cfg.k_dim, 2 * cfg.k_dim + r * cfg.v_dim],
@@ -138,8 +147,10 @@ class GatedDeltaNet(nn.Module):
         k = l2norm(k.reshape(B, T, cfg.k_heads, cfg.k_dim))
         g = -mx.exp(self.A_log.astype(F32)) * nn.softplus((a + self.dt_bias).astype(F32))
         v = v.reshape(B, T, cfg.v_heads, cfg.v_dim)
-        y, state = gated_delta(q.astype(F32), k.astype(F32), v.astype(F32), g,
-                               mx.sigmoid(b.astype(F32)),
+        beta = mx.sigmoid(b.astype(F32))
+        if cfg.beta_scale != 1.0:
+            beta = beta * cfg.beta_scale
+        y, state = gated_delta(q.astype(F32), k.astype(F32), v.astype(F32), g, beta,
                                cache.recurrent if cache is not None else None)
         if cache is not None:
             cache.update(T, conv_state, state)

@@ -52,6 +52,11 @@ AttentionKind = Literal["gqa", "mla", "none"]
 # gated delta rule, delta.GatedDeltaNet) | "short_conv" (LFM2's gated short convolution,
 # conv.ShortConv) | "rglru" (Griffin's RG-LRU, rglru.RecurrentBlock)  [layers.MIXERS]
 MixerKind = Literal["mamba", "mamba2", "gated_delta", "short_conv", "rglru"]
+# the gated delta rule's input projections: "fused" (Qwen3-Next: in_proj_qkvz + in_proj_ba,
+# grouped per key head) | "split" (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) |
+# "separate" (OLMo-hybrid: q_proj, k_proj, v_proj of their own, then z, b, a as
+# "split")  [delta.GatedDeltaNet]
+DeltaProjKind = Literal["fused", "split", "separate"]
 # one fused c_attn holding q, k, v one after the other, split on load: "linear" stored
 # (out, in) (StarCoder 1) | "conv1d" stored (in, out) as GPT-2's Conv1D  [weights.py]
 FusedQkvKind = Literal["linear", "conv1d"]
@@ -197,6 +202,13 @@ def _block_types(key: str, default: tuple[str, ...]) -> LayerRule:
     return rule
 
 
+def _every_4th_attention_or_last(cfg: dict[str, Any], n: int) -> list[str]:
+    """OLMo-hybrid without layer_types: every 4th layer attends, the last one if none
+    would (transformers' default)."""
+    kinds = [FULL if i % 4 == 3 else RECURRENT for i in range(n)]
+    return kinds if FULL in kinds or not kinds else [*kinds[:-1], FULL]
+
+
 def no_rope_layers(cfg: dict[str, Any], n: int) -> list[int]:
     """SmolLM3's `no_rope_layers` (1 = RoPE, 0 = NoPE), else every interval-th is NoPE."""
     given = cfg.get("no_rope_layers")
@@ -314,7 +326,10 @@ class Family:
     # renames applied first when the model has no experts (Granite 4's dense variant: its
     # shared_mlp is the layer's MLP, not a shared expert)
     dense_renames: tuple[tuple[str, str], ...] = ()
-    delta_split_proj: bool = False  # Qwen3.5: q|k|v, z, b, a from four projections
+    delta_proj: DeltaProjKind = "fused"  # how the gated delta rule projects its inputs
+    # the block layout of the recurrent layers where it is not the attention layers'
+    # (OLMo-hybrid: pre-norm linear-attention layers beside post-norm attention ones)
+    recurrent_block: BlockKind | None = None
     rope_traditional: bool = False  # RoPE rotates adjacent pairs (DeepSeek's interleave)
     rope_negative: bool = False  # nanochat: its rotate_half turns the other way
     clip_qkv: bool = False  # OLMoE: config's clip_qkv clamps q, k and v
@@ -327,6 +342,10 @@ class Family:
     rotary_dim_key: str | None = None  # GPT-J: rotated features per head, as a count
     # checkpoint tensor names -> ours (substring replacements, applied in order)
     renames: tuple[tuple[str, str], ...] = ()
+    # tensors stored in parts that one of our modules holds whole, after the renames: (the
+    # parts' name pieces in order, the whole's), concatenated along the first axis
+    # (OLMo-hybrid's q_conv1d, k_conv1d, v_conv1d -> conv1d)  [weights.py]
+    concat_on_load: tuple[tuple[tuple[str, ...], str], ...] = ()
     defaults: dict[str, Any] = field(default_factory=dict)
 
     def window_used(self, cfg: dict[str, Any]) -> bool:
@@ -400,7 +419,7 @@ _LFM2: dict[str, Any] = dict(
 
 _QWEN3_5: dict[str, Any] = dict(
     layer_rule=None, norm="offset", qk_norm="head", attention_gate=True, mixer="gated_delta",
-    mixer_rule=_every_nth_attention("full_attention_interval", 4), delta_split_proj=True,
+    mixer_rule=_every_nth_attention("full_attention_interval", 4), delta_proj="split",
     renames=((".linear_attn.", ".mixer."),),
     defaults={"partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4},
 )
@@ -905,6 +924,27 @@ FAMILIES: dict[str, Family] = {
         defaults={"partial_rotary_factor": 0.5, "mlp_bias": True, "rms_norm_eps": 1e-6,
                   "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 2048,
                   "final_logit_softcapping": 30.0, "conv1d_width": 4},
+    ),
+    # OLMo-hybrid: OLMo 3's post-norm attention layers (q/k norm over the projection, RoPE
+    # always: transformers 5 fills in theta 1e4 when the config has none) beside pre-norm
+    # gated-delta layers (q, k, v, a, b, g projections of their own, β up to 2, the gated
+    # norm's epsilon 1e-5)
+    "olmo_hybrid": Family(
+        layer_rule=None, block="post", recurrent_block="pre", qk_norm="proj",
+        mixer="gated_delta", mixer_rule=_every_4th_attention_or_last, delta_proj="separate",
+        renames=((".linear_attn.g_proj.", ".mixer.in_proj_z."),
+                 (".linear_attn.a_proj.", ".mixer.in_proj_a."),
+                 (".linear_attn.b_proj.", ".mixer.in_proj_b."),
+                 (".linear_attn.o_proj.", ".mixer.out_proj."),
+                 (".linear_attn.o_norm.", ".mixer.norm."), (".linear_attn.", ".mixer."),
+                 # the names transformers saves (its conversion mapping's), as the
+                 # released checkpoints have them
+                 (".attention_layer_norm.", ".input_layernorm."),
+                 (".feedforward_layer_norm.", ".post_attention_layernorm.")),
+        concat_on_load=(((".mixer.q_conv1d.", ".mixer.k_conv1d.", ".mixer.v_conv1d."),
+                         ".mixer.conv1d."),),
+        defaults={"rms_norm_eps": 1e-6, "linear_norm_eps": 1e-5,
+                  "linear_allow_neg_eigval": True, "linear_conv_kernel_dim": 4},
     ),
     # the 2017 block, for `python -m kvchat.model.training train --block 2017` and
     # explain's comparison: post-LayerNorm, ReLU FFN, sinusoidal positions

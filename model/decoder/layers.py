@@ -687,5 +687,7 @@ def make_mixer(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
 
 def make_block(cfg: ModelConfig, spec: LayerSpec, attention: type | None = None) -> Block:
     """The layer the config asks for; `attention` replaces the GQA block (mla.py's latent
-    attention builds on this module's RoPE and norms, so it is passed in, not imported)."""
-    return BLOCKS[cfg.block](cfg, spec, attention)
+    attention builds on this module's RoPE and norms, so it is passed in, not imported).
+    A recurrent layer takes the family's `recurrent_block` layout where it has one."""
+    block = cfg.recurrent_block if spec.mixer is not None and cfg.recurrent_block else cfg.block
+    return BLOCKS[block](cfg, spec, attention)

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvchat.model.errors import ConfigError
 
-from .families import Family, MixerKind
+from .families import DeltaProjKind, Family, MixerKind
 
 
 def _int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -82,7 +82,8 @@ class DeltaConfig:
     v_dim: int
     conv_kernel: int
     norm_eps: float
-    fused_in_proj: bool  # Qwen3-Next: in_proj_qkvz + in_proj_ba, grouped per key head
+    proj: DeltaProjKind  # the input projections' layout (families.DeltaProjKind)
+    beta_scale: float = 1.0  # OLMo-hybrid's linear_allow_neg_eigval: β = 2·sigmoid(b)
 
     @property
     def conv_dim(self) -> int:
@@ -139,8 +140,10 @@ def resolve_mixer(cfg: dict[str, Any], fam: Family, hidden: int, eps: float
             return DeltaConfig(
                 k_heads=k_heads, v_heads=v_heads, k_dim=_int(cfg, "linear_key_head_dim"),
                 v_dim=_int(cfg, "linear_value_head_dim"),
-                conv_kernel=_int(cfg, "linear_conv_kernel_dim", 4), norm_eps=eps,
-                fused_in_proj=not fam.delta_split_proj)
+                conv_kernel=_int(cfg, "linear_conv_kernel_dim", 4),
+                # the gated norm's epsilon: the model's (Qwen3-Next), or its own (OLMo-hybrid)
+                norm_eps=float(cfg.get("linear_norm_eps") or eps), proj=fam.delta_proj,
+                beta_scale=2.0 if cfg.get("linear_allow_neg_eigval") else 1.0)
         if fam.mixer == "rglru":
             return _rglru(cfg, fam, hidden)
         return ShortConvConfig(hidden=hidden, kernel=_int(cfg, "conv_L_cache", 3),

@@ -65,6 +65,13 @@ _RECURRENT_GEMMA: dict[str, Any] = {
     "attention_window_size": 16, "block_types": ["recurrent", "attention"],
     "logits_soft_cap": 8.0, "tie_word_embeddings": True}
 
+# OLMo-hybrid: gated delta (4 heads of 16, β up to 2), post-norm attention, gated delta
+_OLMO_HYBRID: dict[str, Any] = {
+    "num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention",
+                                            "linear_attention"],
+    "linear_num_key_heads": 4, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16}
+
 HYBRID_SPECS: dict[str, FamilySpec] = {
     # the selective scan (time_step_rank "auto": 4), tied head
     "mamba": FamilySpec("MambaForCausalLM", _MAMBA, own_keys=True, seed=90),
@@ -117,4 +124,7 @@ HYBRID_SPECS: dict[str, FamilySpec] = {
                                   seed=110),
     "recurrent_gemma_classic": FamilySpec("RecurrentGemmaForCausalLM", _RECURRENT_GEMMA,
                                           own_keys=True, rope_form="classic", seed=110),
+    "olmo_hybrid": FamilySpec("OlmoHybridForCausalLM", _OLMO_HYBRID, seed=111),
+    "olmo_hybrid_classic": FamilySpec("OlmoHybridForCausalLM", _OLMO_HYBRID,
+                                      rope_form="classic", seed=111),
 }
