@@ -382,3 +382,45 @@ def test_inspect_counts_each_recurrent_layers_state(
     out = json.loads(capsys.readouterr().out)
     assert out["state_layers"] == layers and out["state_bytes"] == layers * per_layer
     assert out["live"]["equal"] and out["live"]["state_bytes"] == layers * per_layer
+
+
+def test_delta_rule_with_a_gate_per_channel_matches_transformers_kda() -> None:
+    """The gated delta rule with one decay per key channel (Kimi's KDA), against
+    transformers' own chunked and recurrent KDA functions: 150 tokens in chunks of 64 (the
+    last partial), the same as two calls (the state carried) and token by token."""
+    import torch
+    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+
+    from kvchat.model.decoder.delta import gated_delta, l2norm
+
+    rng = np.random.default_rng(11)
+    b, T, H, D = 1, 150, 2, 16
+    q, k, v = (rng.normal(size=(b, T, H, D)).astype(np.float32) for _ in range(3))
+    g = -np.log1p(np.exp(rng.normal(size=(b, T, H, D)))).astype(np.float32) * 0.3
+    beta = (1 / (1 + np.exp(-rng.normal(size=(b, T, H))))).astype(np.float32)
+    t = [torch.from_numpy(x) for x in (q, k, v, g, beta)]
+    with torch.no_grad():
+        ref, ref_state = kimi.chunk_kimi_delta_attention(
+            *t[:3], g=t[3], beta=t[4], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        step_ref, _ = kimi.recurrent_kimi_delta_attention(
+            *t[:3], g=t[3], beta=t[4], initial_state=None, output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
+    qn, kn = l2norm(mx.array(q)) * D**-0.5, l2norm(mx.array(k))
+    vm, gm, bm = mx.array(v), mx.array(g), mx.array(beta)
+    whole, state = gated_delta(qn, kn, vm, gm, bm, None)
+    first, mid = gated_delta(qn[:, :70], kn[:, :70], vm[:, :70], gm[:, :70], bm[:, :70], None)
+    second, _ = gated_delta(qn[:, 70:], kn[:, 70:], vm[:, 70:], gm[:, 70:], bm[:, 70:], mid)
+    steps, S = [], None
+    for i in range(T):
+        y, S = gated_delta(qn[:, i:i + 1], kn[:, i:i + 1], vm[:, i:i + 1], gm[:, i:i + 1],
+                           bm[:, i:i + 1], S)
+        steps.append(y)
+    ref_np = ref.numpy()
+    assert rel_err(np.array(whole), ref_np) <= 1e-4
+    assert rel_err(np.array(state), ref_state.numpy()) <= 1e-4
+    assert rel_err(np.array(mx.concatenate([first, second], axis=1)), ref_np) <= 1e-4
+    assert rel_err(np.array(mx.concatenate(steps, axis=1)), step_ref.numpy()) <= 1e-4
+    assert rel_err(np.array(S), ref_state.numpy()) <= 1e-4
+    # the gate per channel bites: its mean over the channels gives another output
+    flat, _ = gated_delta(qn, kn, vm, gm.mean(axis=-1), bm, None)
+    assert rel_err(np.array(flat), ref_np) > 1e-2

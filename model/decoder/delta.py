@@ -10,6 +10,10 @@ a chunk of CHUNK tokens the updates are condensed into one unit lower-triangular
 (the "UT transform") and a few matmuls, the state carried between chunks; one token runs
 the recurrence above. Both agree with transformers. The rule and its state run in float32
 whatever the compute dtype (as ssm.py's scans).
+
+The gate may also be one per key channel, g_t ∈ (0, 1)^k_dim, decaying the state's rows
+apart (Kimi's KDA: S_t = diag(g_t)·S_{t−1} + …): the same two forms, with the decays inside
+a chunk kept per channel.
 """
 
 from __future__ import annotations
@@ -33,29 +37,41 @@ def l2norm(x: mx.array, eps: float = 1e-6) -> mx.array:
 
 def delta_chunk(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
                 S: mx.array) -> tuple[mx.array, mx.array]:
-    """One chunk. q, k: (b, H, L, Dk); v: (b, H, L, Dv); g (log decay), beta: (b, H, L);
-    S: (b, H, Dk, Dv). Returns (y (b, H, L, Dv), the state after the chunk)."""
+    """One chunk. q, k: (b, H, L, Dk); v: (b, H, L, Dv); g (log decay): (b, H, L), or
+    (b, H, L, Dk) per channel; beta: (b, H, L); S: (b, H, Dk, Dv). Returns (y (b, H, L,
+    Dv), the state after the chunk)."""
     L = q.shape[2]
-    cs = mx.cumsum(g, axis=-1)  # log decay since the chunk began
+    cs = mx.cumsum(g, axis=2)  # log decay since the chunk began
     t, s = mx.arange(L)[:, None], mx.arange(L)[None]
-    decay = mx.exp(mx.where(t >= s, cs[..., :, None] - cs[..., None, :], -mx.inf))
+    if g.ndim == 4:  # per channel: Σ_c a_t[c]·b_s[c]·exp(cs_t[c] − cs_s[c]), one L × L × Dk
+        decay = mx.exp(mx.where((t >= s)[..., None],
+                                cs[..., :, None, :] - cs[..., None, :, :], -mx.inf))
+
+        def pairs(a: mx.array, b: mx.array) -> mx.array:
+            return (a[..., :, None, :] * b[..., None, :, :] * decay).sum(axis=-1)
+    else:
+        decay = mx.exp(mx.where(t >= s, cs[..., :, None] - cs[..., None, :], -mx.inf))
+        cs = cs[..., None]  # one decay for every channel, broadcast below
+
+        def pairs(a: mx.array, b: mx.array) -> mx.array:
+            return (a @ b.swapaxes(-1, -2)) * decay
     kb, vb = k * beta[..., None], v * beta[..., None]
     # (I + strictly lower part of (β k kᵀ) ⊙ decay) solves the chunk's delta updates at once
-    system = mx.where(t > s, (kb @ k.swapaxes(-1, -2)) * decay, 0.0) + mx.eye(L, dtype=q.dtype)
+    system = mx.where(t > s, pairs(kb, k), 0.0) + mx.eye(L, dtype=q.dtype)
     u = mx.linalg.solve_triangular(system, vb, upper=False, stream=mx.cpu)
-    w = mx.linalg.solve_triangular(system, kb * mx.exp(cs)[..., None], upper=False,
-                                   stream=mx.cpu)
+    w = mx.linalg.solve_triangular(system, kb * mx.exp(cs), upper=False, stream=mx.cpu)
     v_new = u - w @ S  # each value minus what the state before the chunk already predicts
-    y = (q * mx.exp(cs)[..., None]) @ S + ((q @ k.swapaxes(-1, -2)) * decay) @ v_new
-    last = cs[..., -1:]
-    S = S * mx.exp(last)[..., None] + (k * mx.exp(last - cs)[..., None]).swapaxes(-1, -2) @ v_new
+    y = (q * mx.exp(cs)) @ S + pairs(q, k) @ v_new
+    last = cs[..., -1:, :]  # (b, H, 1, Dk or 1): the decay over the whole chunk
+    S = S * mx.exp(last).swapaxes(-1, -2) + (k * mx.exp(last - cs)).swapaxes(-1, -2) @ v_new
     return y, S
 
 
 def delta_step(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
                S: mx.array) -> tuple[mx.array, mx.array]:
     """One token (shapes as delta_chunk with L = 1): the recurrence itself."""
-    S = S * mx.exp(g)[..., None]  # (b, H, Dk, Dv) × (b, H, 1, 1)
+    decay = mx.exp(g[:, :, 0])  # (b, H), or (b, H, Dk) per channel
+    S = S * (decay[..., None, None] if decay.ndim == 2 else decay[..., None])
     k_t, q_t = k[:, :, 0, :, None], q[:, :, 0, :, None]  # (b, H, Dk, 1)
     delta = (v[:, :, 0] - (S * k_t).sum(axis=-2)) * beta[..., 0, None]  # (b, H, Dv)
     S = S + k_t * delta[:, :, None, :]
@@ -65,13 +81,14 @@ def delta_step(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.arra
 def gated_delta(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
                 S: mx.array | None) -> tuple[mx.array, mx.array]:
     """The rule over a sequence. q, k: (b, T, Hk, Dk), normed; v: (b, T, Hv, Dv); g, beta:
-    (b, T, Hv); S: (b, Hv, Dk, Dv) or None. Returns (y (b, T, Hv, Dv), the last state)."""
+    (b, T, Hv) (g per channel: (b, T, Hv, Dk)); S: (b, Hv, Dk, Dv) or None. Returns
+    (y (b, T, Hv, Dv), the last state)."""
     b, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     if Hv > Hk:  # value head j reads key head j // (Hv / Hk)
         q, k = mx.repeat(q, Hv // Hk, axis=2), mx.repeat(k, Hv // Hk, axis=2)
     q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
-    g, beta = g.transpose(0, 2, 1), beta.transpose(0, 2, 1)
+    g, beta = g.swapaxes(1, 2), beta.transpose(0, 2, 1)
     if S is None:
         S = mx.zeros((b, Hv, Dk, Dv), F32)
     if T == 1:
