@@ -44,6 +44,7 @@ from tests.helpers.hybrid_families import HYBRID_SPECS
 
 # one fixture per block kind runs by default; the rest are slow
 FAST = {"mamba", "mamba2", "qwen3_next", "lfm2"}
+FAST |= {"recurrent_gemma"}  # the RG-LRU
 NAMES = [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in HYBRID_SPECS]
 
 
@@ -176,6 +177,8 @@ def test_hybrid_4bit_matches_transformers_on_dequantized(
     ("bamba", None, "RAR"),  # attn_layer_indices [1]
     ("qwen3_next", None, "RRRA"),  # every 4th layer attends
     ("nemotron_h", ["mamba", "attention", "mlp", "moe"], "RAFF"),
+    ("recurrent_gemma", None, "RRA"),  # block_types' default, repeated
+    ("olmo_hybrid", None, "RRA"),  # every 4th attends, else the last
 ])
 def test_layer_kinds_from_each_spelling(family: str, types: list[str] | None,
                                         kinds: str) -> None:
@@ -364,3 +367,69 @@ def test_compiled_step_verifies_no_drafts_on_a_state_and_steps_one_token(
     assert [c.offset for c in caches] == [13] * len(caches)
     p = next(c for c in caches if isinstance(c, PassCache))
     assert p.next_slot(3) == (13, 0, 0, 0)  # nothing to write: any token count
+
+
+# ---- the RG-LRU, OLMo-hybrid and Kimi-Linear families ----------------------------------------
+@pytest.mark.parametrize(("name", "per_layer"), [
+    # conv state (K − 1) × lru_width and the RG-LRU's lru_width, float32
+    ("recurrent_gemma", (3 * 64 + 64) * 4),
+    # conv state (K − 1) × (q, k, v: 64 + 64 + 64), the delta rule's 4 heads × 16 × 16
+    ("olmo_hybrid", (3 * 192 + 4 * 16 * 16) * 4),
+])
+def test_inspect_counts_each_recurrent_layers_state(
+    name: str, per_layer: int, hybrid: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvchat inspect --live` on each new hybrid: the state bytes from the config (the
+    sizes counted by hand here) equal what the caches hold after a prompt."""
+    from kvchat.app.cli import inspect as inspect_cmd
+
+    p = argparse.ArgumentParser()
+    inspect_cmd.add_arguments(p)
+    folder = hybrid(name)
+    layers = load_model(folder).config.recurrent_layers
+    assert inspect_cmd.run(p.parse_args(["--model", str(folder), "--json", "--live"])) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["state_layers"] == layers and out["state_bytes"] == layers * per_layer
+    assert out["live"]["equal"] and out["live"]["state_bytes"] == layers * per_layer
+
+
+def test_delta_rule_with_a_gate_per_channel_matches_transformers_kda() -> None:
+    """The gated delta rule with one decay per key channel (Kimi's KDA), against
+    transformers' own chunked and recurrent KDA functions: 150 tokens in chunks of 64 (the
+    last partial), the same as two calls (the state carried) and token by token."""
+    import torch
+    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+
+    from kvchat.model.decoder.delta import gated_delta, l2norm
+
+    rng = np.random.default_rng(11)
+    b, T, H, D = 1, 150, 2, 16
+    q, k, v = (rng.normal(size=(b, T, H, D)).astype(np.float32) for _ in range(3))
+    g = -np.log1p(np.exp(rng.normal(size=(b, T, H, D)))).astype(np.float32) * 0.3
+    beta = (1 / (1 + np.exp(-rng.normal(size=(b, T, H))))).astype(np.float32)
+    t = [torch.from_numpy(x) for x in (q, k, v, g, beta)]
+    with torch.no_grad():
+        ref, ref_state = kimi.chunk_kimi_delta_attention(
+            *t[:3], g=t[3], beta=t[4], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        step_ref, _ = kimi.recurrent_kimi_delta_attention(
+            *t[:3], g=t[3], beta=t[4], initial_state=None, output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
+    qn, kn = l2norm(mx.array(q)) * D**-0.5, l2norm(mx.array(k))
+    vm, gm, bm = mx.array(v), mx.array(g), mx.array(beta)
+    whole, state = gated_delta(qn, kn, vm, gm, bm, None)
+    first, mid = gated_delta(qn[:, :70], kn[:, :70], vm[:, :70], gm[:, :70], bm[:, :70], None)
+    second, _ = gated_delta(qn[:, 70:], kn[:, 70:], vm[:, 70:], gm[:, 70:], bm[:, 70:], mid)
+    steps, S = [], None
+    for i in range(T):
+        y, S = gated_delta(qn[:, i:i + 1], kn[:, i:i + 1], vm[:, i:i + 1], gm[:, i:i + 1],
+                           bm[:, i:i + 1], S)
+        steps.append(y)
+    ref_np = ref.numpy()
+    assert rel_err(np.array(whole), ref_np) <= 1e-4
+    assert rel_err(np.array(state), ref_state.numpy()) <= 1e-4
+    assert rel_err(np.array(mx.concatenate([first, second], axis=1)), ref_np) <= 1e-4
+    assert rel_err(np.array(mx.concatenate(steps, axis=1)), step_ref.numpy()) <= 1e-4
+    assert rel_err(np.array(S), ref_state.numpy()) <= 1e-4
+    # the gate per channel bites: its mean over the channels gives another output
+    flat, _ = gated_delta(qn, kn, vm, gm.mean(axis=-1), bm, None)
+    assert rel_err(np.array(flat), ref_np) > 1e-2

@@ -19,11 +19,11 @@ from kvchat.model.decoder.families import FFN, FFN_MOE
 
 # families.MixerKind -> the name a reader knows the block by
 MIXER_NAMES = {"mamba": "Mamba", "mamba2": "Mamba-2", "gated_delta": "gated delta",
-               "short_conv": "short conv"}
+               "short_conv": "short conv", "rglru": "RG-LRU"}
 # the mixers whose state folds in every token seen (a short conv keeps its last K − 1
 # inputs only): after rotation they still carry the start of a conversation, inexactly
 # (docs/kv-cache.md, "An endless chat on a model with recurrent layers")
-FOLDING_MIXERS = ("mamba", "mamba2", "gated_delta")
+FOLDING_MIXERS = ("mamba", "mamba2", "gated_delta", "rglru")
 # a layer without a token mixer: nothing cached (state.PassCache)
 FFN_NAMES = {FFN: "MLP-only", FFN_MOE: "MoE-only"}
 ATTENTION_KINDS = ("full attention", "rotating attention", "sliding attention",

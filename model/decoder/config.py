@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,6 +167,7 @@ class ModelConfig:
     lm_head_bias: bool = False
     activation: str = "silu"
     block: BlockKind = "pre"
+    recurrent_block: BlockKind | None = None  # the recurrent layers' block, where not `block`
     qk_norm: QkNormKind | None = None
     fused_proj: bool = False
     positions: PositionKind = "rope"
@@ -326,6 +328,8 @@ def _derived_keys(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
             cfg = {**cfg, "num_hidden_layers": len(cfg["layer_types"])}
         if fam.ffn_auto_adjust and cfg.get("block_auto_adjust_ff_dim", True):
             cfg = {**cfg, "intermediate_size": _adjusted_ffn(cfg)}
+        if fam.ffn_half and cfg.get("intermediate_size") is not None:
+            cfg = {**cfg, "intermediate_size": int(cfg["intermediate_size"]) // 2}
         if fam.ffn_mult and cfg.get("intermediate_size") is None and "hidden_size" in cfg:
             cfg = {**cfg, "intermediate_size": fam.ffn_mult * int(cfg["hidden_size"])}
         if "multi_query" in cfg:  # StarCoder 1: one K/V head
@@ -559,6 +563,7 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
         or bool(fam.head_bias_key and cfg.get(fam.head_bias_key)), "embed_norm": fam.embed_norm,
         "rope_negative": fam.rope_negative, "attention_sinks": fam.attention_sinks,
         "positions": fam.positions, "attention_gate": fam.attention_gate,
+        "recurrent_block": fam.recurrent_block,
     }
     if fam.temperature_tuning and cfg.get("attn_temperature_tuning", True):
         out["temperature"] = (float(cfg.get("floor_scale", 8192)),
@@ -579,7 +584,7 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
     if fam.clip_qkv and cfg.get("clip_qkv") is not None:
         out["clip_qkv"] = float(cfg["clip_qkv"])
     if fam.embed_scale_sqrt_hidden:
-        out["embed_scale"] = hidden**0.5
+        out["embed_scale"] = _bfloat16(hidden**0.5) if fam.embed_scale_bf16 else hidden**0.5
     if fam.query_pre_attn_scalar:
         out["attn_scale"] = float(cfg["query_pre_attn_scalar"]) ** -0.5
     if fam.multipliers:
@@ -597,6 +602,13 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
                 raise ConfigError(f"config.json: {key} must be > 0 (or null), got {cap}")
             out[name] = None if cap is None else float(cap)
     return out
+
+
+def _bfloat16(x: float) -> float:
+    """x rounded to the nearest bfloat16 (ties to even), as torch rounds a float32."""
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return float(struct.unpack("<f", struct.pack("<I", bits))[0])
 
 
 def load_config(path: str | Path) -> ModelConfig:

@@ -50,8 +50,13 @@ AttentionKind = Literal["gqa", "mla", "none"]
 # (model/cache/state.py) instead of a K/V cache: "mamba" (Mamba's selective scan,
 # ssm.MambaMixer) | "mamba2" (Mamba-2's SSD, ssm.Mamba2Mixer) | "gated_delta" (Qwen3-Next's
 # gated delta rule, delta.GatedDeltaNet) | "short_conv" (LFM2's gated short convolution,
-# conv.ShortConv)  [layers.MIXERS]
-MixerKind = Literal["mamba", "mamba2", "gated_delta", "short_conv"]
+# conv.ShortConv) | "rglru" (Griffin's RG-LRU, rglru.RecurrentBlock)  [layers.MIXERS]
+MixerKind = Literal["mamba", "mamba2", "gated_delta", "short_conv", "rglru"]
+# the gated delta rule's input projections: "fused" (Qwen3-Next: in_proj_qkvz + in_proj_ba,
+# grouped per key head) | "split" (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) |
+# "separate" (OLMo-hybrid: q_proj, k_proj, v_proj of their own, then z, b, a as
+# "split")  [delta.GatedDeltaNet]
+DeltaProjKind = Literal["fused", "split", "separate"]
 # one fused c_attn holding q, k, v one after the other, split on load: "linear" stored
 # (out, in) (StarCoder 1) | "conv1d" stored (in, out) as GPT-2's Conv1D  [weights.py]
 FusedQkvKind = Literal["linear", "conv1d"]
@@ -85,7 +90,7 @@ LAYER_KIND_ALIASES = {"mamba": RECURRENT, "conv": RECURRENT, "attention": FULL}
 FFN, FFN_MOE = "mlp", "moe"
 FFN_KINDS = (FFN, FFN_MOE)
 
-# activation names in config.json -> the function mlx computes (layers.ACTIVATIONS)
+# activation names in config.json -> the function mlx computes (activations.ACTIVATIONS)
 ACTIVATION_NAMES = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu", "gelu_fast", "relu",
                     "relu2", "xielu")
 
@@ -182,6 +187,28 @@ def _every_nth_attention(key: str, default: int) -> LayerRule:
     return rule
 
 
+def _block_types(key: str, default: tuple[str, ...]) -> LayerRule:
+    """RecurrentGemma: `block_types` ("recurrent", "attention") repeated over the layers;
+    its attention layers are local (they slide)."""
+    kinds = {"recurrent": RECURRENT, "attention": SLIDING}
+
+    def rule(cfg: dict[str, Any], n: int) -> list[str]:
+        types = cfg.get(key) or list(default)
+        if not isinstance(types, list) or not all(t in kinds for t in types):
+            raise ConfigError(f"config.json: {key} must list \"recurrent\" and \"attention\","
+                              f" got {types!r:.60}")
+        return [kinds[types[i % len(types)]] for i in range(n)]
+
+    return rule
+
+
+def _every_4th_attention_or_last(cfg: dict[str, Any], n: int) -> list[str]:
+    """OLMo-hybrid without layer_types: every 4th layer attends, the last one if none
+    would (transformers' default)."""
+    kinds = [FULL if i % 4 == 3 else RECURRENT for i in range(n)]
+    return kinds if FULL in kinds or not kinds else [*kinds[:-1], FULL]
+
+
 def no_rope_layers(cfg: dict[str, Any], n: int) -> list[int]:
     """SmolLM3's `no_rope_layers` (1 = RoPE, 0 = NoPE), else every interval-th is NoPE."""
     given = cfg.get("no_rope_layers")
@@ -272,6 +299,9 @@ class Family:
     parallel_block: BlockKind = "parallel"
     fused_proj: bool = False  # one qkv_proj and one gate_up_proj (Phi-3)
     embed_scale_sqrt_hidden: bool = False  # Gemma: embeddings × √hidden_size
+    # RecurrentGemma: that √hidden_size rounded to bfloat16 first (transformers' buffer)
+    embed_scale_bf16: bool = False
+    ffn_half: bool = False  # RecurrentGemma: the MLP is intermediate_size // 2 wide
     multipliers: bool = False  # Granite: embedding/attention/residual multipliers, logits_scaling
     query_pre_attn_scalar: bool = False  # Gemma 2/3: attention scale = scalar^-0.5
     softcaps: bool = False  # Gemma 2/3: attn/final logit soft-capping keys are honoured
@@ -296,7 +326,10 @@ class Family:
     # renames applied first when the model has no experts (Granite 4's dense variant: its
     # shared_mlp is the layer's MLP, not a shared expert)
     dense_renames: tuple[tuple[str, str], ...] = ()
-    delta_split_proj: bool = False  # Qwen3.5: q|k|v, z, b, a from four projections
+    delta_proj: DeltaProjKind = "fused"  # how the gated delta rule projects its inputs
+    # the block layout of the recurrent layers where it is not the attention layers'
+    # (OLMo-hybrid: pre-norm linear-attention layers beside post-norm attention ones)
+    recurrent_block: BlockKind | None = None
     rope_traditional: bool = False  # RoPE rotates adjacent pairs (DeepSeek's interleave)
     rope_negative: bool = False  # nanochat: its rotate_half turns the other way
     clip_qkv: bool = False  # OLMoE: config's clip_qkv clamps q, k and v
@@ -309,6 +342,10 @@ class Family:
     rotary_dim_key: str | None = None  # GPT-J: rotated features per head, as a count
     # checkpoint tensor names -> ours (substring replacements, applied in order)
     renames: tuple[tuple[str, str], ...] = ()
+    # tensors stored in parts that one of our modules holds whole, after the renames: (the
+    # parts' name pieces in order, the whole's), concatenated along the first axis
+    # (OLMo-hybrid's q_conv1d, k_conv1d, v_conv1d -> conv1d)  [weights.py]
+    concat_on_load: tuple[tuple[tuple[str, ...], str], ...] = ()
     defaults: dict[str, Any] = field(default_factory=dict)
 
     def window_used(self, cfg: dict[str, Any]) -> bool:
@@ -382,7 +419,7 @@ _LFM2: dict[str, Any] = dict(
 
 _QWEN3_5: dict[str, Any] = dict(
     layer_rule=None, norm="offset", qk_norm="head", attention_gate=True, mixer="gated_delta",
-    mixer_rule=_every_nth_attention("full_attention_interval", 4), delta_split_proj=True,
+    mixer_rule=_every_nth_attention("full_attention_interval", 4), delta_proj="split",
     renames=((".linear_attn.", ".mixer."),),
     defaults={"partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4},
 )
@@ -864,6 +901,50 @@ FAMILIES: dict[str, Family] = {
         mixer_rule=_attention_listed("full_attn_idxs"),
         moe=MoeFamily(score="sigmoid", correction_bias=True,
                       correction_bias_flag="use_expert_bias", sparse_layers="first_dense"),
+    ),
+    # ---- hybrid families added with the RG-LRU, OLMo-hybrid and Kimi-Linear rows
+    # RecurrentGemma (Griffin): pre-norm layers (temporal_pre_norm, channel_pre_norm) whose
+    # temporal block is the RG-LRU or local attention (block_types repeated), offset norms,
+    # embeddings × √hidden in bfloat16, an MLP of intermediate_size // 2 with biases,
+    # o_proj with a bias, partial rotary ½, soft-capped logits, tied head
+    "recurrent_gemma": Family(
+        norm="offset", activation_key="hidden_activation", mixer="rglru",
+        mixer_rule=_block_types("block_types", ("recurrent", "recurrent", "attention")),
+        o_bias=True, tie_word_embeddings=True, embed_scale_sqrt_hidden=True,
+        embed_scale_bf16=True, softcaps=True, ffn_half=True,
+        key_aliases={"attention_window_size": "sliding_window",
+                     "logits_soft_cap": "final_logit_softcapping"},
+        renames=((".temporal_pre_norm.", ".input_layernorm."),
+                 (".channel_pre_norm.", ".post_attention_layernorm."),
+                 (".mlp_block.", ".mlp."), ("model.final_norm.", "model.norm."),
+                 *((f".temporal_block.{p}.", f".self_attn.{p}.")
+                   for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                 (".temporal_block.conv_1d.", ".mixer.conv1d."),
+                 (".temporal_block.", ".mixer.")),
+        defaults={"partial_rotary_factor": 0.5, "mlp_bias": True, "rms_norm_eps": 1e-6,
+                  "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 2048,
+                  "final_logit_softcapping": 30.0, "conv1d_width": 4},
+    ),
+    # OLMo-hybrid: OLMo 3's post-norm attention layers (q/k norm over the projection, RoPE
+    # always: transformers 5 fills in theta 1e4 when the config has none) beside pre-norm
+    # gated-delta layers (q, k, v, a, b, g projections of their own, β up to 2, the gated
+    # norm's epsilon 1e-5)
+    "olmo_hybrid": Family(
+        layer_rule=None, block="post", recurrent_block="pre", qk_norm="proj",
+        mixer="gated_delta", mixer_rule=_every_4th_attention_or_last, delta_proj="separate",
+        renames=((".linear_attn.g_proj.", ".mixer.in_proj_z."),
+                 (".linear_attn.a_proj.", ".mixer.in_proj_a."),
+                 (".linear_attn.b_proj.", ".mixer.in_proj_b."),
+                 (".linear_attn.o_proj.", ".mixer.out_proj."),
+                 (".linear_attn.o_norm.", ".mixer.norm."), (".linear_attn.", ".mixer."),
+                 # the names transformers saves (its conversion mapping's), as the
+                 # released checkpoints have them
+                 (".attention_layer_norm.", ".input_layernorm."),
+                 (".feedforward_layer_norm.", ".post_attention_layernorm.")),
+        concat_on_load=(((".mixer.q_conv1d.", ".mixer.k_conv1d.", ".mixer.v_conv1d."),
+                         ".mixer.conv1d."),),
+        defaults={"rms_norm_eps": 1e-6, "linear_norm_eps": 1e-5,
+                  "linear_allow_neg_eigval": True, "linear_conv_kernel_dim": 4},
     ),
     # the 2017 block, for `python -m kvchat.model.training train --block 2017` and
     # explain's comparison: post-LayerNorm, ReLU FFN, sinusoidal positions

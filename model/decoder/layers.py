@@ -8,8 +8,8 @@
   whose spec says `moe` gets `moe.MoE` (router + gathered experts) instead;
 - `mla.LatentAttention` where the config has latent attention (DeepSeek-V2/V3);
 - recurrent token mixers in the layers that do not attend (`MIXERS`): ssm.py's Mamba and
-  Mamba-2, delta.py's gated delta rule, conv.py's short convolution; a block holds either
-  `self_attn` or `mixer` and runs whichever it has;
+  Mamba-2, delta.py's gated delta rule, conv.py's short convolution, rglru.py's RG-LRU
+  (Griffin); a block holds either `self_attn` or `mixer` and runs whichever it has;
 - blocks: `PreNormBlock`, `SandwichBlock` (4 norms, Gemma 2/3), `PostNormBlock` (OLMo 2),
   `MixerOnlyBlock` (Mamba: one branch, no MLP).
 
@@ -28,6 +28,7 @@ import mlx.nn as nn
 
 from kvchat import metal_kernels
 
+from .activations import ACTIVATIONS
 from .config import LayerSpec, ModelConfig
 from .conv import ShortConv
 from .delta import GatedDeltaNet
@@ -35,18 +36,9 @@ from .families import FFN_KINDS, FULL, BlockKind, MixerKind, NormKind
 from .kv_quant import packed_of, quantized_attention
 from .mask import causal_mask
 from .moe import MoE
+from .rglru import RecurrentBlock
 from .rope import RopeConfig
 from .ssm import Mamba2Mixer, MambaMixer
-
-ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
-    "silu": nn.silu,
-    "relu": nn.relu,
-    "relu2": lambda x: mx.square(nn.relu(x)),  # Nemotron
-    "gelu_fast": nn.gelu_approx,
-    "gelu_pytorch_tanh": nn.gelu_approx,  # 0.5x(1 + tanh(√(2/π)(x + 0.044715x³)))
-    "gelu_new": nn.gelu_approx,
-    "gelu": nn.gelu,  # exact (erf)
-}
 
 
 # ---- norms ------------------------------------------------------------------------------
@@ -424,6 +416,7 @@ MIXERS: dict[MixerKind, Callable[[Any, int], nn.Module]] = {
     "mamba2": Mamba2Mixer,
     "gated_delta": GatedDeltaNet,
     "short_conv": ShortConv,
+    "rglru": RecurrentBlock,
 }
 
 
@@ -694,5 +687,7 @@ def make_mixer(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
 
 def make_block(cfg: ModelConfig, spec: LayerSpec, attention: type | None = None) -> Block:
     """The layer the config asks for; `attention` replaces the GQA block (mla.py's latent
-    attention builds on this module's RoPE and norms, so it is passed in, not imported)."""
-    return BLOCKS[cfg.block](cfg, spec, attention)
+    attention builds on this module's RoPE and norms, so it is passed in, not imported).
+    A recurrent layer takes the family's `recurrent_block` layout where it has one."""
+    block = cfg.recurrent_block if spec.mixer is not None and cfg.recurrent_block else cfg.block
+    return BLOCKS[block](cfg, spec, attention)

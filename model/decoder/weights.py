@@ -66,11 +66,26 @@ def our_names(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.ar
     if cfg.mla is not None:
         weights = split_kv_b(cfg, weights)
     weights = _split_fused_qkv(cfg, weights)
+    weights = _concatenated(cfg, weights)
     weights = {k: _conv_layout(k, v) for k, v in weights.items()}
     if cfg.moe is None:
         return weights
     fused = FAMILIES[cfg.model_type].moe.fused_experts  # type: ignore[union-attr]
     return split_gate_up(stack_experts(unfuse_experts(weights, fused, cfg.moe.experts)))
+
+
+def _concatenated(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The family's `concat_on_load`: tensors stored in parts (OLMo-hybrid's per-q/k/v
+    convolutions) as the one tensor our module holds, the parts in order along the first
+    axis (the output channels, so a quantized part's scales and biases too)."""
+    out = dict(weights)
+    for parts, whole in FAMILIES[cfg.model_type].concat_on_load:
+        for name in [k for k in weights if parts[0] in k]:
+            names = [name.replace(parts[0], p) for p in parts]
+            if all(n in out for n in names):  # else _check_tensors names what is missing
+                out[name.replace(parts[0], whole)] = mx.concatenate(
+                    [out.pop(n) for n in names], axis=0)
+    return out
 
 
 def _conv_layout(name: str, w: mx.array) -> mx.array:

@@ -30,10 +30,16 @@ from kvchat.model.cache.kv_math import (
     state_bytes,
 )
 from kvchat.model.cache.layer_kinds import MIXER_NAMES, kinds_line, layer_kinds, layer_ranges
+from kvchat.model.decoder.activations import ACTIVATIONS
 from kvchat.model.decoder.config import ModelConfig
-from kvchat.model.decoder.layers import ACTIVATIONS, RoPE
+from kvchat.model.decoder.layers import RoPE
 from kvchat.model.decoder.rope import RopeConfig
-from kvchat.model.decoder.state_config import RECURRENT_BYTES, DeltaConfig, SsmConfig
+from kvchat.model.decoder.state_config import (
+    RECURRENT_BYTES,
+    DeltaConfig,
+    RgLruConfig,
+    SsmConfig,
+)
 
 # ---- the design's worked examples ---------------------------------------------------------
 SEED_X = (2.4, -1.2, 0.8, 3.1)
@@ -385,6 +391,9 @@ def _mixer_formulas(cfg: ModelConfig) -> tuple[str, str | None, str | None]:
                 f" (2 × {m.k_heads} × {m.k_dim} + {m.v_heads} × {m.v_dim})",
                 f"v_heads × k_dim × v_dim = {m.v_heads} × {m.k_dim} × {m.v_dim}",
                 f"a {m.k_dim} × {m.v_dim} matrix per value head, rewritten by the delta rule")
+    if isinstance(m, RgLruConfig):
+        return (f"(K − 1) × width = {m.conv_kernel - 1} × {m.width}", f"width = {m.width}",
+                "one number per feature, decayed and refilled by the RG-LRU's gates")
     assert m is not None
     return f"(K − 1) × hidden = {m.kernel - 1} × {m.hidden}", None, None
 

@@ -55,6 +55,23 @@ _LFM2_MOE: dict[str, Any] = {
     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_dense_layers": 1,
     "routed_scaling_factor": 1.5}
 
+# ---- the RG-LRU, OLMo-hybrid and Kimi-Linear fixtures
+# RecurrentGemma: hidden 80 (√80 rounds to 8.9375 in bfloat16: the embedding scale bites),
+# RG-LRU 64 wide in 4 gate blocks, block_types cycled (R, A, R), local attention over 16
+# with 1 K/V head (head_dim 20, 10 rotated), the MLP 128 // 2 wide, soft cap 8
+_RECURRENT_GEMMA: dict[str, Any] = {
+    **_TOKENS, "hidden_size": 80, "intermediate_size": 128, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "lru_width": 64,
+    "attention_window_size": 16, "block_types": ["recurrent", "attention"],
+    "logits_soft_cap": 8.0, "tie_word_embeddings": True}
+
+# OLMo-hybrid: gated delta (4 heads of 16, β up to 2), post-norm attention, gated delta
+_OLMO_HYBRID: dict[str, Any] = {
+    "num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention",
+                                            "linear_attention"],
+    "linear_num_key_heads": 4, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16}
+
 HYBRID_SPECS: dict[str, FamilySpec] = {
     # the selective scan (time_step_rank "auto": 4), tied head
     "mamba": FamilySpec("MambaForCausalLM", _MAMBA, own_keys=True, seed=90),
@@ -102,4 +119,12 @@ HYBRID_SPECS: dict[str, FamilySpec] = {
     # a sigmoid router whose expert_bias (set by the test: transformers' init is 0) picks
     # experts without weighing them; layer 0 dense
     "lfm2_moe": FamilySpec("Lfm2MoeForCausalLM", _LFM2_MOE, seed=99),
+    # ---- the RG-LRU, OLMo-hybrid and Kimi-Linear families
+    "recurrent_gemma": FamilySpec("RecurrentGemmaForCausalLM", _RECURRENT_GEMMA, own_keys=True,
+                                  seed=110),
+    "recurrent_gemma_classic": FamilySpec("RecurrentGemmaForCausalLM", _RECURRENT_GEMMA,
+                                          own_keys=True, rope_form="classic", seed=110),
+    "olmo_hybrid": FamilySpec("OlmoHybridForCausalLM", _OLMO_HYBRID, seed=111),
+    "olmo_hybrid_classic": FamilySpec("OlmoHybridForCausalLM", _OLMO_HYBRID,
+                                      rope_form="classic", seed=111),
 }

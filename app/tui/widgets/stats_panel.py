@@ -306,7 +306,7 @@ class StatsPanel(VerticalScroll):
                 *([_row("windows", f"{fmt_saving(s.window_saving)} smaller")]
                   if s.sliding_layers else []),
                 _row("reused", f"{fmt_count(self.held(s.cached_tokens))} tokens this turn"),
-                *state_rows(s),
+                *checkpoint_rows(s),
                 # before the first turn (no cache, capacity 0): the configured keep
                 _row("window", f"{fmt_count(cap)} · keep "
                      f"{fmt_count(s.keep if s.cache_capacity else self.keep)}"),
@@ -334,13 +334,12 @@ class StatsPanel(VerticalScroll):
         _set(self.query_one("#runtime", Static), _lines(*runtime))
 
 
-def state_rows(s: TurnStats) -> list[Text]:
-    """A model with recurrent layers: their states' bytes, and the checkpoints of them a
-    turn can go back to (docs/kv-cache.md, Checkpoints); nothing for pure K/V."""
+def checkpoint_rows(s: TurnStats) -> list[Text]:
+    """A model with recurrent layers: the checkpoints of their states a turn can go back
+    to (docs/kv-cache.md, Checkpoints); nothing for pure K/V."""
     if not s.state_layers:
         return []
-    return [_row("state", fmt_bytes(s.state_bytes)),
-            _row("checkpoints", f"{fmt_count(s.checkpoints)} · {fmt_bytes(s.checkpoint_bytes)}")]
+    return [_row("checkpoints", f"{fmt_count(s.checkpoints)} · {fmt_bytes(s.checkpoint_bytes)}")]
 
 
 def model_rows(info: dict[str, Any]) -> list[Text]:
