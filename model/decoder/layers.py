@@ -28,6 +28,7 @@ import mlx.nn as nn
 
 from kvchat import metal_kernels
 
+from . import rows
 from .activations import ACTIVATIONS
 from .config import LayerSpec, ModelConfig
 from .conv import ShortConv
@@ -513,7 +514,7 @@ class Block(nn.Module):
 
     def mix(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         """The token mixer this layer has: attention, or the family's recurrent mixer."""
-        return (self.self_attn if "self_attn" in self else self.mixer)(x, mask, cache)
+        return rows.mix(self.self_attn if "self_attn" in self else self.mixer, x, mask, cache)
 
     def deferred(
         self, x: mx.array, pending: mx.array | None, mask: Any = None, cache: Any = None
@@ -646,7 +647,7 @@ class MixerOnlyBlock(Block):
         else:
             x, normed = self.norm.add_and_norm(pending, x)
         if not self._ffn:
-            return x, self.mixer(normed, mask, cache)
+            return x, rows.mix(self.mixer, normed, mask, cache)
         if cache is not None:  # a state.PassCache: it only counts the tokens
             cache.advance(x.shape[1])
         return x, self.mixer(normed)

@@ -117,6 +117,7 @@ class ChatCache:
         self.dropped = self.pool.dropped if self.pool is not None else DroppedCaches()
         self.info: EntryInfo | None = None  # the current cache's age and hits (a server's)
         self.use: CacheUse | None = None  # how the last prepared turn used the cache
+        self._parent: ChatCache | None = None  # the engine's, for a row (`row`)
 
     @property
     def last_id(self) -> int | None:
@@ -206,6 +207,35 @@ class ChatCache:
             self.ids, self.caches = found.found
             self.key, self.info, self.checkpoints = key, found.info, found.checkpoints
         return found.miss
+
+    def row(self) -> ChatCache:
+        """A cache for one of a server's turns running side by side, sharing this one's
+        pool. The current cache (the last finished turn's) goes to the pool, where the
+        row finds it as any other; without a pool the row takes it."""
+        row = ChatCache()
+        row.pool, row.dropped, row._parent = self.pool, self.dropped, self
+        if self.pool is None:
+            row.caches, row.key, row.ids, row.info = self.caches, self.key, self.ids, self.info
+            self.caches, self.key, self.ids, self.info = None, None, [], None
+        else:
+            self._to_pool()
+        return row
+
+    def release(self) -> None:
+        """The turn is over: its cache becomes the engine's current one (the previous
+        current one goes to the pool), as a turn alone leaves it."""
+        parent = self._parent
+        if parent is not None and self.caches is not None and self.key is not None:
+            parent._to_pool()
+            parent.caches, parent.key, parent.ids = self.caches, self.key, self.ids
+            parent.info = self.info
+            self.caches = None  # moved, not dropped
+        self.drop()
+
+    def _to_pool(self) -> None:
+        if self.pool is not None and self.caches is not None and self.key is not None:
+            self.pool.put(self.ids, self.caches, self.key, self.info)
+        self.caches, self.key, self.ids, self.info = None, None, [], None
 
     def pool_stats(self) -> dict[str, Any] | None:
         """The pool's counters and its conversations, the current one first (JSON-ready;

@@ -366,6 +366,15 @@ Event = (
 Prompt = Sequence[Mapping[str, str]] | Sequence[int] | str
 
 
+@dataclass
+class TurnEvent:
+    """An event of turn `turn` (the id `submit` returned), from an engine that runs turns
+    side by side (`max_batch` > 1, a server's): their events interleave."""
+
+    turn: int
+    event: Event
+
+
 class EngineLike(Protocol):
     """What the UI and the CLI need of an engine (model.engine.Engine implements it).
     Every method returns at once; results arrive as events through the callback given
@@ -373,7 +382,7 @@ class EngineLike(Protocol):
 
     def load(self, path: str | Path) -> None: ...
     def submit(self, prompt: Prompt, params: GenParams | None = None) -> int: ...
-    def cancel(self) -> None: ...
+    def cancel(self, turn: int | None = None) -> None: ...
     def reset(self) -> None: ...
     def close(self, timeout: float = 10.0) -> None: ...
     def save_cache(self, path: str | Path, max_bytes: int | None = None) -> None: ...

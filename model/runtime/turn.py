@@ -43,6 +43,7 @@ from kvchat.model.text.tool_calls import (
 )
 
 from .attention_watch import AttentionWatch
+from .batch import Waiting, row_decode
 from .chat_cache import ChatCache
 from .events import (
     Done,
@@ -63,6 +64,7 @@ from .stops import StopMatcher
 from .turn_stats import STATS_INTERVAL_S, Evictions, TurnMeter
 
 if TYPE_CHECKING:
+    from .batch import Batch
     from .constrained import Constraint
 
 
@@ -85,6 +87,9 @@ class TurnContext:
     # a draft model folder -> its DraftModel, loaded once and checked against the
     # tokenizer (the engine's; None: no draft models here)
     draft: Callable[[str], Any] | None = None
+    # a server's turns side by side: the decode step is parked here (WAIT is yielded)
+    # and run in one forward with the other turns' (model/runtime/batch.py)
+    batch: Batch | None = None
 
 
 class PartialReply(Exception):
@@ -193,7 +198,7 @@ def fit_context(params: GenParams, n_prompt: int, capacity: int
 
 
 def run_turn(ctx: TurnContext, prompt: Prompt, params: GenParams, t_submit: float
-             ) -> Iterator[Event]:
+             ) -> Iterator[Event | Waiting]:
     """The events of one turn, ending with its Done (`t_submit`: when it was queued, on
     `ctx.clock`)."""
     ids: list[int] = []
@@ -328,7 +333,7 @@ def _unspeculated(constraint: Constraint | None, tools: ToolUse | None) -> bool:
 def _decode(ctx: TurnContext, params: GenParams, ids: list[int], logits: mx.array,
             caches: list[Any], source: DraftSource | None, progress: Progress,
             constraint: Constraint | None = None, tools: ToolUse | None = None
-            ) -> Iterator[int]:
+            ) -> Iterator[int | Waiting]:
     """The decode loop for this turn: speculative from `source` where the caches can take
     rejected drafts back exactly and the reply is unconstrained, else plain
     (`progress.speculation_off` says why)."""
@@ -345,15 +350,19 @@ def _decode(ctx: TurnContext, params: GenParams, ids: list[int], logits: mx.arra
                 history=ids, max_tokens=params.max_tokens, draft_tokens=params.draft_tokens,
                 compiled=ctx.compiled, progress=progress)
         progress.speculation_off = why
-    return decode(model, logits, caches, sample=_sampler(sampler, n_ids, params, ids),
-                  max_tokens=params.max_tokens, compiled=ctx.compiled, progress=progress,
-                  constraint=constraint)
+    sample = _sampler(sampler, n_ids, params, ids)
+    if ctx.batch is not None:
+        return row_decode(ctx.batch, logits, caches, sample=sample,
+                          max_tokens=params.max_tokens, compiled=ctx.compiled,
+                          progress=progress, constraint=constraint)
+    return decode(model, logits, caches, sample=sample, max_tokens=params.max_tokens,
+                  compiled=ctx.compiled, progress=progress, constraint=constraint)
 
 
 def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: float,
               context_room: int | None, tools: ToolUse | None = None,
               constraint: Constraint | None = None, source: DraftSource | None = None
-              ) -> Iterator[Event]:
+              ) -> Iterator[Event | Waiting]:
     model, chat = ctx.model, ctx.chat
     mx.reset_peak_memory()
     cached, again, reason = chat.prepare(model, ids, params, ctx.reuse_prefix)
@@ -401,6 +410,9 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
         steps = _decode(ctx, params, ids, logits, caches, source, progress, constraint, tools)
         try:
             for token in steps:
+                if isinstance(token, Waiting):  # parked for the batched step
+                    yield token
+                    continue
                 now = ctx.clock()
                 meter.token(now, progress, len(todo))
                 generated.append(token)
