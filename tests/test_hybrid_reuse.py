@@ -90,10 +90,10 @@ def test_next_turn_prefills_only_its_new_tokens_through_a_checkpoint(
     # of other arrays (the newest is the live state's own)
     per = state_bytes(load_model(folder).config, 4)
     assert second.stats.checkpoint_bytes == 5 * per == 5 * second.stats.state_bytes
-    from kvchat.app.tui.widgets.stats_panel import state_rows
+    from kvchat.app.tui.widgets.stats_panel import checkpoint_rows
 
-    rows = [" ".join(r.plain.split()) for r in state_rows(second.stats)]
-    assert rows[1].startswith("checkpoints") and f"5 · {human_bytes(5 * per)}" in rows[1]
+    rows = [" ".join(r.plain.split()) for r in checkpoint_rows(second.stats)]
+    assert rows[0].startswith("checkpoints") and f"5 · {human_bytes(5 * per)}" in rows[0]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
