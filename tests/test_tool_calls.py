@@ -234,6 +234,34 @@ def test_a_call_is_emitted_as_soon_as_it_closes() -> None:
     assert stream.finish() == []
 
 
+def test_one_call_at_most_ends_the_reply_with_its_first_call() -> None:
+    """parallel_tool_calls false (the turn's `_Reply`): the first call ends the reply, the
+    text after it and any other call never shown; true, the reply as parsed whole."""
+    from kvchat.model.runtime.turn import ToolUse, _Reply
+
+    text = ('Sure. <tool_call>\n{"name": "take_note", "arguments": {"text": "a"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {}}\n'
+            "</tool_call> and more")
+    whole_text, whole_calls = parse_tool_calls(text, HERMES)
+    for one in (False, True):
+        reply = _Reply(ToolUse(TOOLS, HERMES, None), one_call=one)
+        events: list[Any] = []
+        for ch in text:  # a character a token
+            events += reply.events(ch, 0)
+            if reply.ended:
+                break
+        else:
+            events += reply.events("", 0, final=True)
+        calls = [(e.index, e.call.name) for e in events if isinstance(e, ToolCallDelta)]
+        shown = "".join(e.text for e in events if isinstance(e, TextDelta))
+        assert reply.ended == one and shown == reply.text
+        if one:
+            assert calls == [(0, "take_note")] and shown == "Sure."
+        else:
+            assert calls == [(i, c.name) for i, c in enumerate(whole_calls)]
+            assert len(calls) == 2 and shown == whole_text
+
+
 # ---- requests ---------------------------------------------------------------------------
 
 def test_tools_and_choice_are_checked_by_field() -> None:

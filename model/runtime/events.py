@@ -67,10 +67,12 @@ class GenParams:
     # structured output and tools, in OpenAI's shapes (docs/serve.md): `response_format`
     # ({"type": "json_object"} or "json_schema") constrains the reply to a grammar
     # (model/runtime/constrained.py); `tools` go to the chat template and calls come back
-    # as Done.tool_calls; `tool_choice` "required" or a named function forces a call
+    # as Done.tool_calls; `tool_choice` "required" or a named function forces a call;
+    # `parallel_tool_calls` False: one call at most (the reply ends once it is complete)
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     # speculative decoding (model/runtime/speculative.py): "off", "lookup" (n-gram match
     # against the conversation, n = lookup_ngram down to 1) or "draft" (the model in the
     # draft_model folder); at most draft_tokens drafted per step, adapted to acceptance
