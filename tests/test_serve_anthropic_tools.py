@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -22,15 +21,14 @@ import pytest
 
 from kvchat.app.serve import anthropic as messages_api
 from kvchat.app.serve import protocol
-from tests.helpers.chat_models import QWEN25, random_chat_model
+from tests.helpers.chat_models import NO_TOOLS_MODEL, TOOLS_MODEL, tool_models
 from tests.helpers.server_process import ServerProcess
-from tests.helpers.tiny_tokenizers import LLAMA3 as LLAMA3_NO_TOOLS
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-MODEL_ID = "tools-model"
+MODEL_ID = TOOLS_MODEL
 WEATHER_SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 12},
     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -147,19 +145,10 @@ def test_tool_fields_it_cannot_use_are_a_400_naming_them(change: dict[str, Any],
 
 # ---- a real server ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A --models-dir: `tools-model` (Qwen 2.5's template) and `no-tools` (Llama 3's
-    template, which never reads `tools`)."""
-    root = tmp_path_factory.mktemp("anthropic-tools")
-    random_chat_model(root / MODEL_ID, QWEN25, context=4096)
-    random_chat_model(root / "no-tools", LLAMA3_NO_TOOLS, eos="<|eot_id|>", seed=12,
-                      context=4096)
-    return root
-
-
-@pytest.fixture(scope="module")
-def server(models: Path) -> Iterator[ServerProcess]:
-    s = ServerProcess(str(models / MODEL_ID), "--models-dir", str(models))
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """`kvchat serve` of the tool model, with the one whose template reads no tools."""
+    root = tool_models(tmp_path_factory.mktemp("anthropic-tools"))
+    s = ServerProcess(str(root / MODEL_ID), "--models-dir", str(root))
     try:
         yield s
     finally:
@@ -293,10 +282,10 @@ def test_a_streamed_tool_use_is_assembled_by_the_client(clients: tuple[Any, Any]
 def test_tool_use_it_cannot_serve_is_anthropics_400(clients: tuple[Any, Any]) -> None:
     claude, _ = clients
     with pytest.raises(anthropic.BadRequestError) as e:
-        claude.messages.create(model="no-tools", max_tokens=8, messages=ASK, tools=TOOLS)
+        claude.messages.create(model=NO_TOOLS_MODEL, max_tokens=8, messages=ASK, tools=TOOLS)
     body = e.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
-    assert "no-tools" in body["error"]["message"]
+    assert NO_TOOLS_MODEL in body["error"]["message"]
     assert "does not support tools" in body["error"]["message"]
     odd = {"name": "f", "input_schema": {"type": "object", "properties": {
         "xs": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}}

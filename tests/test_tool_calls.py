@@ -33,9 +33,9 @@ from kvchat.model.text.tool_calls import (
     reads_tools,
     template_messages,
 )
-from tests.helpers.chat_models import QWEN25, random_chat_model
+from tests.helpers.chat_models import random_chat_model
 from tests.helpers.paths import STORIES260K
-from tests.helpers.tiny_tokenizers import CHATML, GEMMA, byte_level_bpe, write_folder
+from tests.helpers.tiny_tokenizers import GEMMA, QWEN25, byte_level_bpe, write_folder
 from tests.helpers.tiny_tokenizers import LLAMA3 as LLAMA3_NO_TOOLS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -284,9 +284,11 @@ def test_tools_and_choice_are_checked_by_field() -> None:
 
 
 def test_formats_and_tool_support_are_read_from_the_template() -> None:
-    assert call_format(QWEN25) is HERMES and call_format(CHATML) is LLAMA3
+    # a template that reads tools but teaches no call syntax gets Llama 3's JSON calls
+    plain = "{% for t in tools %}{{ t | tojson }}{% endfor %}{{ messages[0]['content'] }}"
+    assert call_format(QWEN25) is HERMES and call_format(plain) is LLAMA3
     assert call_format(LLAMA31) is LLAMA3 and call_format(MISTRAL_TOOLS) is MISTRAL
-    for template in (QWEN25, LLAMA31, MISTRAL_TOOLS, CHATML):
+    for template in (QWEN25, LLAMA31, MISTRAL_TOOLS, plain):
         assert reads_tools(template)
     for template in (LLAMA3_NO_TOOLS, GEMMA, None, "{{ tools_x }}{% set tools = 1 %}{{ tools }}"):
         assert not reads_tools(template)
