@@ -143,6 +143,51 @@ def test_tool_fields_it_cannot_use_are_a_400_naming_them(change: dict[str, Any],
     assert f"'{named}'" in e.value.message
 
 
+@pytest.mark.parametrize("pieces", [
+    ["Let me look. ", ("get_weather", {"city": "Oslo", "days": 2}), ("take_note", {"text": "x"}),
+     "Done."],
+    [("take_note", {"text": "ünï"})],
+    ["Just text."],
+    [],
+])
+def test_a_streamed_reply_accumulates_to_the_whole_message(pieces: list[Any]) -> None:
+    """Text and calls in any order: the official client's own accumulator builds the
+    message `whole` answers from the stream's events (blocks numbered as they open)."""
+    from anthropic.lib.streaming._messages import accumulate_event
+
+    from kvchat.model.runtime.events import Done, Started
+    from kvchat.model.text.tool_calls import ToolCall, new_call_id
+
+    req = messages_api.parse({"model": "m", "max_tokens": 10, "messages": ASK, "tools": TOOLS,
+                              "stream": True}, LIMITS)
+    wire = messages_api.WIRE.for_response()
+    events = wire.start(req, Started(12, 0))
+    text, calls, offsets = "", [], []
+    for p in pieces:
+        if isinstance(p, str):
+            events += wire.text(req, p)
+            text += p
+        else:
+            calls.append(ToolCall(p[0], json.dumps(p[1], ensure_ascii=False), new_call_id()))
+            offsets.append(len(text))
+            events += wire.tool_call(req, len(calls) - 1, calls[-1])
+    done = Done("tool_calls" if calls else "eos", text, [5] * 3, list(range(12)),
+                tool_calls=calls, tool_call_offsets=offsets)
+    events += wire.end(req, done, None)
+    snapshot, bufs = None, {}
+    for name, data in events:
+        assert name == data["type"]
+        snapshot = accumulate_event(event=data, current_snapshot=snapshot, json_bufs=bufs)
+    assert snapshot is not None
+    whole = messages_api.WIRE.whole(req, done, None)
+    assert [b.model_dump(exclude_none=True) for b in snapshot.content] == whole["content"]
+    assert snapshot.stop_reason == whole["stop_reason"] == (
+        "tool_use" if calls else "end_turn")
+    starts = [d["index"] for n, d in events if n == "content_block_start"]
+    stops = [d["index"] for n, d in events if n == "content_block_stop"]
+    assert starts == stops == list(range(len(whole["content"])))
+
+
 # ---- a real server ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:

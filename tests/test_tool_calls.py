@@ -255,6 +255,7 @@ def test_one_call_at_most_ends_the_reply_with_its_first_call() -> None:
         calls = [(e.index, e.call.name) for e in events if isinstance(e, ToolCallDelta)]
         shown = "".join(e.text for e in events if isinstance(e, TextDelta))
         assert reply.ended == one and shown == reply.text
+        assert reply.offsets == [len("Sure.")] * len(calls)  # both where the text stood
         if one:
             assert calls == [(0, "take_note")] and shown == "Sure."
         else:
@@ -371,6 +372,7 @@ def test_a_named_call_from_a_random_model_parses_and_validates(models, family, t
     assert [(d.index, d.call) for d in deltas] == [(0, done.tool_calls[0])]
     shown = "".join(e.text for e in client.events if isinstance(e, TextDelta))
     assert shown == done.text and "get_weather" not in shown
+    assert done.tool_call_offsets == [0]  # the grammar starts the reply with the call
 
 
 @pytest.mark.parametrize("family", ["hermes", "mistral"])

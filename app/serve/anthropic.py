@@ -97,9 +97,20 @@ def _message(req: Request, content: list[dict[str, Any]], usage: dict[str, Any],
 
 
 def _content(done: Done) -> list[dict[str, Any]]:
-    """The reply's blocks: its text (always, when it made no call), then its calls."""
-    text = [{"type": "text", "text": done.text}] if done.text or not done.tool_calls else []
-    return text + [convert.tool_use_block(c) for c in done.tool_calls]
+    """The reply's blocks in the order it wrote them (as a stream numbers them): its
+    text between the calls, each call; one text block, empty or not, when no call."""
+    if not done.tool_calls:
+        return [{"type": "text", "text": done.text}]
+    out: list[dict[str, Any]] = []
+    start = 0
+    for call, at in zip(done.tool_calls, done.tool_call_offsets, strict=True):
+        if done.text[start:at]:
+            out.append({"type": "text", "text": done.text[start:at]})
+        out.append(convert.tool_use_block(call))
+        start = at
+    if done.text[start:]:
+        out.append({"type": "text", "text": done.text[start:]})
+    return out
 
 
 class AnthropicWire:

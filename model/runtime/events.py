@@ -286,8 +286,10 @@ class Done:
     stats: TurnStats = field(default_factory=TurnStats)
     error: str | None = None
     # with GenParams.tools: the calls the reply made (`text` is then the rest of the
-    # reply, and finish_reason "tool_calls" when there are any)
+    # reply, and finish_reason "tool_calls" when there are any), and where in `text` each
+    # was made (an API whose answer keeps the reply's order: Anthropic's content blocks)
     tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_offsets: list[int] = field(default_factory=list)
 
 
 @dataclass

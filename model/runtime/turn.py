@@ -298,6 +298,8 @@ class _Reply:
         self.calls = ToolCallStream(tools.fmt) if tools is not None else None
         self.parts: list[str] = []
         self.made: list[ToolCall] = []  # the calls handed on
+        self.offsets: list[int] = []  # where in the text each was made
+        self._chars = 0
         self.one_call = one_call
 
     @property
@@ -317,9 +319,11 @@ class _Reply:
                 return
             if isinstance(p, str):
                 self.parts.append(p)
+                self._chars += len(p)
                 yield TextDelta(p, token)
             else:
                 self.made.append(p)
+                self.offsets.append(self._chars)
                 yield ToolCallDelta(len(self.made) - 1, p)
 
     @property
@@ -456,4 +460,5 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
     if calls and finish != "cancelled":
         finish = "tool_calls"
     text = reply.text if reply.calls is not None else stops.text
-    yield Done(finish, text, generated, ids, final, tool_calls=list(calls))
+    yield Done(finish, text, generated, ids, final, tool_calls=list(calls),
+               tool_call_offsets=list(reply.offsets))
