@@ -67,10 +67,12 @@ class GenParams:
     # structured output and tools, in OpenAI's shapes (docs/serve.md): `response_format`
     # ({"type": "json_object"} or "json_schema") constrains the reply to a grammar
     # (model/runtime/constrained.py); `tools` go to the chat template and calls come back
-    # as Done.tool_calls; `tool_choice` "required" or a named function forces a call
+    # as Done.tool_calls; `tool_choice` "required" or a named function forces a call;
+    # `parallel_tool_calls` False: one call at most (the reply ends once it is complete)
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     # speculative decoding (model/runtime/speculative.py): "off", "lookup" (n-gram match
     # against the conversation, n = lookup_ngram down to 1) or "draft" (the model in the
     # draft_model folder); at most draft_tokens drafted per step, adapted to acceptance
@@ -284,8 +286,10 @@ class Done:
     stats: TurnStats = field(default_factory=TurnStats)
     error: str | None = None
     # with GenParams.tools: the calls the reply made (`text` is then the rest of the
-    # reply, and finish_reason "tool_calls" when there are any)
+    # reply, and finish_reason "tool_calls" when there are any), and where in `text` each
+    # was made (an API whose answer keeps the reply's order: Anthropic's content blocks)
     tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_offsets: list[int] = field(default_factory=list)
 
 
 @dataclass

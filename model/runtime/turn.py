@@ -32,6 +32,7 @@ from kvchat.model.text.chat_template import TemplateCancelled
 from kvchat.model.text.tokenizer import TokenizeCancelled, Tokenizer
 from kvchat.model.text.tool_calls import (
     CallFormat,
+    ToolCall,
     ToolCallError,
     ToolCallStream,
     call_format,
@@ -174,7 +175,7 @@ def make_constraint(ctx: TurnContext, params: GenParams, tools: ToolUse | None
             raise GrammarError("response_format cannot be combined with a forced tool_choice")
         from .tool_grammar import tool_call_grammar
 
-        many = params.tool_choice == "required"
+        many = params.tool_choice == "required" and params.parallel_tool_calls
         grammar = tool_call_grammar(tools.fmt, tools.forced, ctx.tokenizer, many)
         what = "tool call"
     if grammar is None:
@@ -296,11 +297,21 @@ def _sampler(sampler: Sampler, n_ids: int, params: GenParams, prompt: list[int]
 
 class _Reply:
     """The reply's visible text on its way out: tool calls taken out of it when the turn
-    has tools (model/text/tool_calls.py), the rest as TextDelta."""
+    has tools (model/text/tool_calls.py), the rest as TextDelta. `one_call`
+    (parallel_tool_calls False): the reply ends with its first call, nothing after it."""
 
-    def __init__(self, tools: ToolUse | None) -> None:
+    def __init__(self, tools: ToolUse | None, one_call: bool = False) -> None:
         self.calls = ToolCallStream(tools.fmt) if tools is not None else None
         self.parts: list[str] = []
+        self.made: list[ToolCall] = []  # the calls handed on
+        self.offsets: list[int] = []  # where in the text each was made
+        self._chars = 0
+        self.one_call = one_call
+
+    @property
+    def ended(self) -> bool:
+        """The one call allowed is made: the turn stops decoding."""
+        return self.one_call and bool(self.made)
 
     def events(self, text: str, token: int, final: bool = False) -> Iterator[Event]:
         if self.calls is None:
@@ -310,12 +321,16 @@ class _Reply:
             if final:
                 pieces += self.calls.finish()
         for p in pieces:
+            if self.ended:
+                return
             if isinstance(p, str):
                 self.parts.append(p)
+                self._chars += len(p)
                 yield TextDelta(p, token)
             else:
-                assert self.calls is not None
-                yield ToolCallDelta(self.calls.calls.index(p), p)
+                self.made.append(p)
+                self.offsets.append(self._chars)
+                yield ToolCallDelta(len(self.made) - 1, p)
 
     @property
     def text(self) -> str:
@@ -384,7 +399,7 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
     keep = {i for m in markers if (i := ctx.tokenizer.token_to_id(m)) is not None}
     detok = ctx.tokenizer.detokenizer(skip_special_tokens=True, keep=keep)
     stops = StopMatcher(params.stop)
-    reply = _Reply(tools)
+    reply = _Reply(tools, one_call=not params.parallel_tool_calls)
     eos = set(ctx.tokenizer.end_ids)  # EOS, and BOS: a base model starting a new document
     generated: list[int] = []
     finish = "length"
@@ -421,6 +436,9 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
                     break
                 text, hit = stops.feed(detok.add_token(token))
                 yield from reply.events(text, token)
+                if reply.ended:
+                    finish = "tool_calls"
+                    break
                 if hit:
                     finish = "stop"
                     break
@@ -459,8 +477,9 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
         finish = "context_full"
     final = ctx.stats(meter.decoded(len(generated)))
     yield Stats(final)
-    calls = reply.calls.calls if reply.calls is not None else []
+    calls = reply.made
     if calls and finish != "cancelled":
         finish = "tool_calls"
     text = reply.text if reply.calls is not None else stops.text
-    yield Done(finish, text, generated, ids, final, tool_calls=list(calls))
+    yield Done(finish, text, generated, ids, final, tool_calls=list(calls),
+               tool_call_offsets=list(reply.offsets))
