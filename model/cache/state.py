@@ -35,8 +35,8 @@ class StateError(KVChatError):
 class StateCache:
     """One recurrent layer's conv and recurrent state (None until the first token)."""
 
-    # tokens a trim may take back (0: none); `_back` holds the (conv, recurrent) states
-    # after each of those tokens' predecessors, the latest last
+    # tokens a trim may take back (0: none); `_back[-i]` is the (conv, recurrent) state of
+    # i tokens ago, the one a trim of i puts back
     rollback = 0
     _back: tuple[tuple[mx.array | None, mx.array | None], ...] = ()
 
