@@ -201,6 +201,40 @@ def pass_costs(model: Any, prompt: list[int], repeats: int = 5) -> dict[int, flo
     return {n: best[n] / best[1] for n in best}
 
 
+def kept_states_cost(model: Any, prompt: list[int], n: int = 5, repeats: int = 7
+                     ) -> float | None:
+    """A pass of n tokens through the model (uncompiled) that keeps every position's
+    recurrent state (the decode form, token by token) ÷ the same pass in the prompt form
+    keeping the last state only: what taking drafts back costs a verify pass. None for a
+    model without recurrent layers."""
+    import mlx.core as mx
+
+    from kvchat.model.cache.kv import make_prompt_cache
+    from kvchat.model.cache.state import StateCache, set_rollback
+    from kvchat.model.runtime.generate import Progress, prefill
+
+    caches = make_prompt_cache(model)
+    if not any(isinstance(c, StateCache) for c in caches):
+        return None
+    list(prefill(model, prompt, caches, progress=Progress()))
+    saved = [c.state for c in caches]
+    ys = mx.array([prompt[:n]])
+    best: dict[int, float] = {}
+    for _ in range(repeats):
+        for keep in (0, n):
+            for timed in (False, True):
+                set_rollback(caches, keep)
+                t = time.perf_counter()
+                mx.eval(model(ys, cache=caches))
+                mx.eval([c.state for c in caches])
+                if timed:
+                    best[keep] = min(best.get(keep, float("inf")), time.perf_counter() - t)
+                for c, st in zip(caches, saved, strict=True):
+                    c.state = st
+    set_rollback(caches, 0)
+    return best[n] / best[0]
+
+
 def measure(name: str, runs: int, gen: int) -> dict[str, Any]:
     target, draft, tok, draft_note = load_pair(name)
     stop = tok.end_ids if tok is not None else []
@@ -234,6 +268,7 @@ def measure(name: str, runs: int, gen: int) -> dict[str, Any]:
         out["tasks"][task] = {"prompt_tokens": len(prompt), "reply_tokens": len(plain_ids),
                               "methods": table}
     out["pass_cost"] = pass_costs(target, tasks["quote"])
+    out["kept_states_cost"] = kept_states_cost(target, tasks["quote"])
     return out
 
 
@@ -252,6 +287,9 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"\nmodel {m['model']} (draft: {m['draft']})")
         lines.append("pass cost (n tokens ÷ 1): " + ", ".join(
             f"{n}: {c:.2f}" for n, c in sorted(m["pass_cost"].items(), key=lambda x: int(x[0]))))
+        if m.get("kept_states_cost") is not None:
+            lines.append("a 5-token pass keeping each position's recurrent state ÷ the prompt"
+                         f" form (uncompiled): {m['kept_states_cost']:.2f}")
         lines.append(f"{'task':<7}{'method':<12}{'tok/s':>9}{'÷ plain':>9}{'(min–max)':>13}"
                      f"{'accept':>8}{'tok/pass':>9}  same ids")
         for task, t in m["tasks"].items():
