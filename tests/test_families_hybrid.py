@@ -11,9 +11,9 @@ gated delta rule, LFM2's short convolution); the other families are marked slow.
 
 Beside them: the layer kinds each spelling gives, the prompt forms across several blocks,
 the state caches (kind per layer, bytes constant as tokens grow, reported apart from K/V,
-no trimming), the server's prefix pool, an engine conversation that reuses the state,
-restarts from a checkpoint or prefills again when it cannot go back, `kvchat inspect`
-and `kvchat explain`.
+no trimming but of a verify pass's own tokens), the server's prefix pool, an engine
+conversation that reuses the state, restarts from a checkpoint or prefills again when it
+cannot go back, `kvchat inspect` and `kvchat explain`.
 """
 
 from __future__ import annotations
@@ -340,13 +340,15 @@ def test_explain_names_the_recurrent_layers(
     assert f"recurrent layers: {expected} keep a fixed-size state" in out
 
 
-def test_compiled_step_verifies_no_drafts_on_a_state_and_steps_one_token(
+def test_compiled_step_verifies_drafts_on_a_state_and_steps_one_token(
     hybrid: Callable[[str], Path]
 ) -> None:
     """Nemotron-H (a Mamba-2 state, attention K/V, mixer-less MLP and expert layers): the
     compiled step drives every cache one token at a time with the plain model's logits;
-    a speculative verify pass of several tokens is refused (None) and writes nothing,
-    since a state cannot take back the drafts it rejects."""
+    a speculative verify pass of several tokens gives the plain model's logits too and
+    keeps each position's state, so taking back its last token is exact
+    (tests/test_speculative_hybrid.py runs whole replies)."""
+    from kvchat.model.cache.kv import trim_to
     from kvchat.model.cache.state import PassCache
     from kvchat.model.runtime.generate import CompiledStep
 
@@ -359,14 +361,20 @@ def test_compiled_step_verifies_no_drafts_on_a_state_and_steps_one_token(
     assert {"StateCache", "PassCache"} <= kinds and any(hasattr(c, "keys") for c in caches)
     step = CompiledStep(model, caches)
     assert step.supported
-    assert step.verify(mx.array(nxt)) is None
-    assert [c.offset for c in caches] == [12] * len(caches)
-    got = step(mx.array(nxt[:1]))
-    want = model(mx.array(nxt[None, :1]), cache=plain)[:, -1, :]
-    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+    verified = step.verify(mx.array(nxt))
+    assert verified is not None
+    assert [c.offset for c in caches] == [14] * len(caches)
+    assert trim_to(caches, 13) == 1  # the second token taken back, the state too
     assert [c.offset for c in caches] == [13] * len(caches)
+    want = model(mx.array(nxt[None, :1]), cache=plain)[0]
+    np.testing.assert_allclose(np.array(verified[:1]), np.array(want), rtol=1e-4, atol=1e-4)
+    got = step(mx.array(nxt[1:2]))
+    want = model(mx.array(nxt[None, 1:2]), cache=plain)[:, -1, :]
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(verified[1:]), np.array(want), rtol=1e-4, atol=1e-4)
+    assert [c.offset for c in caches] == [14] * len(caches)
     p = next(c for c in caches if isinstance(c, PassCache))
-    assert p.next_slot(3) == (13, 0, 0, 0)  # nothing to write: any token count
+    assert p.next_slot(3) == (14, 0, 0, 0)  # nothing to write: any token count
 
 
 # ---- the RG-LRU, OLMo-hybrid and Kimi-Linear families ----------------------------------------

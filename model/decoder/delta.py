@@ -26,6 +26,7 @@ import mlx.nn as nn
 from .conv import CausalConv1d
 from .ssm import F32, GatedRMSNorm
 from .state_config import DeltaConfig
+from .state_steps import hand_back, keeps_steps, recurrence
 
 CHUNK = 64  # tokens per chunk of the prompt form (transformers' chunk_size)
 
@@ -156,19 +157,21 @@ class GatedDeltaNet(nn.Module):
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         cfg = self.cfg
         B, T, _ = x.shape
+        steps = keeps_steps(cache, T)
         qkv, z, b, a = self._project(x)
-        qkv, conv_state = self.conv1d(qkv, cache.conv if cache is not None else None)
+        qkv, conv_state = self.conv1d(qkv, cache.conv if cache is not None else None, steps)
         key = cfg.k_heads * cfg.k_dim
         q, k, v = mx.split(nn.silu(qkv), [key, 2 * key], axis=-1)
         q = l2norm(q.reshape(B, T, cfg.k_heads, cfg.k_dim)) * cfg.k_dim**-0.5
         k = l2norm(k.reshape(B, T, cfg.k_heads, cfg.k_dim))
         g = -mx.exp(self.A_log.astype(F32)) * nn.softplus((a + self.dt_bias).astype(F32))
         v = v.reshape(B, T, cfg.v_heads, cfg.v_dim)
+        qf, kf, vf = q.astype(F32), k.astype(F32), v.astype(F32)
         beta = mx.sigmoid(b.astype(F32))
         if cfg.beta_scale != 1.0:
             beta = beta * cfg.beta_scale
-        y, state = gated_delta(q.astype(F32), k.astype(F32), v.astype(F32), g, beta,
-                               cache.recurrent if cache is not None else None)
-        if cache is not None:
-            cache.update(T, conv_state, state)
+        y, state = recurrence(
+            lambda s, S: gated_delta(qf[:, s], kf[:, s], vf[:, s], g[:, s], beta[:, s], S),
+            T, cache.recurrent if cache is not None else None, steps)
+        hand_back(cache, T, conv_state, state, steps)
         return self.out_proj(self.norm(y.astype(x.dtype), z).reshape(B, T, -1))

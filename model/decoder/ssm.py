@@ -24,6 +24,7 @@ import mlx.nn as nn
 
 from .conv import CausalConv1d
 from .state_config import SsmConfig
+from .state_steps import hand_back, keeps_steps, recurrence
 
 SCAN_BLOCK = 64  # tokens per parallel scan: bounds the (B, T, features, N) temporaries
 F32 = mx.float32  # the scans' and the recurrent states' dtype
@@ -95,18 +96,21 @@ class MambaMixer(nn.Module):
 
     def __call__(self, h: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         cfg = self.cfg
+        T = h.shape[1]
+        steps = keeps_steps(cache, T)
         x, z = mx.split(self.in_proj(h), 2, axis=-1)
-        x, conv_state = self.conv1d(x, cache.conv if cache is not None else None)
+        x, conv_state = self.conv1d(x, cache.conv if cache is not None else None, steps)
         x = nn.silu(x)
         dt, B, C = mx.split(self.x_proj(x), [cfg.dt_rank, cfg.dt_rank + cfg.n], axis=-1)
         if cfg.bcdt_eps is not None:
             dt, B, C = (mx.fast.rms_norm(t, None, cfg.bcdt_eps) for t in (dt, B, C))
         dt = nn.softplus(self.dt_proj(dt))
-        y, state = selective_scan(x.astype(F32), dt.astype(F32), -mx.exp(self.A_log.astype(F32)),
-                                  B.astype(F32), C.astype(F32),
-                                  cache.recurrent if cache is not None else None)
-        if cache is not None:
-            cache.update(h.shape[1], conv_state, state)
+        xf, dtf, Bf, Cf = (t.astype(F32) for t in (x, dt, B, C))
+        A = -mx.exp(self.A_log.astype(F32))
+        y, state = recurrence(
+            lambda s, h0: selective_scan(xf[:, s], dtf[:, s], A, Bf[:, s], Cf[:, s], h0),
+            T, cache.recurrent if cache is not None else None, steps)
+        hand_back(cache, T, conv_state, state, steps)
         return self.out_proj((y.astype(x.dtype) + self.D * x) * nn.silu(z))
 
 
@@ -183,17 +187,19 @@ class Mamba2Mixer(nn.Module):
     def __call__(self, h: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         cfg = self.cfg
         b, T, _ = h.shape
+        steps = keeps_steps(cache, T)
         z, xbc, dt = mx.split(self.in_proj(h), [cfg.inner, cfg.inner + cfg.conv_dim], axis=-1)
-        xbc, conv_state = self.conv1d(xbc, cache.conv if cache is not None else None)
+        xbc, conv_state = self.conv1d(xbc, cache.conv if cache is not None else None, steps)
         x, B, C = mx.split(nn.silu(xbc), [cfg.inner, cfg.inner + cfg.groups * cfg.n], axis=-1)
         x = x.reshape(b, T, cfg.heads, cfg.head_dim)
         dt = mx.clip(nn.softplus(dt + self.dt_bias), *cfg.dt_limit).astype(F32)
-        y, state = ssd(x.astype(F32), dt, -mx.exp(self.A_log.astype(F32)),
-                       B.reshape(b, T, cfg.groups, cfg.n).astype(F32),
-                       C.reshape(b, T, cfg.groups, cfg.n).astype(F32),
-                       cache.recurrent if cache is not None else None, cfg.chunk)
-        if cache is not None:
-            cache.update(T, conv_state, state)
+        xf, A = x.astype(F32), -mx.exp(self.A_log.astype(F32))
+        Bf = B.reshape(b, T, cfg.groups, cfg.n).astype(F32)
+        Cf = C.reshape(b, T, cfg.groups, cfg.n).astype(F32)
+        y, state = recurrence(
+            lambda s, h0: ssd(xf[:, s], dt[:, s], A, Bf[:, s], Cf[:, s], h0, cfg.chunk),
+            T, cache.recurrent if cache is not None else None, steps)
+        hand_back(cache, T, conv_state, state, steps)
         y = (y.astype(x.dtype) + self.D[:, None] * x).reshape(b, T, cfg.inner)
         y = self.norm(y, z) if "norm" in self else y * nn.silu(z)
         return self.out_proj(y)

@@ -27,9 +27,10 @@ A cache kind without these methods runs the plain (uncompiled) step. A quantized
 buffers travel as their parts (packed, scales, biases) and its layout (bits, group) is in
 `slot_layout`: the trace quantizes the new tokens' rows and writes each part with
 `slice_update`. A recurrent layer's state (model/cache/state.py, layout "state") travels
-as its conv and recurrent arrays, which the mixer replaces whole, one token at a time
-(its `next_slot(n)` is None for n > 1: a state cannot take back rejected drafts); a layer
-without a token mixer ("pass") as nothing.
+as its conv and recurrent arrays, which the mixer replaces whole; a verify pass of n > 1
+tokens returns every position's states instead, stacked, so that the cache can go back
+to the last accepted token (model/decoder/state_steps.py); a layer without a token mixer
+("pass") as nothing.
 """
 
 from __future__ import annotations
@@ -191,15 +192,21 @@ class _TracedCache:
 
 
 class _TracedState:
-    """Stands in for a recurrent layer's state inside the trace (state.py's protocol)."""
+    """Stands in for a recurrent layer's state inside the trace (state.py's protocol).
+    A pass of n > 1 tokens (a verify pass) asks the mixer for every position's states
+    (`rollback`), which the trace returns stacked and `commit` keeps."""
 
-    def __init__(self, row: mx.array, arrays: Sequence[mx.array]):
+    def __init__(self, row: mx.array, arrays: Sequence[mx.array], n: int = 1):
         self.offset = row[0]
         self.conv = arrays[0]
         self.recurrent = arrays[1] if len(arrays) > 1 else None
+        self.rollback = n - 1
 
     def update(self, tokens: int, conv: mx.array, recurrent: mx.array | None = None) -> None:
         self.conv, self.recurrent = conv, recurrent
+
+    def update_steps(self, tokens: int, convs: mx.array, recurrents: mx.array | None) -> None:
+        self.conv, self.recurrent = convs, recurrents
 
     def advance(self, tokens: int) -> None:
         """A layer without a token mixer (state.PassCache): nothing to carry."""
@@ -249,7 +256,7 @@ class CompiledStep:
                 row = group_rows[groups[i]]
                 if static[0] in ("state", "pass"):
                     m = _n_arrays(static)
-                    proxies.append(_TracedState(row, buffers[at : at + m]) if m else
+                    proxies.append(_TracedState(row, buffers[at : at + m], n) if m else
                                    _TracedState(row, [None]))
                     at += m
                     continue
