@@ -111,9 +111,12 @@ def test_concurrent_streams_answer_as_they_do_alone(server: ServerProcess) -> No
     for i, a in alone.items():
         assert side_by_side[i]["text"] == a["text"], i
         assert side_by_side[i]["tokens"] == a["tokens"]
-    # they ran together: every stream had its first text before any stream ended
-    assert max(r["first"] for r in side_by_side.values()) < min(
-        r["end"] for r in side_by_side.values())
+    # they ran together: each stream was answering while another one was (one request at
+    # a time, `--max-batch 1`, gives no such pair); not all at once, as a loaded machine
+    # may start the last client's request after the shortest reply ended
+    spans = [(r["first"], r["end"]) for r in side_by_side.values()]
+    assert all(any(f < e2 and f2 < e for j, (f2, e2) in enumerate(spans) if j != i)
+               for i, (f, e) in enumerate(spans))
 
 
 @pytest.mark.slow

@@ -216,7 +216,9 @@ class ChatCache:
         row.pool, row.dropped, row._parent = self.pool, self.dropped, self
         if self.pool is None:
             row.caches, row.key, row.ids, row.info = self.caches, self.key, self.ids, self.info
+            row.checkpoints = self.checkpoints
             self.caches, self.key, self.ids, self.info = None, None, [], None
+            self.checkpoints = Checkpoints()
         else:
             self._to_pool()
         return row
@@ -228,14 +230,15 @@ class ChatCache:
         if parent is not None and self.caches is not None and self.key is not None:
             parent._to_pool()
             parent.caches, parent.key, parent.ids = self.caches, self.key, self.ids
-            parent.info = self.info
+            parent.info, parent.checkpoints = self.info, self.checkpoints
             self.caches = None  # moved, not dropped
         self.drop()
 
     def _to_pool(self) -> None:
         if self.pool is not None and self.caches is not None and self.key is not None:
-            self.pool.put(self.ids, self.caches, self.key, self.info)
+            self.pool.put(self.ids, self.caches, self.key, self.info, self.checkpoints)
         self.caches, self.key, self.ids, self.info = None, None, [], None
+        self.checkpoints = Checkpoints()
 
     def pool_stats(self) -> dict[str, Any] | None:
         """The pool's counters and its conversations, the current one first (JSON-ready;
