@@ -182,7 +182,8 @@ class ModelConfig:
     rope_traditional: bool = False
     rope_negative: bool = False
     moe: MoeConfig | None = None
-    mla: MlaConfig | None = None  # set: every layer is latent attention (cache kind "latent")
+    # set: every layer that attends is latent attention (cache kind "latent")
+    mla: MlaConfig | None = None
     # the recurrent mixer's sizes (state_config.py) where some layers have one (LayerSpec.mixer)
     mixer: MixerConfig | None = None
     attention_gate: bool = False  # Qwen3-Next: attention output × sigmoid(gate)

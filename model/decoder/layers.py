@@ -6,7 +6,8 @@
   any scale, NoPE) and `FusedAttention` (one `qkv_proj`, Phi-3);
 - `MLP` (gated: SwiGLU or GeGLU) and `FusedMLP` (one `gate_up_proj`, Phi-3); a layer
   whose spec says `moe` gets `moe.MoE` (router + gathered experts) instead;
-- `mla.LatentAttention` where the config has latent attention (DeepSeek-V2/V3);
+- `mla.LatentAttention` where the config has latent attention (DeepSeek-V2/V3, Kimi
+  Linear's attention layers);
 - recurrent token mixers in the layers that do not attend (`MIXERS`): ssm.py's Mamba and
   Mamba-2, delta.py's gated delta rule and Kimi Delta Attention, conv.py's short
   convolution, rglru.py's RG-LRU (Griffin); a block holds either `self_attn` or `mixer`
