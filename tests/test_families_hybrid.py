@@ -45,6 +45,7 @@ from tests.helpers.hybrid_families import HYBRID_SPECS
 # one fixture per block kind runs by default; the rest are slow
 FAST = {"mamba", "mamba2", "qwen3_next", "lfm2"}
 FAST |= {"recurrent_gemma"}  # the RG-LRU
+FAST |= {"kimi_linear"}  # Kimi Delta Attention
 NAMES = [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in HYBRID_SPECS]
 
 
@@ -73,10 +74,25 @@ def _pattern_config(cfg: dict[str, Any]) -> dict[str, Any]:
             "num_hidden_layers": len(kinds)}
 
 
+def _moonshot_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Kimi Linear's config as Moonshot's checkpoints spell it: the layers listed in
+    linear_attn_config (counted from 1) with the KDA sizes, first_k_dense_replace instead
+    of mlp_layer_types."""
+    kinds, mlp = cfg.pop("layer_types"), cfg.pop("mlp_layer_types")
+    linear = {
+        "full_attn_layers": [i + 1 for i, k in enumerate(kinds) if k == "full_attention"],
+        "kda_layers": [i + 1 for i, k in enumerate(kinds) if k == "linear_attention"],
+        "num_heads": cfg.pop("linear_num_heads"), "head_dim": cfg.pop("linear_head_dim"),
+        "short_conv_kernel_size": cfg.pop("linear_conv_kernel_dim")}
+    return {**cfg, "linear_attn_config": linear,
+            "first_k_dense_replace": mlp.index("sparse") if "sparse" in mlp else len(mlp)}
+
+
 # a fixture's config.json rewritten the way older checkpoints spell it (transformers reads
 # both; the weights are those of the same seed)
 CLASSIC_CONFIGS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "nemotron_h_classic": _pattern_config,
+    "kimi_linear_classic": _moonshot_config,
 }
 
 
@@ -179,6 +195,7 @@ def test_hybrid_4bit_matches_transformers_on_dequantized(
     ("nemotron_h", ["mamba", "attention", "mlp", "moe"], "RAFF"),
     ("recurrent_gemma", None, "RRA"),  # block_types' default, repeated
     ("olmo_hybrid", None, "RRA"),  # every 4th attends, else the last
+    ("kimi_linear", None, "RRRRARRRA"),  # every 4th from layer 4 attends
 ])
 def test_layer_kinds_from_each_spelling(family: str, types: list[str] | None,
                                         kinds: str) -> None:
@@ -196,6 +213,38 @@ def test_layer_kinds_from_each_spelling(family: str, types: list[str] | None,
     assert all(s.rope is None for s in cfg.layers if not s.attends)
     if family == "nemotron_h":  # only its "moe" layer is the mixture of experts
         assert [s.moe for s in cfg.layers] == [False, False, False, True]
+
+
+def test_kimi_linear_reads_moonshots_config_keys() -> None:
+    """Moonshot's spelling: layers listed from 1 in linear_attn_config with the KDA sizes,
+    the dense layers from first_k_dense_replace, the router's keys under their own names;
+    a layer in neither list is one clear line."""
+    from kvchat.model.decoder.config import ModelConfig
+    from kvchat.model.errors import ConfigError
+
+    raw = {"model_type": "kimi_linear", "hidden_size": 64, "num_attention_heads": 4,
+           "num_hidden_layers": 4, "intermediate_size": 96, "vocab_size": 256,
+           "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+           "linear_attn_config": {"full_attn_layers": [2, 4], "kda_layers": [1, 3],
+                                  "num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 3},
+           "first_k_dense_replace": 2, "num_experts": 8, "num_experts_per_token": 3,
+           "moe_renormalize": False, "num_expert_group": 4, "topk_group": 2,
+           "num_shared_experts": 2, "moe_intermediate_size": 32, "model_max_length": 4096}
+    cfg = ModelConfig.from_dict(raw)
+    assert [s.mixer for s in cfg.layers] == ["kda", None, "kda", None]
+    assert [s.moe for s in cfg.layers] == [False, False, True, True]
+    assert all(s.rope is None for s in cfg.layers)  # no rotary anywhere, MLA's included
+    m, moe = cfg.mixer, cfg.moe
+    assert (m.k_heads, m.v_heads, m.k_dim, m.v_dim, m.conv_kernel) == (2, 2, 8, 8, 3)
+    assert (moe.experts, moe.top_k, moe.norm_topk, moe.groups, moe.topk_groups,
+            moe.shared_size) == (8, 3, False, 4, 2, 64)
+    assert cfg.max_position_embeddings == 4096
+    raw["linear_attn_config"]["kda_layers"] = [1]
+    with pytest.raises(ConfigError, match="^config.json: layer 3 is in neither"):
+        ModelConfig.from_dict(raw)
+    raw["linear_attn_config"]["kda_layers"] = [0, 1]
+    with pytest.raises(ConfigError, match="kda_layers must list layer numbers 1 to 4"):
+        ModelConfig.from_dict(raw)
 
 
 def test_prompt_forms_cross_their_block_boundaries(
@@ -324,7 +373,7 @@ def test_inspect_prints_state_bytes_next_to_kv(
     assert "KV cache per token (all layers): 0 B" in text
 
 
-@pytest.mark.parametrize("name", ["mamba", "nemotron_h"])
+@pytest.mark.parametrize("name", ["mamba", "nemotron_h", "kimi_linear"])
 def test_explain_names_the_recurrent_layers(
     name: str, hybrid: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -336,8 +385,10 @@ def test_explain_names_the_recurrent_layers(
     explain_cmd.add_arguments(p)
     assert explain_cmd.run(p.parse_args(["--model", str(hybrid(name))])) == 0
     out = capsys.readouterr().out
-    expected = {"mamba": "2 of 2", "nemotron_h": "1 of 4"}[name]
+    expected = {"mamba": "2 of 2", "nemotron_h": "1 of 4", "kimi_linear": "2 of 3"}[name]
     assert f"recurrent layers: {expected} keep a fixed-size state" in out
+    if name == "kimi_linear":  # no layer rotates: no RoPE stage in the block
+        assert "x → norm → attention or Kimi delta → + → norm → FFN → +" in out
 
 
 def test_compiled_step_verifies_drafts_on_a_state_and_steps_one_token(
@@ -383,6 +434,8 @@ def test_compiled_step_verifies_drafts_on_a_state_and_steps_one_token(
     ("recurrent_gemma", (3 * 64 + 64) * 4),
     # conv state (K − 1) × (q, k, v: 64 + 64 + 64), the delta rule's 4 heads × 16 × 16
     ("olmo_hybrid", (3 * 192 + 4 * 16 * 16) * 4),
+    # KDA: conv state 3 × (q, k, v: 4 heads × 16 each), a 16 × 16 state per head, float32
+    ("kimi_linear", (3 * (3 * 4 * 16) + 4 * 16 * 16) * 4),
 ])
 def test_inspect_counts_each_recurrent_layers_state(
     name: str, per_layer: int, hybrid: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
@@ -441,3 +494,50 @@ def test_delta_rule_with_a_gate_per_channel_matches_transformers_kda() -> None:
     # the gate per channel bites: its mean over the channels gives another output
     flat, _ = gated_delta(qn, kn, vm, gm.mean(axis=-1), bm, None)
     assert rel_err(np.array(flat), ref_np) > 1e-2
+
+
+def test_kimi_linear_long_prompt_chunked_equals_recurrent_decode(
+    hybrid: Callable[[str], Path]
+) -> None:
+    """A 150-token prompt (KDA's chunks of 64: two whole, one partial) against transformers'
+    whole forward, and the same tokens fed one by one through our caches (the recurrent
+    form), and a 100-token prefill followed by 50 single-token steps."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = hybrid("kimi_linear")
+    ids = np.random.default_rng(5).integers(3, 256, size=(1, 150))
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    model = load_model(folder)
+    whole = np.array(model(mx.array(ids)))
+    cache = make_prompt_cache(model)
+    steps = [model(mx.array(ids[:, t:t + 1]), cache=cache) for t in range(150)]
+    cache = make_prompt_cache(model)
+    mixed = [model(mx.array(ids[:, :100]), cache=cache)]
+    mixed += [model(mx.array(ids[:, t:t + 1]), cache=cache) for t in range(100, 150)]
+    assert rel_err(whole, ref) <= 1e-4
+    assert rel_err(np.array(mx.concatenate(steps, axis=1)), ref) <= 1e-4
+    assert rel_err(np.array(mx.concatenate(mixed, axis=1)), ref) <= 1e-4
+
+
+def test_kimi_linear_inspect_counts_latent_kv_and_kda_state(
+    hybrid: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvchat inspect` on Kimi Linear: K/V per token from its one MLA layer, the latent
+    (16) and the unrotated shared key (8) in float32, = 96 B; the state of its two KDA
+    layers, 2 × (3 × 192 + 4 × 16 × 16) × 4 = 12,800 B; the layers named by kind."""
+    from kvchat.app.cli import inspect as inspect_cmd
+    from kvchat.model.cache.layer_kinds import layer_kinds
+
+    p = argparse.ArgumentParser()
+    inspect_cmd.add_arguments(p)
+    folder = hybrid("kimi_linear")
+    assert inspect_cmd.run(p.parse_args(["--model", str(folder), "--json", "--live"])) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bytes_per_token"] == (16 + 8) * 4
+    assert out["state_layers"] == 2 and out["state_bytes"] == 12_800
+    assert out["live"]["equal"] and out["live"]["state_bytes"] == 12_800
+    assert layer_kinds(load_model(folder).config) == ["Kimi delta", "MLA", "Kimi delta"]

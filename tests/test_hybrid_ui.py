@@ -220,7 +220,7 @@ def test_state_rows(stats: TurnStats, info: dict[str, Any], capacity: int,
 
 
 @pytest.mark.parametrize(("mixer", "carried"), [
-    ("mamba", True), ("mamba2", True), ("gated_delta", True),
+    ("mamba", True), ("mamba2", True), ("gated_delta", True), ("kda", True),
     ("short_conv", False),  # keeps its last K − 1 inputs only
     (None, False),
 ])

@@ -6,8 +6,8 @@ kinds"): "full attention" holds every token up to the model's context, "rotating
 attention" a window bounded below it (max KV size), "sliding attention" its own window,
 "chunked attention" one chunk, "MLA" a latent; " NoPE" marks a layer without RoPE and
 " · N-bit K/V" a quantized cache. Recurrent layers are named by their mixer (Mamba,
-Mamba-2, gated delta, short conv) and mixer-less layers (Nemotron-H) by what is left
-(MLP-only, MoE-only). No MLX: names only.
+Mamba-2, gated delta, Kimi delta, short conv, RG-LRU) and mixer-less layers (Nemotron-H)
+by what is left (MLP-only, MoE-only). No MLX: names only.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from kvchat.model.decoder.families import FFN, FFN_MOE
 
 # families.MixerKind -> the name a reader knows the block by
 MIXER_NAMES = {"mamba": "Mamba", "mamba2": "Mamba-2", "gated_delta": "gated delta",
-               "short_conv": "short conv", "rglru": "RG-LRU"}
+               "short_conv": "short conv", "rglru": "RG-LRU", "kda": "Kimi delta"}
 # the mixers whose state folds in every token seen (a short conv keeps its last K − 1
 # inputs only): after rotation they still carry the start of a conversation, inexactly
 # (docs/kv-cache.md, "An endless chat on a model with recurrent layers")
-FOLDING_MIXERS = ("mamba", "mamba2", "gated_delta", "rglru")
+FOLDING_MIXERS = ("mamba", "mamba2", "gated_delta", "rglru", "kda")
 # a layer without a token mixer: nothing cached (state.PassCache)
 FFN_NAMES = {FFN: "MLP-only", FFN_MOE: "MoE-only"}
 ATTENTION_KINDS = ("full attention", "rotating attention", "sliding attention",

@@ -182,7 +182,8 @@ class ModelConfig:
     rope_traditional: bool = False
     rope_negative: bool = False
     moe: MoeConfig | None = None
-    mla: MlaConfig | None = None  # set: every layer is latent attention (cache kind "latent")
+    # set: every layer that attends is latent attention (cache kind "latent")
+    mla: MlaConfig | None = None
     # the recurrent mixer's sizes (state_config.py) where some layers have one (LayerSpec.mixer)
     mixer: MixerConfig | None = None
     attention_gate: bool = False  # Qwen3-Next: attention output × sigmoid(gate)
@@ -443,8 +444,15 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
         listed = cfg.get("moe_layers")
         listed = set(range(step - 1, n, step) if listed is None else listed)
         sparse = [i in listed for i in range(n)]
-    elif spec.sparse_layers == "types":  # GLM-4.7-Flash: mlp_layer_types, else dense first
-        types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
+    elif spec.sparse_layers == "types":
+        # mlp_layer_types, else the first first_k_dense_replace layers dense (EXAONE-MoE,
+        # Kimi Linear; GLM-4.7-Flash's one dense layer when neither is given)
+        first = cfg.get("first_k_dense_replace", 1)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ConfigError(f"config.json: first_k_dense_replace must be an integer >= 0,"
+                              f" got {first!r:.60}")
+        types = cfg.get("mlp_layer_types") or ["dense" if i < first else "sparse"
+                                               for i in range(n)]
         if not isinstance(types, list) or len(types) != n:
             raise ConfigError(f"config.json: mlp_layer_types must list {n} entries")
         sparse = [t == "sparse" for t in types]

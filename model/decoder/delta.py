@@ -13,7 +13,7 @@ whatever the compute dtype (as ssm.py's scans).
 
 The gate may also be one per key channel, g_t ∈ (0, 1)^k_dim, decaying the state's rows
 apart (Kimi's KDA: S_t = diag(g_t)·S_{t−1} + …): the same two forms, with the decays inside
-a chunk kept per channel.
+a chunk kept per channel. `KimiDeltaAttention` is Kimi Linear's mixer around it.
 """
 
 from __future__ import annotations
@@ -175,3 +175,50 @@ class GatedDeltaNet(nn.Module):
             T, cache.recurrent if cache is not None else None, steps)
         hand_back(cache, T, conv_state, state, steps)
         return self.out_proj(self.norm(y.astype(x.dtype), z).reshape(B, T, -1))
+
+
+class KimiDeltaAttention(nn.Module):
+    """Kimi Delta Attention (Kimi Linear): q, k, v from projections of their own through
+    one causal convolution (the checkpoint's q_conv1d, k_conv1d, v_conv1d, concatenated on
+    load) and SiLU; the gated delta rule per head with one decay per key channel, log g =
+    −exp(A_log)·softplus(f_b(f_a(x)) + dt_bias) (a low-rank forget gate); the output
+    RMS-normed per head, then × sigmoid of a low-rank output gate g_b(g_a(x)) (o_norm),
+    o_proj. Names as Moonshot's checkpoints (transformers saves the same)."""
+
+    def __init__(self, cfg: DeltaConfig, hidden: int):
+        super().__init__()
+        self.cfg = cfg
+        heads, dim = cfg.v_heads, cfg.k_dim
+        width = heads * dim
+        self.q_proj = nn.Linear(hidden, width, bias=False)
+        self.k_proj = nn.Linear(hidden, width, bias=False)
+        self.v_proj = nn.Linear(hidden, width, bias=False)
+        self.conv1d = CausalConv1d(cfg.conv_dim, cfg.conv_kernel, bias=False)
+        self.f_a_proj = nn.Linear(hidden, dim, bias=False)  # the forget gate's rank: head_dim
+        self.f_b_proj = nn.Linear(dim, width, bias=False)
+        self.dt_bias = mx.zeros((width,))
+        self.A_log = mx.zeros((1, 1, heads, 1))  # one decay rate per head, as stored
+        self.b_proj = nn.Linear(hidden, heads, bias=False)
+        self.g_a_proj = nn.Linear(hidden, dim, bias=False)
+        self.g_b_proj = nn.Linear(dim, width, bias=False)
+        self.o_norm = GatedRMSNorm(dim, cfg.norm_eps, norm_first=True, sigmoid=True)
+        self.o_proj = nn.Linear(width, hidden, bias=False)
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        shape = (B, T, cfg.v_heads, cfg.k_dim)
+        qkv = mx.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        qkv, conv_state = self.conv1d(qkv, cache.conv if cache is not None else None)
+        q, k, v = (t.reshape(shape) for t in mx.split(nn.silu(qkv), 3, axis=-1))
+        q = l2norm(q) * cfg.k_dim**-0.5
+        k = l2norm(k)
+        a = (self.f_b_proj(self.f_a_proj(x)).astype(F32) + self.dt_bias.astype(F32))
+        g = -mx.exp(self.A_log.astype(F32)) * nn.softplus(a.reshape(shape))  # (B, T, H, Dk)
+        beta = mx.sigmoid(self.b_proj(x).astype(F32))
+        y, state = gated_delta(q.astype(F32), k.astype(F32), v.astype(F32), g, beta,
+                               cache.recurrent if cache is not None else None)
+        if cache is not None:
+            cache.update(T, conv_state, state)
+        gate = self.g_b_proj(self.g_a_proj(x)).reshape(shape)
+        return self.o_proj(self.o_norm(y.astype(x.dtype), gate).reshape(B, T, -1))

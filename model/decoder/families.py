@@ -50,8 +50,10 @@ AttentionKind = Literal["gqa", "mla", "none"]
 # (model/cache/state.py) instead of a K/V cache: "mamba" (Mamba's selective scan,
 # ssm.MambaMixer) | "mamba2" (Mamba-2's SSD, ssm.Mamba2Mixer) | "gated_delta" (Qwen3-Next's
 # gated delta rule, delta.GatedDeltaNet) | "short_conv" (LFM2's gated short convolution,
-# conv.ShortConv) | "rglru" (Griffin's RG-LRU, rglru.RecurrentBlock)  [layers.MIXERS]
-MixerKind = Literal["mamba", "mamba2", "gated_delta", "short_conv", "rglru"]
+# conv.ShortConv) | "rglru" (Griffin's RG-LRU, rglru.RecurrentBlock) | "kda" (Kimi Delta
+# Attention: the gated delta rule with one decay per key channel, delta.KimiDeltaAttention)
+# [layers.MIXERS]
+MixerKind = Literal["mamba", "mamba2", "gated_delta", "short_conv", "rglru", "kda"]
 # the gated delta rule's input projections: "fused" (Qwen3-Next: in_proj_qkvz + in_proj_ba,
 # grouped per key head) | "split" (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) |
 # "separate" (OLMo-hybrid: q_proj, k_proj, v_proj of their own, then z, b, a as
@@ -74,7 +76,8 @@ SharedKind = Literal["gated", "plain"]
 ExpertLayout = Literal["interleaved", "halves", "rows"]
 # which layers are sparse: "all" | "step" (decoder_sparse_step, mlp_only_layers) |
 # "first_dense" (first_k_dense_replace dense layers, then MoE) | "listed" (Llama 4:
-# moe_layers, else every interleave_moe_layer_step-th) | "types" (mlp_layer_types) |
+# moe_layers, else every interleave_moe_layer_step-th) | "types" (mlp_layer_types, else
+# the first first_k_dense_replace layers dense) |
 # "interval" (ERNIE: every moe_layer_interval-th from moe_layer_start_index to
 # moe_layer_end_index) | "kinds" (Nemotron-H: the layers whose kind is FFN_MOE)  [config.py]
 SparseLayers = Literal["all", "step", "first_dense", "listed", "types", "interval", "kinds"]
@@ -209,6 +212,32 @@ def _every_4th_attention_or_last(cfg: dict[str, Any], n: int) -> list[str]:
     return kinds if FULL in kinds or not kinds else [*kinds[:-1], FULL]
 
 
+def _listed_from_one(attend_key: str, mixer_key: str) -> LayerRule:
+    """Kimi Linear's checkpoints: the attention layers and the recurrent ones each listed,
+    counted from 1 (linear_attn_config's full_attn_layers and kda_layers); without the
+    lists, every 4th layer from layer 4 attends (transformers' default)."""
+
+    def rule(cfg: dict[str, Any], n: int) -> list[str]:
+        attend, mix = cfg.get(attend_key), cfg.get(mixer_key)
+        if attend is None and mix is None:
+            return [FULL if i and i % 4 == 0 else RECURRENT for i in range(n)]
+        kinds: list[str | None] = [None] * n
+        for key, listed, kind in ((attend_key, attend, FULL), (mixer_key, mix, RECURRENT)):
+            if not isinstance(listed, list) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and 1 <= i <= n
+                    for i in listed):
+                raise ConfigError(f"config.json: {key} must list layer numbers 1 to {n},"
+                                  f" got {listed!r:.60}")
+            for i in listed:
+                kinds[i - 1] = kind
+        if None in kinds:
+            raise ConfigError(f"config.json: layer {kinds.index(None) + 1} is in neither"
+                              f" {attend_key} nor {mixer_key}")
+        return [k for k in kinds if k is not None]
+
+    return rule
+
+
 def no_rope_layers(cfg: dict[str, Any], n: int) -> list[int]:
     """SmolLM3's `no_rope_layers` (1 = RoPE, 0 = NoPE), else every interval-th is NoPE."""
     given = cfg.get("no_rope_layers")
@@ -327,6 +356,9 @@ class Family:
     # shared_mlp is the layer's MLP, not a shared expert)
     dense_renames: tuple[tuple[str, str], ...] = ()
     delta_proj: DeltaProjKind = "fused"  # how the gated delta rule projects its inputs
+    # renames applied after `renames` to the tensors of the recurrent layers only (Kimi
+    # Linear keeps both kinds of token mixer under `self_attn`, with names that collide)
+    recurrent_renames: tuple[tuple[str, str], ...] = ()
     # the block layout of the recurrent layers where it is not the attention layers'
     # (OLMo-hybrid: pre-norm linear-attention layers beside post-norm attention ones)
     recurrent_block: BlockKind | None = None
@@ -945,6 +977,35 @@ FAMILIES: dict[str, Family] = {
                          ".mixer.conv1d."),),
         defaults={"rms_norm_eps": 1e-6, "linear_norm_eps": 1e-5,
                   "linear_allow_neg_eigval": True, "linear_conv_kernel_dim": 4},
+    ),
+    # Kimi Linear: pre-norm layers whose mixer is Kimi Delta Attention (q, k, v each
+    # through its own short convolution, a low-rank forget gate per key channel, a
+    # low-rank output gate through a sigmoid-gated norm) or latent attention without any
+    # rotary (MLA's rope part unrotated); DeepSeek-V3's router with shared experts, the
+    # first first_k_dense_replace layers dense; both token mixers saved under self_attn
+    "kimi_linear": Family(
+        layer_rule=None, attention="mla", positions="none", mixer="kda",
+        mixer_rule=_listed_from_one("full_attn_layers", "kda_layers"), delta_proj="separate",
+        moe=MoeFamily(score="sigmoid", group_score="top2", correction_bias=True,
+                      shared="plain", sparse_layers="types"),
+        key_aliases={
+            "num_experts_per_token": "num_experts_per_tok", "moe_renormalize": "norm_topk_prob",
+            "num_expert_group": "n_group", "num_shared_experts": "n_shared_experts",
+            "model_max_length": "max_position_embeddings",
+            "linear_attn_config.num_heads": "linear_num_heads",
+            "linear_attn_config.head_dim": "linear_head_dim",
+            "linear_attn_config.short_conv_kernel_size": "linear_conv_kernel_dim",
+            "linear_attn_config.full_attn_layers": "full_attn_layers",
+            "linear_attn_config.kda_layers": "kda_layers"},
+        renames=_MIXTRAL_NAMES, recurrent_renames=((".self_attn.", ".mixer."),),
+        concat_on_load=(((".mixer.q_conv1d.", ".mixer.k_conv1d.", ".mixer.v_conv1d."),
+                         ".mixer.conv1d."),),
+        defaults={"rms_norm_eps": 1e-5, "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
+                  "n_shared_experts": 1, "routed_scaling_factor": 2.446,
+                  "first_k_dense_replace": 1, "linear_num_heads": 32, "linear_head_dim": 128,
+                  "linear_conv_kernel_dim": 4, "max_position_embeddings": 1048576,
+                  "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+                  "qk_nope_head_dim": 128, "v_head_dim": 128},
     ),
     # the 2017 block, for `python -m kvchat.model.training train --block 2017` and
     # explain's comparison: post-LayerNorm, ReLU FFN, sinusoidal positions

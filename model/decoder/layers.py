@@ -6,10 +6,12 @@
   any scale, NoPE) and `FusedAttention` (one `qkv_proj`, Phi-3);
 - `MLP` (gated: SwiGLU or GeGLU) and `FusedMLP` (one `gate_up_proj`, Phi-3); a layer
   whose spec says `moe` gets `moe.MoE` (router + gathered experts) instead;
-- `mla.LatentAttention` where the config has latent attention (DeepSeek-V2/V3);
+- `mla.LatentAttention` where the config has latent attention (DeepSeek-V2/V3, Kimi
+  Linear's attention layers);
 - recurrent token mixers in the layers that do not attend (`MIXERS`): ssm.py's Mamba and
-  Mamba-2, delta.py's gated delta rule, conv.py's short convolution, rglru.py's RG-LRU
-  (Griffin); a block holds either `self_attn` or `mixer` and runs whichever it has;
+  Mamba-2, delta.py's gated delta rule and Kimi Delta Attention, conv.py's short
+  convolution, rglru.py's RG-LRU (Griffin); a block holds either `self_attn` or `mixer`
+  and runs whichever it has;
 - blocks: `PreNormBlock`, `SandwichBlock` (4 norms, Gemma 2/3), `PostNormBlock` (OLMo 2),
   `MixerOnlyBlock` (Mamba: one branch, no MLP).
 
@@ -32,7 +34,7 @@ from . import rows
 from .activations import ACTIVATIONS
 from .config import LayerSpec, ModelConfig
 from .conv import ShortConv
-from .delta import GatedDeltaNet
+from .delta import GatedDeltaNet, KimiDeltaAttention
 from .families import FFN_KINDS, FULL, BlockKind, MixerKind, NormKind
 from .kv_quant import packed_of, quantized_attention
 from .mask import causal_mask
@@ -418,6 +420,7 @@ MIXERS: dict[MixerKind, Callable[[Any, int], nn.Module]] = {
     "gated_delta": GatedDeltaNet,
     "short_conv": ShortConv,
     "rglru": RecurrentBlock,
+    "kda": KimiDeltaAttention,
 }
 
 

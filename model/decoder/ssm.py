@@ -31,21 +31,24 @@ F32 = mx.float32  # the scans' and the recurrent states' dtype
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm with a SiLU gate, over `groups` equal groups of the features: Mamba-2 gates
-    first (norm(y·silu(z))·w), Qwen3-Next norms first (norm(y)·w·silu(z))."""
+    """RMSNorm with a gate (SiLU, or Kimi's sigmoid), over `groups` equal groups of the
+    features: Mamba-2 gates first (norm(y·silu(z))·w), Qwen3-Next and Kimi norm first
+    (norm(y)·w·silu(z), norm(y)·w·sigmoid(z))."""
 
-    def __init__(self, dims: int, eps: float, groups: int = 1, norm_first: bool = False):
+    def __init__(self, dims: int, eps: float, groups: int = 1, norm_first: bool = False,
+                 sigmoid: bool = False):
         super().__init__()
         self.weight = mx.ones((dims,))
         self.eps, self.groups, self.norm_first = eps, groups, norm_first
+        self._gate = mx.sigmoid if sigmoid else nn.silu
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
         if not self.norm_first:
-            x = x * nn.silu(gate)
+            x = x * self._gate(gate)
         shape = x.shape
         x = mx.fast.rms_norm(x.reshape(*shape[:-1], self.groups, -1), None, self.eps)
         x = x.reshape(shape) * self.weight
-        return x * nn.silu(gate) if self.norm_first else x
+        return x * self._gate(gate) if self.norm_first else x
 
 
 # ---- Mamba: the selective scan ---------------------------------------------------------

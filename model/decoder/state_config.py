@@ -72,9 +72,9 @@ class SsmConfig:
 
 @dataclass(frozen=True)
 class DeltaConfig:
-    """The gated delta rule (Qwen3-Next, Qwen3.5): `k_heads` query/key heads of `k_dim`,
-    `v_heads` value heads of `v_dim` (a multiple of k_heads), a state of k_dim × v_dim per
-    value head, a causal convolution over q, k and v."""
+    """The gated delta rule (Qwen3-Next, Qwen3.5, OLMo-hybrid; Kimi's KDA): `k_heads`
+    query/key heads of `k_dim`, `v_heads` value heads of `v_dim` (a multiple of k_heads), a
+    state of k_dim × v_dim per value head, a causal convolution over q, k and v."""
 
     k_heads: int
     v_heads: int
@@ -146,6 +146,11 @@ def resolve_mixer(cfg: dict[str, Any], fam: Family, hidden: int, eps: float
                 beta_scale=2.0 if cfg.get("linear_allow_neg_eigval") else 1.0)
         if fam.mixer == "rglru":
             return _rglru(cfg, fam, hidden)
+        if fam.mixer == "kda":  # Kimi: as many key heads as value heads, one head size
+            heads, dim = _int(cfg, "linear_num_heads"), _int(cfg, "linear_head_dim")
+            return DeltaConfig(k_heads=heads, v_heads=heads, k_dim=dim, v_dim=dim,
+                               conv_kernel=_int(cfg, "linear_conv_kernel_dim", 4),
+                               norm_eps=eps, proj=fam.delta_proj)
         return ShortConvConfig(hidden=hidden, kernel=_int(cfg, "conv_L_cache", 3),
                                bias=bool(cfg.get("conv_bias", False)))
     except (TypeError, ValueError) as e:

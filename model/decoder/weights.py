@@ -52,7 +52,19 @@ def rename(cfg: ModelConfig, name: str) -> str:
     fam = FAMILIES[cfg.model_type]
     for old, new in (*(fam.dense_renames if cfg.moe is None else ()), *fam.renames):
         name = name.replace(old, new)
+    if fam.recurrent_renames and _recurrent_layer(cfg, name):
+        for old, new in fam.recurrent_renames:
+            name = name.replace(old, new)
     return name
+
+
+def _recurrent_layer(cfg: ModelConfig, name: str) -> bool:
+    """Whether `name` (ours) lies in a layer whose token mixer is the recurrent one."""
+    parts = name.split(".")
+    if len(parts) < 3 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+        return False
+    i = int(parts[2])
+    return i < len(cfg.layers) and cfg.layers[i].mixer is not None
 
 
 def our_names(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -302,6 +302,8 @@ def _pipeline(cfg: ModelConfig) -> list[str]:
     """The block's stages; in a hybrid whose layers share one block, the token mixer is
     attention in some layers and the recurrent mixer in the others."""
     stages = list(PIPELINES[cfg.block])
+    if not any(s.rope is not None for s in cfg.layers):  # no layer rotates (Kimi Linear)
+        stages = [st for st in stages if st != "RoPE"]
     mixer = next((s.mixer for s in cfg.layers if s.mixer is not None), None)
     if mixer is None or "attention" not in stages:
         return stages
