@@ -3,12 +3,18 @@ greedy ids, layer stats, cancel, and a clear error if the child dies."""
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from kvchat.model.runtime.engine import Engine
 from kvchat.model.runtime.engine_process import EngineProcess
 from kvchat.model.runtime.events import Done, Event, GenParams, Loaded, Started, TextDelta
+from tests.helpers.paths import STORIES260K as STORIES
 
 
 def _turn(engine: Engine | EngineProcess, events: queue.Queue[Event], prompt: str,
@@ -126,3 +132,31 @@ def test_child_starts_on_this_process_backend_from_any_folder(
     finally:
         child.close()
         metal_kernels.set_backend(before)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_engine_process_runs_at_the_nice_value_asked_for() -> None:
+    """`EngineOptions.nice` (the chat's engine_nice setting): the child and every thread
+    it starts (OpenBLAS's pool included, which starts as the library loads) run at it;
+    this process stays where it was."""
+    import glob
+
+    from kvchat.app.core.engine_service import EngineOptions, EngineService
+
+    def nice_of(stat: str) -> int:
+        return int(Path(stat).read_text().rsplit(")", 1)[1].split()[16])
+
+    before = os.nice(0)
+    service = EngineService("process", EngineOptions(nice=5))
+    engine = service.build(lambda _ev: None, str(STORIES))
+    try:
+        pid = engine._proc.pid  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 60
+        threads = glob.glob(f"/proc/{pid}/task/*/stat")
+        while len(threads) < 2 and time.monotonic() < deadline:  # the engine's thread
+            time.sleep(0.05)
+            threads = glob.glob(f"/proc/{pid}/task/*/stat")
+        assert len(threads) > 1 and {nice_of(t) for t in threads} == {before + 5}
+        assert os.nice(0) == before
+    finally:
+        service.close()

@@ -105,6 +105,7 @@ def test_bad_values_fall_back_per_key(config_dir: Path) -> None:
         "last_model": 3,
         "system_prompt": None,
         "max_kv_size": 0,
+        "engine_nice": 20,  # a nice value is 0-19
     }
     (config_dir / "settings.json").write_text(json.dumps(bad))
     s = load_settings()
@@ -168,6 +169,7 @@ def test_validate_messages_are_one_line() -> None:
         "max_tokens": 0,
         "keep": -2,
         "seed": -1,
+        "engine_nice": -1,  # raising the engine over the UI is not this setting's job
     }
     for key, value in cases.items():
         s = Settings(**{key: value})

@@ -62,6 +62,9 @@ class EngineOptions:
     # hash the loaded model's files in the background (the chat, which saves and restores
     # K/V caches and needs the model's fingerprint for each: model/cache/integrity.py)
     warm_fingerprint: bool = False
+    # the engine process's nice value (0-19; the process kind only): above 0 it yields
+    # the CPU to the chat's UI and to other programs (docs/performance.md, Keys and Esc)
+    nice: int = 0
 
 
 CHAT_OPTIONS = EngineOptions(warm_fingerprint=True)
@@ -104,10 +107,11 @@ class EngineService:
         """A new engine, reporting to `on_event`, loading `model_path` (None: no model
         yet). It replaces the current engine, which is closed once the new one exists."""
         kw: dict[str, Any] = {**dataclasses.asdict(self.options), "views": _views()}
+        nice = kw.pop("nice")
         if self.kind == "process":
             from kvchat.model.runtime.engine_process import EngineProcess
 
-            engine: EngineLike = EngineProcess(on_event, model_path, **kw)
+            engine: EngineLike = EngineProcess(on_event, model_path, nice=nice, **kw)
         else:
             from kvchat.model.runtime.engine import Engine  # imports MLX
 

@@ -72,6 +72,7 @@ class Settings:
     last_model: str | None = None
     kernels: str | None = None  # RMSNorm/RoPE backend (metal|fast|ops); None: the default
     threads: str | int = "auto"  # OpenBLAS threads: "auto" (model/runtime/threads.py) or a count
+    engine_nice: int = 0  # the chat engine process's nice value, 0-19 (docs/performance.md)
     # warm chats: save each chat's K/V cache beside it, unless larger than the cap (MiB)
     save_kv_cache: bool = True
     kv_cache_max_mib: int = 256
@@ -210,6 +211,9 @@ def _field_error(name: str, v: Any) -> str | None:
             threads.parse(v)
         except threads.ThreadsError as e:
             return str(e)
+    elif name == "engine_nice":
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 19:
+            return f"engine_nice must be a whole number from 0 to 19 (got {v!r})"
     elif name == "theme":
         if v is not None and not isinstance(v, str):
             return f"theme must be a theme name (got {v!r})"

@@ -59,7 +59,7 @@ class EngineProcess:
     own thread."""
 
     def __init__(self, on_event: Callable[[Event], None], model_path: str | Path | None = None,
-                 **engine_kw: Any):
+                 nice: int = 0, **engine_kw: Any):
         self._on_event = on_event
         self.max_batch: int = engine_kw.get("max_batch", 1)  # see Engine
         self._lock = threading.Lock()
@@ -78,7 +78,7 @@ class EngineProcess:
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(cmd_r), str(evt_w)],
+                [sys.executable, "-m", __name__, str(cmd_r), str(evt_w), str(nice)],
                 pass_fds=(cmd_r, evt_w), env=env, stdin=subprocess.DEVNULL,
             )
         finally:
@@ -226,6 +226,10 @@ def _child(cmd_fd: int, evt_fd: int) -> None:
 
 
 if __name__ == "__main__":
+    # a nice value first: every thread started from here on (OpenBLAS's pool, which starts
+    # as it loads; the engine's) inherits it, as Linux keeps it per thread
+    if len(sys.argv) > 3 and int(sys.argv[3]):
+        os.nice(int(sys.argv[3]))
     # the parent's thread policy and OpenBLAS, loaded before anything imports MLX so that
     # MLX's matmuls run in it (app/core/linux_blas.py); nothing above imports MLX
     threads.configure_from_env()

@@ -1,11 +1,12 @@
 """How the real chat answers keys while a reply streams, in tmux:
-python -m tests.benchmarks.key_latency [MODEL]
+python -m tests.benchmarks.key_latency [MODEL] [--loads idle busy] [--engine-nice N ...]
 
 The reply: stories260K's greedy answer to "One day" without repetition penalty, in a
 4096-token window (875 tokens; the window keeps the overflow toast, which would cover the
 marks read here, away); Ctrl+R starts it again whenever one is needed.
 (a) key → screen: 50 letters typed one at a time, 0.2 s apart, while the reply streams;
-    each timed from send-keys until the input box shows it after the ones before.
+    each timed from send-keys until the input box shows it after the ones before; beside
+    it, the decode rate (the side panel's average) of each reply that ran to its end.
 (b) Esc → "stopped": 20 replies, each stopped by one Esc 0.2-0.5 s after it shows,
     timed from send-keys until the reply is marked "■ stopped"; a reply that ends on its
     own first, or that the screen never showed streaming, is counted apart.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import os
 import platform
 import random
+import re
 import shlex
 import signal
 import statistics
@@ -129,11 +131,12 @@ def input_box(screen: str) -> str:
 
 
 @contextmanager
-def chat(model: Path) -> Iterator[Tmux]:
+def chat(model: Path, nice: int = 0) -> Iterator[Tmux]:
     global READER
     tmux = Tmux(f"kvchat-keys-{os.getpid()}-{time.monotonic_ns()}")
     try:
-        start_chat(tmux, "c", Path(tempfile.mkdtemp()), SETTINGS, model=model)
+        start_chat(tmux, "c", Path(tempfile.mkdtemp()), {**SETTINGS, "engine_nice": nice},
+                   model=model)
         time.sleep(1)
         READER = Reader(tmux)
         send(tmux, "-l", PROMPT)
@@ -153,9 +156,16 @@ def streaming(tmux: Tmux) -> bool:
     return ok
 
 
+AVERAGE = re.compile(r"average\s+([\d,.]+) tok/s")
+RATES: list[float] = []  # the side panel's decode rate of each reply that ran to its end
+
+
 def restart(tmux: Tmux) -> bool:
     """Ctrl+R once the last reply has ended; whether the new one was seen streaming."""
-    until(tmux, lambda s: "generating…" not in s and "stopping…" not in s, 30)
+    _, screen = until(tmux, lambda s: "generating…" not in s and "stopping…" not in s, 30)
+    m = AVERAGE.search(screen)
+    if m and "■ stopped" not in screen:
+        RATES.append(float(m.group(1).replace(",", "")))
     send(tmux, "C-r")
     return streaming(tmux)
 
@@ -213,11 +223,14 @@ def busy_core() -> Iterator[None]:
         proc.wait()
 
 
-def run(model: Path, label: str) -> None:
-    with chat(model) as tmux:
+def run(model: Path, label: str, nice: int) -> None:
+    RATES.clear()
+    with chat(model, nice) as tmux:
         keys, during = typing(tmux)
+        rate = f"{statistics.median(RATES):,.0f} tok/s" if RATES else "no reply ended"
         print(f"{label}: key → screen over {len(keys)} keys ({during} while the reply"
-              f" streamed): {summary(keys)}", flush=True)
+              f" streamed): {summary(keys)}; decode meanwhile {rate} (median of"
+              f" {len(RATES)} replies)", flush=True)
         stops, ended, unseen = stopping(tmux)
         print(f"{label}: Esc → \"■ stopped\" over {TRIALS} replies ({ended} ended before the"
               f" stop, {unseen} never seen streaming): {summary(stops)}", flush=True)
@@ -229,14 +242,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", nargs="?", default=str(STORIES260K))
     ap.add_argument("--loads", nargs="+", choices=("idle", "busy"), default=["idle", "busy"])
+    ap.add_argument("--engine-nice", nargs="+", type=int, default=[0], metavar="N",
+                    help="the chat's engine_nice setting; several: each in turn, per load")
     a = ap.parse_args()
     model = Path(a.model)
     print(f"machine: {machine()}", flush=True)
-    if "idle" in a.loads:
-        run(model, "idle")
-    if "busy" in a.loads:
-        with busy_core():
-            run(model, "one busy core")
+    for load in a.loads:
+        for nice in a.engine_nice:
+            label = ("idle" if load == "idle" else "one busy core") + (
+                f", engine nice {nice}" if len(a.engine_nice) > 1 or nice else "")
+            if load == "idle":
+                run(model, label, nice)
+            else:
+                with busy_core():
+                    run(model, label, nice)
     print(f"after: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
