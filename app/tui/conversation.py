@@ -234,9 +234,8 @@ class ConversationCommands:
             Entry(m["role"], m["content"], index=i, stopped=bool(m.get("stopped")))
             for i, m in enumerate(conv.messages)
         ])
-        for m in conv.messages:  # its messages become the newest history, never twice
-            if m["role"] == "user":
-                view.input.remember(m["content"])
+        # its messages become the newest history, never twice
+        view.input.remember_all([m["content"] for m in conv.messages if m["role"] == "user"])
         cache = view.store.cache_path(conv_id)
         if follow_model and (held_with := model_of_chat(conv.model, view.model_path)):
             view.load_model(held_with)  # the engine restores the cache after the load

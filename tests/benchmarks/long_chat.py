@@ -6,9 +6,11 @@ For each size a chat is saved the way the app saves chats (ConversationStore int
 config, data and log folder, and `kvchat --model stories260K` is started in a 120×36 tmux
 pane; the app reopens the chat once the model is in. Measured from the launch:
 
+- loaded: until the header names the model (the chat reopens right after that);
 - open: until the chat's last message is on the screen;
-- key: keys typed as soon as the header shows the model, until the input box shows them
-  (a UI busy mounting the chat shows them only when it is free again);
+- key: keys typed the moment the header names the model, until the input box shows
+  them (a UI busy mounting the chat shows them only when it is free again), from the
+  launch and from the keys' sending;
 - quit: from Ctrl+Q until the process has exited (its exit status is written).
 
 `--messages`: short chats ("question N" / "answer N …", alternating); `--markdown`: that
@@ -51,9 +53,9 @@ def until(tmux: Tmux, pred, timeout: float = TIMEOUT_S) -> float | None:  # type
     return None
 
 
-def measure(conv: Conversation, last_text: str) -> tuple[float | None, float | None,
-                                                          float | None]:
-    """(open, key, quit) in seconds; None: not within TIMEOUT_S."""
+def measure(conv: Conversation, last_text: str) -> tuple[float | None, ...]:
+    """(loaded, open, key, key after sending, quit) in seconds; None: not within
+    TIMEOUT_S."""
     root = Path(tempfile.mkdtemp(prefix="kvchat-long-chat-"))
     env, status = chat_env(root, {"temp": 0.0})
     env["HOME"] = str(root / "home")
@@ -63,7 +65,8 @@ def measure(conv: Conversation, last_text: str) -> tuple[float | None, float | N
         t0 = time.monotonic()
         session(tmux, "c", SIZE, command(f"--model {shlex.quote(str(STORIES260K))}", env,
                                          status))
-        until(tmux, lambda s: "stories260K" in s.splitlines()[0] if s else False)
+        t_loaded = until(tmux, lambda s: "stories260K" in s.splitlines()[0] if s else False)
+        t_sent = time.monotonic()
         tmux("send-keys", "-t", "c", "-l", TYPED)
         t_open = until(tmux, lambda s: last_text in s)
         t_key = until(tmux, lambda s: TYPED in "".join(s.splitlines()[-6:]))
@@ -72,7 +75,8 @@ def measure(conv: Conversation, last_text: str) -> tuple[float | None, float | N
         while not status.exists() and time.monotonic() - t1 < TIMEOUT_S:
             time.sleep(POLL_S)
         t_quit = time.monotonic() if status.exists() else None
-        return (t_open and t_open - t0, t_key and t_key - t0, t_quit and t_quit - t1)
+        return (t_loaded and t_loaded - t0, t_open and t_open - t0, t_key and t_key - t0,
+                t_key and t_key - t_sent, t_quit and t_quit - t1)
     finally:
         tmux.kill_server()
 
@@ -88,8 +92,9 @@ def main() -> None:
     parser.add_argument("--markdown", type=int, default=200)
     args = parser.parse_args()
     print(f"machine: {machine()}", flush=True)
-    print("| chat | open (last message shown) | key (typed key shown) | Ctrl+Q → exit |")
-    print("|------|------|-----|------|")
+    print("| chat | loaded | open: last message shown | key shown | key shown, from sending |"
+          " Ctrl+Q → exit |")
+    print("|---|---:|---:|---:|---:|---:|")
     for n in [2, *args.messages]:  # 2: the app's start and model load, for reference
         conv = short_chat(n, STORIES260K)
         print(row(f"{n:,} short messages", measure(conv, conv.messages[-1]["content"][:40])),

@@ -190,6 +190,15 @@ class ChatInput(TextArea):
         self._hist_pos = None
         self._draft = ""
 
+    def remember_all(self, texts: list[str]) -> None:
+        """`texts` become the newest entries, in order, each once (a reopened chat's
+        messages: one pass, however long the chat)."""
+        fresh = list(dict.fromkeys(reversed([t for t in texts if t.strip()])))[::-1]
+        seen = set(fresh)
+        self.sent_history = [t for t in self.sent_history if t not in seen] + fresh
+        self._hist_pos = None
+        self._draft = ""
+
     def load_text(self, text: str) -> None:
         # a message from a saved chat may hold control characters: shown, never sent raw
         super().load_text(visible(text))

@@ -156,6 +156,8 @@ class Transcript(VerticalScroll):
         """Replace the transcript with `entries` (a reopened chat), at its end."""
         await self.clear()
         width = self._columns()
+        if self.size.width:
+            self._width = width  # the estimates below are for it
         for e in entries:
             e.height, e.measured, e.widget = estimate_height(e.content, width), False, None
         self._entries = list(entries)
