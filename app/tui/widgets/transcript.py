@@ -165,7 +165,15 @@ class Transcript(VerticalScroll):
         self._generation += 1
         self._lo = self._hi = len(entries)
         self.anchor()
-        await self._update_window()
+        # the view alone first, so the screen (and the keys) come back sooner; the margin
+        # either way follows after that frame
+        self._updating = True
+        try:
+            await self._move_window(*self._wanted(0.0))
+        finally:
+            self._updating = False
+        self.call_after_refresh(self._request_window)
+        self.call_after_refresh(self._settle)
 
     async def clear(self) -> None:
         """No messages (a new chat)."""
