@@ -1,7 +1,9 @@
 """A long saved chat opens lazily (app/tui/widgets/transcript.py): of 10,000 messages only
 those on screen and about a screen either way are widgets, Home shows the first message
 and End the last, the mouse wheel and PageUp move through unmounted ones, "stopped" marks
-survive being scrolled away and back, and a reply still streams in at the bottom."""
+survive being scrolled away and back, an edit's mark and Ctrl+Y do too, paging through
+Markdown replies (measured only as they come on screen) moves the view by exactly a page,
+and a reply still streams in at the bottom."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from kvchat.app.core.store import Conversation
 from kvchat.app.tui.app import KVChatApp
 from kvchat.app.tui.widgets import ChatMessage
 from tests.helpers.app import SIZE, busy, engine, make_app, ready, send
+from tests.helpers.paths import STORIES260K
+from tests.helpers.saved_chats import markdown_chat
 from tests.helpers.scripted_engine import REPLY, async_test, wait_for
 
 N = 10_000
@@ -136,3 +140,24 @@ async def test_edit_mark_and_copy_outlive_scrolling_away(env: Path) -> None:
         await _settled(pilot)
         marked = [w.index for w in t.messages if w.has_class("-editing")]
         assert marked == [edited]
+
+
+@async_test
+async def test_paging_through_markdown_moves_the_view_by_a_page(env: Path) -> None:
+    """Markdown replies are far taller than their first estimate: as each comes on
+    screen and is measured, what the view shows must not jump."""
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await _open(pilot, app, markdown_chat(200, STORIES260K))
+        t = app.chat.transcript
+        t.messages[-1].focus()
+        await _settled(pilot)
+        page = t.scrollable_content_region.height
+        for _ in range(6):
+            ref = _on_screen(app)[0]
+            index, y0 = ref.index, ref.region.y
+            await pilot.press("pageup")
+            await _settled(pilot)
+            same = next(w for w in t.messages if w.index == index)
+            assert same.region.y - y0 == page
+            _bounded(app)

@@ -223,12 +223,25 @@ class Transcript(VerticalScroll):
 
     _editing: int | None = None
 
-    # ---- keys that jump: no animation through thousands of rows ---------------------------
+    # ---- keys: no animation (through thousands of rows, or against a correction that keeps
+    # the view put while messages above it are measured) --------------------------------
     def action_scroll_home(self) -> None:
         self.scroll_home(animate=False)
 
     def action_scroll_end(self) -> None:
         self.scroll_end(animate=False)
+
+    def action_page_up(self) -> None:
+        self.scroll_page_up(animate=False)
+
+    def action_page_down(self) -> None:
+        self.scroll_page_down(animate=False)
+
+    def action_scroll_up(self) -> None:
+        self.scroll_up(animate=False)
+
+    def action_scroll_down(self) -> None:
+        self.scroll_down(animate=False)
 
     # ---- the window -----------------------------------------------------------------------
     def _columns(self) -> int:
@@ -369,22 +382,27 @@ class Transcript(VerticalScroll):
             self._prefix = None
         prefix = self._heights_prefix()
         y = self.scroll_y
-        shift = 0
-        changed = False
         n = len(self._entries)
         mounted = range(min(self._lo, n), min(self._hi, n))
+        changes: list[tuple[int, int]] = []  # (entry, rows more than its height said)
+        anchor = None  # the first entry on screen (or below) that had been measured
         for i in itertools.chain(mounted, [n - 1] if self._hi < n else []):
             e = self._entries[i]
             w = e.widget
             if w is None or not w.is_mounted or w.outer_size.height <= 0:
                 continue
+            if anchor is None and e.measured and prefix[i + 1] > y:
+                anchor = i
             rows = w.outer_size.height + w.styles.margin.bottom
             if rows != e.height:
-                if prefix[i + 1] <= y:  # wholly above the top of the view
-                    shift += rows - e.height
+                changes.append((i, rows - e.height))
                 e.height = rows
-                changed = True
             e.measured = True
+        changed = bool(changes)
+        # what was on screen stays put: the entries above it moved it by their change (with
+        # none measured yet, those wholly above the view's top)
+        shift = sum(d for i, d in changes
+                    if (i < anchor if anchor is not None else prefix[i + 1] <= y))
         if not changed:
             return
         self._prefix = None
