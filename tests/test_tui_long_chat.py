@@ -109,6 +109,15 @@ async def test_a_reply_streams_at_the_bottom_of_a_long_chat(env: Path) -> None:
         assert reply is not None and reply.streaming and reply.content
         assert shown[-1] is reply and shown[-2].content == "one more question"
         assert REPLY.startswith(reply.content)
+        # away to the top and back while it streams: the reply stays a widget, at the end
+        shown[-2].focus()
+        await pilot.press("home")
+        await _settled(pilot)
+        _bounded(app)
+        assert _on_screen(app)[0].index == 0 and reply.is_mounted and reply.streaming
+        await pilot.press("end")
+        await _settled(pilot)
+        assert _on_screen(app)[-1] is reply
         engine(app).resume()
         await wait_for(pilot, lambda: not busy(app))
         await _settled(pilot)
