@@ -6,8 +6,10 @@ Home/End move through the whole chat (docs/chat.md, "How it is built").
 Heights: an entry's height is measured once it has been a widget at this width (its
 outer height plus the gap under it), else estimated from its text (`estimate_height`).
 A spacer is the sum of its entries' heights, so scrolling back over measured entries
-lands exactly; when newly mounted entries above the view turn out taller or shorter than
-their estimate, the view is moved by the difference, so what is on screen stays put.
+lands exactly; when newly mounted entries above what is on screen turn out taller or
+shorter than their estimate, the view is moved by the difference (anchored on the first
+message on screen that had been measured), so what is on screen stays put. The scroll
+keys do not animate: an animation would undo that correction.
 
 The reply that is streaming is always a widget (the turn controller writes into it),
 wherever the view is: it is pinned after the bottom spacer until it ends.
