@@ -96,6 +96,7 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Config and data folders in tmp_path: tests never touch the user's files."""
     monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
     monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("KVCHAT_LOG_DIR", str(tmp_path / "log"))
     return tmp_path
 
 

@@ -13,7 +13,16 @@ import pytest
 
 from kvchat.model.runtime.engine import Engine
 from kvchat.model.runtime.engine_process import EngineProcess
-from kvchat.model.runtime.events import Done, Event, GenParams, Loaded, Started, TextDelta
+from kvchat.model.runtime.events import (
+    Done,
+    Event,
+    GenParams,
+    Loaded,
+    LoadFailed,
+    Started,
+    TextDelta,
+)
+from tests.helpers.native_noise import AT_START, DIE_STATUS, PANIC, noisy_child_env
 from tests.helpers.paths import STORIES260K as STORIES
 
 
@@ -160,3 +169,33 @@ def test_the_engine_process_runs_at_the_nice_value_asked_for() -> None:
         assert os.nice(0) == before
     finally:
         service.close()
+
+
+def test_native_stderr_goes_to_the_log_and_a_death_names_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The child's fd 2 is the log (set by the OS before its interpreter starts): text a
+    C library writes there never reaches the parent's stderr, and the one line that
+    reports the child's death says where the log is."""
+    flag = tmp_path / "die"
+    for name, value in noisy_child_env(tmp_path / "site", flag).items():
+        monkeypatch.setenv(name, value)
+    log = tmp_path / "log" / "engine.log"
+    log.parent.mkdir()
+    events: queue.Queue[Event] = queue.Queue()
+    child = EngineProcess(events.put, None, stderr_log=log)
+    try:
+        deadline = time.monotonic() + 120
+        while AT_START not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        flag.touch()
+        ev = events.get(timeout=120)
+        assert isinstance(ev, LoadFailed)
+        assert ev.message == (f"the engine process exited with status {DIE_STATUS};"
+                              f" its messages are in {log}")
+    finally:
+        child.close()
+    text = log.read_text()
+    assert AT_START in text and PANIC in text
+    out, err = capfd.readouterr()
+    assert "NATIVE-NOISE" not in out + err

@@ -8,9 +8,10 @@ import re
 
 import pytest
 from textual.app import App, ComposeResult
+from textual.containers import VerticalScroll
 from textual.widgets import Markdown
 
-from kvchat.app.tui.widgets.chat import ChatMessage, Transcript
+from kvchat.app.tui.widgets.chat import ChatMessage
 from tests.helpers.scripted_engine import async_test
 
 TEXTS = {
@@ -27,18 +28,18 @@ TEXTS = {
 
 class _One(App[None]):
     def compose(self) -> ComposeResult:
-        yield Transcript()
+        yield VerticalScroll()
 
 
 async def _screen(text: str, stream: bool) -> tuple[str, bool]:
     """(the screenshot of one reply holding `text`, whether its streamed blocks stayed)"""
     app = _One()
     async with app.run_test(size=(80, 60)) as pilot:
-        transcript = app.query_one(Transcript)
+        column = app.query_one(VerticalScroll)
         kept = False
         if stream:
             msg = ChatMessage("assistant", "", index=0, streaming=True)
-            await transcript.add(msg)
+            await column.mount(msg)
             for i in range(0, len(text), 3):  # fragments split words, marks and fences
                 await msg.append(text[i:i + 3])
             await pilot.pause()
@@ -47,7 +48,7 @@ async def _screen(text: str, stream: bool) -> tuple[str, bool]:
             kept = list(msg.query_one(Markdown).children) == before
         else:
             msg = ChatMessage("assistant", text, index=0)
-            await transcript.add(msg)
+            await column.mount(msg)
         await pilot.pause()
         return re.sub(r"terminal-\d+", "terminal", app.export_screenshot()), kept
 

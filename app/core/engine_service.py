@@ -28,6 +28,11 @@ kill after the timeout), never by the signal, so no turn dies half-written. An e
 a thread never sees a signal (Python runs handlers on the main thread). The ranks
 `split_across` starts run in sessions of their own and end with `close`.
 
+Stderr. A face that draws on the terminal (the chat) gives `stderr_log`: the engine's
+child then writes its fd 2 there (app/core/logs.py), so nothing a native library prints
+lands on the screen (docs/reliability.md, "The engine's messages"). `serve` and the
+command line keep the child's stderr on theirs.
+
 Priorities are left alone: the UI process keeps normal priority, so a person's keys and
 Esc never wait behind other programs, and the engine's child inherits the same.
 """
@@ -74,9 +79,11 @@ class EngineService:
     """One face's engine: `build` it (an `EngineFactory`), or a synchronous `client`;
     `close` ends it and any ranks `split_across` started. Also a context manager."""
 
-    def __init__(self, kind: Kind = "process", options: EngineOptions | None = None) -> None:
+    def __init__(self, kind: Kind = "process", options: EngineOptions | None = None,
+                 *, stderr_log: Path | None = None) -> None:
         self._kind: Kind = kind
         self.options = options or EngineOptions()
+        self.stderr_log = stderr_log  # the engine child's fd 2, when not this process's
         self.engine: EngineLike | None = None  # the current engine (the last built)
         self.ranks: list[subprocess.Popen[bytes]] = []  # the pipeline's other ranks
 
@@ -111,7 +118,8 @@ class EngineService:
         if self.kind == "process":
             from kvchat.model.runtime.engine_process import EngineProcess
 
-            engine: EngineLike = EngineProcess(on_event, model_path, nice=nice, **kw)
+            engine: EngineLike = EngineProcess(on_event, model_path, nice=nice,
+                                               stderr_log=self.stderr_log, **kw)
         else:
             from kvchat.model.runtime.engine import Engine  # imports MLX
 

@@ -11,6 +11,7 @@ app/tui/bridge.py. The UI never runs MLX in a Textual worker; the only worker th
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Iterable
 from functools import partial
@@ -24,7 +25,8 @@ from textual.screen import Screen
 from kvchat import metal_kernels
 from kvchat.app.core import memory
 from kvchat.app.core.discovery import DEFAULT_MODEL
-from kvchat.app.core.engine_service import CHAT_OPTIONS, EngineOptions, EngineService
+from kvchat.app.core.engine_service import CHAT_OPTIONS, EngineService
+from kvchat.app.core.logs import engine_log
 from kvchat.app.core.settings import Settings, load_settings
 from kvchat.app.core.store import ConversationStore, StoreError, write_near_data
 from kvchat.app.core.text import SafeNotify, visible_name
@@ -76,7 +78,7 @@ class KVChatApp(SafeNotify, App[int]):
         self.chat = ChatScreen(
             settings,
             store if store is not None else ConversationStore(),
-            engine_factory or EngineService(options=chat_options(settings)).build,
+            engine_factory or chat_engine_service(settings).build,
             model_path,
         )
         self.chat.ignore_memory_check = ignore_memory_check  # the picker's loads too
@@ -200,7 +202,7 @@ def run_tui(
     from `engine_factory`, else from `service` (default: an engine process)."""
     settings = settings if settings is not None else load_settings()
     path, notes = startup_model(model_path, settings, ignore_memory_check)
-    service = service or EngineService(options=chat_options(settings))
+    service = service or chat_engine_service(settings)
     try:
         app = KVChatApp(path, settings, engine_factory=engine_factory or service.build,
                         ignore_memory_check=ignore_memory_check, notes=notes)
@@ -211,9 +213,16 @@ def run_tui(
     return app.return_code or 0
 
 
-def chat_options(settings: Settings) -> EngineOptions:
-    """The chat's engine options with the settings' say in them."""
-    return dataclasses.replace(CHAT_OPTIONS, nice=settings.engine_nice)
+def chat_engine_service(settings: Settings) -> EngineService:
+    """The chat's engine service: the settings' say in its options (engine_nice); the
+    engine's stderr goes to its log, not the screen (when the log folder cannot be made,
+    to /dev/null: still not the screen)."""
+    try:
+        log = engine_log()
+    except OSError:
+        log = Path(os.devnull)
+    options = dataclasses.replace(CHAT_OPTIONS, nice=settings.engine_nice)
+    return EngineService(options=options, stderr_log=log)
 
 
 QUIT_CONFIRM_S = 6.0  # a second Ctrl+Q within this leaves a chat that could not be saved
@@ -230,7 +239,7 @@ def run_chat(hostfile: str, model: str | None) -> int:
     path = str(validate_model_path(model)) if model else default_model_path(settings)
     if path is None:
         raise HostsError("give --model DIR: no default model to split across hosts")
-    service = EngineService(options=chat_options(settings))
+    service = chat_engine_service(settings)
     try:
         service.split_across(hostfile, path)
         return run_tui(path, settings, service=service)

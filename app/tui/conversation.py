@@ -26,7 +26,7 @@ from kvchat.app.core.text import clipboard_text
 from kvchat.app.tui.session import model_of_chat, remember_session, use_saved_theme
 from kvchat.app.tui.turn import Phase, busy_reason
 from kvchat.app.tui.turn_controller import TurnController
-from kvchat.app.tui.widgets import ChatInput, ChatMessage, StatsPanel, Transcript
+from kvchat.app.tui.widgets import ChatInput, ChatMessage, Entry, StatsPanel, Transcript
 from kvchat.model.runtime.events import CacheRestored, CacheSaved, EngineLike
 
 EDIT_TITLE = "editing: Enter resends from here · Esc cancels"
@@ -153,8 +153,7 @@ class ConversationCommands:
         inp.move_cursor(inp.document.end)
         inp.border_title = EDIT_TITLE
         inp.add_class("-editing")
-        for w in view.transcript.messages:
-            w.set_class(w.index == index, "-editing")
+        view.transcript.mark_editing(index)
         inp.focus()
         view.refresh_bindings()  # Esc now cancels the edit
         return True
@@ -164,8 +163,7 @@ class ConversationCommands:
         inp = self.view.input
         inp.border_title = None
         inp.remove_class("-editing")
-        for w in self.view.transcript.messages:
-            w.remove_class("-editing")
+        self.view.transcript.mark_editing(None)
         self.view.refresh_bindings()
 
     def cancel_edit(self) -> bool:
@@ -195,7 +193,7 @@ class ConversationCommands:
         self.conversation = Conversation(
             system_prompt=view.settings.system_prompt, model=view.model_path
         )
-        await view.transcript.remove_children()
+        await view.transcript.clear()
         view.input.clear()
         if view.engine is not None:
             view.engine.reset()
@@ -231,17 +229,13 @@ class ConversationCommands:
         opened = self._claim(conv)
         self.conversation = opened
         view.panel.clear_cache_stats()  # the figures were the previous chat's
-        await view.transcript.remove_children()
-        widgets = [
-            ChatMessage(m["role"], m["content"], index=i, stopped=bool(m.get("stopped")))
+        # only the messages on screen become widgets (widgets/transcript.py)
+        await view.transcript.show([
+            Entry(m["role"], m["content"], index=i, stopped=bool(m.get("stopped")))
             for i, m in enumerate(conv.messages)
-        ]
-        if widgets:
-            await view.transcript.mount_all(widgets)
-        view.transcript.follow()
-        for m in conv.messages:  # its messages become the newest history, never twice
-            if m["role"] == "user":
-                view.input.remember(m["content"])
+        ])
+        # its messages become the newest history, never twice
+        view.input.remember_all([m["content"] for m in conv.messages if m["role"] == "user"])
         cache = view.store.cache_path(conv_id)
         if follow_model and (held_with := model_of_chat(conv.model, view.model_path)):
             view.load_model(held_with)  # the engine restores the cache after the load
@@ -317,16 +311,14 @@ class ConversationCommands:
     def copy_reply(self) -> None:
         view = self.view
         focused = view.focused
-        target: ChatMessage | None = None
         if isinstance(focused, ChatMessage) and focused.role == "assistant":
-            target = focused
-        else:
-            replies = [w for w in view.transcript.messages if w.role == "assistant"]
-            target = replies[-1] if replies else None
-        if target is None or not target.content:
+            content = focused.content
+        else:  # the newest reply, mounted or not
+            content = view.transcript.last_reply()
+        if not content:
             view.notify("No reply to copy yet.", severity="warning")
             return
-        text = clipboard_text(target.content)  # never a terminal sequence on the clipboard
+        text = clipboard_text(content)  # never a terminal sequence on the clipboard
         view.app.copy_to_clipboard(text)
         # OSC 52 is write-only: whether the terminal took it cannot be known, so say how
         view.notify(f"Sent the reply ({len(text):,} characters) to the terminal's"

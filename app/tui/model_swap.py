@@ -119,9 +119,12 @@ class ModelSwap:
 
     def on_load_failed(self, ev: LoadFailed) -> None:
         view = self.view
-        view.go(Phase.ERROR)
-        keep = f" (still on {view.model_info.get('name')})" if view.model_info else ""
-        view.notify(f"{ev.message}{keep}", severity="error", title="Model not loaded")
+        if view.phase is Phase.LOADING:
+            view.go(Phase.ERROR)
+            keep = f" (still on {view.model_info.get('name')})" if view.model_info else ""
+            view.notify(f"{ev.message}{keep}", severity="error", title="Model not loaded")
+        else:  # the engine process died between turns: the phase stays at rest
+            view.notify(ev.message, severity="error", title="Engine stopped")
 
     def on_kernels_switched(self, ev: KernelsSwitched) -> None:
         self.view.notify(ev.message, title="Kernels")

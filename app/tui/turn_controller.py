@@ -183,7 +183,7 @@ class TurnController:
                 await reply.finish(ev.text, stopped=True, note="error")
                 self._keep(ev.text, True)
             else:
-                await reply.remove()
+                await self.view.transcript.remove_message(reply)
             return
         await reply.finish(ev.text, stopped=stopped, note=FINISH_NOTES.get(ev.finish_reason, ""))
         self._keep(ev.text, stopped)

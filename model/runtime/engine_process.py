@@ -16,6 +16,12 @@ SIGINT: the child never acts on it. Ctrl+C at a terminal reaches the whole foreg
 process group, the child included; the parent decides what it means (cancel the turn,
 shut down) and ends the child through `close`, so a turn never dies half-written. The
 child is born with SIGINT blocked and ignores it from its first line on.
+
+Stderr: by default the child shares the parent's. Given `stderr_log`, the child's fd 2 is
+that file (opened for appending, set up by the OS before the interpreter starts), so what
+any native library prints (a Rust tokenizer's panic, a BLAS warning) lands there and never
+on a terminal the parent draws on (the chat's screen); a log that cannot be opened means
+fd 2 is /dev/null. When the child dies, the one line the parent reports names the log.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -59,9 +66,10 @@ class EngineProcess:
     own thread."""
 
     def __init__(self, on_event: Callable[[Event], None], model_path: str | Path | None = None,
-                 nice: int = 0, **engine_kw: Any):
+                 nice: int = 0, *, stderr_log: str | Path | None = None, **engine_kw: Any):
         self._on_event = on_event
         self.max_batch: int = engine_kw.get("max_batch", 1)  # see Engine
+        self._stderr_log = Path(stderr_log) if stderr_log is not None else None
         self._lock = threading.Lock()
         self._turn = 0
         self._pending = 0  # turns submitted and not yet Done
@@ -75,14 +83,17 @@ class EngineProcess:
         # the child inherits this thread's signal mask across exec: blocked, a SIGINT that
         # comes while the interpreter starts waits until `_child` ignores it (discarded
         # then); a mask, unlike a handler, works from any thread and loses no signal here
+        stderr = self._open_stderr()
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", __name__, str(cmd_r), str(evt_w), str(nice)],
-                pass_fds=(cmd_r, evt_w), env=env, stdin=subprocess.DEVNULL,
+                pass_fds=(cmd_r, evt_w), env=env, stdin=subprocess.DEVNULL, stderr=stderr,
             )
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            if stderr is not None and stderr != subprocess.DEVNULL:
+                os.close(stderr)  # the child holds its own copy
         os.close(cmd_r)
         os.close(evt_w)
         self._cmd = Connection(cmd_w, readable=False)
@@ -155,6 +166,19 @@ class EngineProcess:
         self._reader.join(timeout)
 
     # ---- plumbing ---------------------------------------------------------------------
+    def _open_stderr(self) -> int | None:
+        """The child's fd 2: the parent's (None), the log, or /dev/null."""
+        if self._stderr_log is None:
+            return None
+        try:
+            fd = os.open(self._stderr_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        except OSError:
+            self._stderr_log = None
+            return subprocess.DEVNULL
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.write(fd, f"--- {stamp} engine process of pid {os.getpid()}\n".encode())
+        return fd
+
     def _send(self, msg: Any) -> None:
         with self._lock:
             try:
@@ -180,6 +204,8 @@ class EngineProcess:
         code = self._proc.wait()
         if code != 0:  # died: whoever waits for a turn must hear about it
             why = f"the engine process exited with status {code}"
+            if self._stderr_log is not None:
+                why += f"; its messages are in {self._stderr_log}"
             with self._lock:
                 lost, self._pending = self._pending, 0
             if lost:

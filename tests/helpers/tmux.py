@@ -71,6 +71,7 @@ def start_chat(tmux: Tmux, target: str, root: Path, settings: dict[str, Any],
     (config / "settings.json").write_text(json.dumps(settings))
     status = root / "exit_status"
     env = {"KVCHAT_CONFIG_DIR": str(config), "KVCHAT_DATA_DIR": str(data),
+           "KVCHAT_LOG_DIR": str(data.parent / "log"),
            "TERM": "xterm-256color", "LD_PRELOAD": os.environ.get("LD_PRELOAD", "")}
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     # COLUMNS/LINES can leak in from the test process; they would override the pane size
@@ -125,6 +126,7 @@ def chat_env(tmp_path: Path, settings: dict[str, object]) -> tuple[dict[str, str
     config.mkdir()
     (config / "settings.json").write_text(json.dumps(settings))
     env = {"KVCHAT_CONFIG_DIR": str(config), "KVCHAT_DATA_DIR": str(data),
+           "KVCHAT_LOG_DIR": str(data.parent / "log"),
            "TERM": "xterm-256color", "LD_PRELOAD": os.environ.get("LD_PRELOAD", "")}
     return env, tmp_path / "status"
 

@@ -1,4 +1,5 @@
-"""The chat column: one widget per message, the scrolling transcript, the input box."""
+"""The chat column's widgets: one message (the transcript, widgets/transcript.py, mounts
+those on screen), the input box."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 from markdown_it import MarkdownIt
 from textual import events
 from textual.binding import Binding
-from textual.containers import Vertical, VerticalScroll
+from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Markdown, Static, TextArea
 from textual.widgets.markdown import MarkdownStream
@@ -173,34 +174,6 @@ class ChatMessage(Vertical):
         self.post_message(self.Selected(self))
 
 
-class Transcript(VerticalScroll):
-    """The scrolling list of messages. Anchored: it follows new text only while the
-    view is at the bottom; scrolling up releases the anchor, scrolling back re-takes it."""
-
-    can_focus = False
-
-    def on_mount(self) -> None:
-        self.anchor()
-
-    @property
-    def messages(self) -> list[ChatMessage]:
-        return list(self.query_children(ChatMessage))
-
-    async def add(self, widget: ChatMessage) -> ChatMessage:
-        await self.mount(widget)
-        return widget
-
-    async def truncate(self, index: int) -> None:
-        """Remove every message whose conversation index is >= index."""
-        doomed = [m for m in self.messages if m.index >= index]
-        if doomed:
-            await self.remove_children(doomed)
-
-    def follow(self) -> None:
-        """Jump to the bottom and follow again (after the user sends a message)."""
-        self.anchor()
-
-
 class ChatInput(TextArea):
     """Multi-line input: Enter sends (the chat screen's binding, app/tui/actions.py);
     Shift+Enter or Ctrl+J inserts a newline; Up on the first line / Down on the last line
@@ -243,6 +216,15 @@ class ChatInput(TextArea):
             if text in self.sent_history:
                 self.sent_history.remove(text)
             self.sent_history.append(text)
+        self._hist_pos = None
+        self._draft = ""
+
+    def remember_all(self, texts: list[str]) -> None:
+        """`texts` become the newest entries, in order, each once (a reopened chat's
+        messages: one pass, however long the chat)."""
+        fresh = list(dict.fromkeys(reversed([t for t in texts if t.strip()])))[::-1]
+        seen = set(fresh)
+        self.sent_history = [t for t in self.sent_history if t not in seen] + fresh
         self._hist_pos = None
         self._draft = ""
 
