@@ -35,6 +35,7 @@ from kvchat.model.runtime.speculative import (
     why_not,
 )
 from tests.helpers import processes
+from tests.helpers.drafts import Corrupted
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.stats import chi2_sf
 
@@ -162,24 +163,6 @@ def test_greedy_ids_equal_plain_decoding(name: str, kind: str, source: str,
         assert spy.across_wrap > 0  # rejected drafts were taken back across the wrap
 
 
-class Corrupted:
-    """Drafts the reference reply's next ids with one of them wrong every other pass: a
-    pass keeps some drafts and rejects the rest, every time, whatever the model does."""
-
-    name = "corrupted"
-
-    def __init__(self, prompt: list[int], ids: list[int]) -> None:
-        self.full, self.passes = prompt + ids, 0
-
-    def propose(self, history: list[int], k: int) -> tuple[list[int], None]:
-        n = len(history)
-        drafts = self.full[n : n + k]
-        self.passes += 1
-        if self.passes % 2 and len(drafts) > 1:
-            drafts[-2] = (drafts[-2] + 1) % BASE["vocab_size"]
-        return drafts, None
-
-
 @pytest.mark.parametrize("kind", list(CACHES))
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_partly_kept_passes_roll_back_exactly(name: str, kind: str,
@@ -191,7 +174,8 @@ def test_partly_kept_passes_roll_back_exactly(name: str, kind: str,
     spy = TrimSpy(monkeypatch)
     progress = Progress()
     caches = CACHES[kind](model)
-    got = speculative(model, caches, PROMPT, GEN, Corrupted(PROMPT, want), progress, k=5)
+    source = Corrupted(PROMPT, want, BASE["vocab_size"])
+    got = speculative(model, caches, PROMPT, GEN, source, progress, k=5)
     assert got == want
     assert 0 < progress.accepted < progress.drafted
     assert caches[0].offset == len(PROMPT) + GEN - 1

@@ -32,6 +32,7 @@ from kvchat.model.runtime.speculative import (
     speculative_decode,
     why_not,
 )
+from tests.helpers.drafts import Corrupted
 from tests.helpers.families import build
 from tests.helpers.hybrid_families import HYBRID_SPECS
 from tests.helpers.stats import chi2_sf
@@ -135,24 +136,6 @@ def test_greedy_ids_equal_plain_decoding(name: str, source: str, folder: Callabl
     assert all(not c._back and not c.rollback for c in caches if isinstance(c, StateCache))
 
 
-class Corrupted:
-    """Drafts the reference reply's next ids with one of them wrong every other pass: a
-    pass keeps some drafts and rejects the rest, every time, whatever the model does."""
-
-    name = "corrupted"
-
-    def __init__(self, prompt: list[int], ids: list[int]) -> None:
-        self.full, self.passes = prompt + ids, 0
-
-    def propose(self, history: list[int], k: int) -> tuple[list[int], None]:
-        n = len(history)
-        drafts = self.full[n : n + k]
-        self.passes += 1
-        if self.passes % 2 and len(drafts) > 1:
-            drafts[-2] = (drafts[-2] + 1) % N_IDS
-        return drafts, None
-
-
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "plain_step"])
 @pytest.mark.parametrize("name", [*FAMILIES, "nemotron_h"])
 def test_partly_kept_passes_roll_back_exactly(name: str, compiled: bool,
@@ -164,7 +147,7 @@ def test_partly_kept_passes_roll_back_exactly(name: str, compiled: bool,
     want = plain(model, BASE, GEN, compiled)
     progress = Progress()
     caches = make_prompt_cache(model)
-    got = speculative(model, caches, BASE, GEN, Corrupted(BASE, want), progress, k=5,
+    got = speculative(model, caches, BASE, GEN, Corrupted(BASE, want, N_IDS), progress, k=5,
                       compiled=compiled)
     assert got == want
     assert progress.compiled == compiled
@@ -229,7 +212,7 @@ def test_closing_mid_reply_leaves_the_state_at_what_was_yielded(
     progress = Progress()
     caches = make_prompt_cache(model)
     logits = list(prefill(model, BASE, caches, prefill_chunk=8, progress=progress))[-1]
-    steps = speculative_decode(model, logits, caches, source=Corrupted(BASE, want),
+    steps = speculative_decode(model, logits, caches, source=Corrupted(BASE, want, N_IDS),
                                sampler=Sampler(), n_ids=N_IDS, history=BASE, max_tokens=20,
                                draft_tokens=4, adaptive=False, progress=progress)
     got = [next(steps) for _ in range(3)]  # mid-way through a pass's kept drafts
