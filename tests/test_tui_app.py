@@ -146,9 +146,8 @@ async def test_escape_stops_and_keeps_partial_reply(env: Path) -> None:
         await wait_for(pilot, lambda: engine(app).paused.is_set())
         await pilot.press("escape")
         await wait_for(pilot, lambda: not busy(app))
-        # six pieces were out when Esc came; the engine emits the one it holds, then stops:
-        # that seventh piece came after the key and is not part of the reply
-        partial = "".join(split_reply(REPLY)[:6])
+        # six pieces were out when Esc came; the engine emits the one it holds, then stops
+        partial = "".join(split_reply(REPLY)[:7])
         reply = replies(app)[-1]
         assert reply.stopped and reply.content == partial
         assert reply.border_subtitle == "■ stopped"

@@ -1,14 +1,13 @@
 """One chat turn in the UI: it submits the turn to the engine, streams its text into the
 reply, follows its Started / Stats / Done events and its notices, and stops it.
 
-A stop (Esc, Ctrl+C) asks the engine to cancel at its next token and ends the reply on
-screen at once: it keeps the text the engine had sent before the stop was handled (shown,
-or waiting in the bridge for the next frame) and is marked stopped; what the engine
-produces between the key and its next token is dropped, so the reply a person stopped
-never grows after the key. The engine's cache holds those few tokens more; the next turn's
-prompt, built from the kept text, trims them (docs/design.md, Data flow of one chat turn).
-A busy UI can handle the key only after the engine has already finished on its own: the
-reply still ends stopped, with every token the engine had sent by then.
+A stop (Esc, Ctrl+C) asks the engine to cancel at its next token and marks the reply
+stopped at once: the text the engine had sent before the key (shown, or waiting in the
+bridge for the next frame) is added, later text waits for the engine's Done, which brings
+the whole reply, the few tokens decoded before the engine saw the stop included (they are
+in its cache: dropping them would cost a rotated cache its reuse). A busy UI can handle the
+key only after the engine has already finished on its own: the reply still ends marked
+stopped, with all its text (docs/design.md, Data flow of one chat turn).
 What the turn leaves behind (the message in
 the conversation, the saved chat) is the conversation's business: `keep` gets it.
 """
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any, Protocol
 
 from kvchat.app.tui.bridge import Bridge
@@ -95,8 +93,8 @@ class TurnController:
         self._stop_asked = True
         view.engine.cancel()
         if self.reply is not None:
-            # the reply ends here: what reached this process before the key stays (the next
-            # flush adds it), nothing after it; the label says stopped now, not at the Done
+            # the label says stopped now, not at the Done; what reached this process before
+            # the key goes in at the next flush, the rest with the Done
             self._tail = view.bridge.take(self._gen)
             self.reply.mark_stopping()
         return True
@@ -124,7 +122,7 @@ class TurnController:
         """Move the streamed text of this turn into the reply."""
         self._last_flush = time.monotonic()
         text = self.view.bridge.take(self._gen)
-        if self._stop_asked:  # stopped: only the text sent before the stop
+        if self._stop_asked:  # stopped: the text sent before the key; the rest at the Done
             text, self._tail = self._tail, ""
         if text and self.reply is not None:
             if self.view.phase is Phase.PREFILLING:
@@ -161,8 +159,8 @@ class TurnController:
         # reached it; the user stopped it all the same, with the text sent before the key
         stopped = ev.finish_reason == "cancelled" or (
             self._stop_asked and ev.finish_reason != "error")
-        if self._stop_asked and reply is not None and ev.finish_reason != "error":
-            ev = replace(ev, text=reply.content)
+        if self._stop_asked and reply is not None and ev.text.startswith(reply.content):
+            await reply.append(ev.text[len(reply.content):])  # what came after the key
         self._stop_asked = False
         view = self.view
         try:
