@@ -175,10 +175,12 @@ def test_hybrid_4bit_matches_transformers_on_dequantized(
     ("bamba", None, "RAR"),  # attn_layer_indices [1]
     ("qwen3_next", None, "RRRA"),  # every 4th layer attends
     ("nemotron_h", ["mamba", "attention", "mlp", "moe"], "RAFF"),
+    ("falcon_h1", None, "HHHH"),  # every layer both (transformers writes no layer list)
 ])
 def test_layer_kinds_from_each_spelling(family: str, types: list[str] | None,
                                         kinds: str) -> None:
-    """R: a recurrent mixer, A: attention, F: the feed-forward alone (Nemotron-H)."""
+    """R: a recurrent mixer, A: attention, F: the feed-forward alone (Nemotron-H), H:
+    attention and the recurrent mixer side by side (Falcon-H1)."""
     from kvchat.model.decoder.config import ModelConfig
 
     raw = {"model_type": family, "hidden_size": 64, "num_attention_heads": 4,
@@ -188,7 +190,8 @@ def test_layer_kinds_from_each_spelling(family: str, types: list[str] | None,
            "linear_value_head_dim": 16, "num_experts": 4, "num_local_experts": 4,
            "num_experts_per_tok": 2, "moe_intermediate_size": 32}
     cfg = ModelConfig.from_dict({k: v for k, v in raw.items() if v is not None})
-    assert "".join("R" if s.mixer else "A" if s.attends else "F" for s in cfg.layers) == kinds
+    assert "".join("H" if s.mixer and s.attends else "R" if s.mixer else "A" if s.attends
+                   else "F" for s in cfg.layers) == kinds
     assert all(s.rope is None for s in cfg.layers if not s.attends)
     if family == "nemotron_h":  # only its "moe" layer is the mixture of experts
         assert [s.moe for s in cfg.layers] == [False, False, False, True]
@@ -355,3 +358,63 @@ def test_compiled_step_verifies_no_drafts_on_a_state_and_steps_one_token(
     assert [c.offset for c in caches] == [13] * len(caches)
     p = next(c for c in caches if isinstance(c, PassCache))
     assert p.next_slot(3) == (13, 0, 0, 0)  # nothing to write: any token count
+
+
+# ---- attention and a state in one layer (Falcon-H1) ------------------------------------------
+# per layer: K/V of 2 heads × 16 (fp32) per token; a conv state 3 × (128 + 2·2·16) and a
+# recurrent state 8 × 16 × 16, float32
+FALCON_KV_PER_TOKEN = 2 * 2 * 16 * 4
+FALCON_STATE = (3 * (128 + 2 * 2 * 16) + 8 * 16 * 16) * 4
+
+
+@pytest.mark.slow
+def test_parallel_layers_keep_kv_and_a_state(hybrid: Callable[[str], Path]) -> None:
+    """Falcon-H1's layers each hold K/V that grow with the tokens and a state that does not;
+    cache_stats reports both; the layer cannot go back; a clone (the server's prefix pool)
+    and a 4-bit K/V cache continue as the original does."""
+    from kvchat.model.cache.hybrid import HybridCache
+    from kvchat.model.cache.prefix_pool import clone_cache
+    from kvchat.model.decoder.kv_format import KVQuant
+
+    model = load_model(hybrid("falcon_h1"))
+    for n in (8, 40):
+        cache = make_prompt_cache(model)
+        model(mx.array(IDS[:, :n]), cache=cache)
+        assert all(isinstance(c, HybridCache) for c in cache)
+        s = cache_stats(cache, model.config)
+        assert s.cache_offset == n and s.state_layers == 2
+        assert s.cache_bytes == 2 * n * FALCON_KV_PER_TOKEN
+        assert s.state_bytes == 2 * FALCON_STATE
+        assert sum(c.nbytes for c in cache) == s.cache_bytes + s.state_bytes
+        rows = layer_stats(cache, model.config)
+        assert [r["attention"] for r in rows] == ["global + mamba2"] * 2
+    assert not can_trim_to(cache, 39) and can_trim_to(cache, 40)
+    with pytest.raises(StateError):
+        cache[0].trim(1)
+    clone = clone_cache(cache)
+    assert clone is not None
+    nxt = mx.array(IDS[:, :1])
+    np.testing.assert_array_equal(np.array(model(nxt, cache=clone)),
+                                  np.array(model(nxt, cache=cache)))
+    whole = np.array(model(mx.array(IDS[:, :9])))[:, -1]
+    q = make_prompt_cache(model, kv=KVQuant(bits=8, group_size=32))
+    model(mx.array(IDS[:, :8]), cache=q)
+    assert rel_err(np.array(model(mx.array(IDS[:, 8:9]), cache=q))[:, -1], whole) <= 1e-2
+
+
+@pytest.mark.slow
+def test_inspect_counts_kv_and_state_of_parallel_layers(
+    hybrid: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvchat inspect` on Falcon-H1: K/V per token for both layers and the state beside
+    it, measured live from the arrays equal to the formula."""
+    from kvchat.app.cli import inspect as inspect_cmd
+
+    p = argparse.ArgumentParser()
+    inspect_cmd.add_arguments(p)
+    folder = hybrid("falcon_h1")
+    assert inspect_cmd.run(p.parse_args(["--model", str(folder), "--json", "--live"])) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bytes_per_token"] == 2 * FALCON_KV_PER_TOKEN
+    assert out["state_layers"] == 2 and out["state_bytes"] == 2 * FALCON_STATE
+    assert out["live"]["equal"] and out["live"]["state_bytes"] == 2 * FALCON_STATE

@@ -26,6 +26,7 @@ from .families import (
     FFN_KINDS,
     FFN_MOE,
     FULL,
+    HYBRID,
     LAYER_KIND_ALIASES,
     LAYER_KINDS,
     RECURRENT,
@@ -123,8 +124,9 @@ def unwrap(cfg: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
 class LayerSpec:
     """What differs between the layers of one model."""
 
-    # FULL, SLIDING, CHUNKED, RECURRENT (the family's recurrent mixer), or one of FFN_KINDS
-    # (Nemotron-H: the layer is its MLP or mixture of experts alone)
+    # FULL, SLIDING, CHUNKED, RECURRENT (the family's recurrent mixer), HYBRID (attention and
+    # the recurrent mixer side by side, Falcon-H1), or one of FFN_KINDS (Nemotron-H: the
+    # layer is its MLP or mixture of experts alone)
     kind: str
     window: int | None  # keys a query sees (None: all of them)
     rope: RopeConfig | None  # None: a NoPE layer (no rotary embedding)
@@ -136,7 +138,7 @@ class LayerSpec:
 
     @property
     def attends(self) -> bool:
-        return self.mixer is None and self.kind not in FFN_KINDS
+        return self.kind == HYBRID or (self.mixer is None and self.kind not in FFN_KINDS)
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,13 @@ class ModelConfig:
     q_position_scale: tuple[float, int] | None = None  # Ministral 3: (beta, period), see layers
     attention_sinks: bool = False
     temperature: tuple[float, float] | None = None  # Llama 4: (floor_scale, attn_scale)
+    # Falcon-H1's µP multipliers (families.Family.mup_multipliers): keys × key_scale (folded
+    # into the attention scale), the MLP's gate and output × mlp_scales, and in a
+    # "parallel_mixer" block the attention input, its output and the mixer's output ×
+    # branch_scales
+    key_scale: float = 1.0
+    mlp_scales: tuple[float, float] | None = None
+    branch_scales: tuple[float, float, float] | None = None
     wrapper: str | None = None  # a multimodal checkpoint's model_type (its text part runs)
     layers: tuple[LayerSpec, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -488,7 +497,7 @@ def _layer_specs(
                 f"config.json: sliding_window must be a positive integer, got {window!r}"
             )
     kinds = cfg.get("layer_types")
-    allowed = (*LAYER_KINDS, *((RECURRENT,) if fam.mixer else ()),
+    allowed = (*LAYER_KINDS, *((RECURRENT, HYBRID) if fam.mixer else ()),
                *(FFN_KINDS if fam.ffn_layers else ()))
     if kinds is not None:
         if not isinstance(kinds, list) or len(kinds) != n:
@@ -529,10 +538,10 @@ def _layer_specs(
             kind=k,
             window=window if k == SLIDING else None,
             rope=(local if k == SLIDING else rope)
-            if rope_on[i] and k in LAYER_KINDS else None,
+            if rope_on[i] and (k in LAYER_KINDS or k == HYBRID) else None,
             moe=sparse[i] or k == FFN_MOE,
             chunk=int(chunk) if k == CHUNKED else None,
-            mixer=fam.mixer if k == RECURRENT else None,
+            mixer=fam.mixer if k in (RECURRENT, HYBRID) else None,
         )
         for i, k in enumerate(kinds)
     )
@@ -589,6 +598,8 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
         out["logits_divisor"] = float(cfg.get("logits_scaling", 1.0))
         if out["logits_divisor"] == 0:
             raise ConfigError("config.json: logits_scaling must not be 0")
+    if fam.mup_multipliers:
+        out.update(_mup(cfg))
     if fam.softcaps:
         for key, name in (("attn_logit_softcapping", "attn_softcap"),
                           ("final_logit_softcapping", "final_softcap")):
@@ -597,6 +608,25 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
                 raise ConfigError(f"config.json: {key} must be > 0 (or null), got {cap}")
             out[name] = None if cap is None else float(cap)
     return out
+
+
+def _mup(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Falcon-H1's µP multipliers (transformers' FalconH1Config names; absent: 1)."""
+
+    def num(key: str) -> float:
+        v = cfg.get(key)
+        return 1.0 if v is None else float(v)
+
+    mlp = cfg.get("mlp_multipliers") or [1.0, 1.0]
+    if not isinstance(mlp, list) or len(mlp) != 2:
+        raise ConfigError(f"config.json: mlp_multipliers must list 2 numbers, got {mlp!r:.60}")
+    head = num("lm_head_multiplier")
+    if head == 0:
+        raise ConfigError("config.json: lm_head_multiplier must not be 0")
+    return {"embed_scale": num("embedding_multiplier"), "logits_divisor": 1.0 / head,
+            "key_scale": num("key_multiplier"), "mlp_scales": (float(mlp[0]), float(mlp[1])),
+            "branch_scales": (num("attention_in_multiplier"), num("attention_out_multiplier"),
+                              num("ssm_out_multiplier"))}
 
 
 def load_config(path: str | Path) -> ModelConfig:

@@ -30,8 +30,10 @@ MlpKind = Literal["gated", "fused", "plain"]
 # "pre" | "sandwich" (4 norms) | "post" (norms after each branch) | "parallel" (attention
 # and MLP read the same normed input) | "parallel2" (each its own norm) | "post_ln"
 # (2017: LayerNorm of the residual sum after each branch) | "mixer_only" (Mamba: one
-# branch, x + mixer(norm(x)), no MLP)  [layers.BLOCKS]
-BlockKind = Literal["pre", "sandwich", "post", "parallel", "parallel2", "post_ln", "mixer_only"]
+# branch, x + mixer(norm(x)), no MLP) | "parallel_mixer" (Falcon-H1: attention and the
+# recurrent mixer side by side on one normed input, then a pre-norm MLP)  [layers.BLOCKS]
+BlockKind = Literal["pre", "sandwich", "post", "parallel", "parallel2", "post_ln", "mixer_only",
+                    "parallel_mixer"]
 # "rope" | "sinusoidal" (2017: added to the embeddings) | "learned" (GPT-2: a table) |
 # "none" (Nemotron-H: its few attention layers have no positions at all)
 # [transformer.py, config.py]
@@ -78,6 +80,9 @@ FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attenti
 LAYER_KINDS = (FULL, SLIDING, CHUNKED)
 # a layer whose token mixer is its family's recurrent one (transformers' name for them)
 RECURRENT = "linear_attention"
+# a layer that attends and runs the recurrent mixer too, side by side (Falcon-H1: K/V and a
+# state in one layer, model/cache/hybrid.py)
+HYBRID = "hybrid"
 # other layer_types values that mean the same two kinds (Granite 4: "mamba" and
 # "attention", LFM2: "conv")
 LAYER_KIND_ALIASES = {"mamba": RECURRENT, "conv": RECURRENT, "attention": FULL}
@@ -170,6 +175,11 @@ def _pattern_kinds(key: str) -> LayerRule:
         return [kinds[c] for c in pattern]
 
     return rule
+
+
+def _all_hybrid(cfg: dict[str, Any], n: int) -> list[str]:
+    """Falcon-H1: every layer attends and runs Mamba-2 beside it."""
+    return [HYBRID] * n
 
 
 def _every_nth_attention(key: str, default: int) -> LayerRule:
@@ -273,6 +283,9 @@ class Family:
     fused_proj: bool = False  # one qkv_proj and one gate_up_proj (Phi-3)
     embed_scale_sqrt_hidden: bool = False  # Gemma: embeddings × √hidden_size
     multipliers: bool = False  # Granite: embedding/attention/residual multipliers, logits_scaling
+    # Falcon-H1's µP multipliers: embedding, lm_head, key, attention in/out, SSM in/out and
+    # per-part of in_proj, MLP gate/down (config._quirks, state_config._ssm)
+    mup_multipliers: bool = False
     query_pre_attn_scalar: bool = False  # Gemma 2/3: attention scale = scalar^-0.5
     softcaps: bool = False  # Gemma 2/3: attn/final logit soft-capping keys are honoured
     local_rope: bool = False  # Gemma 3: sliding layers have their own RoPE base
@@ -864,6 +877,22 @@ FAMILIES: dict[str, Family] = {
         mixer_rule=_attention_listed("full_attn_idxs"),
         moe=MoeFamily(score="sigmoid", correction_bias=True,
                       correction_bias_flag="use_expert_bias", sparse_layers="first_dense"),
+    ),
+    # Falcon-H1: in every layer attention and Mamba-2 read the same normed input side by
+    # side (µP multipliers on each branch, on in_proj's parts, on the MLP's gate and down),
+    # then a pre-norm SwiGLU MLP; the mixer's gated norm is optional (mamba_rms_norm)
+    "falcon_h1": Family(
+        layer_rule=None, block="parallel_mixer", mixer="mamba2", mixer_rule=_all_hybrid,
+        mup_multipliers=True,
+        key_aliases={**_HYBRID_MAMBA_KEYS, "mamba_d_ssm": "ssm_inner",
+                     "mamba_rms_norm": "ssm_gated_norm",
+                     "mamba_norm_before_gate": "ssm_norm_first",
+                     "projectors_bias": "ssm_out_bias"},
+        renames=(("model.final_layernorm.", "model.norm."), (".mamba.", ".mixer."),
+                 (".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm.")),
+        defaults={"rms_norm_eps": 1e-5, "ssm_inner": 1024, "ssm_head_dim": "auto",
+                  "ssm_heads": 128, "ssm_state_size": 256, "ssm_chunk_size": 256,
+                  "ssm_gated_norm": False, "ssm_norm_first": True, "max_position_embeddings": 8192},
     ),
     # the 2017 block, for `python -m kvchat.model.training train --block 2017` and
     # explain's comparison: post-LayerNorm, ReLU FFN, sinusoidal positions

@@ -11,7 +11,8 @@
   Mamba-2, delta.py's gated delta rule, conv.py's short convolution; a block holds either
   `self_attn` or `mixer` and runs whichever it has;
 - blocks: `PreNormBlock`, `SandwichBlock` (4 norms, Gemma 2/3), `PostNormBlock` (OLMo 2),
-  `MixerOnlyBlock` (Mamba: one branch, no MLP).
+  `MixerOnlyBlock` (Mamba: one branch, no MLP), `ParallelMixerBlock` (Falcon-H1:
+  attention and the recurrent mixer side by side).
 
 `families.FAMILIES` picks them; `make_block` is the only place that maps a resolved
 config to classes. Parameter names mirror Hugging Face so checkpoints load as they are.
@@ -288,6 +289,7 @@ class Attention(nn.Module):
         )
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else hd**-0.5
+        self.scale *= cfg.key_scale  # Falcon-H1: k × key_multiplier, q·k scales alike
         self.softcap = cfg.attn_softcap
         self.clip = cfg.clip_qkv
         self._pos_scale = cfg.q_position_scale
@@ -438,6 +440,7 @@ class MLP(nn.Module):
         self.size = size or cfg.intermediate_size
         self._projections(cfg)
         self.down_proj = nn.Linear(self.size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self._scales = cfg.mlp_scales  # Falcon-H1: gate × first, output × second
 
     def _projections(self, cfg: ModelConfig) -> None:
         d, f, b = cfg.hidden_size, self.size, cfg.mlp_bias
@@ -449,7 +452,9 @@ class MLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = self.gate_and_up(x)
-        return self.down_proj(self.act(gate) * up)
+        if self._scales is None:
+            return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(gate * self._scales[0]) * up) * self._scales[1]
 
 
 class XIELU(nn.Module):
@@ -659,6 +664,44 @@ class MixerOnlyBlock(Block):
         return x, self.mixer(normed)
 
 
+class ParallelMixerBlock(Block):
+    """Falcon-H1: attention and the recurrent mixer read the same normed input side by
+    side, x + a_out·attn(a_in·n(x)) + m_out·mixer(n(x)) (branch_scales), then the MLP
+    pre-norm as PreNormBlock. Its cache holds both: K/V and a state
+    (model/cache/hybrid.py: `kv`, `mixer`)."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, attention: type | None = None):
+        nn.Module.__init__(self)
+        self.self_attn = make_attention(cfg, spec, attention)
+        self.mixer = make_mixer(cfg, spec)
+        self.mlp = make_ffn(cfg, spec)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
+        self._scales = cfg.branch_scales or (1.0, 1.0, 1.0)
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        h, m = self.deferred(x, None, mask, cache)
+        return h + m
+
+    def deferred(
+        self, x: mx.array, pending: mx.array | None, mask: Any = None, cache: Any = None
+    ) -> tuple[mx.array, mx.array]:
+        if pending is None:
+            normed = self.input_layernorm(x)
+        else:
+            x, normed = self.input_layernorm.add_and_norm(pending, x)
+        a_in, a_out, m_out = self._scales
+        attn_in = normed if a_in == 1.0 else normed * a_in
+        a = self.self_attn(attn_in, mask, cache.kv if cache is not None else None)
+        s = self.mixer(normed, None, cache.mixer if cache is not None else None)
+        h, normed = self.post_attention_layernorm.add_and_norm(a * a_out + s * m_out, x)
+        return h, self.mlp(normed)
+
+    def attention_input(self, x: mx.array, pending: mx.array | None) -> mx.array:
+        normed = self.input_layernorm(x if pending is None else x + pending)
+        return normed if self._scales[0] == 1.0 else normed * self._scales[0]
+
+
 BLOCKS: dict[BlockKind, type[Block]] = {
     "pre": PreNormBlock,
     "sandwich": SandwichBlock,
@@ -667,6 +710,7 @@ BLOCKS: dict[BlockKind, type[Block]] = {
     "parallel2": ParallelBlock,
     "post_ln": PostLNBlock,
     "mixer_only": MixerOnlyBlock,
+    "parallel_mixer": ParallelMixerBlock,
 }
 
 

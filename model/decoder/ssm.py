@@ -165,8 +165,9 @@ def ssd(x: mx.array, dt: mx.array, A: mx.array, B: mx.array, C: mx.array,
 
 
 class Mamba2Mixer(nn.Module):
-    """Mamba-2's block (also Bamba's, Granite 4's, Nemotron-H's): z, xBC, Δ = in_proj(h);
-    xBC = silu(conv(xBC)); y = SSD(x; Δ, A, B, C) + D·x per head; out_proj(norm(y, z))."""
+    """Mamba-2's block (also Bamba's, Granite 4's, Nemotron-H's, Falcon-H1's): z, xBC, Δ =
+    in_proj(h); xBC = silu(conv(xBC)); y = SSD(x; Δ, A, B, C) + D·x per head;
+    out_proj(norm(y, z)). Falcon-H1 scales h and each part of in_proj's output (µP)."""
 
     def __init__(self, cfg: SsmConfig, hidden: int):
         super().__init__()
@@ -177,13 +178,25 @@ class Mamba2Mixer(nn.Module):
         self.A_log = mx.zeros((cfg.heads,))
         self.D = mx.ones((cfg.heads,))
         if cfg.gated_norm:
-            self.norm = GatedRMSNorm(cfg.inner, cfg.norm_eps, cfg.groups)
-        self.out_proj = nn.Linear(cfg.inner, hidden, bias=cfg.proj_bias)
+            self.norm = GatedRMSNorm(cfg.inner, cfg.norm_eps, cfg.groups, cfg.norm_first)
+        out_bias = cfg.proj_bias if cfg.out_bias is None else cfg.out_bias
+        self.out_proj = nn.Linear(cfg.inner, hidden, bias=out_bias)
+        self._mup = None  # Falcon-H1: in_proj's output × one factor per part (not a weight)
+        if cfg.proj_scales is not None:
+            gn = cfg.groups * cfg.n
+            widths = (cfg.inner, cfg.inner, gn, gn, cfg.heads)
+            self._mup = mx.concatenate([mx.full((w,), s)
+                                        for w, s in zip(widths, cfg.proj_scales, strict=True)])
 
     def __call__(self, h: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         cfg = self.cfg
         b, T, _ = h.shape
-        z, xbc, dt = mx.split(self.in_proj(h), [cfg.inner, cfg.inner + cfg.conv_dim], axis=-1)
+        if cfg.in_scale != 1.0:
+            h = h * cfg.in_scale
+        proj = self.in_proj(h)
+        if self._mup is not None:
+            proj = proj * self._mup.astype(proj.dtype)
+        z, xbc, dt = mx.split(proj, [cfg.inner, cfg.inner + cfg.conv_dim], axis=-1)
         xbc, conv_state = self.conv1d(xbc, cache.conv if cache is not None else None)
         x, B, C = mx.split(nn.silu(xbc), [cfg.inner, cfg.inner + cfg.groups * cfg.n], axis=-1)
         x = x.reshape(b, T, cfg.heads, cfg.head_dim)

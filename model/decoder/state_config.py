@@ -56,7 +56,12 @@ class SsmConfig:
     dt_limit: tuple[float, float] = (0.0, math.inf)  # Mamba-2: Δ clamped to this range
     bcdt_eps: float | None = None  # Falcon-Mamba: B, C and Δ RMS-normed (no weight)
     gated_norm: bool = True  # Mamba-2: RMSNorm of y·silu(z) in `groups` groups
+    norm_first: bool = False  # Falcon-H1: the gated norm is norm(y)·w·silu(z)
     norm_eps: float = 1e-5
+    out_bias: bool | None = None  # out_proj's bias when not proj_bias's (Falcon-H1)
+    # Falcon-H1's µP: the input × in_scale, in_proj's z, x, B, C and Δ parts × these
+    in_scale: float = 1.0
+    proj_scales: tuple[float, float, float, float, float] | None = None
 
     @property
     def conv_dim(self) -> int:
@@ -156,10 +161,21 @@ def _ssm(cfg: dict[str, Any], fam: Family, hidden: int, eps: float) -> SsmConfig
     if heads % groups:
         raise ConfigError(f"config.json: the {heads} SSM heads do not split into {groups}"
                           " groups (n_groups)")
+    mup: dict[str, Any] = {}
+    if fam.mup_multipliers:
+        scales = cfg.get("ssm_multipliers") or [1.0] * 5
+        if not isinstance(scales, list) or len(scales) != 5:
+            raise ConfigError(f"config.json: ssm_multipliers must list 5 numbers, got"
+                              f" {scales!r:.60}")
+        mup = {"in_scale": float(cfg.get("ssm_in_multiplier") or 1.0),
+               "proj_scales": tuple(float(x) for x in scales)}
+    if cfg.get("ssm_out_bias") is not None:
+        mup["out_bias"] = bool(cfg["ssm_out_bias"])
     limit = cfg.get("ssm_dt_limit") or (0.0, math.inf)
     if not isinstance(limit, (list, tuple)) or len(limit) != 2:
         raise ConfigError(f"config.json: time_step_limit must be [min, max], got {limit!r:.60}")
     return SsmConfig(kind="mamba2", heads=heads, head_dim=int(head_dim), groups=groups,
                      chunk=_int(cfg, "ssm_chunk_size", 256),
                      dt_limit=(_number(limit[0]), _number(limit[1])),
-                     gated_norm=bool(cfg.get("ssm_gated_norm", True)), **common)
+                     gated_norm=bool(cfg.get("ssm_gated_norm", True)),
+                     norm_first=bool(cfg.get("ssm_norm_first", False)), **mup, **common)

@@ -55,6 +55,16 @@ _LFM2_MOE: dict[str, Any] = {
     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_dense_layers": 1,
     "routed_scaling_factor": 1.5}
 
+# Falcon-H1: Mamba-2 (8 heads of 16 through mamba_d_ssm, 2 groups) beside attention in
+# every layer; every µP multiplier away from 1 so that each one bites
+_FALCON_H1: dict[str, Any] = {
+    "mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2,
+    "mamba_d_state": 16, "mamba_chunk_size": 16, "mamba_rms_norm": True,
+    "embedding_multiplier": 1.7, "lm_head_multiplier": 0.6, "key_multiplier": 0.7,
+    "attention_in_multiplier": 1.3, "attention_out_multiplier": 0.8, "ssm_in_multiplier": 1.2,
+    "ssm_out_multiplier": 0.9, "ssm_multipliers": [1.1, 0.9, 1.2, 0.8, 1.5],
+    "mlp_multipliers": [1.3, 0.7]}
+
 HYBRID_SPECS: dict[str, FamilySpec] = {
     # the selective scan (time_step_rank "auto": 4), tied head
     "mamba": FamilySpec("MambaForCausalLM", _MAMBA, own_keys=True, seed=90),
@@ -102,4 +112,12 @@ HYBRID_SPECS: dict[str, FamilySpec] = {
     # a sigmoid router whose expert_bias (set by the test: transformers' init is 0) picks
     # experts without weighing them; layer 0 dense
     "lfm2_moe": FamilySpec("Lfm2MoeForCausalLM", _LFM2_MOE, seed=99),
+    # ---- attention beside a recurrent mixer in one layer, and their hybrids
+    # Falcon-H1: the gated norm normalising before the gate; in both RoPE spellings; and
+    # without the gated norm (y · silu(z), the released checkpoints' mamba_rms_norm false)
+    "falcon_h1": FamilySpec("FalconH1ForCausalLM", _FALCON_H1, seed=110),
+    "falcon_h1_classic": FamilySpec("FalconH1ForCausalLM", _FALCON_H1, rope_form="classic",
+                                    seed=110),
+    "falcon_h1_plain_gate": FamilySpec("FalconH1ForCausalLM", {
+        **_FALCON_H1, "mamba_rms_norm": False}, seed=111),
 }
