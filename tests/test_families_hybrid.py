@@ -75,6 +75,7 @@ def _pattern_config(cfg: dict[str, Any]) -> dict[str, Any]:
 # both; the weights are those of the same seed)
 CLASSIC_CONFIGS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "nemotron_h_classic": _pattern_config,
+    "jamba_auto_rank": lambda cfg: {**cfg, "mamba_dt_rank": "auto"},
 }
 
 
@@ -176,6 +177,7 @@ def test_hybrid_4bit_matches_transformers_on_dequantized(
     ("qwen3_next", None, "RRRA"),  # every 4th layer attends
     ("nemotron_h", ["mamba", "attention", "mlp", "moe"], "RAFF"),
     ("falcon_h1", None, "HHHH"),  # every layer both (transformers writes no layer list)
+    ("jamba", None, "RRRRARRR"),  # attn_layer_period 8, offset 4 (Jamba's defaults)
 ])
 def test_layer_kinds_from_each_spelling(family: str, types: list[str] | None,
                                         kinds: str) -> None:

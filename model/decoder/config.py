@@ -460,6 +460,10 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
         sparse = [(i + 1) % every == 0 and start <= i <= end for i in range(n)]
     elif spec.sparse_layers == "kinds":  # Nemotron-H: the layer kinds say (FFN_MOE)
         sparse = [False] * n
+    elif spec.sparse_layers == "period":  # Jamba
+        every = _positive(cfg, "expert_layer_period", 2)
+        first = int(cfg.get("expert_layer_offset") or 0)
+        sparse = [i % every == first for i in range(n)]
     else:
         sparse = [True] * n
     return moe, sparse

@@ -73,8 +73,10 @@ ExpertLayout = Literal["interleaved", "halves", "rows"]
 # "first_dense" (first_k_dense_replace dense layers, then MoE) | "listed" (Llama 4:
 # moe_layers, else every interleave_moe_layer_step-th) | "types" (mlp_layer_types) |
 # "interval" (ERNIE: every moe_layer_interval-th from moe_layer_start_index to
-# moe_layer_end_index) | "kinds" (Nemotron-H: the layers whose kind is FFN_MOE)  [config.py]
-SparseLayers = Literal["all", "step", "first_dense", "listed", "types", "interval", "kinds"]
+# moe_layer_end_index) | "kinds" (Nemotron-H: the layers whose kind is FFN_MOE) | "period"
+# (Jamba: every expert_layer_period-th from expert_layer_offset)  [config.py]
+SparseLayers = Literal["all", "step", "first_dense", "listed", "types", "interval", "kinds",
+                       "period"]
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 LAYER_KINDS = (FULL, SLIDING, CHUNKED)
@@ -180,6 +182,16 @@ def _pattern_kinds(key: str) -> LayerRule:
 def _all_hybrid(cfg: dict[str, Any], n: int) -> list[str]:
     """Falcon-H1: every layer attends and runs Mamba-2 beside it."""
     return [HYBRID] * n
+
+
+def _attention_period(cfg: dict[str, Any], n: int) -> list[str]:
+    """Jamba: layer i attends when i % attn_layer_period == attn_layer_offset, the others
+    are recurrent."""
+    period, offset = int(cfg.get("attn_layer_period", 8)), int(cfg.get("attn_layer_offset", 4))
+    if period < 1 or not 0 <= offset < period:
+        raise ConfigError(f"config.json: attn_layer_offset ({offset}) must lie in"
+                          f" [0, attn_layer_period ({period}))")
+    return [FULL if i % period == offset else RECURRENT for i in range(n)]
 
 
 def _every_nth_attention(key: str, default: int) -> LayerRule:
@@ -300,6 +312,7 @@ class Family:
     mixer_rule: LayerRule | None = None
     attention_gate: bool = False  # Qwen3-Next: attention output × sigmoid(a gate from q_proj)
     ssm_bcdt_norm: bool = False  # Falcon-Mamba: B, C and Δ RMS-normed before the scan
+    ssm_bcdt_weights: bool = False  # Jamba: the same norms with weights (rms_norm_eps)
     # LFM2: with block_auto_adjust_ff_dim the MLP is ⅔ of intermediate_size, × the
     # block_ffn_dim_multiplier, rounded up to block_multiple_of (config._derived_keys)
     ffn_auto_adjust: bool = False
@@ -893,6 +906,23 @@ FAMILIES: dict[str, Family] = {
         defaults={"rms_norm_eps": 1e-5, "ssm_inner": 1024, "ssm_head_dim": "auto",
                   "ssm_heads": 128, "ssm_state_size": 256, "ssm_chunk_size": 256,
                   "ssm_gated_norm": False, "ssm_norm_first": True, "max_position_embeddings": 8192},
+    ),
+    # Jamba: Llama's pre-norm layers, attention (no positions at all) every
+    # attn_layer_period-th layer, Mamba's selective scan (Δ, B and C RMS-normed with weights)
+    # in the others; every expert_layer_period-th layer a Mixtral-style mixture (softmax
+    # top-k, weights not renormalised), the others a SwiGLU MLP
+    "jamba": Family(
+        layer_rule=None, mixer="mamba", mixer_rule=_attention_period, ssm_bcdt_weights=True,
+        positions="none", qkv_bias=False, o_bias=False,
+        moe=MoeFamily(expert_size_key="intermediate_size", sparse_layers="period"),
+        key_aliases={**_HYBRID_MAMBA_KEYS, "mamba_dt_rank": "ssm_dt_rank"},
+        renames=(("model.final_layernorm.", "model.norm."), (".mamba.", ".mixer."),
+                 (".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp."),
+                 (".pre_ff_layernorm.", ".post_attention_layernorm.")),
+        defaults={"rms_norm_eps": 1e-6, "num_experts": 16, "num_experts_per_tok": 2,
+                  "expert_layer_period": 2, "expert_layer_offset": 1, "ssm_state_size": 16,
+                  "ssm_conv_kernel": 4, "ssm_expand": 2, "ssm_conv_bias": True,
+                  "max_position_embeddings": 262144},
     ),
     # the 2017 block, for `python -m kvchat.model.training train --block 2017` and
     # explain's comparison: post-LayerNorm, ReLU FFN, sinusoidal positions

@@ -47,6 +47,18 @@ class GatedRMSNorm(nn.Module):
         return x * nn.silu(gate) if self.norm_first else x
 
 
+class WeightedRMSNorm(nn.Module):
+    """x / RMS(x) · w (Jamba's norms of Δ, B and C; as the checkpoint names them)."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, self.weight, self.eps)
+
+
 # ---- Mamba: the selective scan ---------------------------------------------------------
 def linear_scan(a: mx.array, b: mx.array, h0: mx.array | None) -> mx.array:
     """Every h_t = a_t · h_{t−1} + b_t along axis 1 (h_{−1} = h0, or 0), as a parallel
@@ -79,7 +91,7 @@ def selective_scan(x: mx.array, dt: mx.array, A: mx.array, B: mx.array, C: mx.ar
 class MambaMixer(nn.Module):
     """Mamba's block: x, z = in_proj(h); x = silu(conv(x)); Δ, B, C from x (Δ through a
     low-rank dt_proj); y = scan(x) + D·x; out_proj(y · silu(z)). Falcon-Mamba RMS-norms
-    Δ, B and C (no weights) before use."""
+    Δ, B and C (no weights) before use, Jamba with weights."""
 
     def __init__(self, cfg: SsmConfig, hidden: int):
         super().__init__()
@@ -92,6 +104,10 @@ class MambaMixer(nn.Module):
         self.A_log = mx.zeros((d, n))
         self.D = mx.ones((d,))
         self.out_proj = nn.Linear(d, hidden, bias=cfg.proj_bias)
+        if cfg.bcdt_weights:  # Jamba: Δ, B and C RMS-normed with weights
+            self.dt_layernorm = WeightedRMSNorm(cfg.dt_rank, cfg.bcdt_eps or 1e-6)
+            self.b_layernorm = WeightedRMSNorm(n, cfg.bcdt_eps or 1e-6)
+            self.c_layernorm = WeightedRMSNorm(n, cfg.bcdt_eps or 1e-6)
 
     def __call__(self, h: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         cfg = self.cfg
@@ -99,7 +115,9 @@ class MambaMixer(nn.Module):
         x, conv_state = self.conv1d(x, cache.conv if cache is not None else None)
         x = nn.silu(x)
         dt, B, C = mx.split(self.x_proj(x), [cfg.dt_rank, cfg.dt_rank + cfg.n], axis=-1)
-        if cfg.bcdt_eps is not None:
+        if cfg.bcdt_weights:
+            dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
+        elif cfg.bcdt_eps is not None:
             dt, B, C = (mx.fast.rms_norm(t, None, cfg.bcdt_eps) for t in (dt, B, C))
         dt = nn.softplus(self.dt_proj(dt))
         y, state = selective_scan(x.astype(F32), dt.astype(F32), -mx.exp(self.A_log.astype(F32)),

@@ -55,6 +55,7 @@ class SsmConfig:
     chunk: int = 256  # Mamba-2: prefill chunk of the SSD form
     dt_limit: tuple[float, float] = (0.0, math.inf)  # Mamba-2: Δ clamped to this range
     bcdt_eps: float | None = None  # Falcon-Mamba: B, C and Δ RMS-normed (no weight)
+    bcdt_weights: bool = False  # Jamba: those norms have weights
     gated_norm: bool = True  # Mamba-2: RMSNorm of y·silu(z) in `groups` groups
     norm_first: bool = False  # Falcon-H1: the gated norm is norm(y)·w·silu(z)
     norm_eps: float = 1e-5
@@ -148,9 +149,10 @@ def _ssm(cfg: dict[str, Any], fam: Family, hidden: int, eps: float) -> SsmConfig
         rank = cfg.get("ssm_dt_rank", "auto")
         rank = math.ceil(hidden / 16) if rank == "auto" else rank
         bcdt = fam.ssm_bcdt_norm
+        bcdt_eps = eps if fam.ssm_bcdt_weights else float(cfg.get("mixer_rms_eps", 1e-6))
         return SsmConfig(kind="mamba", dt_rank=_int({"ssm_dt_rank": rank}, "ssm_dt_rank"),
-                         bcdt_eps=float(cfg.get("mixer_rms_eps", 1e-6)) if bcdt else None,
-                         **common)
+                         bcdt_eps=bcdt_eps if bcdt or fam.ssm_bcdt_weights else None,
+                         bcdt_weights=fam.ssm_bcdt_weights, **common)
     heads = _int(cfg, "ssm_heads")
     head_dim = cfg.get("ssm_head_dim")
     if head_dim in (None, "auto"):  # Bamba's default: the inner features split over the heads

@@ -65,6 +65,13 @@ _FALCON_H1: dict[str, Any] = {
     "ssm_out_multiplier": 0.9, "ssm_multipliers": [1.1, 0.9, 1.2, 0.8, 1.5],
     "mlp_multipliers": [1.3, 0.7]}
 
+# Jamba: Mamba, attention, Mamba, Mamba (attn_layer_period 3, offset 1); experts on
+# layers 1 and 3 (expert_layer_period 2, offset 1): attention and Mamba each with both
+_JAMBA: dict[str, Any] = {
+    "num_hidden_layers": 4, "attn_layer_period": 3, "attn_layer_offset": 1,
+    "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 4,
+    "num_experts_per_tok": 2, "mamba_d_state": 8}
+
 HYBRID_SPECS: dict[str, FamilySpec] = {
     # the selective scan (time_step_rank "auto": 4), tied head
     "mamba": FamilySpec("MambaForCausalLM", _MAMBA, own_keys=True, seed=90),
@@ -120,4 +127,8 @@ HYBRID_SPECS: dict[str, FamilySpec] = {
                                     seed=110),
     "falcon_h1_plain_gate": FamilySpec("FalconH1ForCausalLM", {
         **_FALCON_H1, "mamba_rms_norm": False}, seed=111),
+    # Jamba (no positions; Δ, B, C norms with weights; softmax top-2 not renormalised), and
+    # its twin with mamba_dt_rank "auto" as configs may say (transformers 5 writes the number)
+    "jamba": FamilySpec("JambaForCausalLM", _JAMBA, seed=112),
+    "jamba_auto_rank": FamilySpec("JambaForCausalLM", _JAMBA, seed=112),
 }
