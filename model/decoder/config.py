@@ -196,6 +196,11 @@ class ModelConfig:
     key_scale: float = 1.0
     mlp_scales: tuple[float, float] | None = None
     branch_scales: tuple[float, float, float] | None = None
+    # Zamba2 (block "shared_block"): shared transformer blocks taken in turn by the hybrid
+    # layers, each use's low-rank adapters' rank, and whether q, k, v have adapters too
+    shared_blocks: int = 0
+    adapter_rank: int = 0
+    qkv_adapters: bool = False
     wrapper: str | None = None  # a multimodal checkpoint's model_type (its text part runs)
     layers: tuple[LayerSpec, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -335,6 +340,10 @@ def _derived_keys(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
             cfg = {**cfg, "num_hidden_layers": len(cfg["layer_types"])}
         if fam.ffn_auto_adjust and cfg.get("block_auto_adjust_ff_dim", True):
             cfg = {**cfg, "intermediate_size": _adjusted_ffn(cfg)}
+        if fam.block == "shared_block" and cfg.get("head_dim") is None:
+            # Zamba2: heads split the shared block's input, [x, embeddings]
+            cfg = {**cfg, "head_dim": 2 * int(cfg["hidden_size"]) // int(
+                cfg["num_attention_heads"])}
         if fam.ffn_mult and cfg.get("intermediate_size") is None and "hidden_size" in cfg:
             cfg = {**cfg, "intermediate_size": fam.ffn_mult * int(cfg["hidden_size"])}
         if "multi_query" in cfg:  # StarCoder 1: one K/V head
@@ -604,6 +613,10 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
             raise ConfigError("config.json: logits_scaling must not be 0")
     if fam.mup_multipliers:
         out.update(_mup(cfg))
+    if fam.block == "shared_block":
+        out.update(shared_blocks=_positive(cfg, "num_mem_blocks", 1),
+                   adapter_rank=_positive(cfg, "adapter_rank", 128),
+                   qkv_adapters=bool(cfg.get("use_shared_attention_adapter", False)))
     if fam.softcaps:
         for key, name in (("attn_logit_softcapping", "attn_softcap"),
                           ("final_logit_softcapping", "final_softcap")):

@@ -31,9 +31,11 @@ MlpKind = Literal["gated", "fused", "plain"]
 # and MLP read the same normed input) | "parallel2" (each its own norm) | "post_ln"
 # (2017: LayerNorm of the residual sum after each branch) | "mixer_only" (Mamba: one
 # branch, x + mixer(norm(x)), no MLP) | "parallel_mixer" (Falcon-H1: attention and the
-# recurrent mixer side by side on one normed input, then a pre-norm MLP)  [layers.BLOCKS]
+# recurrent mixer side by side on one normed input, then a pre-norm MLP) | "shared_block"
+# (Zamba2: a mixer-only layer, or one whose mixer input also gets a shared transformer
+# block's output over [x, embeddings])  [layers.BLOCKS]
 BlockKind = Literal["pre", "sandwich", "post", "parallel", "parallel2", "post_ln", "mixer_only",
-                    "parallel_mixer"]
+                    "parallel_mixer", "shared_block"]
 # "rope" | "sinusoidal" (2017: added to the embeddings) | "learned" (GPT-2: a table) |
 # "none" (Nemotron-H: its few attention layers have no positions at all)
 # [transformer.py, config.py]
@@ -82,8 +84,9 @@ FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attenti
 LAYER_KINDS = (FULL, SLIDING, CHUNKED)
 # a layer whose token mixer is its family's recurrent one (transformers' name for them)
 RECURRENT = "linear_attention"
-# a layer that attends and runs the recurrent mixer too, side by side (Falcon-H1: K/V and a
-# state in one layer, model/cache/hybrid.py)
+# a layer that attends and runs the recurrent mixer too (Falcon-H1: side by side; Zamba2:
+# a shared attention block feeding the mixer): K/V and a state in one layer,
+# model/cache/hybrid.py
 HYBRID = "hybrid"
 # other layer_types values that mean the same two kinds (Granite 4: "mamba" and
 # "attention", LFM2: "conv")
@@ -313,11 +316,13 @@ class Family:
     attention_gate: bool = False  # Qwen3-Next: attention output × sigmoid(a gate from q_proj)
     ssm_bcdt_norm: bool = False  # Falcon-Mamba: B, C and Δ RMS-normed before the scan
     ssm_bcdt_weights: bool = False  # Jamba: the same norms with weights (rms_norm_eps)
+    # Zamba2: Mamba-2's Δ clamped to [config[key], ∞) (its time_step_limit)
+    ssm_dt_min_key: str | None = None
     # LFM2: with block_auto_adjust_ff_dim the MLP is ⅔ of intermediate_size, × the
     # block_ffn_dim_multiplier, rounded up to block_multiple_of (config._derived_keys)
     ffn_auto_adjust: bool = False
     # RoPE only when config[key] == value (Granite 4: position_embedding_type "rope")
-    rope_flag: tuple[str, str] | None = None
+    rope_flag: tuple[str, Any] | None = None
     ffn_layers: bool = False  # Nemotron-H: layer kinds FFN / FFN_MOE (no token mixer)
     # renames applied first when the model has no experts (Granite 4's dense variant: its
     # shared_mlp is the layer's MLP, not a shared expert)
@@ -923,6 +928,27 @@ FAMILIES: dict[str, Family] = {
                   "expert_layer_period": 2, "expert_layer_offset": 1, "ssm_state_size": 16,
                   "ssm_conv_kernel": 4, "ssm_expand": 2, "ssm_conv_bias": True,
                   "max_position_embeddings": 262144},
+    ),
+    # Zamba2: Mamba-2 layers; the "hybrid" ones first run one of num_mem_blocks shared
+    # transformer blocks (taken in turn) on [x, the embeddings], with per-use LoRA adapters,
+    # and add its output through their own linear to the mixer's input (layers.SharedBlock,
+    # weights.share_blocks)
+    "zamba2": Family(
+        layer_rule=None, block="shared_block", mixer="mamba2", qkv_bias=False, o_bias=False,
+        mlp="fused", mlp_bias_key="add_bias_linear", tie_word_embeddings=True, ffn_mult=4,
+        rope_flag=("use_mem_rope", True), ssm_dt_min_key="time_step_min",
+        key_aliases={"layers_block_type": "layer_types", "attention_head_dim": "head_dim",
+                     "n_mamba_heads": "ssm_heads", "mamba_headdim": "ssm_head_dim",
+                     "mamba_ngroups": "ssm_groups", "mamba_d_state": "ssm_state_size",
+                     "mamba_d_conv": "ssm_conv_kernel", "mamba_expand": "ssm_expand",
+                     "chunk_size": "ssm_chunk_size", "add_bias_linear": "ssm_proj_bias"},
+        renames=(("model.final_layernorm.", "model.norm."), (".mamba_decoder.mamba.", ".mixer."),
+                 (".mamba_decoder.", "."), (".mamba.", ".mixer.")),
+        # the mixer's conv always has a bias (transformers ignores use_conv_bias there)
+        defaults={"hidden_act": "gelu", "rms_norm_eps": 1e-5, "ssm_conv_bias": True,
+                  "ssm_heads": 8, "ssm_state_size": 64, "ssm_groups": 1, "ssm_chunk_size": 256,
+                  "ssm_head_dim": "auto", "time_step_min": 0.001, "num_mem_blocks": 1,
+                  "adapter_rank": 128, "max_position_embeddings": 4096},
     ),
     # the 2017 block, for `python -m kvchat.model.training train --block 2017` and
     # explain's comparison: post-LayerNorm, ReLU FFN, sinusoidal positions

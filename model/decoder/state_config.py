@@ -174,6 +174,8 @@ def _ssm(cfg: dict[str, Any], fam: Family, hidden: int, eps: float) -> SsmConfig
     if cfg.get("ssm_out_bias") is not None:
         mup["out_bias"] = bool(cfg["ssm_out_bias"])
     limit = cfg.get("ssm_dt_limit") or (0.0, math.inf)
+    if fam.ssm_dt_min_key is not None:  # Zamba2
+        limit = (cfg.get(fam.ssm_dt_min_key), math.inf)
     if not isinstance(limit, (list, tuple)) or len(limit) != 2:
         raise ConfigError(f"config.json: time_step_limit must be [min, max], got {limit!r:.60}")
     return SsmConfig(kind="mamba2", heads=heads, head_dim=int(head_dim), groups=groups,

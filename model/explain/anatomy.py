@@ -245,6 +245,7 @@ PIPELINES = {
     "parallel2": ["x", "norm ∥ norm", "RoPE", "attention ∥ FFN", "+"],
     "mixer_only": ["x", "norm", "mixer", "+"],
     "parallel_mixer": ["x", "norm", "RoPE", "attention ∥ mixer", "+", "norm", "FFN", "+"],
+    "shared_block": ["x", "[x, embeddings]", "shared block", "linear", "+", "norm", "mixer", "+"],
 }
 PLACEMENTS = {
     "pre": "pre-norm: normed on the way into each branch, the residual stays un-normed",
@@ -257,6 +258,8 @@ PLACEMENTS = {
                   " attention or a feed-forward",
     "parallel_mixer": "attention and the recurrent mixer read the same normed input, both"
                       " added at once; then a pre-norm FFN",
+    "shared_block": "x + mixer(norm(x)); some layers first add a shared transformer block's"
+                    " output over [x, the embeddings] to the mixer's input",
 }
 
 

@@ -72,6 +72,18 @@ _JAMBA: dict[str, Any] = {
     "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 4,
     "num_experts_per_tok": 2, "mamba_d_state": 8}
 
+# Zamba2: Mamba-2, hybrid, Mamba-2, hybrid, hybrid; 2 shared blocks taken in turn (the
+# third hybrid layer reuses the first's), per-use adapters of rank 8, RoPE; K/V heads =
+# heads, as the released models (transformers' k and v adapters are as wide as q's);
+# hidden 32: at 64 the random five layers amplify rounding so that transformers' own
+# float32 logits are 1.5e-5 off its float64 ones
+_ZAMBA2: dict[str, Any] = {
+    "num_hidden_layers": 5, "num_key_value_heads": 4, "hidden_size": 32,
+    "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
+    "n_mamba_heads": 8, "mamba_d_state": 16, "mamba_ngroups": 2, "chunk_size": 16,
+    "num_mem_blocks": 2, "use_shared_attention_adapter": True, "adapter_rank": 8,
+    "use_mem_rope": True}
+
 HYBRID_SPECS: dict[str, FamilySpec] = {
     # the selective scan (time_step_rank "auto": 4), tied head
     "mamba": FamilySpec("MambaForCausalLM", _MAMBA, own_keys=True, seed=90),
@@ -131,4 +143,15 @@ HYBRID_SPECS: dict[str, FamilySpec] = {
     # its twin with mamba_dt_rank "auto" as configs may say (transformers 5 writes the number)
     "jamba": FamilySpec("JambaForCausalLM", _JAMBA, seed=112),
     "jamba_auto_rank": FamilySpec("JambaForCausalLM", _JAMBA, seed=112),
+    # Zamba2, in both spellings (the classic: rope_theta, layers_block_type "mamba"), and
+    # with one shared block, no attention adapters and no RoPE
+    "zamba2": FamilySpec("Zamba2ForCausalLM", _ZAMBA2, seed=113),
+    "zamba2_classic": FamilySpec("Zamba2ForCausalLM", _ZAMBA2, rope_form="classic", seed=113),
+    "zamba2_plain": FamilySpec("Zamba2ForCausalLM", {
+        **_ZAMBA2, "num_mem_blocks": 1, "use_shared_attention_adapter": False,
+        "use_mem_rope": False}, seed=114),
+    # Δ clamped at time_step_min 0.3 (it bites; transformers' one-token step skips that
+    # clamp, so its greedy decode is not its own forward pass: logits only)
+    "zamba2_dt_floor": FamilySpec("Zamba2ForCausalLM", {**_ZAMBA2, "time_step_min": 0.3},
+                                  seed=115),
 }
