@@ -441,3 +441,18 @@ def test_inspect_counts_kv_and_state_of_hybrid_layers(
     assert out["bytes_per_token"] == kv_per_token
     assert out["state_layers"] == layers and out["state_bytes"] == state
     assert out["live"]["equal"] and out["live"]["state_bytes"] == state
+
+
+def test_zamba2_is_not_split_across_hosts() -> None:
+    """A rank of a split Zamba2 would lack the embeddings its hybrid layers read and the
+    shared blocks stored under other ranks' layers: refused in one line."""
+    from kvchat.model.decoder.config import ModelConfig
+    from kvchat.model.distributed.pipeline import Slice, SliceModel
+    from kvchat.model.errors import ModelLoadError
+
+    cfg = ModelConfig.from_dict({
+        "model_type": "zamba2", "hidden_size": 32, "num_attention_heads": 4,
+        "num_hidden_layers": 2, "vocab_size": 256, "layers_block_type": ["mamba", "hybrid"],
+        "adapter_rank": 8})
+    with pytest.raises(ModelLoadError, match="cannot be split across hosts"):
+        SliceModel(cfg, Slice(rank=1, start=1, stop=2, embed=False, head=True, weight_bytes=0))
