@@ -49,7 +49,8 @@ def misfits(row: Family | MoeFamily, where: str = "") -> list[str]:
 def test_the_choices_are_literal_typed() -> None:
     """The check below covers these fields (it would pass vacuously on `str` fields)."""
     assert set(choices(Family)) == {"norm", "mlp", "block", "parallel_block", "positions",
-                                    "qk_norm", "nope", "attention", "fused_qkv", "mixer"}
+                                    "qk_norm", "nope", "attention", "fused_qkv", "mixer",
+                                    "delta_proj", "recurrent_block"}
     assert set(choices(MoeFamily)) == {"score", "group_score", "shared", "fused_experts",
                                        "sparse_layers"}
 
@@ -80,13 +81,15 @@ def test_literals_match_the_dispatch_tables() -> None:
 def test_every_allowed_value_is_used_by_a_row() -> None:
     """No choice is offered that no family makes (tests/test_families.py runs each row
     against transformers, so an unused value would go untested). A Literal shared by two
-    fields (block, parallel_block) counts the values of both."""
+    fields (block, parallel_block, and the optional recurrent_block) counts the values of
+    all of them."""
     rows: list[Family | MoeFamily] = [*FAMILIES.values()]
     rows += [f.moe for f in FAMILIES.values() if f.moe is not None]
     used: dict[tuple[Any, ...], set[Any]] = {}
     for cls in (Family, MoeFamily):
         for name, values in choices(cls).items():
-            used.setdefault(values, set()).update(
+            literal = tuple(v for v in values if v is not None)  # optional or not
+            used.setdefault(literal, set()).update(
                 getattr(r, name) for r in rows if isinstance(r, cls))
     unused = {values: left for values, seen in used.items()
               if (left := set(values) - {None} - seen)}

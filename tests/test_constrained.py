@@ -27,7 +27,7 @@ from kvchat.model.runtime.events import GenParams
 from tests.helpers import processes
 from tests.helpers.chat_models import random_chat_model
 from tests.helpers.paths import REPO_ROOT, STORIES260K
-from tests.helpers.tiny_tokenizers import CHATML
+from tests.helpers.tiny_tokenizers import QWEN25
 
 PERSON = {
     "type": "object",
@@ -60,7 +60,7 @@ def schema_format(schema: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return random_chat_model(tmp_path_factory.mktemp("random_chatml"), CHATML)
+    return random_chat_model(tmp_path_factory.mktemp("random_qwen"), QWEN25)
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,9 @@ gated delta rule, LFM2's short convolution); the other families are marked slow.
 
 Beside them: the layer kinds each spelling gives, the prompt forms across several blocks,
 the state caches (kind per layer, bytes constant as tokens grow, reported apart from K/V,
-no trimming), the server's prefix pool, an engine conversation that reuses the state or
-prefills again when it cannot go back, `kvchat inspect` and `kvchat explain`.
+no trimming but of a verify pass's own tokens), the server's prefix pool, an engine
+conversation that reuses the state, restarts from a checkpoint or prefills again when it
+cannot go back, `kvchat inspect` and `kvchat explain`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from tests.helpers.hybrid_families import HYBRID_SPECS
 
 # one fixture per block kind runs by default; the rest are slow
 FAST = {"mamba", "mamba2", "qwen3_next", "lfm2"}
+FAST |= {"recurrent_gemma"}  # the RG-LRU
+FAST |= {"kimi_linear"}  # Kimi Delta Attention
 NAMES = [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in HYBRID_SPECS]
 
 
@@ -71,6 +74,20 @@ def _pattern_config(cfg: dict[str, Any]) -> dict[str, Any]:
             "num_hidden_layers": len(kinds)}
 
 
+def _moonshot_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Kimi Linear's config as Moonshot's checkpoints spell it: the layers listed in
+    linear_attn_config (counted from 1) with the KDA sizes, first_k_dense_replace instead
+    of mlp_layer_types."""
+    kinds, mlp = cfg.pop("layer_types"), cfg.pop("mlp_layer_types")
+    linear = {
+        "full_attn_layers": [i + 1 for i, k in enumerate(kinds) if k == "full_attention"],
+        "kda_layers": [i + 1 for i, k in enumerate(kinds) if k == "linear_attention"],
+        "num_heads": cfg.pop("linear_num_heads"), "head_dim": cfg.pop("linear_head_dim"),
+        "short_conv_kernel_size": cfg.pop("linear_conv_kernel_dim")}
+    return {**cfg, "linear_attn_config": linear,
+            "first_k_dense_replace": mlp.index("sparse") if "sparse" in mlp else len(mlp)}
+
+
 # a fixture's config.json rewritten the way older checkpoints spell it (transformers reads
 # both; the weights are those of the same seed)
 CLASSIC_CONFIGS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
@@ -78,6 +95,7 @@ CLASSIC_CONFIGS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "jamba_auto_rank": lambda cfg: {**cfg, "mamba_dt_rank": "auto"},
     "zamba2_classic": lambda cfg: {**cfg, "layers_block_type": [
         "mamba" if k == "linear_attention" else k for k in cfg["layers_block_type"]]},
+    "kimi_linear_classic": _moonshot_config,
 }
 
 
@@ -186,6 +204,9 @@ def test_hybrid_4bit_matches_transformers_on_dequantized(
     ("falcon_h1", None, "HHHH"),  # every layer both (transformers writes no layer list)
     ("jamba", None, "RRRRARRR"),  # attn_layer_period 8, offset 4 (Jamba's defaults)
     ("zamba2", ["mamba", "hybrid", "linear_attention", "hybrid"], "RHRH"),  # old and new
+    ("recurrent_gemma", None, "RRA"),  # block_types' default, repeated
+    ("olmo_hybrid", None, "RRA"),  # every 4th attends, else the last
+    ("kimi_linear", None, "RRRRARRRA"),  # every 4th from layer 4 attends
 ])
 def test_layer_kinds_from_each_spelling(family: str, types: list[str] | None,
                                         kinds: str) -> None:
@@ -207,6 +228,38 @@ def test_layer_kinds_from_each_spelling(family: str, types: list[str] | None,
         assert [s.moe for s in cfg.layers] == [False, False, False, True]
     if family == "zamba2":  # attention_head_dim absent: 2·hidden / heads, as transformers
         assert cfg.head_dim == 32
+
+
+def test_kimi_linear_reads_moonshots_config_keys() -> None:
+    """Moonshot's spelling: layers listed from 1 in linear_attn_config with the KDA sizes,
+    the dense layers from first_k_dense_replace, the router's keys under their own names;
+    a layer in neither list is one clear line."""
+    from kvchat.model.decoder.config import ModelConfig
+    from kvchat.model.errors import ConfigError
+
+    raw = {"model_type": "kimi_linear", "hidden_size": 64, "num_attention_heads": 4,
+           "num_hidden_layers": 4, "intermediate_size": 96, "vocab_size": 256,
+           "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+           "linear_attn_config": {"full_attn_layers": [2, 4], "kda_layers": [1, 3],
+                                  "num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 3},
+           "first_k_dense_replace": 2, "num_experts": 8, "num_experts_per_token": 3,
+           "moe_renormalize": False, "num_expert_group": 4, "topk_group": 2,
+           "num_shared_experts": 2, "moe_intermediate_size": 32, "model_max_length": 4096}
+    cfg = ModelConfig.from_dict(raw)
+    assert [s.mixer for s in cfg.layers] == ["kda", None, "kda", None]
+    assert [s.moe for s in cfg.layers] == [False, False, True, True]
+    assert all(s.rope is None for s in cfg.layers)  # no rotary anywhere, MLA's included
+    m, moe = cfg.mixer, cfg.moe
+    assert (m.k_heads, m.v_heads, m.k_dim, m.v_dim, m.conv_kernel) == (2, 2, 8, 8, 3)
+    assert (moe.experts, moe.top_k, moe.norm_topk, moe.groups, moe.topk_groups,
+            moe.shared_size) == (8, 3, False, 4, 2, 64)
+    assert cfg.max_position_embeddings == 4096
+    raw["linear_attn_config"]["kda_layers"] = [1]
+    with pytest.raises(ConfigError, match="^config.json: layer 3 is in neither"):
+        ModelConfig.from_dict(raw)
+    raw["linear_attn_config"]["kda_layers"] = [0, 1]
+    with pytest.raises(ConfigError, match="kda_layers must list layer numbers 1 to 4"):
+        ModelConfig.from_dict(raw)
 
 
 def test_prompt_forms_cross_their_block_boundaries(
@@ -280,10 +333,11 @@ def test_prefix_pool_offers_a_state_only_where_it_extends(hybrid: Callable[[str]
 def test_engine_turns_prefill_again_when_the_state_cannot_go_back(
     hybrid: Callable[[str], Path]
 ) -> None:
-    """Two turns on a tiny Mamba through the engine: the second extends the first (its
-    state is reused as is); a third goes back into the conversation, which a state cannot
-    do, so it is prefilled again and says why. Every reply equals a fresh engine's on
-    the whole conversation."""
+    """Turns on a tiny Mamba through the engine: the second extends the first (its state
+    is reused as is); a third goes back to where the first reply ended, which a state can
+    only do through its checkpoint there (model/cache/checkpoints.py); a fourth branches
+    before any checkpoint, so it is prefilled again and says why. Every reply equals a
+    fresh engine's on the whole conversation."""
     from kvchat.model.runtime.client import EngineClient
     from kvchat.model.runtime.events import GenParams, Started
 
@@ -295,12 +349,19 @@ def test_engine_turns_prefill_again_when_the_state_cannot_go_back(
         b = a + list(first.ids) + [7, 9, 11]
         second = c.run(b, params)
         s2 = next(e for e in c.events if isinstance(e, Started))
-        d = b[:-4] + [5, 5]  # differs inside what the state already folded in
+        d = b[:-4] + [5, 5]  # differs where the first reply's last token was fed
         third = c.run(d, params)
         s3 = next(e for e in c.events if isinstance(e, Started))
+        e = a[:5] + [5, 5]  # differs inside the first prompt: no checkpoint there
+        fourth = c.run(e, params)
+        s4 = next(ev for ev in c.events if isinstance(ev, Started))
     assert s2.cached_tokens == len(a) + len(first.ids) - 1 and s2.reprefill_reason is None
-    assert s3.cached_tokens == 0 and "recurrent layers" in s3.reprefill_reason
-    for prompt, done in ((b, second), (d, third)):
+    assert s3.cached_tokens == len(b) - 4 and s3.reprefill_reason is None
+    assert third.stats.cache["miss_reason"] == "prefix_differs"
+    assert s4.cached_tokens == 0 and "recurrent layers" in s4.reprefill_reason
+    assert fourth.stats.cache["miss_reason"] == "no_checkpoint"
+    assert fourth.stats.cache["differs_at"] == 5
+    for prompt, done in ((b, second), (d, third), (e, fourth)):
         with EngineClient(folder, timeout=60) as fresh:
             assert list(fresh.run(prompt, params).ids) == list(done.ids)
 
@@ -327,7 +388,7 @@ def test_inspect_prints_state_bytes_next_to_kv(
     assert "KV cache per token (all layers): 0 B" in text
 
 
-@pytest.mark.parametrize("name", ["mamba", "nemotron_h"])
+@pytest.mark.parametrize("name", ["mamba", "nemotron_h", "kimi_linear"])
 def test_explain_names_the_recurrent_layers(
     name: str, hybrid: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -339,17 +400,21 @@ def test_explain_names_the_recurrent_layers(
     explain_cmd.add_arguments(p)
     assert explain_cmd.run(p.parse_args(["--model", str(hybrid(name))])) == 0
     out = capsys.readouterr().out
-    expected = {"mamba": "2 of 2", "nemotron_h": "1 of 4"}[name]
+    expected = {"mamba": "2 of 2", "nemotron_h": "1 of 4", "kimi_linear": "2 of 3"}[name]
     assert f"recurrent layers: {expected} keep a fixed-size state" in out
+    if name == "kimi_linear":  # no layer rotates: no RoPE stage in the block
+        assert "x → norm → attention or Kimi delta → + → norm → FFN → +" in out
 
 
-def test_compiled_step_verifies_no_drafts_on_a_state_and_steps_one_token(
+def test_compiled_step_verifies_drafts_on_a_state_and_steps_one_token(
     hybrid: Callable[[str], Path]
 ) -> None:
     """Nemotron-H (a Mamba-2 state, attention K/V, mixer-less MLP and expert layers): the
     compiled step drives every cache one token at a time with the plain model's logits;
-    a speculative verify pass of several tokens is refused (None) and writes nothing,
-    since a state cannot take back the drafts it rejects."""
+    a speculative verify pass of several tokens gives the plain model's logits too and
+    keeps each position's state, so taking back its last token is exact
+    (tests/test_speculative_hybrid.py runs whole replies)."""
+    from kvchat.model.cache.kv import trim_to
     from kvchat.model.cache.state import PassCache
     from kvchat.model.runtime.generate import CompiledStep
 
@@ -362,14 +427,20 @@ def test_compiled_step_verifies_no_drafts_on_a_state_and_steps_one_token(
     assert {"StateCache", "PassCache"} <= kinds and any(hasattr(c, "keys") for c in caches)
     step = CompiledStep(model, caches)
     assert step.supported
-    assert step.verify(mx.array(nxt)) is None
-    assert [c.offset for c in caches] == [12] * len(caches)
-    got = step(mx.array(nxt[:1]))
-    want = model(mx.array(nxt[None, :1]), cache=plain)[:, -1, :]
-    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+    verified = step.verify(mx.array(nxt))
+    assert verified is not None
+    assert [c.offset for c in caches] == [14] * len(caches)
+    assert trim_to(caches, 13) == 1  # the second token taken back, the state too
     assert [c.offset for c in caches] == [13] * len(caches)
+    want = model(mx.array(nxt[None, :1]), cache=plain)[0]
+    np.testing.assert_allclose(np.array(verified[:1]), np.array(want), rtol=1e-4, atol=1e-4)
+    got = step(mx.array(nxt[1:2]))
+    want = model(mx.array(nxt[None, 1:2]), cache=plain)[:, -1, :]
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(verified[1:]), np.array(want), rtol=1e-4, atol=1e-4)
+    assert [c.offset for c in caches] == [14] * len(caches)
     p = next(c for c in caches if isinstance(c, PassCache))
-    assert p.next_slot(3) == (13, 0, 0, 0)  # nothing to write: any token count
+    assert p.next_slot(3) == (14, 0, 0, 0)  # nothing to write: any token count
 
 
 # ---- attention and a state in one layer (Falcon-H1) ------------------------------------------
@@ -456,3 +527,118 @@ def test_zamba2_is_not_split_across_hosts() -> None:
         "adapter_rank": 8})
     with pytest.raises(ModelLoadError, match="cannot be split across hosts"):
         SliceModel(cfg, Slice(rank=1, start=1, stop=2, embed=False, head=True, weight_bytes=0))
+
+
+# ---- the RG-LRU, OLMo-hybrid and Kimi-Linear families ----------------------------------------
+@pytest.mark.parametrize(("name", "per_layer"), [
+    # conv state (K − 1) × lru_width and the RG-LRU's lru_width, float32
+    ("recurrent_gemma", (3 * 64 + 64) * 4),
+    # conv state (K − 1) × (q, k, v: 64 + 64 + 64), the delta rule's 4 heads × 16 × 16
+    ("olmo_hybrid", (3 * 192 + 4 * 16 * 16) * 4),
+    # KDA: conv state 3 × (q, k, v: 4 heads × 16 each), a 16 × 16 state per head, float32
+    ("kimi_linear", (3 * (3 * 4 * 16) + 4 * 16 * 16) * 4),
+])
+def test_inspect_counts_each_recurrent_layers_state(
+    name: str, per_layer: int, hybrid: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvchat inspect --live` on each new hybrid: the state bytes from the config (the
+    sizes counted by hand here) equal what the caches hold after a prompt."""
+    from kvchat.app.cli import inspect as inspect_cmd
+
+    p = argparse.ArgumentParser()
+    inspect_cmd.add_arguments(p)
+    folder = hybrid(name)
+    layers = load_model(folder).config.recurrent_layers
+    assert inspect_cmd.run(p.parse_args(["--model", str(folder), "--json", "--live"])) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["state_layers"] == layers and out["state_bytes"] == layers * per_layer
+    assert out["live"]["equal"] and out["live"]["state_bytes"] == layers * per_layer
+
+
+def test_delta_rule_with_a_gate_per_channel_matches_transformers_kda() -> None:
+    """The gated delta rule with one decay per key channel (Kimi's KDA), against
+    transformers' own chunked and recurrent KDA functions: 150 tokens in chunks of 64 (the
+    last partial), the same as two calls (the state carried) and token by token."""
+    import torch
+    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+
+    from kvchat.model.decoder.delta import gated_delta, l2norm
+
+    rng = np.random.default_rng(11)
+    b, T, H, D = 1, 150, 2, 16
+    q, k, v = (rng.normal(size=(b, T, H, D)).astype(np.float32) for _ in range(3))
+    g = -np.log1p(np.exp(rng.normal(size=(b, T, H, D)))).astype(np.float32) * 0.3
+    beta = (1 / (1 + np.exp(-rng.normal(size=(b, T, H))))).astype(np.float32)
+    t = [torch.from_numpy(x) for x in (q, k, v, g, beta)]
+    with torch.no_grad():
+        ref, ref_state = kimi.chunk_kimi_delta_attention(
+            *t[:3], g=t[3], beta=t[4], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        step_ref, _ = kimi.recurrent_kimi_delta_attention(
+            *t[:3], g=t[3], beta=t[4], initial_state=None, output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
+    qn, kn = l2norm(mx.array(q)) * D**-0.5, l2norm(mx.array(k))
+    vm, gm, bm = mx.array(v), mx.array(g), mx.array(beta)
+    whole, state = gated_delta(qn, kn, vm, gm, bm, None)
+    first, mid = gated_delta(qn[:, :70], kn[:, :70], vm[:, :70], gm[:, :70], bm[:, :70], None)
+    second, _ = gated_delta(qn[:, 70:], kn[:, 70:], vm[:, 70:], gm[:, 70:], bm[:, 70:], mid)
+    steps, S = [], None
+    for i in range(T):
+        y, S = gated_delta(qn[:, i:i + 1], kn[:, i:i + 1], vm[:, i:i + 1], gm[:, i:i + 1],
+                           bm[:, i:i + 1], S)
+        steps.append(y)
+    ref_np = ref.numpy()
+    assert rel_err(np.array(whole), ref_np) <= 1e-4
+    assert rel_err(np.array(state), ref_state.numpy()) <= 1e-4
+    assert rel_err(np.array(mx.concatenate([first, second], axis=1)), ref_np) <= 1e-4
+    assert rel_err(np.array(mx.concatenate(steps, axis=1)), step_ref.numpy()) <= 1e-4
+    assert rel_err(np.array(S), ref_state.numpy()) <= 1e-4
+    # the gate per channel bites: its mean over the channels gives another output
+    flat, _ = gated_delta(qn, kn, vm, gm.mean(axis=-1), bm, None)
+    assert rel_err(np.array(flat), ref_np) > 1e-2
+
+
+def test_kimi_linear_long_prompt_chunked_equals_recurrent_decode(
+    hybrid: Callable[[str], Path]
+) -> None:
+    """A 150-token prompt (KDA's chunks of 64: two whole, one partial) against transformers'
+    whole forward, and the same tokens fed one by one through our caches (the recurrent
+    form), and a 100-token prefill followed by 50 single-token steps."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = hybrid("kimi_linear")
+    ids = np.random.default_rng(5).integers(3, 256, size=(1, 150))
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    model = load_model(folder)
+    whole = np.array(model(mx.array(ids)))
+    cache = make_prompt_cache(model)
+    steps = [model(mx.array(ids[:, t:t + 1]), cache=cache) for t in range(150)]
+    cache = make_prompt_cache(model)
+    mixed = [model(mx.array(ids[:, :100]), cache=cache)]
+    mixed += [model(mx.array(ids[:, t:t + 1]), cache=cache) for t in range(100, 150)]
+    assert rel_err(whole, ref) <= 1e-4
+    assert rel_err(np.array(mx.concatenate(steps, axis=1)), ref) <= 1e-4
+    assert rel_err(np.array(mx.concatenate(mixed, axis=1)), ref) <= 1e-4
+
+
+def test_kimi_linear_inspect_counts_latent_kv_and_kda_state(
+    hybrid: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvchat inspect` on Kimi Linear: K/V per token from its one MLA layer, the latent
+    (16) and the unrotated shared key (8) in float32, = 96 B; the state of its two KDA
+    layers, 2 × (3 × 192 + 4 × 16 × 16) × 4 = 12,800 B; the layers named by kind."""
+    from kvchat.app.cli import inspect as inspect_cmd
+    from kvchat.model.cache.layer_kinds import layer_kinds
+
+    p = argparse.ArgumentParser()
+    inspect_cmd.add_arguments(p)
+    folder = hybrid("kimi_linear")
+    assert inspect_cmd.run(p.parse_args(["--model", str(folder), "--json", "--live"])) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bytes_per_token"] == (16 + 8) * 4
+    assert out["state_layers"] == 2 and out["state_bytes"] == 12_800
+    assert out["live"]["equal"] and out["live"]["state_bytes"] == 12_800
+    assert layer_kinds(load_model(folder).config) == ["Kimi delta", "MLA", "Kimi delta"]

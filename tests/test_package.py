@@ -27,6 +27,7 @@ def imported_after(statement: str) -> set[str]:
 
 @pytest.mark.parametrize(
     "module", ["model", "model.runtime.events", "model.cache.kv_math", "model.cache.stats",
+               "model.cache.layer_kinds",
                "model.decoder.kv_format", "model.files", "model.errors"]
 )
 def test_light_modules_do_not_import_mlx(module: str) -> None:

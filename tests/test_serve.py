@@ -79,7 +79,10 @@ def other_models(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, other_models: Path) -> Iterator[Server]:
-    s = Server(str(model_dir), "--api-key", KEY, "--max-queue", "1", "--max-body-mb", "0.05",
+    # one request runs at a time (--max-batch 1), so the queue's bound shows with two
+    # requests; side by side decoding: tests/test_serve_batching.py
+    s = Server(str(model_dir), "--api-key", KEY, "--max-batch", "1", "--max-queue", "1",
+               "--max-body-mb", "0.05",
                "--allow-origin", "http://app.test", "--models-dir", str(other_models),
                timeout_s=START_TIMEOUT_S)
     try:

@@ -147,12 +147,13 @@ def test_max_tokens_stops_with_max_tokens(server: ServerProcess) -> None:
 def test_errors_are_anthropics_error_objects(server: ServerProcess) -> None:
     c = client(server)
     hello = [{"role": "user", "content": "Hello"}]
-    with pytest.raises(anthropic.BadRequestError) as e:  # refused until tool use is wired
+    with pytest.raises(anthropic.BadRequestError) as e:  # its template never reads tools
         c.messages.create(model=MODEL_ID, max_tokens=8, messages=hello, tools=[
             {"name": "get_weather", "input_schema": {"type": "object", "properties": {}}}])
     assert e.value.body["type"] == "error"
     assert e.value.body["error"]["type"] == "invalid_request_error"
-    assert "'tools'" in e.value.body["error"]["message"]
+    assert "kvchat-mini" in e.value.body["error"]["message"]
+    assert "does not support tools" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.AuthenticationError) as e:
         client(server, "wrong-key").messages.create(model=MODEL_ID, max_tokens=8,
                                                     messages=hello)

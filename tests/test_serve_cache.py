@@ -11,7 +11,8 @@ the machine's memory from /proc/meminfo.
 
 The server: kvchat-mini with a 96-token rotating window (every cache then holds 96
 slots) and a pool of 0.2 MiB, room for one idle conversation, so a third conversation
-evicts the first; two API keys; a --models-dir with a copy of the model.
+evicts the first; two API keys; a --models-dir with a copy of the model. Beside it (slow):
+a tiny random hybrid (LFM2) whose recurrent states go back only through checkpoints.
 """
 
 from __future__ import annotations
@@ -239,3 +240,64 @@ def test_the_default_budget_is_an_eighth_of_the_machines_memory() -> None:
     assert pool_budget(None, 2**28)[0] == MIN_POOL_MB * 2**20  # a small machine's floor
     assert pool_budget(100, 16 * 2**30) == (100 * 2**20, "--cache-pool-mb")
     assert pool_line(0).startswith("prefix pool off")
+
+
+# ---- a hybrid model: its recurrent states go back through checkpoints -----------------------
+@pytest.fixture(scope="module")
+def hybrid_server(tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[tuple[ServerProcess, Path]]:
+    """A tiny random LFM2 (short convolutions around an attention layer; its word-level
+    tokenizer reads "w3" … "w255") with room for several idle conversations."""
+    from tests.helpers.families import build
+    from tests.helpers.hybrid_families import HYBRID_SPECS
+
+    folder = build(HYBRID_SPECS["lfm2"], tmp_path_factory.mktemp("serve-hybrid") / "tiny-lfm2")
+    s = ServerProcess(str(folder), "--api-key", KEY_A, "--cache-pool-mb", "4", timeout_s=60)
+    try:
+        yield s, folder
+    finally:
+        rc = s.stop()
+        assert rc == 0, "\n".join(s.lines[-5:])
+        assert all("Traceback" not in x for x in s.lines)
+
+
+def hybrid_ids(folder: Path, messages: list[dict[str, str]]) -> list[int]:
+    from kvchat.model.text.tokenizer import load_tokenizer
+
+    return load_tokenizer(folder).encode_chat(messages)
+
+
+@pytest.mark.slow  # builds a model and starts a second server
+def test_a_hybrid_pool_reuses_through_a_checkpoint_and_says_when_none_applies(
+        hybrid_server: tuple[ServerProcess, Path]) -> None:
+    """A regenerated reply restarts from the checkpoint one token before the prompt's
+    end (no miss); an edited last message from an earlier checkpoint (the first turn's),
+    and the answer says the state could not go back to the shared prefix; a question
+    that differs before every checkpoint reuses nothing: no_checkpoint at that token."""
+    (s, folder), me = hybrid_server, fresh()
+    name = folder.name
+    first = user("w10 w11 w12 w13 w14 w15 w16 w17")
+    ask(s, first, me, model=name)
+    r, line = ask(s, first, me, model=name)  # regenerate
+    c = cache_of(r)
+    n1 = len(hybrid_ids(folder, first))
+    assert (c["reused_tokens"], c["miss_reason"]) == (n1 - 1, None)
+    assert "miss=" not in line
+    more = first + [{"role": "assistant", "content": r.choices[0].message.content},
+                    {"role": "user", "content": "w30 w31 w32 w33"}]
+    ask(s, more, me, model=name)
+    edited = more[:-1] + [{"role": "user", "content": "w40 w41 w42 w43"}]
+    r, line = ask(s, edited, me, model=name)
+    c = cache_of(r)
+    keep = shared_prefix(hybrid_ids(folder, more), hybrid_ids(folder, edited))
+    assert n1 <= c["reused_tokens"] < keep  # from the first turn's checkpoints
+    assert (c["miss_reason"], c["differs_at"]) == ("checkpoint_before", keep)
+    assert f"miss=checkpoint_before@{keep}" in line
+    other = user("w10 w11 w12 w99 w98")
+    r, line = ask(s, other, me, model=name)
+    c = cache_of(r)
+    n = shared_prefix(hybrid_ids(folder, first), hybrid_ids(folder, other))
+    assert 0 < n < n1 - 1
+    assert (c["miss_reason"], c["differs_at"], c["reused_tokens"]) == ("no_checkpoint", n, 0)
+    assert c["miss"] == f"the recurrent layers' state cannot go back: no checkpoint at or" \
+                        f" before token {n}"

@@ -17,14 +17,13 @@ from typing import Any
 import jsonschema
 import pytest
 
-from tests.helpers.chat_models import QWEN25, random_chat_model
+from tests.helpers.chat_models import NO_TOOLS_MODEL, TOOLS_MODEL, tool_models
 from tests.helpers.server_process import ServerProcess
-from tests.helpers.tiny_tokenizers import LLAMA3 as LLAMA3_NO_TOOLS
 
 openai = pytest.importorskip("openai")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-MODEL_ID = "tools-model"
+MODEL_ID = TOOLS_MODEL
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {
@@ -45,13 +44,7 @@ PERSON = {"type": "object", "properties": {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A --models-dir: `tools-model` (Qwen 2.5's template) and `no-tools` (Llama 3's
-    template, which never reads `tools`)."""
-    root = tmp_path_factory.mktemp("serve-tools")
-    random_chat_model(root / MODEL_ID, QWEN25, context=4096)
-    random_chat_model(root / "no-tools", LLAMA3_NO_TOOLS, eos="<|eot_id|>", seed=12,
-                      context=4096)
-    return root
+    return tool_models(tmp_path_factory.mktemp("serve-tools"))
 
 
 @pytest.fixture(scope="module")
@@ -150,10 +143,10 @@ def test_a_streamed_forced_call_reassembles_to_the_same_call(client: Any) -> Non
 
 def test_a_template_without_tools_is_a_400_naming_it(client: Any) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="no-tools", messages=ASK, tools=TOOLS,
+        client.chat.completions.create(model=NO_TOOLS_MODEL, messages=ASK, tools=TOOLS,
                                        max_tokens=8)
     assert e.value.param == "tools"
-    assert "no-tools" in e.value.message and "does not support tools" in e.value.message
+    assert NO_TOOLS_MODEL in e.value.message and "does not support tools" in e.value.message
 
 
 def test_an_unsupported_schema_keyword_is_a_400_naming_it(client: Any) -> None:

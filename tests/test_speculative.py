@@ -36,6 +36,7 @@ from kvchat.model.runtime.speculative import (
 )
 from tests.helpers import processes
 from tests.helpers.paths import REPO_ROOT
+from tests.helpers.stats import chi2_sf
 
 BASE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 48,
@@ -55,14 +56,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 PROMPT = [3, 17, 9, 30, 5, 17, 9, 30, 22, 41, 7, 3, 17]
 GEN = 70
-
-
-def chi2_sf(stat: float, df: int) -> float:
-    """P(X ≥ stat) for X ~ chi-square(df), by the Wilson–Hilferty cube-root normal
-    approximation (ample for thresholds of 1e-3 and 1e-6 at these sizes)."""
-    mean = 1 - 2 / (9 * df)
-    z = ((stat / df) ** (1 / 3) - mean) / math.sqrt(2 / (9 * df))
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 def prefilled(model: Any, prompt: list[int], caches: list[Any], progress: Progress,

@@ -33,9 +33,9 @@ from kvchat.model.text.tool_calls import (
     reads_tools,
     template_messages,
 )
-from tests.helpers.chat_models import QWEN25, random_chat_model
+from tests.helpers.chat_models import random_chat_model
 from tests.helpers.paths import STORIES260K
-from tests.helpers.tiny_tokenizers import CHATML, GEMMA, byte_level_bpe, write_folder
+from tests.helpers.tiny_tokenizers import GEMMA, QWEN25, byte_level_bpe, write_folder
 from tests.helpers.tiny_tokenizers import LLAMA3 as LLAMA3_NO_TOOLS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -234,6 +234,35 @@ def test_a_call_is_emitted_as_soon_as_it_closes() -> None:
     assert stream.finish() == []
 
 
+def test_one_call_at_most_ends_the_reply_with_its_first_call() -> None:
+    """parallel_tool_calls false (the turn's `_Reply`): the first call ends the reply, the
+    text after it and any other call never shown; true, the reply as parsed whole."""
+    from kvchat.model.runtime.turn import ToolUse, _Reply
+
+    text = ('Sure. <tool_call>\n{"name": "take_note", "arguments": {"text": "a"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {}}\n'
+            "</tool_call> and more")
+    whole_text, whole_calls = parse_tool_calls(text, HERMES)
+    for one in (False, True):
+        reply = _Reply(ToolUse(TOOLS, HERMES, None), one_call=one)
+        events: list[Any] = []
+        for ch in text:  # a character a token
+            events += reply.events(ch, 0)
+            if reply.ended:
+                break
+        else:
+            events += reply.events("", 0, final=True)
+        calls = [(e.index, e.call.name) for e in events if isinstance(e, ToolCallDelta)]
+        shown = "".join(e.text for e in events if isinstance(e, TextDelta))
+        assert reply.ended == one and shown == reply.text
+        assert reply.offsets == [len("Sure.")] * len(calls)  # both where the text stood
+        if one:
+            assert calls == [(0, "take_note")] and shown == "Sure."
+        else:
+            assert calls == [(i, c.name) for i, c in enumerate(whole_calls)]
+            assert len(calls) == 2 and shown == whole_text
+
+
 # ---- requests ---------------------------------------------------------------------------
 
 def test_tools_and_choice_are_checked_by_field() -> None:
@@ -256,9 +285,11 @@ def test_tools_and_choice_are_checked_by_field() -> None:
 
 
 def test_formats_and_tool_support_are_read_from_the_template() -> None:
-    assert call_format(QWEN25) is HERMES and call_format(CHATML) is LLAMA3
+    # a template that reads tools but teaches no call syntax gets Llama 3's JSON calls
+    plain = "{% for t in tools %}{{ t | tojson }}{% endfor %}{{ messages[0]['content'] }}"
+    assert call_format(QWEN25) is HERMES and call_format(plain) is LLAMA3
     assert call_format(LLAMA31) is LLAMA3 and call_format(MISTRAL_TOOLS) is MISTRAL
-    for template in (QWEN25, LLAMA31, MISTRAL_TOOLS, CHATML):
+    for template in (QWEN25, LLAMA31, MISTRAL_TOOLS, plain):
         assert reads_tools(template)
     for template in (LLAMA3_NO_TOOLS, GEMMA, None, "{{ tools_x }}{% set tools = 1 %}{{ tools }}"):
         assert not reads_tools(template)
@@ -341,6 +372,7 @@ def test_a_named_call_from_a_random_model_parses_and_validates(models, family, t
     assert [(d.index, d.call) for d in deltas] == [(0, done.tool_calls[0])]
     shown = "".join(e.text for e in client.events if isinstance(e, TextDelta))
     assert shown == done.text and "get_weather" not in shown
+    assert done.tool_call_offsets == [0]  # the grammar starts the reply with the call
 
 
 @pytest.mark.parametrize("family", ["hermes", "mistral"])

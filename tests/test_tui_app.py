@@ -41,6 +41,7 @@ from tests.helpers.app import (
     busy,
     engine,
     last_done,
+    loaded,
     make_app,
     ready,
     replies,
@@ -70,8 +71,7 @@ def static_text(app: KVChatApp, selector: str) -> str:
 async def test_reply_streams_then_renders_markdown(env: Path) -> None:
     pieces = split_reply(REPLY)
     app = make_app(pause_after=10)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await send(pilot, "tell me a story")
         await wait_for(pilot, lambda: engine(app).paused.is_set())
         await wait_for(pilot, lambda: replies(app) and replies(app)[0].content)
@@ -104,8 +104,7 @@ async def test_reply_streams_then_renders_markdown(env: Path) -> None:
 @async_test
 async def test_enter_sends_ctrl_j_inserts_newline(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await pilot.press("a", "ctrl+j", "b", "shift+enter", "c")
         assert app.chat.input.text == "a\nb\nc"
         await pilot.press("enter")
@@ -121,8 +120,7 @@ async def test_enter_sends_ctrl_j_inserts_newline(env: Path) -> None:
 @async_test
 async def test_input_history_up_down(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await turn(pilot, "one")
         await turn(pilot, "two\nlines")
         await pilot.press("d", "r", "a", "f", "t")
@@ -143,14 +141,14 @@ async def test_input_history_up_down(env: Path) -> None:
 @async_test
 async def test_escape_stops_and_keeps_partial_reply(env: Path) -> None:
     app = make_app(pause_after=6)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await send(pilot, "go")
         await wait_for(pilot, lambda: engine(app).paused.is_set())
         await pilot.press("escape")
         await wait_for(pilot, lambda: not busy(app))
-        # six pieces were out when Esc came; the engine emits the one it holds, then stops
-        partial = "".join(split_reply(REPLY)[:7])
+        # six pieces were out when Esc came; the engine emits the one it holds, then stops:
+        # that seventh piece came after the key and is not part of the reply
+        partial = "".join(split_reply(REPLY)[:6])
         reply = replies(app)[-1]
         assert reply.stopped and reply.content == partial
         assert reply.border_subtitle == "■ stopped"
@@ -166,8 +164,7 @@ async def test_escape_stops_and_keeps_partial_reply(env: Path) -> None:
 @async_test
 async def test_regenerate_replaces_last_reply(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await turn(pilot, "hello there")
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: not busy(app) and len(engine(app).submitted) == 2)
@@ -184,8 +181,7 @@ async def test_regenerate_replaces_last_reply(env: Path) -> None:
 @async_test
 async def test_edit_and_resend_truncates_there(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await turn(pilot, "first question")
         await turn(pilot, "second question")
         first = app.chat.transcript.messages[0]
@@ -207,8 +203,7 @@ async def test_edit_and_resend_truncates_there(env: Path) -> None:
 @async_test
 async def test_escape_cancels_an_edit(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await turn(pilot, "hi")
         app.chat.action_edit_last()
         assert app.chat.edit_index == 0
@@ -220,8 +215,7 @@ async def test_escape_cancels_an_edit(env: Path) -> None:
 @async_test
 async def test_autoscroll_only_while_at_bottom(env: Path) -> None:
     app = make_app(reply=REPLY * 4, pause_after=150)
-    async with app.run_test(size=(100, 24)) as pilot:
-        await ready(pilot)
+    async with loaded(app, (100, 24)) as pilot:
         await send(pilot, "long one")
         await wait_for(pilot, lambda: engine(app).paused.is_set())
         await pilot.pause(0.1)
@@ -242,8 +236,7 @@ async def test_autoscroll_only_while_at_bottom(env: Path) -> None:
 @async_test
 async def test_new_chat_copy_and_export(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await turn(pilot, "a story please")
         await pilot.press("ctrl+y")
         assert app.clipboard == REPLY
@@ -264,8 +257,7 @@ async def test_new_chat_copy_and_export(env: Path) -> None:
 @async_test
 async def test_panel_numbers_follow_the_formulas(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await turn(pilot, "numbers")
         s = last_done(app).stats
         # "<user> numbers <assistant>" + every reply piece + the EOS (the pipelined decode
@@ -292,8 +284,7 @@ async def test_panel_numbers_follow_the_formulas(env: Path) -> None:
 async def test_panel_is_throttled_not_per_token(env: Path) -> None:
     # a Stats event after every token, ~300 tokens: the panel must still render ~10/s
     app = make_app(reply=REPLY * 5, token_delay=0.002, stats_interval_s=0.0)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         speed = app.chat.query_one("#speed", Static)
         renders: list[float] = []
         update = speed.update
@@ -320,8 +311,7 @@ async def test_panel_keep_is_the_settings_before_and_after_the_first_turn(env: P
     sinks once that fills, so the panel says the settings' keep before the first turn
     builds the cache, and the cache's own after it."""
     app = make_app(Settings(keep=2))
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await pilot.pause(0.15)
         assert "window   512 · keep 2" in static_text(app, "#cache")
         await turn(pilot, "hello")
@@ -348,8 +338,7 @@ async def test_panel_rows_wrap_under_their_value(env: Path,
                         lambda: {"name": "reference BLAS", "path": None, "fast": False,
                                  "fix": "sudo apt-get install libopenblas0-pthread"})
     app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await pilot.pause(0.15)
         runtime = app.chat.panel.query_one("#runtime", Static)
         assert runtime.content_size.width >= CONTENT_W
@@ -370,8 +359,7 @@ async def test_context_gauge_colours(env: Path) -> None:
     assert context_level(460, 512) == "warn"
     assert context_level(461, 512) == "danger"  # 90 %
     app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         gauge = app.query_one(ContextGauge)
         for tokens, level in ((100, "ok"), (400, "warn"), (470, "danger")):
             app.chat.panel.update_stats(TurnStats(cache_tokens=tokens, cache_capacity=512))
@@ -385,8 +373,7 @@ async def test_context_gauge_colours(env: Path) -> None:
 @async_test
 async def test_help_lists_every_binding(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await pilot.press("f1")
         assert isinstance(app.screen, HelpScreen)
         table = app.screen.query_one(DataTable)
@@ -408,8 +395,7 @@ async def test_help_lists_every_binding(env: Path) -> None:
 @async_test
 async def test_every_action_is_in_the_command_palette(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         titles = {c.title for c in app.get_system_commands(app.screen)}
         assert {a.palette for a in ACTIONS if a.palette} <= titles
         assert "Quit" in titles  # Textual's own system command
@@ -435,8 +421,7 @@ async def test_every_action_is_in_the_command_palette(env: Path) -> None:
 @async_test
 async def test_settings_validate_save_and_apply(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await pilot.press("ctrl+s")
         screen = app.screen
         assert isinstance(screen, SettingsScreen)
@@ -472,8 +457,7 @@ async def test_settings_validate_save_and_apply(env: Path) -> None:
 @async_test
 async def test_history_reopens_a_chat(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await turn(pilot, "remember me")
         first_id = app.chat.conversation.id
         await pilot.press("ctrl+n")
@@ -524,8 +508,7 @@ async def test_reopened_chat_continues_warm(env: Path) -> None:
 @async_test
 async def test_kv_cache_saving_can_be_turned_off(env: Path) -> None:
     app = make_app(Settings(save_kv_cache=False))
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await turn(pilot, "forget me")
         conv_id = app.chat.conversation.id
         await pilot.press("ctrl+n")
@@ -581,8 +564,7 @@ async def test_swap_model_via_picker_and_failed_swap(
 @async_test
 async def test_layer_view(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await turn(pilot, "fill the cache")
         await pilot.press("ctrl+l")
         assert isinstance(app.screen, LayerCacheScreen)
@@ -591,7 +573,8 @@ async def test_layer_view(env: Path) -> None:
         titles = [str(c.label) for c in table.ordered_columns]
         # what a layer holds and costs first; a float cache's "as float" would repeat
         # "bytes", and a model without windows has no window to show
-        assert titles[:6] == ["layer", "attention", "tokens", "capacity", "bytes", "as MHA"]
+        assert titles[:6] == ["layer", "kind", "tokens", "capacity", "bytes", "as MHA"]
+        assert "attention" not in titles and "state" not in titles  # "kind" says it
         assert "as float" not in titles and "window" not in titles
         await pilot.press("escape")
         assert not isinstance(app.screen, LayerCacheScreen)
@@ -601,8 +584,7 @@ async def test_layer_view(env: Path) -> None:
 @async_test
 async def test_layer_view_scrolls_a_column_per_key(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=(80, 24)) as pilot:
-        await ready(pilot)
+    async with loaded(app, (80, 24)) as pilot:
         await turn(pilot, "fill the cache")
         await pilot.press("ctrl+l")
         table = app.screen.query_one(DataTable)
@@ -633,8 +615,7 @@ async def test_layer_view_scrolls_a_column_per_key(env: Path) -> None:
 @async_test
 async def test_keys_work_while_generating(env: Path) -> None:
     app = make_app(pause_after=3)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await send(pilot, "go")
         await wait_for(pilot, lambda: engine(app).paused.is_set())
         await pilot.press("x", "y")

@@ -17,12 +17,11 @@ from kvchat.app.tui.screens.settings_form import SettingsScreen
 from kvchat.model.files import model_name
 from kvchat.model.runtime.events import Overflow, PrefillProgress
 from tests.helpers.app import (
-    SIZE,
     engine,
     folder_app,
     last_done,
+    loaded,
     open_picker,
-    ready,
     replies,
     turn,
 )
@@ -51,8 +50,7 @@ def messages(seen: list[tuple[str, str]]) -> list[str]:
 async def test_picker_typed_path_cursor_current_and_no_reload(models_env: Path) -> None:
     app = folder_app(models_env)
     seen = record_notifications(app)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         picker = await open_picker(pilot)
         table = picker.query_one("#models", DataTable)
         names = [e.name for e in picker.entries]
@@ -80,8 +78,7 @@ async def test_picker_lists_a_model_opened_by_its_path(models_env: Path) -> None
     elsewhere = models_env / "elsewhere" / "stories260K"
     shutil.copytree(MINI, elsewhere)
     app = folder_app(models_env, model=str(elsewhere))
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         picker = await open_picker(pilot)
         table = picker.query_one("#models", DataTable)
         rows = [table.get_row_at(i) for i in range(table.row_count)]
@@ -98,8 +95,7 @@ async def test_picker_lists_a_model_opened_by_its_path(models_env: Path) -> None
 async def test_picker_arrows_move_the_list_and_unloadable_is_refused(models_env: Path) -> None:
     app = folder_app(models_env)
     seen = record_notifications(app)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         picker = await open_picker(pilot)
         table = picker.query_one("#models", DataTable)
         names = [e.name for e in picker.entries]
@@ -121,8 +117,7 @@ async def test_picker_relative_path_is_saved_absolute(models_env: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(models_env)
     app = folder_app(models_env)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         picker = await open_picker(pilot)
         picker.query_one("#path", Input).value = "models/mini-2"
         await pilot.press("enter")
@@ -139,8 +134,7 @@ async def test_picker_pulls_a_repo_id_then_offers_it(models_env: Path,
     with FakeHub({repo: FakeRepo.from_folder(MINI)}, throttle_bps=2_000_000) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         app = folder_app(models_env)
-        async with app.run_test(size=SIZE) as pilot:
-            await ready(pilot)
+        async with loaded(app) as pilot:
             picker = await open_picker(pilot)
             shown: list[str] = []
             show = picker._show_progress
@@ -171,8 +165,7 @@ async def test_picker_pull_error_is_one_line(models_env: Path,
     with FakeHub({}) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         app = folder_app(models_env)
-        async with app.run_test(size=SIZE) as pilot:
-            await ready(pilot)
+        async with loaded(app) as pilot:
             picker = await open_picker(pilot)
             picker.query_one("#path", Input).value = "nobody/nothing"
             await pilot.press("enter")
@@ -190,8 +183,7 @@ async def test_picker_pull_error_is_one_line(models_env: Path,
 @async_test
 async def test_panel_takes_the_new_models_gqa_factor(models_env: Path) -> None:
     app = folder_app(models_env)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         app.chat.panel.set_model({**app.chat.model_info, "n_heads": 8, "n_kv_heads": 2})
         await pilot.pause()
         assert app.chat.panel.stats.gqa_saving == 4.0
@@ -202,8 +194,7 @@ async def test_panel_takes_the_new_models_gqa_factor(models_env: Path) -> None:
 @async_test
 async def test_opening_a_chat_clears_the_previous_chats_cache_figures(models_env: Path) -> None:
     app = folder_app(models_env)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         first = await new_chat(pilot, "first chat")
         await new_chat(pilot, "second chat, longer so the cache holds more tokens")
         assert app.chat.panel.stats.cache_tokens
@@ -220,8 +211,7 @@ async def test_opening_a_chat_clears_the_previous_chats_cache_figures(models_env
 async def test_prefill_progress_and_overflow_notice(models_env: Path) -> None:
     app = folder_app(models_env)
     seen = record_notifications(app)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         engine(app).pause_after = 0
         app.chat.input.load_text("x " * 100)
         await pilot.press("enter")
@@ -255,8 +245,7 @@ async def test_ctrl_c_stops_generation_and_is_harmless_otherwise(models_env: Pat
     # reply running it only warns. Never Textual's own "press ctrl+q" notice.
     app = folder_app(models_env)
     seen = record_notifications(app)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         engine(app).pause_after = 3
         app.chat.input.load_text("tell me a story")
         await pilot.press("enter")
@@ -271,8 +260,7 @@ async def test_ctrl_c_stops_generation_and_is_harmless_otherwise(models_env: Pat
         await wait_for(pilot, lambda: not app.is_running)
     idle = folder_app(models_env)
     seen = record_notifications(idle)
-    async with idle.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(idle) as pilot:
         await pilot.press("ctrl+c")  # idle: nothing stops, nothing quits, one warning
         await pilot.pause()
         assert idle.is_running and not idle.chat.generating
@@ -304,8 +292,7 @@ async def test_history_tells_chats_with_one_title_apart(models_env: Path) -> Non
     import re
 
     app = folder_app(models_env)
-    async with app.run_test(size=(80, 24)) as pilot:
-        await ready(pilot)
+    async with loaded(app, (80, 24)) as pilot:
         scripted = engine(app)
         for pet, name in (("cat", "Tom"), ("dog", "Sam"), ("bird", "Kiv")):
             # the scripted model's next reply
@@ -326,8 +313,7 @@ async def test_history_tells_chats_with_one_title_apart(models_env: Path) -> Non
 @async_test
 async def test_history_keys_cursor_confirm_and_undo(models_env: Path) -> None:
     app = folder_app(models_env)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         oldest = await new_chat(pilot, "oldest chat")
         middle = await new_chat(pilot, "middle chat")
         await new_chat(pilot, "newest chat")
@@ -365,8 +351,7 @@ async def test_history_keys_cursor_confirm_and_undo(models_env: Path) -> None:
 @async_test
 async def test_title_follows_an_edited_first_message(models_env: Path) -> None:
     app = folder_app(models_env)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await turn(pilot, "tell me about cats")
         await turn(pilot, "and dogs")
         assert app.chat.conversation.title == "tell me about cats"
@@ -393,8 +378,7 @@ async def test_settings_errors_use_labels_and_folders_theme_restore_are_saved(
     models_env: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     app = folder_app(models_env)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await pilot.press("ctrl+s")
         screen = app.screen
         assert isinstance(screen, SettingsScreen)
@@ -443,8 +427,7 @@ async def test_settings_errors_use_labels_and_folders_theme_restore_are_saved(
 @async_test
 async def test_theme_input_history_and_last_chat_come_back(models_env: Path) -> None:
     app = folder_app(models_env)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await turn(pilot, "first question")
         await turn(pilot, "second question")
         app.theme = "gruvbox"  # e.g. from the palette's "Change theme"
@@ -454,8 +437,7 @@ async def test_theme_input_history_and_last_chat_come_back(models_env: Path) -> 
     loads: list[str] = []
     read = again.chat.store.load
     again.chat.store.load = lambda conv_id: loads.append(conv_id) or read(conv_id)  # type: ignore
-    async with again.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(again) as pilot:
         await wait_for(pilot, lambda: again.chat.conversation.id == chat)
         assert again.theme == "gruvbox"
         assert [w.content for w in again.chat.transcript.messages][0] == "first question"
@@ -466,8 +448,7 @@ async def test_theme_input_history_and_last_chat_come_back(models_env: Path) -> 
         assert loads == [chat]  # the last chat is read from disk once
     # turned off: a fresh chat and an empty history
     off = folder_app(models_env, restore_session=False)
-    async with off.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(off) as pilot:
         await pilot.pause(0.2)
         assert off.chat.conversation.id != chat and not off.chat.transcript.messages
         assert off.chat.input.sent_history == []
@@ -479,8 +460,7 @@ async def test_user_messages_render_as_markdown(models_env: Path) -> None:
     from textual.widgets import Markdown
 
     app = folder_app(models_env)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with loaded(app) as pilot:
         await turn(pilot, "see **this** and `code`\n\n- one\n- two")
         mine = next(w for w in app.chat.transcript.messages if w.role == "user")
         body = mine.body

@@ -19,7 +19,7 @@ from kvchat.app.tui.session import SESSION_FILE
 from kvchat.app.tui.widgets.format import human_bytes
 from kvchat.app.tui.widgets.status_line import status_text
 from kvchat.model.runtime.events import CacheRestored, Overflow, Started, TurnStats
-from tests.helpers.app import engine, ready, replies, turn
+from tests.helpers.app import engine, loaded, replies, turn
 from tests.helpers.scripted_engine import (
     ScriptedEngine,
     async_test,
@@ -68,8 +68,7 @@ def footer_keys(app: KVChatApp) -> list[tuple[str, Any]]:
 async def test_narrow_starts_with_the_status_line_and_the_key_shows_the_panel(
         env: Path, size: tuple[int, int]) -> None:
     app = make_app(max_kv_size=64)
-    async with app.run_test(size=size) as pilot:
-        await ready(pilot)
+    async with loaded(app, size) as pilot:
         await turn(pilot, "Tell me a story")
         await pilot.pause(0.3)
         panel, line = app.chat.panel, status_line(app)
@@ -93,8 +92,7 @@ async def test_narrow_starts_with_the_status_line_and_the_key_shows_the_panel(
 @async_test
 async def test_wide_shows_the_panel_and_the_choice_survives_a_resize(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=(120, 40)) as pilot:
-        await ready(pilot)
+    async with loaded(app, (120, 40)) as pilot:
         assert app.chat.panel.display and not status_line(app).display
         await pilot.press("f3")
         await pilot.pause(0.1)
@@ -128,8 +126,7 @@ async def test_footer_shows_whole_keys_at_every_width(env: Path) -> None:
     from kvchat.app.tui.actions import footer_rank
 
     app = make_app()
-    async with app.run_test(size=(130, 20)) as pilot:
-        await ready(pilot)
+    async with loaded(app, (130, 20)) as pilot:
         footer = app.chat.query_one("ActionFooter")
         for width in (50, 55, 60, 72, 80, 99, 100, 120, 130):
             await pilot.resize_terminal(width, 20)
@@ -153,8 +150,7 @@ async def test_footer_shows_whole_keys_at_every_width(env: Path) -> None:
 @async_test
 async def test_footer_keeps_one_order_as_focus_moves(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=(200, 40)) as pilot:
-        await ready(pilot)
+    async with loaded(app, (200, 40)) as pilot:
         await turn(pilot, "hello")
         await pilot.pause(0.2)
         in_input = [a for a, _ in footer_keys(app)]
@@ -173,8 +169,7 @@ async def test_footer_keeps_one_order_as_focus_moves(env: Path) -> None:
 @async_test
 async def test_settings_open_in_the_first_field(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=(120, 40)) as pilot:
-        await ready(pilot)
+    async with loaded(app, (120, 40)) as pilot:
         await pilot.press("ctrl+s")
         assert isinstance(app.screen, SettingsScreen)
         await pilot.press(*"You are a pirate")
@@ -187,8 +182,7 @@ async def test_settings_open_in_the_first_field(env: Path) -> None:
 @async_test
 async def test_sent_messages_keep_their_newlines(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=(120, 40)) as pilot:
-        await ready(pilot)
+    async with loaded(app, (120, 40)) as pilot:
         await turn(pilot, "first line\nsecond line")
         mine = next(w for w in app.chat.transcript.messages if w.role == "user")
         lines = [str(b.render()) for b in mine.query_one(Markdown).query("MarkdownBlock")]
@@ -199,8 +193,7 @@ async def test_sent_messages_keep_their_newlines(env: Path) -> None:
 @async_test
 async def test_reopening_a_chat_adds_no_duplicates_to_the_input_history(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=(120, 40)) as pilot:
-        await ready(pilot)
+    async with loaded(app, (120, 40)) as pilot:
         await turn(pilot, "one")
         await turn(pilot, "two")
         first = app.chat.conversation.id
@@ -221,8 +214,7 @@ async def test_reopening_a_chat_adds_no_duplicates_to_the_input_history(env: Pat
 @async_test
 async def test_panel_shows_the_configured_bound_from_the_start(env: Path) -> None:
     app = make_app(max_kv_size=64, keep=4)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await ready(pilot)
+    async with loaded(app, (120, 40)) as pilot:
         await pilot.pause(0.2)
         assert "0 / 64 tokens" in panel_text(app, "#gauge")
         assert "window   64 · keep 4" in panel_text(app, "#cache")
@@ -237,8 +229,7 @@ async def test_panel_shows_the_configured_bound_from_the_start(env: Path) -> Non
 @async_test
 async def test_speed_resets_with_the_chat_and_peak_says_its_scope(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=(120, 40)) as pilot:
-        await ready(pilot)
+    async with loaded(app, (120, 40)) as pilot:
         await pilot.pause(0.2)
         assert "at load" in panel_text(app, "#runtime")
         await turn(pilot, "hello")
@@ -257,8 +248,7 @@ async def test_speed_resets_with_the_chat_and_peak_says_its_scope(env: Path) -> 
 async def test_reused_counts_only_what_the_window_holds(env: Path) -> None:
     app = make_app(max_kv_size=64)
     seen = record_notifications(app)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await ready(pilot)
+    async with loaded(app, (120, 40)) as pilot:
         app.chat.bridge(CacheRestored("chat.kv.safetensors", tokens=415))  # a reopened chat
         app.chat.bridge(Started(prompt_tokens=430, cached_tokens=415))
         await pilot.pause(0.3)
@@ -274,8 +264,7 @@ async def test_reused_counts_only_what_the_window_holds(env: Path) -> None:
 async def test_one_context_notice_per_chat(env: Path) -> None:
     app = make_app(max_kv_size=64)
     seen = record_notifications(app)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await ready(pilot)
+    async with loaded(app, (120, 40)) as pilot:
 
         def notices() -> list[str]:
             return [m for m, _ in seen if "window" in m]
@@ -306,8 +295,7 @@ async def test_picker_stays_open_on_a_folder_it_cannot_load(env: Path) -> None:
     bad.mkdir()
     (bad / "notes.txt").write_text("no config here")
     app = make_app()
-    async with app.run_test(size=(120, 40)) as pilot:
-        await ready(pilot)
+    async with loaded(app, (120, 40)) as pilot:
         await pilot.press("ctrl+o")
         picker = app.screen
         assert isinstance(picker, ModelPickerScreen)
@@ -329,8 +317,7 @@ async def test_picker_stays_open_on_a_folder_it_cannot_load(env: Path) -> None:
 async def test_palette_lists_only_working_commands_and_screenshot_goes_to_data(
         env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=(120, 40)) as pilot:
-        await ready(pilot)
+    async with loaded(app, (120, 40)):
         titles = [c.title for c in app.get_system_commands(app.chat)]
         assert len(titles) == len(set(titles))
         assert "Maximize" not in titles and "Keys" not in titles
@@ -344,8 +331,7 @@ async def test_palette_lists_only_working_commands_and_screenshot_goes_to_data(
 @async_test
 async def test_undo_in_history_brings_back_the_kv_file(env: Path) -> None:
     app = make_app()
-    async with app.run_test(size=(120, 40)) as pilot:
-        await ready(pilot)
+    async with loaded(app, (120, 40)) as pilot:
         await turn(pilot, "keep my cache")
         doomed = app.chat.conversation.id
         store: ConversationStore = app.chat.store
@@ -375,8 +361,7 @@ async def test_undo_in_history_brings_back_the_kv_file(env: Path) -> None:
 async def test_copy_says_it_goes_through_the_terminal(env: Path) -> None:
     app = make_app()
     seen = record_notifications(app)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await ready(pilot)
+    async with loaded(app, (120, 40)) as pilot:
         await turn(pilot, "hello")
         await pilot.press("ctrl+y")
         note = next(m for m, _ in seen if "clipboard" in m)

@@ -81,9 +81,10 @@ async def test_a_stop_pressed_before_the_ui_saw_the_end_marks_the_reply(
 
 
 @async_test
-async def test_a_stop_in_time_keeps_the_next_token_and_the_label_says_stopping(
+async def test_a_stop_in_time_ends_the_reply_at_once_with_the_text_sent_before_it(
     env: Path,
 ) -> None:
+    # the reply shows "■ stopped" as soon as the key is handled, before the engine's Done;
     # prefill progress that arrives after the stop does not put "generating…" back
     app = make_app(pause_after=4)
     async with app.run_test(size=SIZE) as pilot:
@@ -96,16 +97,19 @@ async def test_a_stop_in_time_keeps_the_next_token_and_the_label_says_stopping(
         await asyncio.sleep(0.05)
         app.post_message(events.Key("escape", "\x1b"))
         try:
-            await _until(lambda: reply.border_subtitle == "stopping…")
+            await _until(lambda: reply.border_subtitle == "■ stopped")
             reply.note_progress("generating…")
-            assert reply.border_subtitle == "stopping…"
+            assert reply.border_subtitle == "■ stopped"
         finally:
             gate.set()
         await wait_for(pilot, lambda: not busy(app))
         assert last_done(app).finish_reason == "cancelled"
-        # four pieces were out; the engine emits the one it holds, then stops
-        assert reply.content == "".join(split_reply(REPLY)[:5])
+        # four pieces were out; the engine emits the one it holds, then stops: that fifth
+        # piece came after the key and is not part of the reply, here or in the chat file
+        assert reply.content == "".join(split_reply(REPLY)[:4])
         assert reply.stopped and reply.border_subtitle == "■ stopped"
+        assert app.chat.conversation.messages[-1] == {
+            "role": "assistant", "content": reply.content, "stopped": True}
 
 
 @async_test

@@ -33,6 +33,7 @@ from kvchat.model.cache.kv_math import (
     parse_size,
     state_bytes,
 )
+from kvchat.model.cache.layer_kinds import kinds_line, layer_kinds
 from kvchat.model.decoder.config import ModelConfig, load_config
 from kvchat.model.errors import ConfigError, KVChatError, ModelLoadError
 from kvchat.model.explain.facts import model_facts
@@ -169,6 +170,8 @@ def _inspect(args: argparse.Namespace) -> dict[str, Any]:
         "attention_layers": cfg.attention_layers,
         "state_layers": cfg.recurrent_layers,
         "state_bytes": state_bytes(cfg, dtype_bytes),
+        # each layer's kind, as the chat's Ctrl+L names it (model/cache/layer_kinds.py)
+        "kind_of_layer": layer_kinds(cfg),
         "gqa_saving": kv_saving(cfg),  # over MHA (latent attention: its own saving)
         "attention": attention_name(cfg),
         "latent": None if cfg.mla is None else {
@@ -339,8 +342,13 @@ def _render(o: dict[str, Any]) -> str:
         f" {_b(o['bytes_per_token'])}",
         f"KV cache at {o['context']:,} tokens: {_b(o['bytes_at_context'])}",
     ]
+    mixed = kinds_line(o["kind_of_layer"])  # a hybrid: which layer is which
+    if mixed:
+        lines.insert(1, f"layers: {mixed}")
     if o["state_layers"]:  # a fixed size: the same after one token as at any context
-        lines.append(f"state of {o['state_layers']} recurrent layers: {_b(o['state_bytes'])},"
+        plural = "s" if o["state_layers"] != 1 else ""
+        lines.append(f"state of {o['state_layers']} recurrent layer{plural}:"
+                     f" {_b(o['state_bytes'])},"
                      " the same at every context length")
     if o.get("note"):
         lines.insert(1, f"note: {o['note']}")

@@ -57,6 +57,8 @@ class EngineOptions:
     tokenizer: str = "auto"  # "auto" | "sentencepiece" | "hf"
     compiled: bool = True  # off: the plain decode step (bench --no-compile)
     prefix_pool_bytes: int = 0  # idle caches of other conversations (kvchat serve)
+    # turns decoded side by side in one batched step (kvchat serve; 1: one at a time)
+    max_batch: int = 1
     # hash the loaded model's files in the background (the chat, which saves and restores
     # K/V caches and needs the model's fingerprint for each: model/cache/integrity.py)
     warm_fingerprint: bool = False

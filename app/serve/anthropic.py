@@ -1,10 +1,9 @@
 """Anthropic's Messages API (`POST /v1/messages`): requests checked and turned into the
-same `Request` the OpenAI routes make, and the answers in Anthropic's shapes: a message
-object, or its stream of events (message_start, content_block_start,
-content_block_delta…, content_block_stop, message_delta, message_stop). Pure functions,
-no I/O (docs/serve.md, Anthropic's Messages API).
-
-Tool use is refused until tool calls are wired (fields.py): a 400 naming `tools`.
+same `Request` the OpenAI routes make (the conversation and tools: anthropic_messages.py),
+and the answers in Anthropic's shapes: a message object, or its stream of events
+(message_start, then per content block content_block_start, content_block_delta…,
+content_block_stop, then message_delta, message_stop). Pure functions, no I/O
+(docs/serve.md, Anthropic's Messages API).
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvchat.app.serve import anthropic_messages as convert
 from kvchat.app.serve import fields as known
 from kvchat.app.serve import protocol
 from kvchat.app.serve.errors import ApiError, bad
@@ -21,59 +21,7 @@ from kvchat.model.text.tool_calls import ToolCall
 
 # the engine's finish reasons in Anthropic's words (cancelled/error never reach a client)
 STOP_REASONS = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens",
-                "context_full": "model_context_window_exceeded"}
-ROLES = ("user", "assistant")
-
-
-def _text_blocks(value: Any, param: str) -> str:
-    """A string, or a list of text blocks joined; any other block refused by name."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise bad(f"'{param}' must be a string or a list of content blocks", param)
-    texts = []
-    for j, block in enumerate(value):
-        where = f"{param}[{j}]"
-        if not isinstance(block, dict):
-            raise bad(f"'{where}' must be a content block object", where)
-        kind = block.get("type")
-        if kind != "text":
-            raise known.refused(f"only text blocks are supported (got {kind!r})",
-                                f"{where}.type")
-        known.check(block, known.TEXT_BLOCK, f"{where}.")
-        if not isinstance(block.get("text"), str):
-            raise bad(f"'{where}.text' must be a string", f"{where}.text")
-        texts.append(block["text"])
-    return "".join(texts)
-
-
-def _messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad("'messages' must be a non-empty list of {role, content} objects", "messages")
-    out: list[dict[str, str]] = []
-    system = body.get("system")
-    if system is not None:
-        out.append({"role": "system", "content": _text_blocks(system, "system")})
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad(f"messages[{i}].role must be 'user' or 'assistant'", f"messages[{i}].role")
-        extra = sorted(set(m) - {"role", "content"})
-        if extra:
-            raise bad(f"unknown field 'messages[{i}].{extra[0]}'", f"messages[{i}].{extra[0]}")
-        text = _text_blocks(m.get("content"), f"messages[{i}].content")
-        if len(out) > (system is not None) and out[-1]["role"] == role:
-            out[-1]["content"] += "\n\n" + text  # consecutive turns of a role are one turn
-        else:
-            out.append({"role": role, "content": text})
-    if out[-1]["role"] != "user":
-        raise known.refused("a last assistant message (a prefill to continue)", "messages")
-    if not out[-1]["content"].strip():
-        raise bad("the last message is empty: nothing to reply to", "messages")
-    return out
+                "context_full": "model_context_window_exceeded", "tool_calls": "tool_use"}
 
 
 def _stops(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -113,9 +61,16 @@ def parse(body: Any, limits: Limits) -> Request:
     temp = protocol._get(body, "temperature", (int, float), "a number")
     if temp is not None and not 0 <= temp <= 1:
         raise bad(f"'temperature' must be in [0, 1], got {temp!r}", "temperature")
-    prompt = _messages(body)
+    prompt, tool_blocks = convert.conversation(body)
+    functions = convert.tools(body.get("tools"))
+    if tool_blocks and not functions:  # as Anthropic's API: the template needs them
+        raise bad("a conversation with tool_use or tool_result blocks needs 'tools'",
+                  "tools")
+    choice, parallel = convert.tool_choice(body.get("tool_choice"), functions)
     sampling = {k: body.get(k) for k in ("max_tokens", "temperature", "top_p", "top_k")}
     params = protocol._params(sampling, limits, capacity, stop=_stops(body))
+    params.tools, params.tool_choice = functions or None, choice
+    params.parallel_tool_calls = parallel
     stream = bool(protocol._get(body, "stream", (bool,), "a boolean"))
     cap = limits.max_prompt_tokens
     return Request("chat", prompt, params, stream, False, model, path,
@@ -141,38 +96,90 @@ def _message(req: Request, content: list[dict[str, Any]], usage: dict[str, Any],
             "usage": usage}
 
 
+def _content(done: Done) -> list[dict[str, Any]]:
+    """The reply's blocks in the order it wrote them (as a stream numbers them): its
+    text between the calls, each call; one text block, empty or not, when no call."""
+    if not done.tool_calls:
+        return [{"type": "text", "text": done.text}]
+    out: list[dict[str, Any]] = []
+    start = 0
+    for call, at in zip(done.tool_calls, done.tool_call_offsets, strict=True):
+        if done.text[start:at]:
+            out.append({"type": "text", "text": done.text[start:at]})
+        out.append(convert.tool_use_block(call))
+        start = at
+    if done.text[start:]:
+        out.append({"type": "text", "text": done.text[start:]})
+    return out
+
+
 class AnthropicWire:
-    """The answers of /v1/messages (server.py's JobResponse sends them)."""
+    """The answers of /v1/messages (server.py's JobResponse sends them). A stream's
+    content blocks are numbered as they open: text opens a text block (closed by a call
+    or the end), each call is one tool_use block, whole: its input in one
+    `input_json_delta`. So one wire answers one request (`for_response`)."""
 
     done_marker: bytes | None = None  # the stream ends with message_stop
 
+    def __init__(self) -> None:
+        self._next = 0  # the next block's index
+        self._text_open = False
+
+    def for_response(self) -> AnthropicWire:
+        return AnthropicWire()
+
     def whole(self, req: Request, done: Done, stop: str | None) -> dict[str, Any]:
-        return {**_message(req, [{"type": "text", "text": done.text}], _done_usage(done),
+        return {**_message(req, _content(done), _done_usage(done),
                            STOP_REASONS.get(done.finish_reason, "end_turn"), stop),
                 "kvchat": protocol.kvchat_stats(done)}
 
     def start(self, req: Request, started: Started) -> list[SseEvent]:
         usage = _usage(started.prompt_tokens, started.cached_tokens, 0)
         return [("message_start", {"type": "message_start",
-                                   "message": _message(req, [], usage)}),
-                ("content_block_start", {"type": "content_block_start", "index": 0,
-                                         "content_block": {"type": "text", "text": ""}})]
+                                   "message": _message(req, [], usage)})]
 
-    def tool_call(self, req: Request, index: int, call: ToolCall) -> list[SseEvent]:
-        return []  # never made: `tools` are refused on this route (fields.py)
+    def _open(self, block: dict[str, Any]) -> list[SseEvent]:
+        self._next += 1
+        return [("content_block_start", {"type": "content_block_start",
+                                         "index": self._next - 1, "content_block": block})]
+
+    def _close(self) -> list[SseEvent]:
+        self._text_open = False
+        return [("content_block_stop", {"type": "content_block_stop",
+                                        "index": self._next - 1})]
+
+    def _delta(self, delta: dict[str, Any]) -> list[SseEvent]:
+        return [("content_block_delta", {"type": "content_block_delta",
+                                         "index": self._next - 1, "delta": delta})]
 
     def text(self, req: Request, text: str) -> list[SseEvent]:
-        return [("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                         "delta": {"type": "text_delta", "text": text}})]
+        out: list[SseEvent] = []
+        if not self._text_open:
+            out = self._open({"type": "text", "text": ""})
+            self._text_open = True
+        return out + self._delta({"type": "text_delta", "text": text})
+
+    def tool_call(self, req: Request, index: int, call: ToolCall) -> list[SseEvent]:
+        block = convert.tool_use_block(call)
+        out = self._close() if self._text_open else []
+        return (out + self._open({**block, "input": {}})
+                + self._delta({"type": "input_json_delta", "partial_json": call.arguments})
+                + self._close())
 
     def end(self, req: Request, done: Done, stop: str | None) -> list[SseEvent]:
         reason = STOP_REASONS.get(done.finish_reason, "end_turn")
-        return [("content_block_stop", {"type": "content_block_stop", "index": 0}),
-                ("message_delta", {"type": "message_delta",
-                                   "delta": {"stop_reason": reason, "stop_sequence": stop},
-                                   "usage": _done_usage(done),
-                                   "kvchat": protocol.kvchat_stats(done)}),
-                ("message_stop", {"type": "message_stop"})]
+        out: list[SseEvent] = []
+        if not self._next:  # no text and no call: one empty text block, as `whole`'s
+            out = self._open({"type": "text", "text": ""})
+            self._text_open = True
+        if self._text_open:
+            out += self._close()
+        return out + [("message_delta", {"type": "message_delta",
+                                         "delta": {"stop_reason": reason,
+                                                   "stop_sequence": stop},
+                                         "usage": _done_usage(done),
+                                         "kvchat": protocol.kvchat_stats(done)}),
+                      ("message_stop", {"type": "message_stop"})]
 
     def error(self, err: ApiError) -> list[SseEvent]:
         return [("error", err.anthropic_body())]

@@ -39,11 +39,13 @@ POOL_SHARE = 8
 MIN_POOL_MB = 64
 FALLBACK_POOL_MB = 256
 DEFAULT_MAX_QUEUE = 16
+DEFAULT_MAX_BATCH = 8  # requests decoded side by side (docs/serve.md, "Many clients")
 DEFAULT_IDLE_TIMEOUT_S = 10.0
 # the numeric flags' ranges: (low, high, low open); a value outside is a usage error
 RANGES: dict[str, tuple[float, float, bool]] = {
     "port": (0, 65535, False),
     "max_queue": (0, 100_000, False),
+    "max_batch": (1, 256, False),
     "cache_pool_mb": (0, 2**20, False),  # 1 TiB
     "max_body_mb": (0, 1024, True),
     "idle_timeout": (0, 3600, True),
@@ -90,6 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory for idle caches of other conversations, reused by prefix"
                    f" (default: 1/{POOL_SHARE} of the machine's memory, shown at start;"
                    " 0 = one cache)")
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N",
+                   help="requests decoded side by side in one batched step"
+                   " (default %(default)s; 1: one at a time)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
                    help="requests that may wait; past it: 429 (default %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=4.0, metavar="MB",
@@ -222,7 +227,9 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
     """The engine's settings from the flags (the place where new engine options reach
     the server)."""
     budget, _ = pool_budget(args.cache_pool_mb, physical_memory())
-    return EngineOptions(tokenizer=args.tokenizer, prefix_pool_bytes=budget)
+    # a model split across hosts runs one turn at a time (its ranks step one sequence)
+    batch = 1 if args.serve_hostfile else args.max_batch
+    return EngineOptions(tokenizer=args.tokenizer, prefix_pool_bytes=budget, max_batch=batch)
 
 
 def _listen(host: str, port: int) -> socket.socket:

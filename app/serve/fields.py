@@ -103,8 +103,8 @@ CHAT = {
                        " reads `tools` is refused)"),
     "tool_choice": _honoured("`auto`, `none`, `required` or a named function (forced calls"
                              " are constrained to validate)"),
-    # the model may write several calls or one; kvchat returns what it wrote
-    "parallel_tool_calls": _advisory("the calls the model writes are returned, one or more"),
+    "parallel_tool_calls": _honoured("false: one call at most (the reply ends with it);"
+                                     " true (default): the calls the model writes"),
     "functions": _refused("the deprecated form: use `tools`", _empty),
     "function_call": _refused("the deprecated form: use `tool_choice`", _none_or("none")),
     "response_format": _honoured("`text`, `json_object` or `json_schema` (enforced while"
@@ -154,7 +154,7 @@ MESSAGE = {
 MESSAGES = {
     "model": _honoured("the loaded model's id (or path), or a --models-dir model"),
     "max_tokens": _honoured("≥ 1 (0, a cache warm-up, is refused)"),
-    "messages": _honoured("user / assistant turns, text blocks"),
+    "messages": _honoured("user / assistant turns: text, tool_use and tool_result blocks"),
     "system": _honoured("a string or text blocks"),
     "stop_sequences": _honoured("up to 16 strings"),
     "stream": _honoured("Anthropic's event sequence"),
@@ -162,10 +162,10 @@ MESSAGES = {
     "top_p": _honoured("0 < p ≤ 1"),
     "top_k": _honoured("≥ 0"),
     "metadata": _honoured("`user_id` names the client's cache partition"),
-    "tools": _refused("tool use is not wired yet; refused rather than answered as text",
-                      _empty),
-    "tool_choice": _refused("tool use is not wired yet",
-                            lambda v: v is None or v in ({"type": "none"}, {"type": "auto"})),
+    "tools": _honoured("custom tools, rendered by the model's chat template (one that never"
+                       " reads `tools` is refused); server tools are refused"),
+    "tool_choice": _honoured("`auto`, `any`, `tool` (forced calls are constrained to"
+                             " validate) or `none`; `disable_parallel_tool_use`"),
     "thinking": _refused("no extended thinking",
                          lambda v: v is None or v == {"type": "disabled"}),
     "output_config": _refused("no output format or effort settings", _empty),
@@ -182,10 +182,54 @@ MESSAGES = {
 MESSAGES_METADATA = {"user_id": _honoured("names the client's cache partition")}
 
 TEXT_BLOCK = {
-    "type": _honoured("`text` (other blocks are refused)"),
+    "type": _honoured("`text` (images, documents, thinking blocks are refused)"),
     "text": _honoured("the text"),
     "cache_control": _advisory("caching is automatic"),
     "citations": _refused("no citations", _empty),
+}
+
+# tool use on /v1/messages (anthropic_messages.py): a tool, the choice, and the blocks
+TOOL = {
+    "type": _honoured("`custom` (server tools are refused by their type)"),
+    "name": _honoured("the function's name"),
+    "description": _honoured("rendered by the chat template"),
+    "input_schema": _honoured("the function's parameters (a forced call validates)"),
+    "cache_control": _advisory("caching is automatic"),
+    # kvchat holds a call to its schema only when tool_choice forces it
+    "strict": _refused("only a forced call (tool_choice any / tool) is held to its schema",
+                       _none_or(False)),
+    "input_examples": _refused("the chat template has no place for examples", _empty),
+    "allowed_callers": _refused("only direct calls, no programmatic tool calling",
+                                lambda v: v is None or v == ["direct"]),
+    "defer_loading": _refused("no tool search: every tool is rendered", _none_or(False)),
+    # it asks for input deltas sooner; the input the client assembles is the same
+    "eager_input_streaming": _advisory("a call's input is streamed whole, once complete"),
+}
+
+TOOL_CHOICE = {
+    "type": _honoured("`auto`, `any`, `tool` or `none`"),
+    "name": _honoured("the tool that `tool` forces"),
+    "disable_parallel_tool_use": _honoured("true: one call at most"),
+}
+
+TOOL_USE_BLOCK = {
+    "type": _honoured("`tool_use`: an assistant's past call"),
+    "id": _honoured("the call's id"),
+    "name": _honoured("the tool's name"),
+    "input": _honoured("the call's arguments"),
+    "cache_control": _advisory("caching is automatic"),
+    "caller": _refused("only direct calls, no programmatic tool calling",
+                       lambda v: v is None or v == {"type": "direct"}),
+    "toolset_name": _refused("no toolsets", _empty),
+}
+
+TOOL_RESULT_BLOCK = {
+    "type": _honoured("`tool_result`: a tool's result"),
+    "tool_use_id": _honoured("the call it answers"),
+    "content": _honoured("a string or text blocks"),
+    "is_error": _honoured("the result is shown to the model as an error"),
+    "cache_control": _advisory("caching is automatic"),
+    "toolset_name": _refused("no toolsets", _empty),
 }
 
 

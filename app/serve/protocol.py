@@ -314,6 +314,9 @@ def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
         except KVChatError as e:
             raise bad(str(e), "tool_choice") from None
         out["tool_choice"] = choice
+    parallel = _get(body, "parallel_tool_calls", (bool,), "a boolean")
+    if parallel is not None:
+        out["parallel_tool_calls"] = parallel
     return out
 
 
@@ -468,9 +471,13 @@ SseEvent = tuple[str | None, dict[str, Any]]  # (the SSE event name, if any; its
 
 class Wire(Protocol):
     """An API's answers to a job (server.py's JobResponse sends them): the whole reply,
-    or a stream's events at its start, for each piece of text and at its end."""
+    or a stream's events at its start, for each piece of text or call and at its end."""
 
     done_marker: bytes | None  # what ends a stream after its last event, if anything
+
+    def for_response(self) -> Wire:
+        """The wire for one response (a stream's state, where the API numbers its parts)."""
+        ...
 
     def whole(self, req: Request, done: Done, stop: str | None) -> dict[str, Any]: ...
     def start(self, req: Request, started: Started) -> list[SseEvent]: ...
@@ -485,6 +492,9 @@ class OpenAIWire:
     """The answers of the OpenAI routes (server.py's JobResponse sends them)."""
 
     done_marker: bytes | None = b"data: [DONE]\n\n"
+
+    def for_response(self) -> OpenAIWire:
+        return self  # stateless: every chunk names its own index
 
     def whole(self, req: Request, done: Done, stop: str | None) -> dict[str, Any]:
         return completion(req, done)

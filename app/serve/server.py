@@ -395,7 +395,7 @@ class JobResponse:
 
     def __init__(self, server: KVChatServer, job: Job, req: protocol.Request):
         self.server, self.job, self.req = server, job, req
-        self.wire = WIRES[req.api]
+        self.wire = WIRES[req.api].for_response()
         self._held: Any = None  # an event read ahead while merging text deltas
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

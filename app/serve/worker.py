@@ -1,10 +1,12 @@
 """One engine, many requests: a bounded queue served in arrival order.
 
 The engine (in its own process, as the chat runs it; on a thread of this process when a
-pipeline's rank 0 must be this process) runs one turn at a time. Its events arrive on a
-reader thread and hop to the event loop; the running job gets them on its own queue.
-Turns are submitted one by one, only after the previous Done, so `engine.cancel()`
-(which cancels every turn submitted so far) only ever reaches the job it is meant for.
+pipeline's rank 0 must be this process) runs up to its `max_batch` turns side by side,
+decoding them in one batched step (docs/serve.md, "Many clients"); an engine without
+batching runs one at a time. Its events arrive on a reader thread and hop to the event
+loop, each tagged with its turn (TurnEvent) when turns run side by side; each running
+job gets its own on its own queue. A client that leaves cancels its turn alone
+(`engine.cancel(turn)`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvchat.model.runtime.events import (
     Prompt,
     Started,
     Stats,
+    TurnEvent,
     TurnStats,
 )
 
@@ -56,6 +59,7 @@ class Job:
     cancelled: bool = False
     t_arrival: float = field(default_factory=time.monotonic)
     t_start: float | None = None
+    turn: int | None = None  # the engine's id of its turn, once submitted
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -71,7 +75,8 @@ class EngineWorker:
         self._deaths: list[float] = []
         self.max_queue = max_queue
         self.waiting: collections.deque[Job] = collections.deque()
-        self.current: Job | None = None
+        self.running: dict[int, Job] = {}  # by turn id, in submission order
+        self._starting: Job | None = None  # popped, loading its model before it runs
         self.info: dict[str, Any] = {}
         self.load_error: str | None = None
         self.ready = asyncio.Event()  # set when the model loaded (or failed to)
@@ -102,12 +107,28 @@ class EngineWorker:
     def is_ready(self) -> bool:
         return self.ready.is_set() and self.load_error is None
 
+    @property
+    def max_running(self) -> int:
+        """Turns the engine runs side by side (1: one at a time)."""
+        return max(1, int(getattr(self.engine, "max_batch", 1) or 1))
+
+    @property
+    def current(self) -> Job | None:
+        """The longest-running job (None: the engine is idle)."""
+        if self._starting is not None:
+            return self._starting
+        return next(iter(self.running.values()), None)
+
+    def _n_running(self) -> int:
+        return len(self.running) + (self._starting is not None)
+
     # ---- jobs (event loop) ---------------------------------------------------------
     def submit(self, prompt: Prompt, params: GenParams, model_path: str | None = None) -> Job:
         if not self.is_ready:
             raise NotReady(self.load_error or "the model is still loading")
-        # the first waiting job is as good as running when the engine is idle
-        if len(self.waiting) + (self.current is not None) > self.max_queue:
+        # max_queue wait beyond the jobs running (a waiting job is as good as running when
+        # the engine has room for it)
+        if len(self.waiting) + self._n_running() >= self.max_queue + self.max_running:
             self.counters["rejected_busy"] += 1
             raise QueueFull(f"{len(self.waiting)} requests are already waiting")
         job = Job(prompt, params, model_path)
@@ -125,26 +146,29 @@ class EngineWorker:
         if job.state == "waiting":
             self.waiting.remove(job)
             self._finish(job, Done("cancelled", "", [], []))
-        elif self.engine is not None:
-            self.engine.cancel()
+        elif self.engine is not None and job.turn is not None:
+            self.engine.cancel(job.turn)
 
     async def _serve(self) -> None:
         while True:
-            while not self.waiting:
+            while not self.waiting or len(self.running) >= self.max_running:
                 self._wake.clear()
                 await self._wake.wait()
             job = self.waiting.popleft()
             job.state, job.t_start = "running", time.monotonic()
-            self.current = job
             assert self.engine is not None
             if job.model_path is not None and job.model_path != self.info.get("path"):
-                if (error := await self._load(job.model_path)) is not None:
+                self._starting = job
+                while self.running:  # the turns of the loaded model end first
+                    self._wake.clear()
+                    await self._wake.wait()
+                error = await self._load(job.model_path)
+                self._starting = None
+                if error is not None:
                     self._finish(job, Done("error", "", [], [], error=error))
-                    self.current = None
                     continue
-            self.engine.submit(job.prompt, job.params)
-            await job.finished.wait()
-            self.current = None
+            job.turn = self.engine.submit(job.prompt, job.params)
+            self.running[job.turn] = job
 
     async def _load(self, path: str) -> str | None:
         """Switch the engine to the model at `path` (its caches go with the old one);
@@ -208,7 +232,14 @@ class EngineWorker:
             if self._switch is None or not alive:  # at start-up, or the engine died
                 self._engine_died(ev.message or "the engine stopped")
             return
-        job = self.current
+        if isinstance(ev, TurnEvent):
+            job, ev = self.running.get(ev.turn), ev.event
+        elif isinstance(ev, Done) and len(self.running) > 1:  # the engine died mid-turns
+            for job in list(self.running.values()):
+                self._finish(job, ev)
+            return
+        else:  # an engine that runs one turn at a time
+            job = next(iter(self.running.values()), None)
         if job is None:
             return
         if isinstance(ev, Started):
@@ -222,6 +253,9 @@ class EngineWorker:
 
     def _finish(self, job: Job, done: Done) -> None:
         job.state = "done"
+        if job.turn is not None:
+            self.running.pop(job.turn, None)
+        self._wake.set()
         c = self.counters
         if done.finish_reason == "cancelled":
             c["cancelled"] += 1
@@ -241,4 +275,5 @@ class EngineWorker:
     # ---- statistics ------------------------------------------------------------------
     def queue_stats(self) -> dict[str, Any]:
         return {"waiting": len(self.waiting), "running": self.current is not None,
+                "running_requests": self._n_running(), "max_batch": self.max_running,
                 "max_queue": self.max_queue}

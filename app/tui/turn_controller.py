@@ -1,10 +1,15 @@
 """One chat turn in the UI: it submits the turn to the engine, streams its text into the
 reply, follows its Started / Stats / Done events and its notices, and stops it.
 
-A stop (Esc, Ctrl+C) asks the engine to cancel at its next token, and the reply ends
-marked stopped with the text the engine had produced, however the engine ends the turn:
-a busy UI can handle the key only after the engine has already finished on its own
-(docs/design.md, Data flow of one chat turn). What the turn leaves behind (the message in
+A stop (Esc, Ctrl+C) asks the engine to cancel at its next token and ends the reply on
+screen at once: it keeps the text the engine had sent before the stop was handled (shown,
+or waiting in the bridge for the next frame) and is marked stopped; what the engine
+produces between the key and its next token is dropped, so the reply a person stopped
+never grows after the key. The engine's cache holds those few tokens more; the next turn's
+prompt, built from the kept text, trims them (docs/design.md, Data flow of one chat turn).
+A busy UI can handle the key only after the engine has already finished on its own: the
+reply still ends stopped, with every token the engine had sent by then.
+What the turn leaves behind (the message in
 the conversation, the saved chat) is the conversation's business: `keep` gets it.
 """
 
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 from kvchat.app.tui.bridge import Bridge
@@ -64,6 +70,7 @@ class TurnController:
         self.restored_tokens = 0  # tokens of a reopened chat's cache, until its next turn
         self._gen = 0  # the turn whose text the transcript shows (the bridge's count)
         self._stop_asked = False  # a stop reached this turn before its Done did
+        self._tail = ""  # the text the engine had sent before the stop, not yet in the reply
         self._last_flush = 0.0
         self._flush_armed = False
 
@@ -88,6 +95,9 @@ class TurnController:
         self._stop_asked = True
         view.engine.cancel()
         if self.reply is not None:
+            # the reply ends here: what reached this process before the key stays (the next
+            # flush adds it), nothing after it; the label says stopped now, not at the Done
+            self._tail = view.bridge.take(self._gen)
             self.reply.mark_stopping()
         return True
 
@@ -114,6 +124,8 @@ class TurnController:
         """Move the streamed text of this turn into the reply."""
         self._last_flush = time.monotonic()
         text = self.view.bridge.take(self._gen)
+        if self._stop_asked:  # stopped: only the text sent before the stop
+            text, self._tail = self._tail, ""
         if text and self.reply is not None:
             if self.view.phase is Phase.PREFILLING:
                 self.view.go(Phase.DECODING)
@@ -146,9 +158,11 @@ class TurnController:
         await self.flush()
         reply, self.reply = self.reply, None
         # asked to stop: the engine may have ended the turn on its own before the cancel
-        # reached it; the user stopped it all the same
+        # reached it; the user stopped it all the same, with the text sent before the key
         stopped = ev.finish_reason == "cancelled" or (
             self._stop_asked and ev.finish_reason != "error")
+        if self._stop_asked and reply is not None and ev.finish_reason != "error":
+            ev = replace(ev, text=reply.content)
         self._stop_asked = False
         view = self.view
         try:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvchat.app.tui.widgets import ChatMessage, StatsPanel
+from kvchat.model.cache.layer_kinds import FOLDING_MIXERS
 from kvchat.model.runtime.events import Overflow, PrefillProgress
 
 # a prompt read faster than this shows no progress (it would only flicker)
@@ -17,12 +18,19 @@ def prefill_label(ev: PrefillProgress) -> str:
     return f"reading the prompt: {ev.done:,}/{ev.total:,} tokens · {ev.tps:,.0f} tok/s"
 
 
-def overflow_message(ev: Overflow) -> str:
+def overflow_message(ev: Overflow, mixer: str | None = None) -> str:
+    """`mixer`: the model's recurrent mixer (model_info's), whose state may still carry
+    what the attention window dropped."""
     where = "the prompt" if ev.during == "prompt" else "the reply"
+    lost = ("The model no longer sees the start of the conversation, so replies can lose"
+            " the thread.")
+    if mixer in FOLDING_MIXERS:  # docs/kv-cache.md, "An endless chat on a model with ..."
+        lost = ("Its attention layers no longer see the start of the conversation; its"
+                " recurrent layers still carry it, folded into their state, not word for"
+                " word.")
     return (f"The chat outgrew the {ev.capacity:,}-token window: {ev.dropped:,} oldest tokens"
-            f" dropped during {where}. The model no longer sees the start of the"
-            " conversation, so replies can lose the thread. Settings (Ctrl+S) › max KV size"
-            " sets the window, up to the model's own context.")
+            f" dropped during {where}. {lost} Settings (Ctrl+S) › max KV size sets the"
+            " window, up to the model's own context.")
 
 
 def on_turn_event(
@@ -46,7 +54,8 @@ def on_turn_event(
             reply.note_progress(prefill_label(ev))
     else:
         if panel.note_overflow():
-            notify(overflow_message(ev), severity="warning", title="Context full", timeout=15)
+            notify(overflow_message(ev, panel.info.get("mixer")), severity="warning",
+                   title="Context full", timeout=15)
         if reply is not None:
-            reply.tooltip = overflow_message(ev)
+            reply.tooltip = overflow_message(ev, panel.info.get("mixer"))
             reply.add_class("-overflow")

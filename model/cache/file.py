@@ -12,6 +12,11 @@ valid position, a padded head_dim) from the metadata. Writes are atomic: a tempo
 file in the same folder (made 0600 before MLX writes into it), renamed over the old one.
 A checksum of the arrays and the header
 (cache_integrity.py) is sealed into the header and verified before anything is trusted.
+
+A hybrid model's recurrent layers save their state (`StateCache`: conv, recurrent,
+offset; a mixer-less `PassCache` its offset), so such a file is for kvchat's loader only;
+its checkpoints (checkpoints.py) ride beside the layers as arrays named
+`kvchat_ckpt_<j>_<layer>_<part>`, listed in the metadata, all under the same checksum.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from kvchat.model.errors import one_line
 
+from .checkpoints import Checkpoint
 from .integrity import CHECKSUM_KEY, seal, verify
 from .kv import (
     CacheError,
@@ -37,15 +43,19 @@ from .kv import (
     QuantizedRotatingKVCache,
     RotatingKVCache,
 )
+from .state import PassCache, StateCache
 
 # ChunkedKVCache (Llama 4's chunked layers) is kvchat's ring of one chunk: mlx-lm's class
 # of that name keeps another state, so such a file is for kvchat's loader only
 CLASSES: dict[str, type] = {
     c.__name__: c
     for c in (KVCache, RotatingKVCache, QuantizedKVCache, QuantizedRotatingKVCache,
-              ChunkedKVCache)
+              ChunkedKVCache, StateCache, PassCache)
 }
 EXTRAS_KEY = "kvchat_extras"  # no dots: tree_unflatten splits keys at dots
+CHECKPOINTS_KEY = "kvchat_checkpoints"
+CHECKPOINT_PREFIX = "kvchat_ckpt_"
+STATE_PARTS = ("conv", "recurrent")
 LEGACY_KEY = "kvchat_meta_state"  # files before the mlx-lm 0.32 protocol
 FILE_MODE = 0o600
 
@@ -53,7 +63,8 @@ FILE_MODE = 0o600
 def savable(caches: list[Any]) -> bool:
     """Whether save_cache can write these layers (our classes, none empty)."""
     return bool(caches) and all(
-        type(c).__name__ in CLASSES and type(c) is CLASSES[type(c).__name__] and not c.empty()
+        type(c).__name__ in CLASSES and type(c) is CLASSES[type(c).__name__]
+        and (not c.empty() or isinstance(c, PassCache))  # a PassCache holds no array
         for c in caches
     )
 
@@ -83,8 +94,48 @@ def _decode_scalars(arrays: dict[str, Any], scalars: list[Any]) -> None:
             raise ValueError(f"unknown scalar kind {kind!r}")
 
 
-def save_cache(path: str | Path, caches: list[Any], metadata: dict[str, str]) -> int:
-    """Write `caches` (+ string `metadata`) to `path` atomically; returns bytes written."""
+def _checkpoint_arrays(checkpoints: list[Checkpoint]) -> tuple[dict[str, mx.array], str]:
+    """The checkpoints' arrays by name, and their listing for the metadata: per
+    checkpoint its token and, per recurrent layer, which parts it holds."""
+    arrays: dict[str, mx.array] = {}
+    listing = []
+    for j, cp in enumerate(checkpoints):
+        layers = []
+        for layer, snap in cp.states:
+            held = [name for name, a in zip(STATE_PARTS, snap[:2], strict=True) if a is not None]
+            for name, a in zip(STATE_PARTS, snap[:2], strict=True):
+                if a is not None:
+                    arrays[f"{CHECKPOINT_PREFIX}{j}_{layer}_{name}"] = a
+            layers.append([layer, held])
+        listing.append({"at": cp.at, "layers": layers})
+    return arrays, json.dumps(listing)
+
+
+def _read_checkpoints(arrays: dict[str, Any], listing: str | None) -> list[Checkpoint]:
+    """The checkpoints `_checkpoint_arrays` wrote (their arrays leave `arrays`)."""
+    mine = {k: arrays.pop(k) for k in [k for k in arrays if k.startswith(CHECKPOINT_PREFIX)]}
+    out = []
+    for j, entry in enumerate(json.loads(listing) if listing is not None else []):
+        at = entry["at"]
+        if not isinstance(at, int) or isinstance(at, bool):
+            raise ValueError(f"checkpoint {j} has no token position")
+        states = []
+        for layer, held in entry["layers"]:
+            if not isinstance(layer, int) or not set(held) <= set(STATE_PARTS):
+                raise ValueError(f"checkpoint {j} lists an unknown layer or part")
+            conv, rec = (mine.pop(f"{CHECKPOINT_PREFIX}{j}_{layer}_{name}") if name in held
+                         else None for name in STATE_PARTS)
+            states.append((layer, (conv, rec, at)))
+        out.append(Checkpoint(at, tuple(states)))
+    if mine:
+        raise ValueError(f"{len(mine)} checkpoint arrays no checkpoint lists")
+    return out
+
+
+def save_cache(path: str | Path, caches: list[Any], metadata: dict[str, str],
+               checkpoints: list[Checkpoint] | None = None) -> int:
+    """Write `caches` (+ string `metadata`, + a hybrid model's `checkpoints`) to `path`
+    atomically; returns bytes written."""
     path = Path(path)
     names = [type(c).__name__ for c in caches]
     if not savable(caches):
@@ -94,8 +145,11 @@ def save_cache(path: str | Path, caches: list[Any], metadata: dict[str, str]) ->
         key: _encode_scalar(key, value, scalars)
         for key, value in tree_flatten([c.state for c in caches])
     }
-    extras = [{name: getattr(c, name) for name in c.extras} for c in caches]
+    extras = [{name: getattr(c, name) for name in getattr(c, "extras", ())} for c in caches]
     meta = {**metadata, EXTRAS_KEY: json.dumps(extras)}
+    if checkpoints:
+        more, meta[CHECKPOINTS_KEY] = _checkpoint_arrays(checkpoints)
+        arrays.update(more)
     header = seal(arrays, dict(tree_flatten([meta, names, scalars])), f"0.{CHECKSUM_KEY}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{secrets.token_hex(3)}.tmp.safetensors")
@@ -116,12 +170,21 @@ def save_cache(path: str | Path, caches: list[Any], metadata: dict[str, str]) ->
 def load_cache(path: str | Path) -> tuple[list[Any], dict[str, str]]:
     """Our caches and the metadata from a file save_cache wrote. CacheError (one line)
     on anything else."""
+    caches, meta, _ = load_cache_and_checkpoints(path)
+    return caches, meta
+
+
+def load_cache_and_checkpoints(path: str | Path
+                               ) -> tuple[list[Any], dict[str, str], list[Checkpoint]]:
+    """`load_cache`, with the checkpoints saved beside the layers (checked for their
+    model by integrity.py's `check_checkpoints`, not here)."""
     path = Path(path)
     try:
         arrays, header = mx.load(str(path), return_metadata=True)
         verify(arrays, header)  # before any of it is trusted (cache_integrity.py)
         meta, names, scalars = tree_unflatten(list(header.items()))
         meta.pop(CHECKSUM_KEY, None)
+        checkpoints = _read_checkpoints(arrays, meta.pop(CHECKPOINTS_KEY, None))
         if LEGACY_KEY in meta:  # (offset, keep, max_size, idx, lo): lo was the extra
             legacy = json.loads(meta.pop(LEGACY_KEY))
             extras = [{"_lo": int(m[4])} if len(m) == 5 else {} for m in legacy]
@@ -133,7 +196,7 @@ def load_cache(path: str | Path) -> tuple[list[Any], dict[str, str]]:
         for name, state, extra in zip(names, layers, extras, strict=True):
             cache = CLASSES[name].from_state(tuple(state))
             for attr, value in extra.items():
-                if attr not in cache.extras:
+                if attr not in getattr(cache, "extras", ()):
                     raise ValueError(f"unexpected {attr!r} for {name}")
                 setattr(cache, attr, value)
             caches.append(cache)
@@ -142,4 +205,4 @@ def load_cache(path: str | Path) -> tuple[list[Any], dict[str, str]]:
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, IndexError,
             AssertionError) as e:
         raise CacheError(f"unreadable K/V cache file {path.name}: {one_line(e)}") from None
-    return caches, meta
+    return caches, meta, checkpoints

@@ -14,7 +14,10 @@ Three checks, each one line when it fails (the caller then prefills the history 
 - the layers against the model: count, kind, every part of K and V (shape and dtype; a
   quantized layer's packed rows, scales and biases, its bits and group), offsets against
   the token ids, ring bounds (size, sinks, one slot per resident token, a lowest valid
-  position kvchat could have written), ids inside the vocabulary, finite values.
+  position kvchat could have written), ids inside the vocabulary, finite values; a
+  recurrent layer's conv and recurrent state (shape and dtype from the model's mixer),
+  and each saved checkpoint of them (its token inside the chat, in order, every
+  recurrent layer once, the same shapes, finite).
 
 Self-contained (save_cache/load_cache call `seal` and `verify`; the engine calls
 `model_fingerprint` and `check_layers`), so the file's layout can change around it.
@@ -37,6 +40,7 @@ from kvchat.model.files import open_regular
 
 from .kv import QUANTIZED, CacheError, parts
 from .kv_math import KVWidths
+from .state import PassCache, StateCache
 
 CHECKSUM_KEY = "kvchat_checksum"
 READ_CHUNK = 1 << 20
@@ -180,13 +184,46 @@ def _check_ring(i: int, c: Any, e: Any, tokens: int) -> None:
                          f" {c.offset} tokens in a ring of {c.max_size} (keep {c.keep})")
 
 
+def state_layout(mixer: Any, dtype: str) -> list[tuple[tuple[int, ...], str] | None]:
+    """The (shape, dtype) of a recurrent layer's conv and recurrent state for one
+    sequence: the conv state at the compute dtype, the recurrent one in float32 (None:
+    the mixer has no recurrent state, LFM2's short convolution)."""
+    conv, *recurrent = mixer.state_shapes()
+    return [((1, *conv), dtype), *(((1, *r), "float32") for r in recurrent),
+            *([None] if not recurrent else [])]
+
+
+def _check_state(where: str, arrays: tuple[Any, ...], offset: Any, tokens: int, mixer: Any,
+                 dtype: str | None) -> None:
+    """One recurrent layer's state (or a checkpoint of it) as the model writes it after
+    `tokens` tokens: each part's shape and dtype, finite, its offset."""
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset != tokens:
+        raise CacheError(f"{where} says {offset!r} tokens, it should hold {tokens}")
+    if mixer is None:
+        raise CacheError(f"{where} holds a recurrent state; the model has no recurrent layer")
+    conv_dtype = dtype or (_dtype(arrays[0]) if arrays[0] is not None else "float32")
+    want = state_layout(mixer, conv_dtype)
+    have = [None if a is None else (tuple(a.shape), _dtype(a)) for a in arrays]
+    if have != want:
+        raise CacheError(f"{where}'s state is {_describe_state(have)}, the model's"
+                         f" {_describe_state(want)}")
+    if not all(mx.all(mx.isfinite(a)).item() for a in arrays if a is not None):
+        raise CacheError(f"{where} holds values that are not finite")
+
+
+def _describe_state(layout: list[tuple[tuple[int, ...], str] | None]) -> str:
+    return " + ".join(f"{x[1]} {x[0]}" for x in layout if x is not None) or "nothing"
+
+
 def check_layers(caches: list[Any], ids: list[int], expected: list[Any], *,
-                 widths: KVWidths, dtype: str | None, vocab_size: int) -> None:
+                 widths: KVWidths, dtype: str | None, vocab_size: int,
+                 mixer: Any = None) -> None:
     """CacheError (one line) unless every layer is what the model would have written for
     these token ids: `expected` is the model's own fresh cache for the chat's bound (kinds,
-    rings, quantization), `widths` its K/V heads and features, `dtype` its compute dtype.
-    Every part of K and V is checked (shape and dtype, a quantized layer's scales and
-    biases too), the offsets, the ring bounds, and that the floats are finite."""
+    rings, quantization), `widths` its K/V heads and features, `dtype` its compute dtype,
+    `mixer` its recurrent layers' sizes (decoder/state_config.py). Every part of K and V
+    is checked (shape and dtype, a quantized layer's scales and biases too), the offsets,
+    the ring bounds, a recurrent layer's state, and that the floats are finite."""
     if len(caches) != len(expected):
         raise CacheError(f"it has {len(caches)} layers, the model {len(expected)}")
     if not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
@@ -196,6 +233,15 @@ def check_layers(caches: list[Any], ids: list[int], expected: list[Any], *,
         if type(c) is not type(e) and QUANTIZED.get(type(e)) is not type(c):
             raise CacheError(f"layer {i} is a {type(c).__name__}, the model makes a"
                              f" {type(e).__name__}")
+        if isinstance(c, PassCache):  # no mixer: only its count of tokens
+            if c.conv is not None or c.recurrent is not None or c.offset != len(ids):
+                raise CacheError(f"layer {i} (no token mixer) holds a state or says"
+                                 f" {c.offset!r} tokens for {len(ids)}")
+            continue
+        if isinstance(c, StateCache):
+            _check_state(f"layer {i}", (c.conv, c.recurrent), c.offset, len(ids), mixer,
+                         dtype)
+            continue
         if c.keys is None or c.values is None:
             raise CacheError(f"layer {i} holds no keys and values")
         if c.offset != len(ids):
@@ -228,3 +274,24 @@ def check_layers(caches: list[Any], ids: list[int], expected: list[Any], *,
 
 def _describe(layout: list[tuple[tuple[int, ...], str]]) -> str:
     return " + ".join(f"{dt} {shape}" for shape, dt in layout)
+
+
+def check_checkpoints(checkpoints: list[Any], caches: list[Any], ids: list[int], *,
+                      mixer: Any, dtype: str | None) -> None:
+    """CacheError (one line) unless the saved checkpoints are what this model's recurrent
+    layers would have held: each at a token inside the chat (after the first, before or
+    at the last), in increasing order, with every recurrent layer of `caches` exactly
+    once, each state shaped and typed as the model writes it and finite."""
+    layers = sorted(i for i, c in enumerate(caches)
+                    if isinstance(c, StateCache) and not isinstance(c, PassCache))
+    last = 0
+    for j, cp in enumerate(checkpoints):
+        where = f"checkpoint {j}"
+        if not (isinstance(cp.at, int) and last < cp.at <= len(ids)):
+            raise CacheError(f"{where} is at token {cp.at!r}, outside the chat's"
+                             f" {len(ids)} tokens or out of order")
+        last = cp.at
+        if sorted(layer for layer, _ in cp.states) != layers or len(cp.states) != len(layers):
+            raise CacheError(f"{where} holds other layers than the model's recurrent ones")
+        for layer, snap in cp.states:
+            _check_state(f"{where}'s layer {layer}", snap[:2], snap[2], cp.at, mixer, dtype)

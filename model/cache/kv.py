@@ -40,6 +40,7 @@ from kvchat.model.errors import KVChatError
 
 from .hybrid import HybridCache
 from .kv_math import cached_widths, kv_bytes, kv_saving
+from .layer_kinds import layer_kind
 from .misses import NO_CHECKPOINT, WINDOW_ROTATED, Miss
 from .state import PassCache, StateCache
 from .stats import CacheStats
@@ -858,9 +859,9 @@ def _mha_bytes(cfg: ModelConfig, c: Any, tokens: int) -> int:
 
 def layer_stats(caches: list[Any], cfg: ModelConfig) -> list[dict[str, Any]]:
     """Per-layer view for the UI: the cache's own stats() plus the layer index, its
-    attention kind (sliding / global, NoPE) and window, its bytes per token, the
-    MHA-equivalent bytes (same storage, every head) and, quantized or not, the bits,
-    group size and float bytes. `cache_stats` sums these rows."""
+    attention kind (sliding / global, NoPE), the name of its kind (layer_kinds.py) and
+    window, its bytes per token, the MHA-equivalent bytes (same storage, every head) and,
+    quantized or not, the bits, group size and float bytes. `cache_stats` sums these rows."""
     out = []
     for i, c in enumerate(caches):
         s = dict(c.stats())
@@ -869,6 +870,7 @@ def layer_stats(caches: list[Any], cfg: ModelConfig) -> list[dict[str, Any]]:
         s["layer"] = i
         if i < len(cfg.layers):
             s["attention"] = _attention_name(cfg, cfg.layers[i])
+            s["layer_kind"] = layer_kind(cfg, i, c)  # the name the UI shows
             s["window"] = cfg.layers[i].window
         s["bytes_per_token"] = _layer_bytes(c, 1)
         s["mha_bytes"] = _mha_bytes(cfg, c, s["cache_tokens"])

@@ -23,6 +23,7 @@ MODEL_CHANGED = "model_or_settings_changed"
 WINDOW_ROTATED = "window_rotated"
 REUSE_OFF = "reuse_off"
 NO_CHECKPOINT = "no_checkpoint"
+NEAREST_CHECKPOINT = "checkpoint_before"
 
 # every reason a turn can give, with its line for people ({at}: the first differing token)
 MISS_REASONS: dict[str, str] = {
@@ -35,6 +36,8 @@ MISS_REASONS: dict[str, str] = {
     REUSE_OFF: "prefix reuse is turned off",
     NO_CHECKPOINT: "the recurrent layers' state cannot go back: no checkpoint at or before"
                    " token {at}",
+    NEAREST_CHECKPOINT: "the recurrent layers' state cannot go back to token {at}: it restarted"
+                        " from its latest checkpoint before it",
 }
 
 MAX_DROPPED = 64  # caches let go that are remembered (their ids only)
@@ -59,7 +62,7 @@ class CacheUse:
     prefilled_tokens: int
     miss_reason: str | None = None
     differs_at: int | None = None  # PREFIX_DIFFERS: the first prompt token that differs;
-    # NO_CHECKPOINT: the token the state would have to go back to
+    # NO_CHECKPOINT, NEAREST_CHECKPOINT: the token the state would have to go back to
 
     def to_json(self) -> dict[str, Any]:
         line = None

@@ -20,7 +20,9 @@ An entry whose every token the prompt repeats is moved out (the turn extends it;
 shorter self would only be a stale copy). A partial match (a branch, a regenerated
 reply, a shared system prompt) gets a clone: new array objects over the entry's data
 (MLX copies a buffer on the first write while another array still holds it), so the
-entry stays intact.
+entry stays intact. A hybrid model's entry cannot be cut back inside what its recurrent
+states folded in: it travels with its checkpoints (checkpoints.py), and a partial match
+restarts the clone from the latest checkpoint at or before the shared prefix.
 
 A lookup also says why no more of the prompt was found (misses.py): nothing held for
 this key, the best entry leaving the prompt at token N, or a cache the pool let go (for
@@ -36,7 +38,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .kv import can_trim_to, untrimmable_miss
+from .checkpoints import Checkpoint, Checkpoints, reach
 from .misses import (
     EVICTED,
     NEW_CONVERSATION,
@@ -54,12 +56,14 @@ __all__ = ["CacheKey", "EntryInfo", "Lookup", "PrefixPool", "cache_nbytes", "clo
 CacheKey = tuple[Any, ...]
 
 
-def cache_nbytes(cache: list[Any]) -> int:
-    """Bytes of every array the cache's layers hold: their allocated buffers whole (slots
-    not yet written included), each array once."""
+def cache_nbytes(cache: list[Any], checkpoints: Checkpoints | None = None) -> int:
+    """Bytes of every array the cache's layers and its checkpoints hold: their allocated
+    buffers whole (slots not yet written included), each array once."""
     seen: set[int] = set()
     total = 0
     stack: list[Any] = [vars(c) for c in cache if hasattr(c, "__dict__")]
+    if checkpoints is not None:
+        stack.extend(cp.states for cp in checkpoints.items)
     while stack:
         x = stack.pop()
         if isinstance(x, mx.array):
@@ -116,6 +120,7 @@ class _Entry:
     key: CacheKey
     nbytes: int
     info: EntryInfo
+    checkpoints: Checkpoints = field(default_factory=Checkpoints)
 
 
 @dataclass
@@ -126,6 +131,7 @@ class Lookup:
     found: tuple[list[int], list[Any]] | None
     info: EntryInfo
     miss: Miss = field(default_factory=Miss)
+    checkpoints: Checkpoints = field(default_factory=Checkpoints)  # those of `found`
 
 
 class PrefixPool:
@@ -148,23 +154,26 @@ class PrefixPool:
         return EntryInfo(now, now)
 
     def put(self, ids: list[int], cache: list[Any], key: CacheKey,
-            info: EntryInfo | None = None) -> None:
-        """Keep `cache` (holding `ids`) as the most recently used entry."""
+            info: EntryInfo | None = None, checkpoints: Checkpoints | None = None) -> None:
+        """Keep `cache` (holding `ids`, with its `checkpoints`) as the most recently used
+        entry."""
         if not ids:
             return
-        nbytes = cache_nbytes(cache)
-        # an entry this one extends is redundant when this one can be trimmed back to it
+        checkpoints = checkpoints if checkpoints is not None else Checkpoints()
+        nbytes = cache_nbytes(cache, checkpoints)
+        # an entry this one extends is redundant when this one can go back to it
         self._entries = [
             e for e in self._entries
             if not (e.key == key and len(e.ids) <= len(ids) and ids[: len(e.ids)] == e.ids
-                    and can_trim_to(cache, len(e.ids)))
+                    and reach(cache, checkpoints, len(e.ids))[0] == len(e.ids))
         ]
         self.dropped.covered(ids, key)
         if nbytes > self.budget_bytes:
             self.evictions += 1
             self.dropped.add(ids, key, EVICTED)
             return
-        self._entries.append(_Entry(list(ids), cache, key, nbytes, info or self.new_info()))
+        self._entries.append(_Entry(list(ids), cache, key, nbytes, info or self.new_info(),
+                                    checkpoints))
         while self.total_bytes > self.budget_bytes:
             gone = self._entries.pop(0)
             self.evictions += 1
@@ -178,38 +187,50 @@ class PrefixPool:
     def find(self, ids: list[int], key: CacheKey) -> Lookup:
         """`take`, with the entry's info and why no more of `ids` was found: nothing of
         this key held (NEW_CONVERSATION), the best entry leaves the prompt at token N
-        (PREFIX_DIFFERS), or a cache let go shared more (its reason)."""
-        best, best_n = None, 0
-        stuck, stuck_n = None, 0  # the longest match that cannot go back to the prefix
+        (PREFIX_DIFFERS), a recurrent state that went back only to an earlier checkpoint
+        or to none, or a cache let go shared more (its reason)."""
+        best, best_n, best_got = None, 0, 0
+        best_cp: Checkpoint | None = None
+        best_short: Miss | None = None
+        stuck_keep, stuck_miss = 0, Miss()  # the longest match that cannot go back to it
         mine = [e for e in self._entries if e.key == key]
         for e in mine:
             n = common_prefix_len(e.ids, ids)
             # the engine keeps at most len(ids) − 1 of them; a cache that cannot go back
-            # there (a recurrent layer's state, an evicted ring) would be prefilled again
-            if n > best_n and can_trim_to(e.cache, min(n, len(ids) - 1)):
-                best, best_n = e, n
-            elif n > stuck_n:
-                stuck, stuck_n = e, n
-        found, info = None, self.new_info()
+            # there (a recurrent layer's state, an evicted ring) restarts from its latest
+            # checkpoint before it, or is prefilled again
+            keep = min(n, len(ids) - 1)
+            got, cp, short = reach(e.cache, e.checkpoints, keep)
+            if (cp is not None or short is None) and (got, n) > (best_got, best_n):
+                best, best_n, best_got, best_cp, best_short = e, n, got, cp, short
+            if short is not None and keep > stuck_keep:
+                stuck_keep, stuck_miss = keep, short
+        found, info, checkpoints = None, self.new_info(), Checkpoints()
         if best is not None:
             self._entries.remove(best)
             best.info.hits += 1
             best.info.used = info.used
-            if best_n == len(best.ids):
-                found, info = (best.ids, best.cache), best.info
+            if best_cp is None and best_n == len(best.ids):
+                found, info, checkpoints = (best.ids, best.cache), best.info, best.checkpoints
             else:
                 self._entries.append(best)  # still there, now the most recently used
                 clone = clone_cache(best.cache)
-                found = None if clone is None else (list(best.ids), clone)
+                checkpoints = best.checkpoints.upto(len(best.ids))
+                if clone is not None and best_cp is not None:
+                    checkpoints.restore(clone, best_cp)
+                held = best.ids if best_cp is None else best.ids[: best_cp.at]
+                found = None if clone is None else (list(held), clone)
         if found is None:
             self.misses += 1
         else:
             self.hits += 1
-            self.reused_tokens += min(best_n, len(ids) - 1)
+            self.reused_tokens += best_got
         miss = self._miss(ids, key, best, best_n, bool(mine))
-        if stuck is not None and stuck_n > best_n and miss.reason is not None:
-            miss = untrimmable_miss(stuck.cache, min(stuck_n, len(ids) - 1))
-        return Lookup(found, info, miss)
+        if best_short is not None and miss.reason in (None, PREFIX_DIFFERS):
+            miss = best_short
+        if stuck_keep > best_got and miss.reason is not None:
+            miss = stuck_miss
+        return Lookup(found, info, miss, checkpoints)
 
     def _miss(self, ids: list[int], key: CacheKey, best: _Entry | None, best_n: int,
               any_held: bool) -> Miss:

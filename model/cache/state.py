@@ -11,6 +11,12 @@ The protocol is the K/V caches' (kv.py) where it means something: `offset` (toke
 to an earlier token (it folds every token into the same numbers), so `is_trimmable()` is
 False and `trim` refuses anything but 0: an engine whose next prompt does not extend the
 cached one prefills it again (kv.why_not_trimmable says why).
+
+The one exception is speculative decoding's: with `rollback` = n > 0 (`set_rollback`) the
+cache keeps the states it passed through over its last n tokens (references to the
+immutable arrays: a multi-token pass hands back every position's, model/decoder/
+state_steps.py; a one-token step the one it replaces), and a trim of at most those tokens
+puts the state back exactly (docs/design.md, "Speculative decoding").
 """
 
 from __future__ import annotations
@@ -29,6 +35,11 @@ class StateError(KVChatError):
 class StateCache:
     """One recurrent layer's conv and recurrent state (None until the first token)."""
 
+    # tokens a trim may take back (0: none); `_back[-i]` is the (conv, recurrent) state of
+    # i tokens ago, the one a trim of i puts back
+    rollback = 0
+    _back: tuple[tuple[mx.array | None, mx.array | None], ...] = ()
+
     def __init__(self) -> None:
         self.conv: mx.array | None = None
         self.recurrent: mx.array | None = None
@@ -36,8 +47,29 @@ class StateCache:
 
     def update(self, tokens: int, conv: mx.array, recurrent: mx.array | None = None) -> None:
         """The states after `tokens` more tokens (the mixer computed them)."""
+        if self.rollback and tokens == 1:
+            self._remember([(self.conv, self.recurrent)])
+        else:
+            self._back = ()
         self.conv, self.recurrent = conv, recurrent
         self.offset += tokens
+
+    def update_steps(self, tokens: int, convs: mx.array, recurrents: mx.array | None) -> None:
+        """The states after each of `tokens` more tokens, stacked on axis 0 (a pass that
+        may be taken back: model/decoder/state_steps.py); every one is kept, so a trim
+        of up to `tokens` is exact whatever `rollback` says."""
+        before = [(self.conv, self.recurrent)]
+        before += [(convs[t], None if recurrents is None else recurrents[t])
+                   for t in range(tokens - 1)]
+        self._remember(before, max(self.rollback, tokens))
+        self.conv, self.recurrent = convs[-1], None if recurrents is None else recurrents[-1]
+        self.offset += tokens
+
+    def _remember(self, states: list[tuple[mx.array | None, mx.array | None]],
+                  most: int | None = None) -> None:
+        most = self.rollback if most is None else most
+        kept = (*self._back, *states)
+        self._back = kept[max(0, len(kept) - most):] if most else ()
 
     def empty(self) -> bool:
         return self.conv is None
@@ -46,34 +78,53 @@ class StateCache:
         """Tokens the state stands for: all it has seen (none is ever evicted)."""
         return self.offset
 
-    # ---- no going back ------------------------------------------------------------------
+    # ---- no going back, but over the states kept (`rollback`) --------------------------
     def is_trimmable(self) -> bool:
         return False
 
     def can_trim_to(self, n: int) -> bool:
-        return n == self.offset
+        return self.offset - len(self._back) <= n <= self.offset
 
     def trim(self, n: int) -> int:
         if n == 0:
             return 0
-        raise StateError(
-            f"a recurrent layer's state cannot drop its last {n} tokens; prefill again"
-        )
+        if not 0 < n <= len(self._back):
+            raise StateError(
+                f"a recurrent layer's state cannot drop its last {n} tokens; prefill again"
+            )
+        self.conv, self.recurrent = self._back[-n]
+        self._back = self._back[:-n]
+        self.offset -= n
+        return n
 
     # ---- one token at a time, for the compiled step (model/runtime/generate.py) ------------
     def slot_layout(self) -> tuple[Any, ...]:
         """The trace's key: a state, and how many arrays it carries (conv, recurrent)."""
         return ("state", sum(a is not None for a in (self.conv, self.recurrent)))
 
-    def next_slot(self, n: int = 1) -> tuple[int, int, int, int] | None:
-        """The trace's row: only the offset means something here. None for n > 1 (a
-        speculative verify pass): a state cannot take back the drafts it rejects."""
-        return (self.offset, 0, 0, 0) if n == 1 else None
+    def next_slot(self, n: int = 1) -> tuple[int, int, int, int]:
+        """The trace's row: only the offset means something here. Any n: a verify pass
+        of n > 1 tokens hands back every position's states (model/decoder/state_steps.py)."""
+        return self.offset, 0, 0, 0
 
     def commit(self, conv: mx.array, recurrent: mx.array | None = None, n: int = 1) -> None:
         """Take the states the compiled step computed for `n` more tokens (kv.py's
-        `commit`, with a state's arrays in place of K/V buffers)."""
-        self.update(n, conv, recurrent)
+        `commit`, with a state's arrays in place of K/V buffers; each position's,
+        stacked, when n > 1)."""
+        if n > 1:
+            self.update_steps(n, conv, recurrent)
+        else:
+            self.update(n, conv, recurrent)
+
+    # ---- checkpoints (model/cache/checkpoints.py) -----------------------------------------
+    def snapshot(self) -> tuple[mx.array | None, mx.array | None, int]:
+        """The state as it is now: references to its arrays (MLX arrays are immutable and
+        `update` replaces them, so this copies nothing) and the tokens it stands for."""
+        return self.conv, self.recurrent, self.offset
+
+    def restore(self, snap: tuple[mx.array | None, mx.array | None, int]) -> None:
+        """Go back to a `snapshot` of this layer taken earlier in the same conversation."""
+        self.conv, self.recurrent, self.offset = snap[0], snap[1], int(snap[2])
 
     # ---- state (kv.py's protocol) ---------------------------------------------------------
     @property
@@ -146,3 +197,13 @@ class PassCache(StateCache):
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "kind": "none"}
+
+
+def set_rollback(caches: Any, tokens: int) -> None:
+    """Let the recurrent layers among `caches` take back up to `tokens` tokens exactly
+    (speculative decoding's rejected drafts); 0 forgets the states kept for it."""
+    for c in caches:
+        if isinstance(c, StateCache) and not isinstance(c, PassCache):
+            c.rollback = tokens
+            if not tokens:
+                c._back = ()

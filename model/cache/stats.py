@@ -35,3 +35,7 @@ class CacheStats:
     # the bytes of their states, apart from cache_bytes (K/V) and constant as tokens grow
     state_bytes: int | None = None
     state_layers: int | None = None
+    # their checkpoints (model/cache/checkpoints.py): how many this conversation keeps,
+    # and the bytes of the states they hold
+    checkpoints: int | None = None
+    checkpoint_bytes: int | None = None

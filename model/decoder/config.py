@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,7 @@ class ModelConfig:
     lm_head_bias: bool = False
     activation: str = "silu"
     block: BlockKind = "pre"
+    recurrent_block: BlockKind | None = None  # the recurrent layers' block, where not `block`
     qk_norm: QkNormKind | None = None
     fused_proj: bool = False
     positions: PositionKind = "rope"
@@ -182,7 +184,8 @@ class ModelConfig:
     rope_traditional: bool = False
     rope_negative: bool = False
     moe: MoeConfig | None = None
-    mla: MlaConfig | None = None  # set: every layer is latent attention (cache kind "latent")
+    # set: every layer that attends is latent attention (cache kind "latent")
+    mla: MlaConfig | None = None
     # the recurrent mixer's sizes (state_config.py) where some layers have one (LayerSpec.mixer)
     mixer: MixerConfig | None = None
     attention_gate: bool = False  # Qwen3-Next: attention output × sigmoid(gate)
@@ -344,6 +347,8 @@ def _derived_keys(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
             # Zamba2: heads split the shared block's input, [x, embeddings]
             cfg = {**cfg, "head_dim": 2 * int(cfg["hidden_size"]) // int(
                 cfg["num_attention_heads"])}
+        if fam.ffn_half and cfg.get("intermediate_size") is not None:
+            cfg = {**cfg, "intermediate_size": int(cfg["intermediate_size"]) // 2}
         if fam.ffn_mult and cfg.get("intermediate_size") is None and "hidden_size" in cfg:
             cfg = {**cfg, "intermediate_size": fam.ffn_mult * int(cfg["hidden_size"])}
         if "multi_query" in cfg:  # StarCoder 1: one K/V head
@@ -457,8 +462,15 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
         listed = cfg.get("moe_layers")
         listed = set(range(step - 1, n, step) if listed is None else listed)
         sparse = [i in listed for i in range(n)]
-    elif spec.sparse_layers == "types":  # GLM-4.7-Flash: mlp_layer_types, else dense first
-        types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
+    elif spec.sparse_layers == "types":
+        # mlp_layer_types, else the first first_k_dense_replace layers dense (EXAONE-MoE,
+        # Kimi Linear; GLM-4.7-Flash's one dense layer when neither is given)
+        first = cfg.get("first_k_dense_replace", 1)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ConfigError(f"config.json: first_k_dense_replace must be an integer >= 0,"
+                              f" got {first!r:.60}")
+        types = cfg.get("mlp_layer_types") or ["dense" if i < first else "sparse"
+                                               for i in range(n)]
         if not isinstance(types, list) or len(types) != n:
             raise ConfigError(f"config.json: mlp_layer_types must list {n} entries")
         sparse = [t == "sparse" for t in types]
@@ -581,6 +593,7 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
         or bool(fam.head_bias_key and cfg.get(fam.head_bias_key)), "embed_norm": fam.embed_norm,
         "rope_negative": fam.rope_negative, "attention_sinks": fam.attention_sinks,
         "positions": fam.positions, "attention_gate": fam.attention_gate,
+        "recurrent_block": fam.recurrent_block,
     }
     if fam.temperature_tuning and cfg.get("attn_temperature_tuning", True):
         out["temperature"] = (float(cfg.get("floor_scale", 8192)),
@@ -601,7 +614,7 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
     if fam.clip_qkv and cfg.get("clip_qkv") is not None:
         out["clip_qkv"] = float(cfg["clip_qkv"])
     if fam.embed_scale_sqrt_hidden:
-        out["embed_scale"] = hidden**0.5
+        out["embed_scale"] = _bfloat16(hidden**0.5) if fam.embed_scale_bf16 else hidden**0.5
     if fam.query_pre_attn_scalar:
         out["attn_scale"] = float(cfg["query_pre_attn_scalar"]) ** -0.5
     if fam.multipliers:
@@ -644,6 +657,11 @@ def _mup(cfg: dict[str, Any]) -> dict[str, Any]:
             "key_scale": num("key_multiplier"), "mlp_scales": (float(mlp[0]), float(mlp[1])),
             "branch_scales": (num("attention_in_multiplier"), num("attention_out_multiplier"),
                               num("ssm_out_multiplier"))}
+def _bfloat16(x: float) -> float:
+    """x rounded to the nearest bfloat16 (ties to even), as torch rounds a float32."""
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return float(struct.unpack("<f", struct.pack("<I", bits))[0])
 
 
 def load_config(path: str | Path) -> ModelConfig:

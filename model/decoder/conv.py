@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .state_config import ShortConvConfig
+from .state_steps import hand_back, keeps_steps
 
 
 class CausalConv1d(nn.Module):
@@ -30,9 +31,11 @@ class CausalConv1d(nn.Module):
         if bias:
             self.bias = mx.zeros((channels,))
 
-    def __call__(self, x: mx.array, state: mx.array | None) -> tuple[mx.array, mx.array]:
-        """(output (B, T, channels), the next state: the last K − 1 inputs). `state` None:
-        nothing came before (zeros, as the reference's left padding)."""
+    def __call__(self, x: mx.array, state: mx.array | None, steps: bool = False
+                 ) -> tuple[mx.array, mx.array]:
+        """(output (B, T, channels), the next state: the last K − 1 inputs; with `steps`
+        the state after each position, stacked (T, B, K − 1, channels): state_steps.py).
+        `state` None: nothing came before (zeros, as the reference's left padding)."""
         B, T, C = x.shape
         K = self.kernel
         if state is None:
@@ -44,6 +47,8 @@ class CausalConv1d(nn.Module):
             y = y + full[:, k : k + T] * w[k]
         if "bias" in self:
             y = y + self.bias.astype(x.dtype)
+        if steps:
+            return y, mx.stack([full[:, t + 1 : t + K] for t in range(T)])
         return y, full[:, T:]
 
 
@@ -60,7 +65,7 @@ class ShortConv(nn.Module):
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         b, c, h = mx.split(self.in_proj(x), 3, axis=-1)
-        y, conv_state = self.conv(b * h, cache.conv if cache is not None else None)
-        if cache is not None:
-            cache.update(x.shape[1], conv_state)
+        steps = keeps_steps(cache, x.shape[1])
+        y, conv_state = self.conv(b * h, cache.conv if cache is not None else None, steps)
+        hand_back(cache, x.shape[1], conv_state, None, steps)
         return self.out_proj(c * y)

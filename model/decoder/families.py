@@ -54,8 +54,15 @@ AttentionKind = Literal["gqa", "mla", "none"]
 # (model/cache/state.py) instead of a K/V cache: "mamba" (Mamba's selective scan,
 # ssm.MambaMixer) | "mamba2" (Mamba-2's SSD, ssm.Mamba2Mixer) | "gated_delta" (Qwen3-Next's
 # gated delta rule, delta.GatedDeltaNet) | "short_conv" (LFM2's gated short convolution,
-# conv.ShortConv)  [layers.MIXERS]
-MixerKind = Literal["mamba", "mamba2", "gated_delta", "short_conv"]
+# conv.ShortConv) | "rglru" (Griffin's RG-LRU, rglru.RecurrentBlock) | "kda" (Kimi Delta
+# Attention: the gated delta rule with one decay per key channel, delta.KimiDeltaAttention)
+# [layers.MIXERS]
+MixerKind = Literal["mamba", "mamba2", "gated_delta", "short_conv", "rglru", "kda"]
+# the gated delta rule's input projections: "fused" (Qwen3-Next: in_proj_qkvz + in_proj_ba,
+# grouped per key head) | "split" (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) |
+# "separate" (OLMo-hybrid: q_proj, k_proj, v_proj of their own, then z, b, a as
+# "split")  [delta.GatedDeltaNet]
+DeltaProjKind = Literal["fused", "split", "separate"]
 # one fused c_attn holding q, k, v one after the other, split on load: "linear" stored
 # (out, in) (StarCoder 1) | "conv1d" stored (in, out) as GPT-2's Conv1D  [weights.py]
 FusedQkvKind = Literal["linear", "conv1d"]
@@ -73,7 +80,8 @@ SharedKind = Literal["gated", "plain"]
 ExpertLayout = Literal["interleaved", "halves", "rows"]
 # which layers are sparse: "all" | "step" (decoder_sparse_step, mlp_only_layers) |
 # "first_dense" (first_k_dense_replace dense layers, then MoE) | "listed" (Llama 4:
-# moe_layers, else every interleave_moe_layer_step-th) | "types" (mlp_layer_types) |
+# moe_layers, else every interleave_moe_layer_step-th) | "types" (mlp_layer_types, else
+# the first first_k_dense_replace layers dense) |
 # "interval" (ERNIE: every moe_layer_interval-th from moe_layer_start_index to
 # moe_layer_end_index) | "kinds" (Nemotron-H: the layers whose kind is FFN_MOE) | "period"
 # (Jamba: every expert_layer_period-th from expert_layer_offset)  [config.py]
@@ -95,7 +103,7 @@ LAYER_KIND_ALIASES = {"mamba": RECURRENT, "conv": RECURRENT, "attention": FULL}
 FFN, FFN_MOE = "mlp", "moe"
 FFN_KINDS = (FFN, FFN_MOE)
 
-# activation names in config.json -> the function mlx computes (layers.ACTIVATIONS)
+# activation names in config.json -> the function mlx computes (activations.ACTIVATIONS)
 ACTIVATION_NAMES = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu", "gelu_fast", "relu",
                     "relu2", "xielu")
 
@@ -207,6 +215,54 @@ def _every_nth_attention(key: str, default: int) -> LayerRule:
     return rule
 
 
+def _block_types(key: str, default: tuple[str, ...]) -> LayerRule:
+    """RecurrentGemma: `block_types` ("recurrent", "attention") repeated over the layers;
+    its attention layers are local (they slide)."""
+    kinds = {"recurrent": RECURRENT, "attention": SLIDING}
+
+    def rule(cfg: dict[str, Any], n: int) -> list[str]:
+        types = cfg.get(key) or list(default)
+        if not isinstance(types, list) or not all(t in kinds for t in types):
+            raise ConfigError(f"config.json: {key} must list \"recurrent\" and \"attention\","
+                              f" got {types!r:.60}")
+        return [kinds[types[i % len(types)]] for i in range(n)]
+
+    return rule
+
+
+def _every_4th_attention_or_last(cfg: dict[str, Any], n: int) -> list[str]:
+    """OLMo-hybrid without layer_types: every 4th layer attends, the last one if none
+    would (transformers' default)."""
+    kinds = [FULL if i % 4 == 3 else RECURRENT for i in range(n)]
+    return kinds if FULL in kinds or not kinds else [*kinds[:-1], FULL]
+
+
+def _listed_from_one(attend_key: str, mixer_key: str) -> LayerRule:
+    """Kimi Linear's checkpoints: the attention layers and the recurrent ones each listed,
+    counted from 1 (linear_attn_config's full_attn_layers and kda_layers); without the
+    lists, every 4th layer from layer 4 attends (transformers' default)."""
+
+    def rule(cfg: dict[str, Any], n: int) -> list[str]:
+        attend, mix = cfg.get(attend_key), cfg.get(mixer_key)
+        if attend is None and mix is None:
+            return [FULL if i and i % 4 == 0 else RECURRENT for i in range(n)]
+        kinds: list[str | None] = [None] * n
+        for key, listed, kind in ((attend_key, attend, FULL), (mixer_key, mix, RECURRENT)):
+            if not isinstance(listed, list) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and 1 <= i <= n
+                    for i in listed):
+                raise ConfigError(f"config.json: {key} must list layer numbers 1 to {n},"
+                                  f" got {listed!r:.60}")
+            for i in listed:
+                kinds[i - 1] = kind
+        if None in kinds:
+            raise ConfigError(f"config.json: layer {kinds.index(None) + 1} is in neither"
+                              f" {attend_key} nor {mixer_key}")
+        return [k for k in kinds if k is not None]
+
+    return rule
+
+
 def no_rope_layers(cfg: dict[str, Any], n: int) -> list[int]:
     """SmolLM3's `no_rope_layers` (1 = RoPE, 0 = NoPE), else every interval-th is NoPE."""
     given = cfg.get("no_rope_layers")
@@ -297,6 +353,9 @@ class Family:
     parallel_block: BlockKind = "parallel"
     fused_proj: bool = False  # one qkv_proj and one gate_up_proj (Phi-3)
     embed_scale_sqrt_hidden: bool = False  # Gemma: embeddings × √hidden_size
+    # RecurrentGemma: that √hidden_size rounded to bfloat16 first (transformers' buffer)
+    embed_scale_bf16: bool = False
+    ffn_half: bool = False  # RecurrentGemma: the MLP is intermediate_size // 2 wide
     multipliers: bool = False  # Granite: embedding/attention/residual multipliers, logits_scaling
     # Falcon-H1's µP multipliers: embedding, lm_head, key, attention in/out, SSM in/out and
     # per-part of in_proj, MLP gate/down (config._quirks, state_config._ssm)
@@ -327,7 +386,13 @@ class Family:
     # renames applied first when the model has no experts (Granite 4's dense variant: its
     # shared_mlp is the layer's MLP, not a shared expert)
     dense_renames: tuple[tuple[str, str], ...] = ()
-    delta_split_proj: bool = False  # Qwen3.5: q|k|v, z, b, a from four projections
+    delta_proj: DeltaProjKind = "fused"  # how the gated delta rule projects its inputs
+    # renames applied after `renames` to the tensors of the recurrent layers only (Kimi
+    # Linear keeps both kinds of token mixer under `self_attn`, with names that collide)
+    recurrent_renames: tuple[tuple[str, str], ...] = ()
+    # the block layout of the recurrent layers where it is not the attention layers'
+    # (OLMo-hybrid: pre-norm linear-attention layers beside post-norm attention ones)
+    recurrent_block: BlockKind | None = None
     rope_traditional: bool = False  # RoPE rotates adjacent pairs (DeepSeek's interleave)
     rope_negative: bool = False  # nanochat: its rotate_half turns the other way
     clip_qkv: bool = False  # OLMoE: config's clip_qkv clamps q, k and v
@@ -340,6 +405,10 @@ class Family:
     rotary_dim_key: str | None = None  # GPT-J: rotated features per head, as a count
     # checkpoint tensor names -> ours (substring replacements, applied in order)
     renames: tuple[tuple[str, str], ...] = ()
+    # tensors stored in parts that one of our modules holds whole, after the renames: (the
+    # parts' name pieces in order, the whole's), concatenated along the first axis
+    # (OLMo-hybrid's q_conv1d, k_conv1d, v_conv1d -> conv1d)  [weights.py]
+    concat_on_load: tuple[tuple[tuple[str, ...], str], ...] = ()
     defaults: dict[str, Any] = field(default_factory=dict)
 
     def window_used(self, cfg: dict[str, Any]) -> bool:
@@ -413,7 +482,7 @@ _LFM2: dict[str, Any] = dict(
 
 _QWEN3_5: dict[str, Any] = dict(
     layer_rule=None, norm="offset", qk_norm="head", attention_gate=True, mixer="gated_delta",
-    mixer_rule=_every_nth_attention("full_attention_interval", 4), delta_split_proj=True,
+    mixer_rule=_every_nth_attention("full_attention_interval", 4), delta_proj="split",
     renames=((".linear_attn.", ".mixer."),),
     defaults={"partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4},
 )
@@ -949,6 +1018,79 @@ FAMILIES: dict[str, Family] = {
                   "ssm_heads": 8, "ssm_state_size": 64, "ssm_groups": 1, "ssm_chunk_size": 256,
                   "ssm_head_dim": "auto", "time_step_min": 0.001, "num_mem_blocks": 1,
                   "adapter_rank": 128, "max_position_embeddings": 4096},
+    ),
+    # ---- hybrid families added with the RG-LRU, OLMo-hybrid and Kimi-Linear rows
+    # RecurrentGemma (Griffin): pre-norm layers (temporal_pre_norm, channel_pre_norm) whose
+    # temporal block is the RG-LRU or local attention (block_types repeated), offset norms,
+    # embeddings × √hidden in bfloat16, an MLP of intermediate_size // 2 with biases,
+    # o_proj with a bias, partial rotary ½, soft-capped logits, tied head
+    "recurrent_gemma": Family(
+        norm="offset", activation_key="hidden_activation", mixer="rglru",
+        mixer_rule=_block_types("block_types", ("recurrent", "recurrent", "attention")),
+        o_bias=True, tie_word_embeddings=True, embed_scale_sqrt_hidden=True,
+        embed_scale_bf16=True, softcaps=True, ffn_half=True,
+        key_aliases={"attention_window_size": "sliding_window",
+                     "logits_soft_cap": "final_logit_softcapping"},
+        renames=((".temporal_pre_norm.", ".input_layernorm."),
+                 (".channel_pre_norm.", ".post_attention_layernorm."),
+                 (".mlp_block.", ".mlp."), ("model.final_norm.", "model.norm."),
+                 *((f".temporal_block.{p}.", f".self_attn.{p}.")
+                   for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                 (".temporal_block.conv_1d.", ".mixer.conv1d."),
+                 (".temporal_block.", ".mixer.")),
+        defaults={"partial_rotary_factor": 0.5, "mlp_bias": True, "rms_norm_eps": 1e-6,
+                  "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 2048,
+                  "final_logit_softcapping": 30.0, "conv1d_width": 4},
+    ),
+    # OLMo-hybrid: OLMo 3's post-norm attention layers (q/k norm over the projection, RoPE
+    # always: transformers 5 fills in theta 1e4 when the config has none) beside pre-norm
+    # gated-delta layers (q, k, v, a, b, g projections of their own, β up to 2, the gated
+    # norm's epsilon 1e-5)
+    "olmo_hybrid": Family(
+        layer_rule=None, block="post", recurrent_block="pre", qk_norm="proj",
+        mixer="gated_delta", mixer_rule=_every_4th_attention_or_last, delta_proj="separate",
+        renames=((".linear_attn.g_proj.", ".mixer.in_proj_z."),
+                 (".linear_attn.a_proj.", ".mixer.in_proj_a."),
+                 (".linear_attn.b_proj.", ".mixer.in_proj_b."),
+                 (".linear_attn.o_proj.", ".mixer.out_proj."),
+                 (".linear_attn.o_norm.", ".mixer.norm."), (".linear_attn.", ".mixer."),
+                 # the names transformers saves (its conversion mapping's), as the
+                 # released checkpoints have them
+                 (".attention_layer_norm.", ".input_layernorm."),
+                 (".feedforward_layer_norm.", ".post_attention_layernorm.")),
+        concat_on_load=(((".mixer.q_conv1d.", ".mixer.k_conv1d.", ".mixer.v_conv1d."),
+                         ".mixer.conv1d."),),
+        defaults={"rms_norm_eps": 1e-6, "linear_norm_eps": 1e-5,
+                  "linear_allow_neg_eigval": True, "linear_conv_kernel_dim": 4},
+    ),
+    # Kimi Linear: pre-norm layers whose mixer is Kimi Delta Attention (q, k, v each
+    # through its own short convolution, a low-rank forget gate per key channel, a
+    # low-rank output gate through a sigmoid-gated norm) or latent attention without any
+    # rotary (MLA's rope part unrotated); DeepSeek-V3's router with shared experts, the
+    # first first_k_dense_replace layers dense; both token mixers saved under self_attn
+    "kimi_linear": Family(
+        layer_rule=None, attention="mla", positions="none", mixer="kda",
+        mixer_rule=_listed_from_one("full_attn_layers", "kda_layers"), delta_proj="separate",
+        moe=MoeFamily(score="sigmoid", group_score="top2", correction_bias=True,
+                      shared="plain", sparse_layers="types"),
+        key_aliases={
+            "num_experts_per_token": "num_experts_per_tok", "moe_renormalize": "norm_topk_prob",
+            "num_expert_group": "n_group", "num_shared_experts": "n_shared_experts",
+            "model_max_length": "max_position_embeddings",
+            "linear_attn_config.num_heads": "linear_num_heads",
+            "linear_attn_config.head_dim": "linear_head_dim",
+            "linear_attn_config.short_conv_kernel_size": "linear_conv_kernel_dim",
+            "linear_attn_config.full_attn_layers": "full_attn_layers",
+            "linear_attn_config.kda_layers": "kda_layers"},
+        renames=_MIXTRAL_NAMES, recurrent_renames=((".self_attn.", ".mixer."),),
+        concat_on_load=(((".mixer.q_conv1d.", ".mixer.k_conv1d.", ".mixer.v_conv1d."),
+                         ".mixer.conv1d."),),
+        defaults={"rms_norm_eps": 1e-5, "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
+                  "n_shared_experts": 1, "routed_scaling_factor": 2.446,
+                  "first_k_dense_replace": 1, "linear_num_heads": 32, "linear_head_dim": 128,
+                  "linear_conv_kernel_dim": 4, "max_position_embeddings": 1048576,
+                  "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+                  "qk_nope_head_dim": 128, "v_head_dim": 128},
     ),
     # the 2017 block, for `python -m kvchat.model.training train --block 2017` and
     # explain's comparison: post-LayerNorm, ReLU FFN, sinusoidal positions

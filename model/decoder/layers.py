@@ -6,10 +6,12 @@
   any scale, NoPE) and `FusedAttention` (one `qkv_proj`, Phi-3);
 - `MLP` (gated: SwiGLU or GeGLU) and `FusedMLP` (one `gate_up_proj`, Phi-3); a layer
   whose spec says `moe` gets `moe.MoE` (router + gathered experts) instead;
-- `mla.LatentAttention` where the config has latent attention (DeepSeek-V2/V3);
+- `mla.LatentAttention` where the config has latent attention (DeepSeek-V2/V3, Kimi
+  Linear's attention layers);
 - recurrent token mixers in the layers that do not attend (`MIXERS`): ssm.py's Mamba and
-  Mamba-2, delta.py's gated delta rule, conv.py's short convolution; a block holds either
-  `self_attn` or `mixer` and runs whichever it has;
+  Mamba-2, delta.py's gated delta rule and Kimi Delta Attention, conv.py's short
+  convolution, rglru.py's RG-LRU (Griffin); a block holds either `self_attn` or `mixer`
+  and runs whichever it has;
 - blocks: `PreNormBlock`, `SandwichBlock` (4 norms, Gemma 2/3), `PostNormBlock` (OLMo 2),
   `MixerOnlyBlock` (Mamba: one branch, no MLP), `ParallelMixerBlock` (Falcon-H1:
   attention and the recurrent mixer side by side), `SharedBlock` (Zamba2: the mixer fed
@@ -30,25 +32,18 @@ import mlx.nn as nn
 
 from kvchat import metal_kernels
 
+from . import rows
+from .activations import ACTIVATIONS
 from .config import LayerSpec, ModelConfig
 from .conv import ShortConv
-from .delta import GatedDeltaNet
+from .delta import GatedDeltaNet, KimiDeltaAttention
 from .families import FFN_KINDS, FULL, HYBRID, BlockKind, MixerKind, NormKind
 from .kv_quant import packed_of, quantized_attention
 from .mask import causal_mask
 from .moe import MoE
+from .rglru import RecurrentBlock
 from .rope import RopeConfig
 from .ssm import Mamba2Mixer, MambaMixer
-
-ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
-    "silu": nn.silu,
-    "relu": nn.relu,
-    "relu2": lambda x: mx.square(nn.relu(x)),  # Nemotron
-    "gelu_fast": nn.gelu_approx,
-    "gelu_pytorch_tanh": nn.gelu_approx,  # 0.5x(1 + tanh(√(2/π)(x + 0.044715x³)))
-    "gelu_new": nn.gelu_approx,
-    "gelu": nn.gelu,  # exact (erf)
-}
 
 
 # ---- norms ------------------------------------------------------------------------------
@@ -427,6 +422,8 @@ MIXERS: dict[MixerKind, Callable[[Any, int], nn.Module]] = {
     "mamba2": Mamba2Mixer,
     "gated_delta": GatedDeltaNet,
     "short_conv": ShortConv,
+    "rglru": RecurrentBlock,
+    "kda": KimiDeltaAttention,
 }
 
 
@@ -526,7 +523,7 @@ class Block(nn.Module):
 
     def mix(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         """The token mixer this layer has: attention, or the family's recurrent mixer."""
-        return (self.self_attn if "self_attn" in self else self.mixer)(x, mask, cache)
+        return rows.mix(self.self_attn if "self_attn" in self else self.mixer, x, mask, cache)
 
     def deferred(
         self, x: mx.array, pending: mx.array | None, mask: Any = None, cache: Any = None
@@ -659,7 +656,7 @@ class MixerOnlyBlock(Block):
         else:
             x, normed = self.norm.add_and_norm(pending, x)
         if not self._ffn:
-            return x, self.mixer(normed, mask, cache)
+            return x, rows.mix(self.mixer, normed, mask, cache)
         if cache is not None:  # a state.PassCache: it only counts the tokens
             cache.advance(x.shape[1])
         return x, self.mixer(normed)
@@ -849,5 +846,7 @@ def make_mixer(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
 
 def make_block(cfg: ModelConfig, spec: LayerSpec, attention: type | None = None) -> Block:
     """The layer the config asks for; `attention` replaces the GQA block (mla.py's latent
-    attention builds on this module's RoPE and norms, so it is passed in, not imported)."""
-    return BLOCKS[cfg.block](cfg, spec, attention)
+    attention builds on this module's RoPE and norms, so it is passed in, not imported).
+    A recurrent layer takes the family's `recurrent_block` layout where it has one."""
+    block = cfg.recurrent_block if spec.mixer is not None and cfg.recurrent_block else cfg.block
+    return BLOCKS[block](cfg, spec, attention)

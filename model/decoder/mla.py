@@ -1,4 +1,5 @@
-"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2).
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; Kimi Linear's, whose "rope"
+features are never rotated: the layer's spec has no RoPE).
 
 Every head's K and V are linear maps of one small latent per token: c = norm(W_a x) of
 `kv_lora_rank` features, plus one RoPE key of `rope_dim` features shared by all heads.

@@ -24,27 +24,31 @@ import mlx.nn as nn
 
 from .conv import CausalConv1d
 from .state_config import SsmConfig
+from .state_steps import hand_back, keeps_steps, recurrence
 
 SCAN_BLOCK = 64  # tokens per parallel scan: bounds the (B, T, features, N) temporaries
 F32 = mx.float32  # the scans' and the recurrent states' dtype
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm with a SiLU gate, over `groups` equal groups of the features: Mamba-2 gates
-    first (norm(y·silu(z))·w), Qwen3-Next norms first (norm(y)·w·silu(z))."""
+    """RMSNorm with a gate (SiLU, or Kimi's sigmoid), over `groups` equal groups of the
+    features: Mamba-2 gates first (norm(y·silu(z))·w), Qwen3-Next and Kimi norm first
+    (norm(y)·w·silu(z), norm(y)·w·sigmoid(z))."""
 
-    def __init__(self, dims: int, eps: float, groups: int = 1, norm_first: bool = False):
+    def __init__(self, dims: int, eps: float, groups: int = 1, norm_first: bool = False,
+                 sigmoid: bool = False):
         super().__init__()
         self.weight = mx.ones((dims,))
         self.eps, self.groups, self.norm_first = eps, groups, norm_first
+        self._gate = mx.sigmoid if sigmoid else nn.silu
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
         if not self.norm_first:
-            x = x * nn.silu(gate)
+            x = x * self._gate(gate)
         shape = x.shape
         x = mx.fast.rms_norm(x.reshape(*shape[:-1], self.groups, -1), None, self.eps)
         x = x.reshape(shape) * self.weight
-        return x * nn.silu(gate) if self.norm_first else x
+        return x * self._gate(gate) if self.norm_first else x
 
 
 class WeightedRMSNorm(nn.Module):
@@ -111,8 +115,10 @@ class MambaMixer(nn.Module):
 
     def __call__(self, h: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         cfg = self.cfg
+        T = h.shape[1]
+        steps = keeps_steps(cache, T)
         x, z = mx.split(self.in_proj(h), 2, axis=-1)
-        x, conv_state = self.conv1d(x, cache.conv if cache is not None else None)
+        x, conv_state = self.conv1d(x, cache.conv if cache is not None else None, steps)
         x = nn.silu(x)
         dt, B, C = mx.split(self.x_proj(x), [cfg.dt_rank, cfg.dt_rank + cfg.n], axis=-1)
         if cfg.bcdt_weights:
@@ -120,11 +126,12 @@ class MambaMixer(nn.Module):
         elif cfg.bcdt_eps is not None:
             dt, B, C = (mx.fast.rms_norm(t, None, cfg.bcdt_eps) for t in (dt, B, C))
         dt = nn.softplus(self.dt_proj(dt))
-        y, state = selective_scan(x.astype(F32), dt.astype(F32), -mx.exp(self.A_log.astype(F32)),
-                                  B.astype(F32), C.astype(F32),
-                                  cache.recurrent if cache is not None else None)
-        if cache is not None:
-            cache.update(h.shape[1], conv_state, state)
+        xf, dtf, Bf, Cf = (t.astype(F32) for t in (x, dt, B, C))
+        A = -mx.exp(self.A_log.astype(F32))
+        y, state = recurrence(
+            lambda s, h0: selective_scan(xf[:, s], dtf[:, s], A, Bf[:, s], Cf[:, s], h0),
+            T, cache.recurrent if cache is not None else None, steps)
+        hand_back(cache, T, conv_state, state, steps)
         return self.out_proj((y.astype(x.dtype) + self.D * x) * nn.silu(z))
 
 
@@ -209,22 +216,24 @@ class Mamba2Mixer(nn.Module):
     def __call__(self, h: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         cfg = self.cfg
         b, T, _ = h.shape
+        steps = keeps_steps(cache, T)
         if cfg.in_scale != 1.0:
             h = h * cfg.in_scale
         proj = self.in_proj(h)
         if self._mup is not None:
             proj = proj * self._mup.astype(proj.dtype)
         z, xbc, dt = mx.split(proj, [cfg.inner, cfg.inner + cfg.conv_dim], axis=-1)
-        xbc, conv_state = self.conv1d(xbc, cache.conv if cache is not None else None)
+        xbc, conv_state = self.conv1d(xbc, cache.conv if cache is not None else None, steps)
         x, B, C = mx.split(nn.silu(xbc), [cfg.inner, cfg.inner + cfg.groups * cfg.n], axis=-1)
         x = x.reshape(b, T, cfg.heads, cfg.head_dim)
         dt = mx.clip(nn.softplus(dt + self.dt_bias), *cfg.dt_limit).astype(F32)
-        y, state = ssd(x.astype(F32), dt, -mx.exp(self.A_log.astype(F32)),
-                       B.reshape(b, T, cfg.groups, cfg.n).astype(F32),
-                       C.reshape(b, T, cfg.groups, cfg.n).astype(F32),
-                       cache.recurrent if cache is not None else None, cfg.chunk)
-        if cache is not None:
-            cache.update(T, conv_state, state)
+        xf, A = x.astype(F32), -mx.exp(self.A_log.astype(F32))
+        Bf = B.reshape(b, T, cfg.groups, cfg.n).astype(F32)
+        Cf = C.reshape(b, T, cfg.groups, cfg.n).astype(F32)
+        y, state = recurrence(
+            lambda s, h0: ssd(xf[:, s], dt[:, s], A, Bf[:, s], Cf[:, s], h0, cfg.chunk),
+            T, cache.recurrent if cache is not None else None, steps)
+        hand_back(cache, T, conv_state, state, steps)
         y = (y.astype(x.dtype) + self.D[:, None] * x).reshape(b, T, cfg.inner)
         y = self.norm(y, z) if "norm" in self else y * nn.silu(z)
         return self.out_proj(y)

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvchat.model.errors import ConfigError
 
-from .families import Family, MixerKind
+from .families import DeltaProjKind, Family, MixerKind
 
 
 def _int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -78,9 +78,9 @@ class SsmConfig:
 
 @dataclass(frozen=True)
 class DeltaConfig:
-    """The gated delta rule (Qwen3-Next, Qwen3.5): `k_heads` query/key heads of `k_dim`,
-    `v_heads` value heads of `v_dim` (a multiple of k_heads), a state of k_dim × v_dim per
-    value head, a causal convolution over q, k and v."""
+    """The gated delta rule (Qwen3-Next, Qwen3.5, OLMo-hybrid; Kimi's KDA): `k_heads`
+    query/key heads of `k_dim`, `v_heads` value heads of `v_dim` (a multiple of k_heads), a
+    state of k_dim × v_dim per value head, a causal convolution over q, k and v."""
 
     k_heads: int
     v_heads: int
@@ -88,7 +88,8 @@ class DeltaConfig:
     v_dim: int
     conv_kernel: int
     norm_eps: float
-    fused_in_proj: bool  # Qwen3-Next: in_proj_qkvz + in_proj_ba, grouped per key head
+    proj: DeltaProjKind  # the input projections' layout (families.DeltaProjKind)
+    beta_scale: float = 1.0  # OLMo-hybrid's linear_allow_neg_eigval: β = 2·sigmoid(b)
 
     @property
     def conv_dim(self) -> int:
@@ -110,7 +111,22 @@ class ShortConvConfig:
         return ((self.kernel - 1, self.hidden),)
 
 
-MixerConfig = SsmConfig | DeltaConfig | ShortConvConfig
+@dataclass(frozen=True)
+class RgLruConfig:
+    """Griffin's RG-LRU (RecurrentGemma, rglru.py): `width` features (lru_width), gates
+    block-diagonal over `heads` blocks, a causal convolution of `conv_kernel` taps in
+    front, the other branch through `activation`."""
+
+    width: int
+    heads: int
+    conv_kernel: int
+    activation: str
+
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return (self.conv_kernel - 1, self.width), (self.width,)
+
+
+MixerConfig = SsmConfig | DeltaConfig | ShortConvConfig | RgLruConfig
 
 
 def resolve_mixer(cfg: dict[str, Any], fam: Family, hidden: int, eps: float
@@ -130,8 +146,17 @@ def resolve_mixer(cfg: dict[str, Any], fam: Family, hidden: int, eps: float
             return DeltaConfig(
                 k_heads=k_heads, v_heads=v_heads, k_dim=_int(cfg, "linear_key_head_dim"),
                 v_dim=_int(cfg, "linear_value_head_dim"),
-                conv_kernel=_int(cfg, "linear_conv_kernel_dim", 4), norm_eps=eps,
-                fused_in_proj=not fam.delta_split_proj)
+                conv_kernel=_int(cfg, "linear_conv_kernel_dim", 4),
+                # the gated norm's epsilon: the model's (Qwen3-Next), or its own (OLMo-hybrid)
+                norm_eps=float(cfg.get("linear_norm_eps") or eps), proj=fam.delta_proj,
+                beta_scale=2.0 if cfg.get("linear_allow_neg_eigval") else 1.0)
+        if fam.mixer == "rglru":
+            return _rglru(cfg, fam, hidden)
+        if fam.mixer == "kda":  # Kimi: as many key heads as value heads, one head size
+            heads, dim = _int(cfg, "linear_num_heads"), _int(cfg, "linear_head_dim")
+            return DeltaConfig(k_heads=heads, v_heads=heads, k_dim=dim, v_dim=dim,
+                               conv_kernel=_int(cfg, "linear_conv_kernel_dim", 4),
+                               norm_eps=eps, proj=fam.delta_proj)
         return ShortConvConfig(hidden=hidden, kernel=_int(cfg, "conv_L_cache", 3),
                                bias=bool(cfg.get("conv_bias", False)))
     except (TypeError, ValueError) as e:
@@ -183,3 +208,13 @@ def _ssm(cfg: dict[str, Any], fam: Family, hidden: int, eps: float) -> SsmConfig
                      dt_limit=(_number(limit[0]), _number(limit[1])),
                      gated_norm=bool(cfg.get("ssm_gated_norm", True)),
                      norm_first=bool(cfg.get("ssm_norm_first", False)), **mup, **common)
+
+
+def _rglru(cfg: dict[str, Any], fam: Family, hidden: int) -> RgLruConfig:
+    width = _int({"lru_width": cfg.get("lru_width") or hidden}, "lru_width")  # null: hidden
+    heads = _int(cfg, "num_attention_heads")
+    if width % heads:
+        raise ConfigError(f"config.json: lru_width ({width}) does not split into the"
+                          f" {heads} heads (num_attention_heads)")
+    return RgLruConfig(width=width, heads=heads, conv_kernel=_int(cfg, "conv1d_width", 4),
+                       activation=str(cfg.get(fam.activation_key) or "gelu_pytorch_tanh"))

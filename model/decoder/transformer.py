@@ -13,6 +13,7 @@ from .config import LayerSpec, ModelConfig
 from .layers import make_block, make_norm
 from .mask import causal_mask
 from .mla import attention_class
+from .rows import Rows
 
 
 def sinusoidal_positions(T: int, dims: int, offset: int | mx.array = 0) -> mx.array:
@@ -135,8 +136,14 @@ class Transformer(nn.Module):
     ) -> mx.array:
         """Logits for every position, or only the last `logits_to_keep` (as HF names it):
         prefill then skips the vocab-sized head matmul for all but the position it samples."""
-        offset = cache[0].offset if cache else 0
-        h, pending = self.run_layers(self.embed(tokens, offset), cache)
+        if cache and isinstance(cache[0], Rows) and self.config.positions != "rope":
+            # absolute positions: each row's own (model/decoder/rows.py)
+            h = mx.concatenate([self.embed(tokens[i : i + 1], o)
+                                for i, o in enumerate(cache[0].offsets)])
+        else:
+            offset = cache[0].offset if cache and not isinstance(cache[0], Rows) else 0
+            h = self.embed(tokens, offset)
+        h, pending = self.run_layers(h, cache)
         if logits_to_keep:
             h = h[:, -logits_to_keep:, :]
             pending = None if pending is None else pending[:, -logits_to_keep:, :]

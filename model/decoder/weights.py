@@ -53,7 +53,19 @@ def rename(cfg: ModelConfig, name: str) -> str:
     fam = FAMILIES[cfg.model_type]
     for old, new in (*(fam.dense_renames if cfg.moe is None else ()), *fam.renames):
         name = name.replace(old, new)
+    if fam.recurrent_renames and _recurrent_layer(cfg, name):
+        for old, new in fam.recurrent_renames:
+            name = name.replace(old, new)
     return name
+
+
+def _recurrent_layer(cfg: ModelConfig, name: str) -> bool:
+    """Whether `name` (ours) lies in a layer whose token mixer is the recurrent one."""
+    parts = name.split(".")
+    if len(parts) < 3 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+        return False
+    i = int(parts[2])
+    return i < len(cfg.layers) and cfg.layers[i].mixer is not None
 
 
 def our_names(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -67,6 +79,7 @@ def our_names(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.ar
     if cfg.mla is not None:
         weights = split_kv_b(cfg, weights)
     weights = _split_fused_qkv(cfg, weights)
+    weights = _concatenated(cfg, weights)
     if cfg.block == "shared_block":  # Zamba2: blocks stored once, used by several layers
         weights = share_blocks(cfg, weights)
     weights = {k: _conv_layout(k, v) for k, v in weights.items()}
@@ -103,6 +116,20 @@ def share_blocks(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx
             f"model.layers.{layer}.shared_transformer."
         for name in [n for n in out if n.startswith(src) and "_adapter." not in n]:
             out[dst + name[len(src):]] = out[name]
+    return out
+
+
+def _concatenated(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The family's `concat_on_load`: tensors stored in parts (OLMo-hybrid's per-q/k/v
+    convolutions) as the one tensor our module holds, the parts in order along the first
+    axis (the output channels, so a quantized part's scales and biases too)."""
+    out = dict(weights)
+    for parts, whole in FAMILIES[cfg.model_type].concat_on_load:
+        for name in [k for k in weights if parts[0] in k]:
+            names = [name.replace(parts[0], p) for p in parts]
+            if all(n in out for n in names):  # else _check_tensors names what is missing
+                out[name.replace(parts[0], whole)] = mx.concatenate(
+                    [out.pop(n) for n in names], axis=0)
     return out
 
 

@@ -27,10 +27,19 @@ from kvchat.model.cache.kv_math import (
     kv_bytes_at,
     kv_bytes_by_kind,
     kv_bytes_per_token,
+    state_bytes,
 )
+from kvchat.model.cache.layer_kinds import MIXER_NAMES, kinds_line, layer_kinds, layer_ranges
+from kvchat.model.decoder.activations import ACTIVATIONS
 from kvchat.model.decoder.config import ModelConfig
-from kvchat.model.decoder.layers import ACTIVATIONS, RoPE
+from kvchat.model.decoder.layers import RoPE
 from kvchat.model.decoder.rope import RopeConfig
+from kvchat.model.decoder.state_config import (
+    RECURRENT_BYTES,
+    DeltaConfig,
+    RgLruConfig,
+    SsmConfig,
+)
 
 # ---- the design's worked examples ---------------------------------------------------------
 SEED_X = (2.4, -1.2, 0.8, 3.1)
@@ -223,11 +232,12 @@ DIFFERENCES: tuple[tuple[Callable[[ModelConfig], bool], Callable[[ModelConfig], 
     (lambda c: any(s.window is not None for s in c.layers),
      lambda c: f"sliding-window attention on {sum(s.window is not None for s in c.layers)}"
                f" of {len(c.layers)} layers"),
-    (lambda c: c.positions == "rope" and any(s.rope is None for s in c.layers),
-     lambda c: f"no RoPE (NoPE) on {sum(s.rope is None for s in c.layers)} layers"),
+    (lambda c: c.positions == "rope" and any(s.rope is None for s in c.layers if s.attends),
+     lambda c: f"no RoPE (NoPE) on {sum(s.rope is None for s in c.layers if s.attends)}"
+               " attention layers"),
     (lambda c: c.recurrent_layers > 0,
      lambda c: f"recurrent layers: {c.recurrent_layers} of {len(c.layers)} keep a fixed-size"
-               f" state ({', '.join(sorted({s.mixer for s in c.layers if s.mixer}))})"
+               f" state ({', '.join(sorted({MIXER_NAMES[s.mixer] for s in c.layers if s.mixer}))})"
                + (" beside K/V" if any(s.mixer and s.attends for s in c.layers)
                   else " instead of K/V")),
     (lambda c: c.positions == "none", lambda c: "no positions at all: attention without RoPE"),
@@ -295,6 +305,20 @@ def _plain_ffn(cfg: ModelConfig) -> dict[str, str]:
     return out
 
 
+def _pipeline(cfg: ModelConfig) -> list[str]:
+    """The block's stages; in a hybrid whose layers share one block, the token mixer is
+    attention in some layers and the recurrent mixer in the others."""
+    stages = list(PIPELINES[cfg.block])
+    if not any(s.rope is not None for s in cfg.layers):  # no layer rotates (Kimi Linear)
+        stages = [st for st in stages if st != "RoPE"]
+    mixer = next((s.mixer for s in cfg.layers if s.mixer is not None), None)
+    if mixer is None or "attention" not in stages:
+        return stages
+    name = MIXER_NAMES[mixer]
+    return [(f"attention or {name}" if cfg.attention_layers else name) if st == "attention"
+            else st for st in stages]
+
+
 def annotate(cfg: ModelConfig) -> dict[str, Any]:
     """Each stage of the block, from the resolved config."""
     h, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -304,12 +328,14 @@ def annotate(cfg: ModelConfig) -> dict[str, Any]:
     ropes = sorted({(s.rope.theta, s.rope.type) for s in cfg.layers if s.rope is not None})
     windows: dict[str, dict[str, Any]] = {}
     for i, s in enumerate(cfg.layers):
+        if not s.attends:  # a recurrent or mixer-less layer: `recurrent_state` says what it keeps
+            continue
         name = ("sliding" if s.window is not None else "global") + ("" if s.rope else " NoPE")
         row = windows.setdefault(name, {"kind": name, "window": s.window, "layers": []})
         row["layers"].append(i)
     scale = cfg.attn_scale if cfg.attn_scale is not None else hd**-0.5
     return {
-        "pipeline": PIPELINES[cfg.block],
+        "pipeline": _pipeline(cfg),
         "differences_from_llama": [text(cfg) for when, text in DIFFERENCES if when(cfg)],
         "norm": {
             "kind": NORM_NAMES.get(cfg.norm, (cfg.norm, "w"))[0],
@@ -356,6 +382,71 @@ def what_if(cfg: ModelConfig, dtype_bytes: int, context: int) -> list[dict[str, 
     return rows
 
 
+def _mixer_formulas(cfg: ModelConfig) -> tuple[str, str | None, str | None]:
+    """(the conv state's shape, the recurrent state's, what the recurrent state is) as
+    formulas with the model's numbers (state_config.py's `state_shapes`)."""
+    m = cfg.mixer
+    if isinstance(m, SsmConfig) and m.kind == "mamba":
+        return (f"(K − 1) × inner = {m.conv_kernel - 1} × {m.inner}",
+                f"inner × N = {m.inner} × {m.n}",
+                "an N-wide state per feature of the selective scan")
+    if isinstance(m, SsmConfig):
+        return (f"(K − 1) × (inner + 2 × groups × N) = {m.conv_kernel - 1} ×"
+                f" ({m.inner} + 2 × {m.groups} × {m.n})",
+                f"heads × head_dim × N = {m.heads} × {m.head_dim} × {m.n}",
+                "a head_dim × N state per head, SSD")
+    if isinstance(m, DeltaConfig):
+        return (f"(K − 1) × (2 × k_heads × k_dim + v_heads × v_dim) = {m.conv_kernel - 1} ×"
+                f" (2 × {m.k_heads} × {m.k_dim} + {m.v_heads} × {m.v_dim})",
+                f"v_heads × k_dim × v_dim = {m.v_heads} × {m.k_dim} × {m.v_dim}",
+                f"a {m.k_dim} × {m.v_dim} matrix per value head, rewritten by the delta rule")
+    if isinstance(m, RgLruConfig):
+        return (f"(K − 1) × width = {m.conv_kernel - 1} × {m.width}", f"width = {m.width}",
+                "one number per feature, decayed and refilled by the RG-LRU's gates")
+    assert m is not None
+    return f"(K − 1) × hidden = {m.kernel - 1} × {m.hidden}", None, None
+
+
+def recurrent_state(cfg: ModelConfig, dtype_bytes: int, context: int) -> dict[str, Any] | None:
+    """What one recurrent layer keeps (its conv state at `dtype_bytes`, its recurrent
+    state in float32), the same at every token, against what one full-context attention
+    layer of this model holds at `context` and at the model's maximum, and the context
+    from which that attention layer holds more. None for a model without recurrent layers."""
+    m = cfg.mixer
+    layers = [i for i, s in enumerate(cfg.layers) if s.mixer is not None]
+    if m is None or not layers:
+        return None
+    conv_shape, *rest = m.state_shapes()
+    conv_elems = math.prod(conv_shape)
+    rec_elems = sum(math.prod(shape) for shape in rest)
+    per_layer = conv_elems * dtype_bytes + rec_elems * RECURRENT_BYTES
+    conv_f, rec_f, rec_what = _mixer_formulas(cfg)
+    kind = cfg.layers[layers[0]].mixer
+    assert kind is not None
+    top = cfg.max_position_embeddings
+    attention = None
+    if cfg.attention_layers:
+        per_token = cached_widths(cfg).bytes_per_token(1, dtype_bytes)
+        attention = {
+            "bytes_per_token": per_token, "context": context,
+            "bytes_at_context": per_token * context, "max_context": top,
+            "bytes_at_max": per_token * top,
+            # the first context at which one attention layer's K/V outgrows one state
+            "more_from": per_layer // per_token + 1,
+        }
+    return {
+        "kind": MIXER_NAMES[kind], "mixer": kind, "layers": layers,
+        "conv": {"shape": list(conv_shape), "formula": conv_f, "elements": conv_elems,
+                 "dtype_bytes": dtype_bytes, "bytes": conv_elems * dtype_bytes},
+        "recurrent": None if rec_f is None else {
+            "shape": list(rest[0]), "formula": rec_f, "what": rec_what,
+            "elements": rec_elems, "dtype_bytes": RECURRENT_BYTES,
+            "bytes": rec_elems * RECURRENT_BYTES},
+        "bytes_per_layer": per_layer, "bytes": state_bytes(cfg, dtype_bytes),
+        "attention_layer": attention,
+    }
+
+
 def explain(cfg: ModelConfig, *, dtype_bytes: int, context: int | None = None,
             model: Any = None, gap: int = DEFAULT_GAP, name: str = "",
             path: str = "") -> dict[str, Any]:
@@ -375,7 +466,9 @@ def explain(cfg: ModelConfig, *, dtype_bytes: int, context: int | None = None,
     eps = cfg.rms_norm_eps if cfg.rms_norm_eps and cfg.rms_norm_eps > 0 else None
     return {
         "model": {"name": name, "path": path, "architecture": cfg.model_type,
-                  "layers": cfg.num_hidden_layers},
+                  "layers": cfg.num_hidden_layers,
+                  # each layer's kind (model/cache/layer_kinds.py), as Ctrl+L names it
+                  "layer_kinds": layer_kinds(cfg)},
         "kernels": metal_kernels.backend(),
         "block": annotate(cfg),
         "worked": {
@@ -389,12 +482,13 @@ def explain(cfg: ModelConfig, *, dtype_bytes: int, context: int | None = None,
             "activation_minimum": silu if cfg.activation == "silu"
             else activation_minimum(cfg.activation) if cfg.activation in ACTIVATIONS else None,
             "cache_70b": cache_figures(**LLAMA_70B, contexts=CONTEXTS_70B),
+            # the layers that attend (a hybrid's recurrent layers hold no K/V)
             "cache_model": {
-                **cache_figures(cfg.num_hidden_layers, cfg.num_attention_heads,
+                **cache_figures(cfg.attention_layers, cfg.num_attention_heads,
                                 cfg.num_key_value_heads, cfg.head_dim, dtype_bytes,
                                 (ctx, top)),
                 # what this model's cache holds per token (latent attention: its latent)
-                "bytes_per_token": cached_widths(cfg).bytes_per_token(cfg.num_hidden_layers,
+                "bytes_per_token": cached_widths(cfg).bytes_per_token(cfg.attention_layers,
                                                                       dtype_bytes),
                 "layer_kinds": [{"kind": r.kind, "layers": r.layers, "window": r.window,
                                  "tokens": r.tokens, "bytes": r.bytes} for r in kinds],
@@ -402,6 +496,7 @@ def explain(cfg: ModelConfig, *, dtype_bytes: int, context: int | None = None,
                 "bytes_at_max": kv_bytes_at(cfg, top, dtype_bytes),
             },
         },
+        "recurrent": recurrent_state(cfg, dtype_bytes, ctx),
         "what_if": what_if(cfg, dtype_bytes, ctx),
     }
 
@@ -433,8 +528,8 @@ def text_sections(data: dict[str, Any]) -> list[tuple[str, list[str]]]:
     out: list[tuple[str, list[str]]] = [
         (f"{m['name'] or m['architecture']}: the decoder block ({m['layers']} layers,"
          f" kernels: {data['kernels']})",
-         ["  " + " → ".join(b["pipeline"]), "  differences from the Llama block:"]
-         + [f"    · {d}" for d in diffs]),
+         ["  " + " → ".join(b["pipeline"])] + _kind_lines(m.get("layer_kinds") or [])
+         + ["  differences from the Llama block:"] + [f"    · {d}" for d in diffs]),
         ("norm", [f"  {n['kind']} (gain {n['gain']}), eps {n['eps']:g}", f"  {n['why']}"]
          + ([f"  q/k norm: {n['qk_norm']}"] if n["qk_norm"] else [])),
         ("FFN", [f"  {f['kind']}" + (" (one fused gate_up_proj)" if f["fused"] else ""),
@@ -459,6 +554,8 @@ def text_sections(data: dict[str, Any]) -> list[tuple[str, list[str]]]:
             + [f"  {k['kind']}: layers {k['layers']}"
                + (f", window {k['window']}" if k["window"] else "") for k in a["layer_kinds"]]),
     ]
+    if data.get("recurrent"):
+        out.append(("recurrent layers: a state of fixed size", _recurrent_lines(data["recurrent"])))
     nd = w["norms"]
     out.append(("worked: RMSNorm vs LayerNorm", [
         f"  x = {_v(nd['x'])}, γ = 1, eps {nd['eps']:g}"
@@ -494,7 +591,10 @@ def text_sections(data: dict[str, Any]) -> list[tuple[str, list[str]]]:
           f" (MHA {human_bytes(r['mha_bytes'])})" for r in c70["at"]),
         "    the same wiring at G = " + ", ".join(
             f"{r['G']} ({r['name']}: {r['bytes_per_token']:,} B/token)" for r in c70["wiring"]),
-        f"  this model ({cm['layers']} layers, G = {cm['kv_heads']}, head_dim {cm['head_dim']},"
+        f"  this model ({_count(cm['layers'], 'layer', 'layers')}"
+        f"{_that_attend(cm['layers']) if cm['layers'] != m['layers'] else ''},"
+        f" G = {cm['kv_heads']},"
+        f" head_dim {cm['head_dim']},"
         f" {cm['dtype_bytes']} B): {cm['bytes_per_token']:,} B/token",
         f"    at {cm['at'][0]['context']:,} tokens: {human_bytes(cm['bytes_at_context'])}"
         + (" (its maximum context)" if cm["at"][0]["context"] == cm["at"][1]["context"] else
@@ -502,6 +602,46 @@ def text_sections(data: dict[str, Any]) -> list[tuple[str, list[str]]]:
     ]))
     out.append(("what if: the same model with another G", _what_if_lines(data["what_if"])))
     return out
+
+
+def _kind_lines(kinds: list[str]) -> list[str]:
+    """One line naming the layers of each kind, where a model has more than one."""
+    line = kinds_line(kinds)
+    return [f"  layers: {line}"] if line else []
+
+
+def _recurrent_lines(r: dict[str, Any]) -> list[str]:
+    """A recurrent layer's state from its formula, and what an attention layer of the
+    same model holds instead (docs/explain.md, "Recurrent layers")."""
+    c, rec = r["conv"], r["recurrent"]
+    n = len(r["layers"])
+    keeps = ("each keeps only the last K − 1 inputs of its convolution" if rec is None
+             else "each folds every token into the same numbers, keeping no token itself")
+    lines = [f"  {r['kind']} on {_count(n, 'layer', 'layers')} ({layer_ranges(r['layers'])}):"
+             f" {keeps}",
+             f"  conv state:      {c['formula']} = {c['elements']:,} values ×"
+             f" {c['dtype_bytes']} B = {c['bytes']:,} B"]
+    if rec is not None:
+        lines.append(f"  recurrent state: {rec['formula']} = {rec['elements']:,} float32 ="
+                     f" {rec['bytes']:,} B ({rec['what']})")
+    lines.append(f"  per layer {r['bytes_per_layer']:,} B; {_count(n, 'layer', 'layers')}:"
+                 f" {human_bytes(r['bytes'])}, the same at every context length")
+    a = r["attention_layer"]
+    if a is None:
+        lines.append("  no layer attends: nothing grows with the context")
+        return lines
+    at_ctx = (f"at {a['context']:,} tokens {human_bytes(a['bytes_at_context'])}"
+              if a["context"] != a["max_context"] else "")
+    lines.append(
+        f"  one attention layer of this model instead: {a['bytes_per_token']:,} B/token, "
+        + (f"{at_ctx}, " if at_ctx else "")
+        + f"at {a['max_context']:,} (its maximum) {human_bytes(a['bytes_at_max'])};"
+        f" it holds more than a {r['kind']} state from {a['more_from']:,} tokens")
+    return lines
+
+
+def _that_attend(n: int) -> str:
+    return " that attends" if n == 1 else " that attend"
 
 
 def _count(n: int, one: str, many: str) -> str:

@@ -19,14 +19,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvchat.model.cache.file import load_cache, savable, save_cache
-from kvchat.model.cache.integrity import check_layers, model_fingerprint
+from kvchat.model.cache.checkpoints import Checkpoints, reach
+from kvchat.model.cache.file import load_cache_and_checkpoints, savable, save_cache
+from kvchat.model.cache.integrity import check_checkpoints, check_layers, model_fingerprint
 from kvchat.model.cache.kv import (
-    can_trim_to,
     make_prompt_cache,
     plan_quantization,
     trim_to,
-    untrimmable_miss,
     why_not_trimmable,
 )
 from kvchat.model.cache.kv_math import cached_widths
@@ -111,11 +110,14 @@ class ChatCache:
         self.caches: list[Any] | None = None
         self.key: CacheKey | None = None
         self.ids: list[int] = []
+        # a hybrid model's recurrent states at earlier tokens (model/cache/checkpoints.py)
+        self.checkpoints = Checkpoints()
         self.pool = PrefixPool(pool_bytes) if pool_bytes > 0 else None
         # the ids of caches let go, to name what a later prompt lost (the pool's own)
         self.dropped = self.pool.dropped if self.pool is not None else DroppedCaches()
         self.info: EntryInfo | None = None  # the current cache's age and hits (a server's)
         self.use: CacheUse | None = None  # how the last prepared turn used the cache
+        self._parent: ChatCache | None = None  # the engine's, for a row (`row`)
 
     @property
     def last_id(self) -> int | None:
@@ -129,6 +131,7 @@ class ChatCache:
         if why is not None and self.caches is not None and self.key is not None:
             self.dropped.add(self.ids, self.key, why)
         self.caches, self.key, self.ids, self.info = None, None, [], None
+        self.checkpoints = Checkpoints()
         if pool and self.pool is not None:
             self.pool.clear(why)
 
@@ -152,21 +155,29 @@ class ChatCache:
             self.caches = new_cache(model, params)
             self.key = key
             self.info = self.pool.new_info() if self.pool is not None else None
+            self.checkpoints = Checkpoints()
         else:  # a restored float cache waiting for --quantized-kv-start
             plan_quantization(self.caches, params.kv_quant())
         # at least one token must run through the model to give the next logits
         shared = common_prefix_len(self.ids, ids)
         keep_n = min(shared, len(ids) - 1)
         if keep_n < len(self.ids):
-            if can_trim_to(self.caches, keep_n):
+            got, cp, short = reach(self.caches, self.checkpoints, keep_n)
+            if cp is not None:  # a recurrent state: back to its checkpoint at or before
+                self.checkpoints.restore(self.caches, cp)
+                keep_n = cp.at
+                del self.ids[keep_n:]
+            elif short is None:
                 trim_to(self.caches, keep_n)
+                self.checkpoints.drop_after(keep_n)
                 del self.ids[keep_n:]
             else:
                 why = why_not_trimmable(self.caches, model.config, keep_n)
                 reason = f"{why}; prefilling again"
-                miss = untrimmable_miss(self.caches, keep_n)
-                self.caches = new_cache(model, params)
+                self.caches, self.checkpoints = new_cache(model, params), Checkpoints()
                 self.ids, keep_n = [], 0
+            if short is not None and miss.reason in (None, PREFIX_DIFFERS):
+                miss = short
         self.use = CacheUse(keep_n, len(ids) - keep_n, miss.reason, miss.differs_at)
         return keep_n, shared - keep_n, reason
 
@@ -189,13 +200,45 @@ class ChatCache:
         the current one goes back to the pool. Why no more of `ids` was found."""
         assert self.pool is not None
         if self.caches is not None and self.key is not None:
-            self.pool.put(self.ids, self.caches, self.key, self.info)
+            self.pool.put(self.ids, self.caches, self.key, self.info, self.checkpoints)
         self.drop()
         found = self.pool.find(ids, key)
         if found.found is not None:
             self.ids, self.caches = found.found
-            self.key, self.info = key, found.info
+            self.key, self.info, self.checkpoints = key, found.info, found.checkpoints
         return found.miss
+
+    def row(self) -> ChatCache:
+        """A cache for one of a server's turns running side by side, sharing this one's
+        pool. The current cache (the last finished turn's) goes to the pool, where the
+        row finds it as any other; without a pool the row takes it."""
+        row = ChatCache()
+        row.pool, row.dropped, row._parent = self.pool, self.dropped, self
+        if self.pool is None:
+            row.caches, row.key, row.ids, row.info = self.caches, self.key, self.ids, self.info
+            row.checkpoints = self.checkpoints
+            self.caches, self.key, self.ids, self.info = None, None, [], None
+            self.checkpoints = Checkpoints()
+        else:
+            self._to_pool()
+        return row
+
+    def release(self) -> None:
+        """The turn is over: its cache becomes the engine's current one (the previous
+        current one goes to the pool), as a turn alone leaves it."""
+        parent = self._parent
+        if parent is not None and self.caches is not None and self.key is not None:
+            parent._to_pool()
+            parent.caches, parent.key, parent.ids = self.caches, self.key, self.ids
+            parent.info, parent.checkpoints = self.info, self.checkpoints
+            self.caches = None  # moved, not dropped
+        self.drop()
+
+    def _to_pool(self) -> None:
+        if self.pool is not None and self.caches is not None and self.key is not None:
+            self.pool.put(self.ids, self.caches, self.key, self.info, self.checkpoints)
+        self.caches, self.key, self.ids, self.info = None, None, [], None
+        self.checkpoints = Checkpoints()
 
     def pool_stats(self) -> dict[str, Any] | None:
         """The pool's counters and its conversations, the current one first (JSON-ready;
@@ -205,7 +248,8 @@ class ChatCache:
             return None
         held = [(*entry, False) for entry in self.pool.entries()]
         if self.caches is not None and self.ids and self.info is not None:
-            held.insert(0, (len(self.ids), cache_nbytes(self.caches), self.key, self.info, True))
+            held.insert(0, (len(self.ids), cache_nbytes(self.caches, self.checkpoints), self.key,
+                            self.info, True))
         return {**self.pool.stats(), "conversations": [
             {"tokens": tokens, "bytes": nbytes, "created": info.created, "used": info.used,
              "hits": info.hits, "current": current, "partition": key_partition(key)}
@@ -213,20 +257,30 @@ class ChatCache:
 
     def save(self, path: Path, max_bytes: int | None, model_info: dict[str, Any]
              ) -> CacheSaved | None:
-        """Write the cache to `path`; skipped (and an older file removed) when it would
-        exceed `max_bytes` or cannot be saved; None when there is nothing to save."""
+        """Write the cache to `path`, with the newest checkpoints that fit beside it;
+        skipped (and an older file removed) when it would exceed `max_bytes` or cannot be
+        saved; None when there is nothing to save."""
         caches = self.caches
         if not caches or not self.ids:
             return None
-        too_big = max_bytes is not None and sum(c.nbytes for c in caches) > max_bytes
+        nbytes = sum(c.nbytes for c in caches)
+        too_big = max_bytes is not None and nbytes > max_bytes
         if too_big or not savable(caches):
             path.unlink(missing_ok=True)  # an older, shorter cache would only mislead
             return None
+        kept = []  # newest first: they serve the edits and regenerations most likely next
+        for cp in reversed(self.checkpoints.items):
+            if cp.at > len(self.ids):
+                continue
+            if max_bytes is not None and nbytes + cp.nbytes > max_bytes:
+                break
+            nbytes += cp.nbytes
+            kept.insert(0, cp)
         meta = {"kvchat_model": model_identity(model_info),
                 "kvchat_bound": json.dumps(list(self.key or ())),
                 "kvchat_ids": json.dumps(self.ids)}
         try:
-            written = save_cache(path, caches, meta)
+            written = save_cache(path, caches, meta, kept)
         except Exception as e:  # a full disk raises from MLX: one notice, the cache stays
             return CacheSaved(str(path), error=f"K/V cache not saved to {path.name}:"
                               f" {error_line(e)}; it stays in memory")
@@ -238,7 +292,7 @@ class ChatCache:
         try:
             if model is None:
                 raise KVChatError("no model loaded")
-            caches, meta = load_cache(path)
+            caches, meta, checkpoints = load_cache_and_checkpoints(path)
             if (saved_with := meta.get("kvchat_model")) != model_identity(model_info):
                 raise KVChatError(other_model(saved_with, model_info))
             ids = json.loads(meta["kvchat_ids"])
@@ -251,10 +305,13 @@ class ChatCache:
             try:
                 check_layers(caches, ids, new_cache(model, _bound_params(bound)),
                              widths=cached_widths(cfg), dtype=model_info.get("dtype"),
-                             vocab_size=cfg.vocab_size)
+                             vocab_size=cfg.vocab_size, mixer=cfg.mixer)
+                check_checkpoints(checkpoints, caches, ids, mixer=cfg.mixer,
+                                  dtype=model_info.get("dtype"))
             except KVChatError as e:
                 raise KVChatError(f"{path.name}: {e}") from None
         except (KVChatError, ValueError, KeyError, TypeError) as e:
             return CacheRestored(str(path), 0, f"K/V cache not restored: {e}")
         self.caches, self.key, self.ids = caches, tuple(bound), ids
+        self.checkpoints = Checkpoints(items=checkpoints)
         return CacheRestored(str(path), len(ids))

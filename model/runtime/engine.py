@@ -15,6 +15,7 @@ beside it: the cache and its reuse (chat_cache.py), stop strings (stops.py), sta
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -24,7 +25,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from kvchat.model.cache.kv_math import (
     cached_widths,
     gqa_heads,
     kv_saving,
+    state_bytes,
 )
 from kvchat.model.cache.misses import MODEL_CHANGED
 from kvchat.model.decoder.transformer import Transformer
@@ -49,6 +51,7 @@ from kvchat.model.files import model_name
 from kvchat.model.text.tokenizer import Tokenizer, load_tokenizer
 
 from .attention_watch import AttentionWatch
+from .batch import Batch, Waiting
 from .chat_cache import ChatCache
 from .events import (
     AttentionView,
@@ -62,13 +65,33 @@ from .events import (
     Loaded,
     LoadFailed,
     Loading,
+    PrefillProgress,
     Prompt,
+    TurnEvent,
     TurnStats,
 )
 from .generate import PREFILL_CHUNK
 from .speculative import DraftModel, tokenizer_mismatch
 from .turn import TurnContext, run_turn
 from .turn_stats import STATS_INTERVAL_S, current_stats, runtime_stats
+
+_NO_JOB = object()  # _next_job: nothing new while turns run
+
+
+@dataclasses.dataclass
+class _Held:
+    """A job that waited for running turns (_next_job)."""
+
+    job: tuple[str, Any]
+
+
+@dataclasses.dataclass
+class _Row:
+    """A turn running beside others: its events (run_turn's generator) and its cache."""
+
+    turn: int
+    events: Iterator[Event | Waiting]
+    chat: ChatCache
 
 
 def _float_dtype(model: Transformer) -> mx.Dtype:
@@ -93,6 +116,7 @@ class Views:
 
 def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
     cfg = model.config
+    dtype = _float_dtype(model)
     quant = getattr(model, "quantization", None)
     path = Path(getattr(model, "path", ""))
     return {
@@ -103,7 +127,7 @@ def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
         "bits": quant["bits"] if quant else None,
         # quantized checkpoints are dequantized on load on the CPU (model/decoder/weights.py)
         "dequantized": bool(getattr(model, "dequantized", False)),
-        "dtype": str(_float_dtype(model)).removeprefix("mlx.core."),
+        "dtype": str(dtype).removeprefix("mlx.core."),
         "weight_bytes": weight_bytes(model),
         "n_layers": cfg.num_hidden_layers,
         "n_heads": cfg.num_attention_heads,
@@ -116,6 +140,12 @@ def model_info(model: Transformer, tokenizer: Tokenizer) -> dict[str, Any]:
         "as_gqa_factor": cached_widths(cfg, gqa_heads(cfg)).bytes_per_token(1, 1)
         / cached_widths(cfg).bytes_per_token(1, 1) if cfg.mla is not None else None,
         "context": cfg.max_position_embeddings,
+        # recurrent layers: their states' bytes (kv_math's formula, the same at every
+        # token) before a turn has built the caches, and the layers that attend beside them
+        "attention_layers": cfg.attention_layers,
+        "state_layers": cfg.recurrent_layers,
+        "state_bytes": state_bytes(cfg, dtype.size),
+        "mixer": next((s.mixer for s in cfg.layers if s.mixer is not None), None),
         "note": cfg.note,  # a multimodal checkpoint: what is not loaded
         "vocab_size": cfg.vocab_size,
         "tokenizer": tokenizer.kind,
@@ -154,6 +184,7 @@ class Engine:
         prefix_pool_bytes: int = 0,
         views: Views | None = None,
         warm_fingerprint: bool = False,
+        max_batch: int = 1,
     ):
         self._on_event = on_event
         self._views = views or Views()
@@ -161,6 +192,7 @@ class Engine:
         self._lock = threading.Lock()
         self._last_turn = 0
         self._cancel_upto = 0  # turns with id <= this are cancelled
+        self._cancelled: set[int] = set()  # and these, one by one (a server's clients)
         self._busy = threading.Event()
         self.prefill_chunk = prefill_chunk
         self.reuse_prefix = reuse_prefix  # off: every turn prefills its whole prompt
@@ -168,6 +200,11 @@ class Engine:
         self.compiled = compiled  # off: the plain step (same ids; for comparison)
         # a client that saves and restores caches: hash a loaded model's files at once
         self.warm_fingerprint = warm_fingerprint
+        # turns that run side by side, decoding in one batched step (a server's); 1: one
+        # turn at a time, its events as they are; more: each wrapped in a TurnEvent
+        self.max_batch = max_batch
+        self._rows: dict[int, _Row] = {}  # the turns running now (max_batch > 1)
+        self._held: collections.deque[tuple[str, Any]] = collections.deque()
         # engine-thread state
         self.model: Transformer | None = None
         self.tokenizer: Tokenizer | None = None
@@ -176,6 +213,7 @@ class Engine:
         # the conversation's K/V cache, and a server's pool of idle caches of other
         # conversations (the chat has one conversation and no pool)
         self._chat = ChatCache(prefix_pool_bytes)
+        self._batch: Batch | None = None  # the decode steps parked by running turns
         # the attention view a client watches; closed (nothing computed) until asked
         self._watch = AttentionWatch(self._views.attention)
         self._thread = threading.Thread(target=self._run, name="kvchat-engine", daemon=True)
@@ -196,10 +234,17 @@ class Engine:
         self._jobs.put(("turn", (turn, prompt, params or GenParams(), self.clock())))
         return turn
 
-    def cancel(self) -> None:
-        """Stop the running turn (and any queued) within one decode step or prefill chunk."""
+    def cancel(self, turn: int | None = None) -> None:
+        """Stop the running turn (and any queued) within one decode step or prefill chunk;
+        `turn` (an id `submit` returned): that turn only."""
         with self._lock:
-            self._cancel_upto = self._last_turn
+            if turn is None:
+                self._cancel_upto = self._last_turn
+            else:
+                self._cancelled.add(turn)
+
+    def _stopped(self, turn: int) -> bool:
+        return turn <= self._cancel_upto or turn in self._cancelled
 
     def reset(self) -> None:
         """New chat: drop the cache (on the engine thread, after queued work)."""
@@ -260,7 +305,7 @@ class Engine:
         return self._stats_now()
 
     # ---- engine thread -------------------------------------------------------------
-    def _emit(self, event: Event) -> None:
+    def _emit(self, event: Event | TurnEvent) -> None:
         try:
             self._on_event(event)
         except Exception:  # a broken client must not kill the engine
@@ -268,24 +313,118 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            while (job := self._jobs.get()) is not None:
-                kind, arg = job
+            while (job := self._next_job()) is not None:
+                if job is _NO_JOB:  # turns are running: step them
+                    self._round()
+                    if not self._rows:
+                        self._busy.clear()
+                    continue
+                kind, arg = job.job if isinstance(job, _Held) else job  # type: ignore[union-attr]
                 self._busy.set()
                 try:
-                    self._do(kind, arg)
+                    if self.max_batch > 1 and kind == "turn":
+                        self._join(*arg)
+                    else:
+                        self._do(kind, arg)
                 except NEVER_CAUGHT:
                     raise
                 except BaseException as e:  # no job may end the engine thread
                     self._job_failed(kind, arg, e)
                 finally:
-                    self._busy.clear()
+                    if not self._rows:
+                        self._busy.clear()
         finally:
+            for row in list(self._rows.values()):  # closing: the running turns end here
+                row.events.close()
+            self._rows.clear()
             # MLX's thread-local streams must be destroyed by their own thread before it
             # exits, else the process aborts at exit ("terminate called ...").
             self.model = self.tokenizer = None
             self._chat.drop(pool=True)
             gc.collect()
             mx.clear_streams()
+
+    # ---- turns side by side (max_batch > 1: docs/design.md, "Continuous batching") ----
+    def _next_job(self) -> tuple[str, Any] | None | object:
+        """The next job: a held one once it may run, else a new one (waited for while
+        nothing runs); _NO_JOB when turns are running and nothing can start."""
+        if self._held:
+            kind = self._held[0][0]
+            if (kind == "turn" and len(self._rows) < self.max_batch) or not self._rows:
+                return _Held(self._held.popleft())
+        if not self._rows and not self._held:
+            return self._jobs.get()
+        try:
+            job = self._jobs.get_nowait()
+        except queue.Empty:
+            return _NO_JOB
+        if job is not None and self._must_wait(job[0]):
+            self._held.append(job)  # after the jobs held before it, in order
+            return _NO_JOB
+        return job
+
+    def _must_wait(self, kind: str) -> bool:
+        """Whether a new job waits: behind held ones; a turn while max_batch run; anything
+        else until the running turns have ended (a load, a reset, a save...)."""
+        if self.max_batch <= 1:
+            return False
+        if kind == "turn":
+            return bool(self._held) or len(self._rows) >= self.max_batch
+        return bool(self._held) or bool(self._rows)
+
+    def _join(self, turn: int, prompt: Prompt, params: GenParams, t_submit: float) -> None:
+        """Start turn `turn` beside the running ones: it prefills at its first rounds,
+        then its decode steps join the batch."""
+        if self.model is None or self.tokenizer is None:
+            self._emit(TurnEvent(turn, Done("error", "", [], [], error="no model loaded")))
+            return
+        if self._batch is None or self._batch.model is not self.model:
+            self._batch = Batch(self.model)
+        chat = self._chat.row()
+        model = self.model
+        ctx = TurnContext(
+            model, self.tokenizer, chat, stop=lambda: self._stopped(turn), clock=self.clock,
+            stats=lambda s=None: current_stats(model, chat.caches, self._chat.pool_stats(),
+                                               self._runtime_stats(), s),
+            watch=self._watch, prefill_chunk=self.prefill_chunk, compiled=self.compiled,
+            reuse_prefix=self.reuse_prefix, stats_interval_s=self.stats_interval_s,
+            draft=self._draft_model, batch=self._batch,
+        )
+        self._rows[turn] = _Row(turn, run_turn(ctx, prompt, params, t_submit), chat)
+
+    def _round(self) -> None:
+        """Advance every running turn to its next step (a prefill chunk is one), then run
+        the decode steps parked meanwhile in one batched forward."""
+        for row in list(self._rows.values()):
+            self._advance(row)
+        if self._batch is not None:
+            self._batch.step()
+
+    def _advance(self, row: _Row) -> None:
+        """Emit `row`'s events up to its next yield point: parked (WAIT), a prefill
+        chunk done, or its Done (it leaves, its cache back in the pool)."""
+        done: Done | None = None
+        try:
+            for event in row.events:
+                if isinstance(event, Waiting):
+                    return
+                if isinstance(event, Done):
+                    done = event
+                    break
+                self._emit(TurnEvent(row.turn, event))
+                if isinstance(event, PrefillProgress):
+                    return
+        except NEVER_CAUGHT:
+            raise
+        except BaseException as e:  # run_turn reports its own failures: this is a bug
+            row.chat.drop()
+            done = Done("error", "", [], [], error=error_line(e))
+        row.events.close()
+        row.chat.release()  # before its Done: the cache as the client will see it
+        del self._rows[row.turn]
+        self._cancelled.discard(row.turn)
+        if done is not None:
+            self._emit(TurnEvent(row.turn, done))
 
     def _do(self, kind: str, arg: Any) -> None:
         """One job; each reports its own outcome (a turn its Done, a load Loaded or
@@ -318,9 +457,11 @@ class Engine:
             traceback.print_exception(error)
         self._chat.drop()
         line = error_line(error)
-        answer: Event | None = None
+        answer: Event | TurnEvent | None = None
         if kind == "turn":
             answer = Done("error", "", [], [], error=line)
+            if self.max_batch > 1:
+                answer = TurnEvent(arg[0], answer)
         elif kind == "load":
             answer = LoadFailed(arg, line)
         elif kind == "save":
@@ -369,7 +510,7 @@ class Engine:
             return
         ctx = TurnContext(
             self.model, self.tokenizer, self._chat,
-            stop=lambda: turn <= self._cancel_upto, clock=self.clock, stats=self._stats_now,
+            stop=lambda: self._stopped(turn), clock=self.clock, stats=self._stats_now,
             watch=self._watch, prefill_chunk=self.prefill_chunk, compiled=self.compiled,
             reuse_prefix=self.reuse_prefix, stats_interval_s=self.stats_interval_s,
             draft=self._draft_model,
@@ -377,7 +518,9 @@ class Engine:
         # closed whatever happens here: its in-flight step ends before the cache is touched
         with contextlib.closing(run_turn(ctx, prompt, params, t_submit)) as events:
             for event in events:
+                assert not isinstance(event, Waiting)  # no batch: no step is parked
                 self._emit(event)
+        self._cancelled.discard(turn)
 
     def _draft_model(self, path: str) -> DraftModel:
         """The draft model in `path`, loaded on first use and kept (one at a time);
@@ -414,4 +557,4 @@ class Engine:
         """`turn`'s numbers with the cache's and the runtime's as they are now."""
         assert self.model is not None
         return current_stats(self.model, self._chat.caches, self._chat.pool_stats(),
-                             self._runtime_stats(), turn)
+                             self._runtime_stats(), turn, self._chat.checkpoints)

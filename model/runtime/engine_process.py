@@ -40,6 +40,7 @@ from .events import (
     Loaded,
     LoadFailed,
     Stats,
+    TurnEvent,
     TurnStats,
 )
 
@@ -60,6 +61,7 @@ class EngineProcess:
     def __init__(self, on_event: Callable[[Event], None], model_path: str | Path | None = None,
                  **engine_kw: Any):
         self._on_event = on_event
+        self.max_batch: int = engine_kw.get("max_batch", 1)  # see Engine
         self._lock = threading.Lock()
         self._turn = 0
         self._pending = 0  # turns submitted and not yet Done
@@ -104,8 +106,8 @@ class EngineProcess:
         self._send(("submit", (prompt, params or GenParams())))
         return turn
 
-    def cancel(self) -> None:
-        self._send(("cancel", ()))
+    def cancel(self, turn: int | None = None) -> None:
+        self._send(("cancel", (turn,)))
 
     def reset(self) -> None:
         self._snapshot = _Snapshot([], TurnStats())
@@ -171,7 +173,7 @@ class EngineProcess:
             if isinstance(msg, _Snapshot):
                 self._snapshot = msg
                 continue
-            if isinstance(msg, Done):
+            if isinstance(msg.event if isinstance(msg, TurnEvent) else msg, Done):
                 with self._lock:
                     self._pending = max(0, self._pending - 1)
             self._on_event(msg)
@@ -198,10 +200,11 @@ def _child(cmd_fd: int, evt_fd: int) -> None:
 
     def on_event(ev: Event) -> None:  # on the engine thread
         with lock:  # the snapshot first: a handler of `ev` may read it at once
-            if isinstance(ev, _SNAPSHOT_AFTER) and engine is not None:
+            inner = ev.event if isinstance(ev, TurnEvent) else ev
+            if isinstance(inner, _SNAPSHOT_AFTER) and engine is not None:
                 # a Stats event already holds the cache's numbers: don't gather them twice
                 # between two decode steps
-                cache = ev.stats if isinstance(ev, Stats) else engine.cache_stats()
+                cache = inner.stats if isinstance(inner, Stats) else engine.cache_stats()
                 evt.send(_Snapshot(engine.layer_stats(), cache))
             evt.send(ev)
 

@@ -67,10 +67,12 @@ class GenParams:
     # structured output and tools, in OpenAI's shapes (docs/serve.md): `response_format`
     # ({"type": "json_object"} or "json_schema") constrains the reply to a grammar
     # (model/runtime/constrained.py); `tools` go to the chat template and calls come back
-    # as Done.tool_calls; `tool_choice` "required" or a named function forces a call
+    # as Done.tool_calls; `tool_choice` "required" or a named function forces a call;
+    # `parallel_tool_calls` False: one call at most (the reply ends once it is complete)
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     # speculative decoding (model/runtime/speculative.py): "off", "lookup" (n-gram match
     # against the conversation, n = lookup_ngram down to 1) or "draft" (the model in the
     # draft_model folder); at most draft_tokens drafted per step, adapted to acceptance
@@ -182,7 +184,7 @@ SPECULATION_FIELDS = ("speculation", "drafted", "accepted", "acceptance", "token
 CACHE_FIELDS = ("cache_offset", "cache_tokens", "cache_capacity", "cache_bytes", "mha_bytes",
                 "gqa_saving", "evicted_tokens", "keep", "wrapped", "sliding_layers",
                 "sliding_bytes", "window_saving", "kv_bits", "kv_group_size", "float_bytes",
-                "kv_saving", "state_bytes", "state_layers")
+                "kv_saving", "state_bytes", "state_layers", "checkpoints", "checkpoint_bytes")
 
 
 # the annotations of TurnStats' numeric fields (strings: `from __future__ import annotations`)
@@ -284,8 +286,10 @@ class Done:
     stats: TurnStats = field(default_factory=TurnStats)
     error: str | None = None
     # with GenParams.tools: the calls the reply made (`text` is then the rest of the
-    # reply, and finish_reason "tool_calls" when there are any)
+    # reply, and finish_reason "tool_calls" when there are any), and where in `text` each
+    # was made (an API whose answer keeps the reply's order: Anthropic's content blocks)
     tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_offsets: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -366,6 +370,15 @@ Event = (
 Prompt = Sequence[Mapping[str, str]] | Sequence[int] | str
 
 
+@dataclass
+class TurnEvent:
+    """An event of turn `turn` (the id `submit` returned), from an engine that runs turns
+    side by side (`max_batch` > 1, a server's): their events interleave."""
+
+    turn: int
+    event: Event
+
+
 class EngineLike(Protocol):
     """What the UI and the CLI need of an engine (model.engine.Engine implements it).
     Every method returns at once; results arrive as events through the callback given
@@ -373,7 +386,7 @@ class EngineLike(Protocol):
 
     def load(self, path: str | Path) -> None: ...
     def submit(self, prompt: Prompt, params: GenParams | None = None) -> int: ...
-    def cancel(self) -> None: ...
+    def cancel(self, turn: int | None = None) -> None: ...
     def reset(self) -> None: ...
     def close(self, timeout: float = 10.0) -> None: ...
     def save_cache(self, path: str | Path, max_bytes: int | None = None) -> None: ...

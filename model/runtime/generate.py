@@ -27,11 +27,12 @@ A cache kind without these methods runs the plain (uncompiled) step. A quantized
 buffers travel as their parts (packed, scales, biases) and its layout (bits, group) is in
 `slot_layout`: the trace quantizes the new tokens' rows and writes each part with
 `slice_update`. A recurrent layer's state (model/cache/state.py, layout "state") travels
-as its conv and recurrent arrays, which the mixer replaces whole, one token at a time
-(its `next_slot(n)` is None for n > 1: a state cannot take back rejected drafts); a layer
-without a token mixer ("pass") as nothing. A layer whose cache has `members` (a K/V cache
-and a state side by side: model/cache/hybrid.py) is driven as its members, and the model
-sees them reassembled into one HybridCache of proxies.
+as its conv and recurrent arrays, which the mixer replaces whole; a verify pass of n > 1
+tokens returns every position's states instead, stacked, so that the cache can go back
+to the last accepted token (model/decoder/state_steps.py); a layer without a token mixer
+("pass") as nothing. A layer whose cache has `members` (a K/V cache and a state side by
+side: model/cache/hybrid.py) is driven as its members, and the model sees them
+reassembled into one HybridCache of proxies.
 """
 
 from __future__ import annotations
@@ -194,15 +195,21 @@ class _TracedCache:
 
 
 class _TracedState:
-    """Stands in for a recurrent layer's state inside the trace (state.py's protocol)."""
+    """Stands in for a recurrent layer's state inside the trace (state.py's protocol).
+    A pass of n > 1 tokens (a verify pass) asks the mixer for every position's states
+    (`rollback`), which the trace returns stacked and `commit` keeps."""
 
-    def __init__(self, row: mx.array, arrays: Sequence[mx.array]):
+    def __init__(self, row: mx.array, arrays: Sequence[mx.array], n: int = 1):
         self.offset = row[0]
         self.conv = arrays[0]
         self.recurrent = arrays[1] if len(arrays) > 1 else None
+        self.rollback = n - 1
 
     def update(self, tokens: int, conv: mx.array, recurrent: mx.array | None = None) -> None:
         self.conv, self.recurrent = conv, recurrent
+
+    def update_steps(self, tokens: int, convs: mx.array, recurrents: mx.array | None) -> None:
+        self.conv, self.recurrent = convs, recurrents
 
     def advance(self, tokens: int) -> None:
         """A layer without a token mixer (state.PassCache): nothing to carry."""
@@ -254,7 +261,7 @@ class CompiledStep:
                 row = group_rows[groups[i]]
                 if static[0] in ("state", "pass"):
                     m = _n_arrays(static)
-                    proxies.append(_TracedState(row, buffers[at : at + m]) if m else
+                    proxies.append(_TracedState(row, buffers[at : at + m], n) if m else
                                    _TracedState(row, [None]))
                     at += m
                     continue
@@ -357,9 +364,12 @@ def prefill(
     prefill_chunk: int = PREFILL_CHUNK,
     progress: Progress,
     clock: Callable[[], float] = time.perf_counter,
+    breaks: Sequence[int] = (),
 ) -> Iterator[mx.array]:
     """Run `prompt` through the model a chunk at a time; after each chunk yield the logits
     at its last position (evaluated for the final chunk only: those give the first token).
+    A chunk also ends at each of `breaks` (prompt offsets: where the caller checkpoints a
+    recurrent state, model/cache/checkpoints.py).
 
     A caller that stops between chunks (a cancel) leaves the caches holding the first
     `progress.prefilled` prompt tokens; `progress.prefill_s` is the time so far."""
@@ -367,15 +377,17 @@ def prefill(
         raise ValueError("prefill needs at least one prompt token")
     t0 = clock()
     shape = threads.matmul_shape(model)
-    for i in range(0, len(prompt), prefill_chunk):
-        chunk = prompt[i : i + prefill_chunk]
+    ends = sorted({*range(prefill_chunk, len(prompt), prefill_chunk),
+                   *(b for b in breaks if 0 < b < len(prompt)), len(prompt)})
+    for i, end in zip([0, *ends], ends, strict=False):
+        chunk = prompt[i:end]
         if isinstance(caches, list):  # --quantized-kv-start reached: quantize from here
             maybe_quantize(caches)
         threads.apply(len(chunk), *shape)  # OpenBLAS threads for this chunk's size
         logits = model(mx.array([chunk]), cache=caches, logits_to_keep=1)[:, -1, :]
-        last = i + prefill_chunk >= len(prompt)
+        last = end >= len(prompt)
         mx.eval(logits if last else [c.state for c in caches])
-        progress.prefilled = i + len(chunk)
+        progress.prefilled = end
         progress.prefill_s = clock() - t0
         yield logits
 

@@ -23,9 +23,12 @@ Exactness:
   follow the target's distribution p exactly. A prompt lookup's draft is certain
   (q = one-hot): kept with probability p(d), else a draw from p without d.
 
-A cache that cannot take tokens back exactly (no `trim`: a state cache), or a model
-split across hosts (its other ranks' caches are out of reach), runs plain decoding, and
-`Progress.speculation_off` says why.
+A recurrent layer's state cannot take tokens back in general, but for the reply it keeps
+the states of its last few tokens (`set_rollback`; a verify pass hands back every
+position's: model/decoder/state_steps.py), so a rejected draft is taken back to the very
+state after the last accepted token. A cache that cannot take tokens back at all, or a
+model split across hosts (its other ranks' caches are out of reach), runs plain decoding,
+and `Progress.speculation_off` says why.
 
 The draft length adapts (`DraftLength`): each pass drafts the k that maximises the
 expected tokens per second, E(α, k) / c(k + 1), where α is the recent acceptance rate per
@@ -52,6 +55,7 @@ from kvchat.model.cache.kv import (
     pending_quantization,
     trim_to,
 )
+from kvchat.model.cache.state import StateCache, set_rollback
 
 from . import threads
 from .events import MAX_DRAFT_TOKENS, GenParams
@@ -138,6 +142,9 @@ class DraftModel:
         n = limit if self.ids[:limit] == history[:limit] else 0  # the usual case, at C speed
         while n < limit and self.ids[n] == history[n]:
             n += 1
+        if self.caches is not None and n < len(self.ids) and not all(
+                c.can_trim_to(n) for c in self.caches if isinstance(c, StateCache)):
+            self.caches = None  # a state that cannot go back that far: start again
         if self.caches is None:
             self.caches = make_prompt_cache(self.model, *self.bound)
             self.ids, n = [], 0
@@ -160,10 +167,14 @@ class DraftModel:
     def propose(self, history: list[int], k: int) -> tuple[list[int], Q]:
         todo = self._sync(history)
         assert self.caches is not None
+        set_rollback(self.caches, 0)  # a prompt runs in the parallel form
         for i in range(0, len(todo) - 1, PREFILL_CHUNK):  # a new prompt: all but its last id
             chunk = todo[i : min(i + PREFILL_CHUNK, len(todo) - 1)]
             self.model(mx.array([chunk]), cache=self.caches, logits_to_keep=1)
             mx.eval([c.state for c in self.caches])
+        # a recurrent layer keeps the states of the drafts, which the next `_sync` may
+        # take back (the target rejects some)
+        set_rollback(self.caches, k)
         step = decode_step(self.model, self.caches)
         logits = step(mx.array(todo[-1:]))[0]
         ys: list[mx.array] = []
@@ -383,7 +394,8 @@ def why_not(model: Any, caches: Sequence[Any]) -> str | None:
     if hasattr(model, "pipeline_stats"):
         return "speculation off: the model is split across hosts"
     for c in caches:
-        if not (hasattr(c, "trim") and c.is_trimmable()):
+        # a state takes back the last tokens it kept (`set_rollback`)
+        if not (hasattr(c, "trim") and (c.is_trimmable() or isinstance(c, StateCache))):
             return (f"speculation off: the {type(c).__name__} cache cannot take back"
                     " rejected tokens")
     if ring_room(caches) < 2:
@@ -446,6 +458,7 @@ def speculative_decode(
     # what passes cost on this machine: kept with the model, per source, across replies
     costs = model.__dict__.setdefault("_kvchat_pass_costs", {}).setdefault(source.name, {})
     length = DraftLength(min(draft_tokens, ring_room(caches) - 1), adaptive, costs)
+    set_rollback(caches, length.most)  # a recurrent state keeps what a pass may take back
     misses = 0  # lookups in a row that found nothing
     seen = list(history)
     y = int(verifier.pick(logits, seen).item())
@@ -516,3 +529,4 @@ def speculative_decode(
             mx.eval(planned)  # the pass in flight finishes before the cache is touched
         if extra:  # drafts in the cache that the reply did not get to
             trim_to(caches, caches[0].offset - extra)
+        set_rollback(caches, 0)  # the kept states are released

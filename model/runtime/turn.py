@@ -26,11 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from kvchat.model.cache.checkpoints import stateful
 from kvchat.model.errors import NEVER_CAUGHT, KVChatError, error_line
 from kvchat.model.text.chat_template import TemplateCancelled
 from kvchat.model.text.tokenizer import TokenizeCancelled, Tokenizer
 from kvchat.model.text.tool_calls import (
     CallFormat,
+    ToolCall,
     ToolCallError,
     ToolCallStream,
     call_format,
@@ -42,6 +44,7 @@ from kvchat.model.text.tool_calls import (
 )
 
 from .attention_watch import AttentionWatch
+from .batch import Waiting, row_decode
 from .chat_cache import ChatCache
 from .events import (
     Done,
@@ -62,6 +65,7 @@ from .stops import StopMatcher
 from .turn_stats import STATS_INTERVAL_S, Evictions, TurnMeter
 
 if TYPE_CHECKING:
+    from .batch import Batch
     from .constrained import Constraint
 
 
@@ -84,6 +88,9 @@ class TurnContext:
     # a draft model folder -> its DraftModel, loaded once and checked against the
     # tokenizer (the engine's; None: no draft models here)
     draft: Callable[[str], Any] | None = None
+    # a server's turns side by side: the decode step is parked here (WAIT is yielded)
+    # and run in one forward with the other turns' (model/runtime/batch.py)
+    batch: Batch | None = None
 
 
 class PartialReply(Exception):
@@ -168,7 +175,7 @@ def make_constraint(ctx: TurnContext, params: GenParams, tools: ToolUse | None
             raise GrammarError("response_format cannot be combined with a forced tool_choice")
         from .tool_grammar import tool_call_grammar
 
-        many = params.tool_choice == "required"
+        many = params.tool_choice == "required" and params.parallel_tool_calls
         grammar = tool_call_grammar(tools.fmt, tools.forced, ctx.tokenizer, many)
         what = "tool call"
     if grammar is None:
@@ -192,7 +199,7 @@ def fit_context(params: GenParams, n_prompt: int, capacity: int
 
 
 def run_turn(ctx: TurnContext, prompt: Prompt, params: GenParams, t_submit: float
-             ) -> Iterator[Event]:
+             ) -> Iterator[Event | Waiting]:
     """The events of one turn, ending with its Done (`t_submit`: when it was queued, on
     `ctx.clock`)."""
     ids: list[int] = []
@@ -290,11 +297,21 @@ def _sampler(sampler: Sampler, n_ids: int, params: GenParams, prompt: list[int]
 
 class _Reply:
     """The reply's visible text on its way out: tool calls taken out of it when the turn
-    has tools (model/text/tool_calls.py), the rest as TextDelta."""
+    has tools (model/text/tool_calls.py), the rest as TextDelta. `one_call`
+    (parallel_tool_calls False): the reply ends with its first call, nothing after it."""
 
-    def __init__(self, tools: ToolUse | None) -> None:
+    def __init__(self, tools: ToolUse | None, one_call: bool = False) -> None:
         self.calls = ToolCallStream(tools.fmt) if tools is not None else None
         self.parts: list[str] = []
+        self.made: list[ToolCall] = []  # the calls handed on
+        self.offsets: list[int] = []  # where in the text each was made
+        self._chars = 0
+        self.one_call = one_call
+
+    @property
+    def ended(self) -> bool:
+        """The one call allowed is made: the turn stops decoding."""
+        return self.one_call and bool(self.made)
 
     def events(self, text: str, token: int, final: bool = False) -> Iterator[Event]:
         if self.calls is None:
@@ -304,12 +321,16 @@ class _Reply:
             if final:
                 pieces += self.calls.finish()
         for p in pieces:
+            if self.ended:
+                return
             if isinstance(p, str):
                 self.parts.append(p)
+                self._chars += len(p)
                 yield TextDelta(p, token)
             else:
-                assert self.calls is not None
-                yield ToolCallDelta(self.calls.calls.index(p), p)
+                self.made.append(p)
+                self.offsets.append(self._chars)
+                yield ToolCallDelta(len(self.made) - 1, p)
 
     @property
     def text(self) -> str:
@@ -327,7 +348,7 @@ def _unspeculated(constraint: Constraint | None, tools: ToolUse | None) -> bool:
 def _decode(ctx: TurnContext, params: GenParams, ids: list[int], logits: mx.array,
             caches: list[Any], source: DraftSource | None, progress: Progress,
             constraint: Constraint | None = None, tools: ToolUse | None = None
-            ) -> Iterator[int]:
+            ) -> Iterator[int | Waiting]:
     """The decode loop for this turn: speculative from `source` where the caches can take
     rejected drafts back exactly and the reply is unconstrained, else plain
     (`progress.speculation_off` says why)."""
@@ -344,20 +365,28 @@ def _decode(ctx: TurnContext, params: GenParams, ids: list[int], logits: mx.arra
                 history=ids, max_tokens=params.max_tokens, draft_tokens=params.draft_tokens,
                 compiled=ctx.compiled, progress=progress)
         progress.speculation_off = why
-    return decode(model, logits, caches, sample=_sampler(sampler, n_ids, params, ids),
-                  max_tokens=params.max_tokens, compiled=ctx.compiled, progress=progress,
-                  constraint=constraint)
+    sample = _sampler(sampler, n_ids, params, ids)
+    if ctx.batch is not None:
+        return row_decode(ctx.batch, logits, caches, sample=sample,
+                          max_tokens=params.max_tokens, compiled=ctx.compiled,
+                          progress=progress, constraint=constraint)
+    return decode(model, logits, caches, sample=sample, max_tokens=params.max_tokens,
+                  compiled=ctx.compiled, progress=progress, constraint=constraint)
 
 
 def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: float,
               context_room: int | None, tools: ToolUse | None = None,
               constraint: Constraint | None = None, source: DraftSource | None = None
-              ) -> Iterator[Event]:
+              ) -> Iterator[Event | Waiting]:
     model, chat = ctx.model, ctx.chat
     mx.reset_peak_memory()
     cached, again, reason = chat.prepare(model, ids, params, ctx.reuse_prefix)
     caches = chat.caches
     assert caches is not None
+    # a recurrent state's checkpoints: where the prefill pauses to take them
+    plan = chat.checkpoints.plan(cached, len(ids)) if stateful(caches) else []
+    if plan and plan[0] == cached:
+        chat.checkpoints.take(caches)
     yield Started(len(ids), cached, reason, again)
     use = chat.use.to_json() if chat.use is not None else None
     meter = TurnMeter(TurnStats(prompt_tokens=len(ids), cached_tokens=cached, cache=use),
@@ -370,7 +399,7 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
     keep = {i for m in markers if (i := ctx.tokenizer.token_to_id(m)) is not None}
     detok = ctx.tokenizer.detokenizer(skip_special_tokens=True, keep=keep)
     stops = StopMatcher(params.stop)
-    reply = _Reply(tools)
+    reply = _Reply(tools, one_call=not params.parallel_tool_calls)
     eos = set(ctx.tokenizer.end_ids)  # EOS, and BOS: a base model starting a new document
     generated: list[int] = []
     finish = "length"
@@ -379,9 +408,11 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
     try:
         logits = None
         chunks = prefill(model, todo, caches, prefill_chunk=ctx.prefill_chunk,
-                         progress=progress, clock=ctx.clock)
+                         progress=progress, clock=ctx.clock, breaks=[p - cached for p in plan])
         while progress.prefilled < len(todo) and not ctx.stop():
             logits = next(chunks)
+            if cached + progress.prefilled in plan:
+                chat.checkpoints.take(caches)
             yield PrefillProgress(progress.prefilled, len(todo), progress.prefill_s)
         chat.ids.extend(todo[: progress.prefilled])
         if progress.prefilled < len(todo):  # cancelled during prefill
@@ -394,6 +425,9 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
         steps = _decode(ctx, params, ids, logits, caches, source, progress, constraint, tools)
         try:
             for token in steps:
+                if isinstance(token, Waiting):  # parked for the batched step
+                    yield token
+                    continue
                 now = ctx.clock()
                 meter.token(now, progress, len(todo))
                 generated.append(token)
@@ -402,6 +436,9 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
                     break
                 text, hit = stops.feed(detok.add_token(token))
                 yield from reply.events(text, token)
+                if reply.ended:
+                    finish = "tool_calls"
+                    break
                 if hit:
                     finish = "stop"
                     break
@@ -432,14 +469,17 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
     if generated:
         yield from reply.events(tail, generated[-1], final=True)
     chat.ids.extend(generated[: progress.fed])
+    if plan:  # the reply's end: where the next turn continues
+        chat.checkpoints.take(caches)
     if (overflow := evictions.overflow("reply")) is not None:
         yield overflow
     if finish == "length" and context_room is not None and len(generated) >= context_room:
         finish = "context_full"
     final = ctx.stats(meter.decoded(len(generated)))
     yield Stats(final)
-    calls = reply.calls.calls if reply.calls is not None else []
+    calls = reply.made
     if calls and finish != "cancelled":
         finish = "tool_calls"
     text = reply.text if reply.calls is not None else stops.text
-    yield Done(finish, text, generated, ids, final, tool_calls=list(calls))
+    yield Done(finish, text, generated, ids, final, tool_calls=list(calls),
+               tool_call_offsets=list(reply.offsets))

@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvchat import metal_kernels
+from kvchat.model.cache.checkpoints import Checkpoints, stateful
 from kvchat.model.cache.kv import cache_stats
 
 from .events import Overflow, TurnStats
@@ -33,12 +34,15 @@ def runtime_stats() -> TurnStats:
 
 
 def current_stats(model: Any, caches: list[Any] | None, pool: dict[str, Any] | None,
-                  runtime: TurnStats, turn: TurnStats | None = None) -> TurnStats:
-    """`turn`'s numbers with the cache's, the pool's (ChatCache.pool_stats) and
-    `runtime`'s as they are now."""
+                  runtime: TurnStats, turn: TurnStats | None = None,
+                  checkpoints: Checkpoints | None = None) -> TurnStats:
+    """`turn`'s numbers with the cache's (and its recurrent states' `checkpoints`), the
+    pool's (ChatCache.pool_stats) and `runtime`'s as they are now."""
     s = turn or TurnStats()
     if caches:
         s = s.merged(cache_stats(caches, model.config))
+        if checkpoints is not None and stateful(caches):
+            s = s.with_(checkpoints=len(checkpoints), checkpoint_bytes=checkpoints.nbytes)
     if hasattr(model, "pipeline_stats"):  # per-rank bytes and time split
         s = s.with_(pipeline=model.pipeline_stats(caches))
     if pool is not None:

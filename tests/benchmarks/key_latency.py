@@ -12,7 +12,11 @@ marks read here, away); Ctrl+R starts it again whenever one is needed.
 
 Both run twice: on an idle machine (whatever else it runs: the load average is printed)
 and with one core kept busy by a `yes > /dev/null` child this script starts and kills.
-Times include tmux's own (send-keys, then capture-pane polled every 5 ms).
+Times include tmux's own (send-keys, then the screen read every 5 ms). Keys are sent
+and the screen is read through one tmux control-mode client (`tmux -C attach -f
+no-output`, commands on its stdin) rather than a `tmux` process per read: 200 processes a
+second would take a large share of a core from the chat being measured, which no
+person's terminal does.
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ from __future__ import annotations
 import os
 import platform
 import random
+import shlex
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -54,12 +58,66 @@ def machine() -> str:
             f" {time.strftime('%Y-%m-%d %H:%M:%S %z')}")
 
 
+class Reader:
+    """Reads pane `c`'s screen through one control-mode client: each read is one
+    `capture-pane` command on its stdin and the block tmux answers with (%begin … %end)."""
+
+    def __init__(self, tmux: Tmux) -> None:
+        self.proc = subprocess.Popen(
+            ["tmux", "-L", tmux.socket, "-f", "/dev/null", "-C", "attach", "-t", "c",
+             "-f", "no-output,ignore-size"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.reply()  # the block answering `attach` itself
+
+    def reply(self) -> str:
+        """The next %begin … %end block's lines (notifications between blocks skipped)."""
+        assert self.proc.stdout
+        lines: list[str] = []
+        inside = False
+        for line in self.proc.stdout:
+            if line.startswith("%begin"):
+                inside, lines = True, []
+            elif line.startswith(("%end", "%error")) and inside:
+                return "".join(lines)
+            elif inside:
+                lines.append(line)
+        raise RuntimeError("the tmux control client ended")
+
+    def screen(self) -> str:
+        return self.command("capture-pane -p -t c")
+
+    def command(self, line: str) -> str:
+        """Runs one tmux command line through the client; its output."""
+        assert self.proc.stdin
+        self.proc.stdin.write(line + "\n")
+        return self.reply()
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+READER: Reader | None = None
+
+
+def read(tmux: Tmux) -> str:
+    return READER.screen() if READER is not None else tmux.screen("c")
+
+
+def send(tmux: Tmux, *keys: str) -> None:
+    """send-keys to pane `c` (through the control client once it runs: no process each)."""
+    if READER is None:
+        tmux("send-keys", "-t", "c", *keys)
+    else:
+        READER.command(" ".join(["send-keys", "-t", "c", *(shlex.quote(k) for k in keys)]))
+
+
 def until(tmux: Tmux, pred: Callable[[str], bool], timeout: float) -> tuple[bool, str]:
     """(whether pred(screen) held within timeout, the last screen read)"""
     deadline = time.monotonic() + timeout
     screen = ""
     while time.monotonic() < deadline:
-        screen = tmux.screen("c")
+        screen = read(tmux)
         if pred(screen):
             return True, screen
         time.sleep(POLL_S)
@@ -72,15 +130,20 @@ def input_box(screen: str) -> str:
 
 @contextmanager
 def chat(model: Path) -> Iterator[Tmux]:
+    global READER
     tmux = Tmux(f"kvchat-keys-{os.getpid()}-{time.monotonic_ns()}")
     try:
         start_chat(tmux, "c", Path(tempfile.mkdtemp()), SETTINGS, model=model)
         time.sleep(1)
-        tmux("send-keys", "-t", "c", "-l", PROMPT)
-        tmux("send-keys", "-t", "c", "Enter")
+        READER = Reader(tmux)
+        send(tmux, "-l", PROMPT)
+        send(tmux, "Enter")
         streaming(tmux)
         yield tmux
     finally:
+        if READER is not None:
+            READER.close()
+            READER = None
         tmux.kill_server()
 
 
@@ -93,7 +156,7 @@ def streaming(tmux: Tmux) -> bool:
 def restart(tmux: Tmux) -> bool:
     """Ctrl+R once the last reply has ended; whether the new one was seen streaming."""
     until(tmux, lambda s: "generating…" not in s and "stopping…" not in s, 30)
-    tmux("send-keys", "-t", "c", "C-r")
+    send(tmux, "C-r")
     return streaming(tmux)
 
 
@@ -101,10 +164,10 @@ def typing(tmux: Tmux) -> tuple[list[float], int]:
     """(ms per key, keys typed while the reply streamed)"""
     ms, during = [], 0
     for i, key in enumerate(KEYS):
-        if "generating…" not in tmux.screen("c"):
+        if "generating…" not in read(tmux):
             restart(tmux)
         t0 = time.monotonic()
-        tmux("send-keys", "-t", "c", "-l", key)
+        send(tmux, "-l", key)
         typed = KEYS[: i + 1]
         ok, screen = until(tmux, lambda s, t=typed: t in input_box(s), 10)
         ms.append((time.monotonic() - t0) * 1000 if ok else float("inf"))
@@ -124,7 +187,7 @@ def stopping(tmux: Tmux) -> tuple[list[float], int, int]:
             continue
         time.sleep(rng.uniform(0.2, 0.5))
         t0 = time.monotonic()
-        tmux("send-keys", "-t", "c", "Escape")
+        send(tmux, "Escape")
         ok, screen = until(tmux, lambda s: "■ stopped" in s or not (
             "generating…" in s or "stopping…" in s), 15)
         if ok and "■ stopped" in screen:
@@ -161,11 +224,19 @@ def run(model: Path, label: str) -> None:
 
 
 def main() -> None:
-    model = Path(sys.argv[1]) if len(sys.argv) > 1 else STORIES260K
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", nargs="?", default=str(STORIES260K))
+    ap.add_argument("--loads", nargs="+", choices=("idle", "busy"), default=["idle", "busy"])
+    a = ap.parse_args()
+    model = Path(a.model)
     print(f"machine: {machine()}", flush=True)
-    run(model, "idle")
-    with busy_core():
-        run(model, "one busy core")
+    if "idle" in a.loads:
+        run(model, "idle")
+    if "busy" in a.loads:
+        with busy_core():
+            run(model, "one busy core")
     print(f"after: load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

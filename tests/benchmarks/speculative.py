@@ -2,7 +2,7 @@
 each with the adaptive draft length (the policy `kvchat` runs) and with a fixed one, on a
 reply that quotes the conversation and on a free story, per model.
 
-    python -m tests.benchmarks.speculative [--models mini 135m] [--runs 3] [--json]
+    python -m tests.benchmarks.speculative [--models mini 135m hybrid] [--runs 3] [--json]
 
 Tasks, as chat turns through the model's template where it has one:
 - `quote`: the conversation holds the model's own earlier answer and the question is
@@ -14,7 +14,11 @@ Models: `mini` the shipped kvchat-mini (its draft model a random 2-layer model w
 vocabulary: timings only, its drafts are noise; stories260K cannot draft for it, its
 tokenizer differs, checked and printed); `135m` a random float32 model of SmolLM-135M's
 shape (tests/benchmarks/threads.py) with a random 2-layer draft: random weights write no
-text, so every acceptance there is meaningless, only the costs are real.
+text, so every acceptance there is meaningless, only the costs are real; `hybrid` the tiny
+random Qwen3-Next of the tests (tests/helpers/hybrid_families.py: gated delta rule,
+attention, gated delta rule; built by transformers), whose rejected drafts are taken back
+by rolling its recurrent states back (docs/design.md, "Speculative decoding"), with the
+same kind of random draft: costs only.
 
 Columns: decode tok/s (docs/design.md's definition, median of --runs repeats that each run
 every method once, in turn, so load moves them alike), ÷ plain per repeat (median, and the
@@ -62,6 +66,23 @@ def random_model(shape: dict[str, Any], seed: int = 0) -> Any:
     return model
 
 
+def hybrid_model(name: str) -> Any:
+    """A tiny random checkpoint of tests/helpers/hybrid_families.py, built and loaded."""
+    import tempfile
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    from kvchat.model.decoder.weights import load_model
+    from tests.helpers.families import build
+    from tests.helpers.hybrid_families import HYBRID_SPECS
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = load_model(build(HYBRID_SPECS[name], Path(tmp)))
+        mx.eval(model.parameters())  # read before the folder goes
+    return model
+
+
 def load_pair(name: str) -> tuple[Any, Any, Any, str]:
     """(target, draft, tokenizer or None, what the draft is)."""
     from kvchat.model.decoder.weights import load_model
@@ -75,6 +96,11 @@ def load_pair(name: str) -> tuple[Any, Any, Any, str]:
                  "max_position_embeddings": target.config.max_position_embeddings}
         return target, random_model(shape, 1), tok, (
             f"random 2-layer model, timings only (stories260K cannot draft: {why})")
+    if name == "hybrid":
+        target = hybrid_model("qwen3_next")
+        shape = {**SMOL_135M, **DRAFT_SHAPE, "vocab_size": target.config.vocab_size}
+        return target, random_model(shape, 1), None, (
+            "random 2-layer model; the target is random too: acceptance meaningless")
     target = random_model(SMOL_135M)
     return target, random_model({**SMOL_135M, **DRAFT_SHAPE}, 1), None, (
         "random 2-layer model; the target's weights are random too: acceptance meaningless")
@@ -153,12 +179,14 @@ def pass_costs(model: Any, prompt: list[int], repeats: int = 5) -> dict[int, flo
     import mlx.core as mx
 
     from kvchat.model.cache.kv import make_prompt_cache, trim_to
+    from kvchat.model.cache.state import set_rollback
     from kvchat.model.runtime import threads
     from kvchat.model.runtime.generate import CompiledStep, Progress, prefill
 
     threads.apply_decode(threads.step_work(model))
     caches = make_prompt_cache(model)
     list(prefill(model, prompt, caches, progress=Progress()))
+    set_rollback(caches, 5)  # a recurrent state keeps what a pass may take back, as a reply
     step, base = CompiledStep(model, caches), caches[0].offset
     best: dict[int, float] = {}
     for _ in range(repeats):
@@ -171,6 +199,40 @@ def pass_costs(model: Any, prompt: list[int], repeats: int = 5) -> dict[int, flo
                 if timed:
                     best[n] = min(best.get(n, float("inf")), time.perf_counter() - t)
     return {n: best[n] / best[1] for n in best}
+
+
+def kept_states_cost(model: Any, prompt: list[int], n: int = 5, repeats: int = 7
+                     ) -> float | None:
+    """A pass of n tokens through the model (uncompiled) that keeps every position's
+    recurrent state (the decode form, token by token) ÷ the same pass in the prompt form
+    keeping the last state only: what taking drafts back costs a verify pass. None for a
+    model without recurrent layers."""
+    import mlx.core as mx
+
+    from kvchat.model.cache.kv import make_prompt_cache
+    from kvchat.model.cache.state import StateCache, set_rollback
+    from kvchat.model.runtime.generate import Progress, prefill
+
+    caches = make_prompt_cache(model)
+    if not any(isinstance(c, StateCache) for c in caches):
+        return None
+    list(prefill(model, prompt, caches, progress=Progress()))
+    saved = [c.state for c in caches]
+    ys = mx.array([prompt[:n]])
+    best: dict[int, float] = {}
+    for _ in range(repeats):
+        for keep in (0, n):
+            for timed in (False, True):
+                set_rollback(caches, keep)
+                t = time.perf_counter()
+                mx.eval(model(ys, cache=caches))
+                mx.eval([c.state for c in caches])
+                if timed:
+                    best[keep] = min(best.get(keep, float("inf")), time.perf_counter() - t)
+                for c, st in zip(caches, saved, strict=True):
+                    c.state = st
+    set_rollback(caches, 0)
+    return best[n] / best[0]
 
 
 def measure(name: str, runs: int, gen: int) -> dict[str, Any]:
@@ -206,6 +268,7 @@ def measure(name: str, runs: int, gen: int) -> dict[str, Any]:
         out["tasks"][task] = {"prompt_tokens": len(prompt), "reply_tokens": len(plain_ids),
                               "methods": table}
     out["pass_cost"] = pass_costs(target, tasks["quote"])
+    out["kept_states_cost"] = kept_states_cost(target, tasks["quote"])
     return out
 
 
@@ -224,6 +287,9 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"\nmodel {m['model']} (draft: {m['draft']})")
         lines.append("pass cost (n tokens ÷ 1): " + ", ".join(
             f"{n}: {c:.2f}" for n, c in sorted(m["pass_cost"].items(), key=lambda x: int(x[0]))))
+        if m.get("kept_states_cost") is not None:
+            lines.append("a 5-token pass keeping each position's recurrent state ÷ the prompt"
+                         f" form (uncompiled): {m['kept_states_cost']:.2f}")
         lines.append(f"{'task':<7}{'method':<12}{'tok/s':>9}{'÷ plain':>9}{'(min–max)':>13}"
                      f"{'accept':>8}{'tok/pass':>9}  same ids")
         for task, t in m["tasks"].items():
@@ -240,7 +306,8 @@ def render(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", choices=["mini", "135m"], default=["mini", "135m"])
+    p.add_argument("--models", nargs="+", choices=["mini", "135m", "hybrid"],
+                   default=["mini", "135m"])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--gen-tokens", type=int, default=96,
                    help="most tokens per reply (kvchat-mini stops at its end of text)")
@@ -255,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": cpu_model(), "cores": os.cpu_count(), "load_before": loadavg(),
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "models": []}
     for name in args.models:
-        gen = args.gen_tokens if name == "mini" else args.gen_tokens_135m
+        gen = args.gen_tokens_135m if name == "135m" else args.gen_tokens
         result["models"].append(measure(name, args.runs, gen))
     result["load_after"] = loadavg()
     print(json.dumps(result) if args.json else render(result))

@@ -10,9 +10,10 @@ Runs through kvchat's own decode loop (`model.generate.generate_step`) with Open
 loaded the way `kvchat` loads it (tests/benchmarks/__init__.py). Each round times every
 setting once, in turn, so a machine that gets busier or quieter moves all columns alike;
 the median of --runs rounds is printed, with `auto` and `shape` each ÷ the best fixed
-count in that row. The last line is the verdict (`verdict`): `auto` stays only if it beats
-the best fixed count by GAIN somewhere and falls below LOSS of it nowhere; otherwise the
-simplest rule within LOSS everywhere (a fixed count, then `shape`). The machine's load
+count in that row. The last line is the verdict (`verdict`): the baseline is the best
+fixed setting (one count for every call: the fewest threads within LOSS of each row's best,
+else the count whose worst row is best); `shape`, then `auto`, replaces the simpler choice
+only if it beats it by GAIN in some row and falls below LOSS of it in none. The machine's load
 average is printed beside each row: measure on a quiet machine, and say the load.
 
 Models: `mini` the shipped kvchat-mini (4-bit, dequantized to float32 as the engine
@@ -49,7 +50,7 @@ SMOL_135M = {  # HuggingFaceTB/SmolLM-135M's config.json, the parts that shape t
 }
 LOADS = {"none": "nothing added", "busy": "one core busy (yes > /dev/null)"}
 RULES = ("shape", "auto")  # the columns that are rules, not fixed counts (simplest first)
-GAIN = 1.10  # a rule earns its place by beating the best fixed count by this much somewhere
+GAIN = 1.10  # a rule earns its place by beating the simpler choice by this much somewhere
 LOSS = 0.95  # and by not falling below this fraction of it anywhere (medians; noise)
 
 
@@ -156,25 +157,37 @@ def measure(model: Any, cores: int, kinds: list[str], runs: int, prompt_tokens: 
 
 
 def verdict(models: dict[str, list[dict[str, Any]]]) -> str:
-    """Which rule the medians support (the module's docstring says how)."""
-    rows = [r for rs in models.values() for r in rs]
+    """Which rule the medians support (the module's docstring says how).
+
+    The baseline is the best fixed setting: one thread count used for every call, the
+    fewest threads within LOSS of each row's best everywhere, else the count whose worst
+    row is best. A rule replaces the simpler choice before it (the fixed count, then
+    `shape`) only if it beats that choice by GAIN in some row and falls below LOSS of it
+    in none."""
+    rows = [r["vs_best"] for rs in models.values() for r in rs]
     if not rows:
         return "verdict: nothing measured"
-    cols = list(rows[0]["vs_best"])
-    worst = {c: min(r["vs_best"][c] for r in rows) for c in cols}
-    top = max(r["vs_best"]["auto"] for r in rows)
-    if top >= GAIN and worst["auto"] >= LOSS:
-        return (f"verdict: keep auto (up to {top:.2f}x the best fixed count, never below"
-                f" {worst['auto']:.2f})")
-    fits = [c for c in cols if c != "auto" and worst[c] >= LOSS]
-    if fits:
-        rule = fits[0]  # fixed counts first, then `shape`: the simplest that measures as well
-        name = f"{rule} thread(s) fixed" if rule not in RULES else "the load-blind table"
-        return (f"verdict: replace auto with {name}: never below {worst[rule]:.2f} of the best"
-                f" fixed count (auto: best {top:.2f}, worst {worst['auto']:.2f})")
-    closest = max(cols, key=lambda c: worst[c])
-    return (f"verdict: no rule within {LOSS:.2f} of the best fixed count everywhere; closest:"
-            f" {closest} (worst {worst[closest]:.2f})")
+    fixed = [c for c in rows[0] if c not in RULES]
+    worst = {c: min(r[c] for r in rows) for c in fixed}
+    base = next((c for c in fixed if worst[c] >= LOSS), max(fixed, key=lambda c: worst[c]))
+
+    def against(rule: str, other: str) -> tuple[float, float]:
+        ratios = [r[rule] / r[other] for r in rows]
+        return max(ratios), min(ratios)
+
+    choice = base
+    for rule in RULES:  # simplest first: the load-blind table, then the load-reading one
+        top, low = against(rule, choice)
+        if top >= GAIN and low >= LOSS:
+            choice = rule
+    fixed_name = f"{base} thread(s) fixed"
+    top, low = against("auto", base)
+    if choice == "auto":
+        return (f"verdict: keep auto (against {fixed_name}, the best fixed setting: up to"
+                f" {top:.2f}x, never below {low:.2f})")
+    name = "the load-blind table" if choice == "shape" else fixed_name
+    return (f"verdict: replace auto with {name} (auto against {fixed_name}: up to {top:.2f}x,"
+            f" down to {low:.2f})")
 
 
 MATMULS = ((1, 192, 512), (1, 576, 1536), (128, 576, 1536), (256, 576, 1536),

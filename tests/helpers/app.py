@@ -5,8 +5,9 @@ the replies). The folders the app reads and writes come from conftest's `env` fi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,15 @@ def last_done(app: KVChatApp) -> Done:
 async def ready(pilot: Any, timeout: float = LOAD_TIMEOUT) -> None:
     """Until the model is loaded (its info reached the chat)."""
     await wait_for(pilot, lambda: bool(pilot.app.chat.model_info), timeout=timeout)
+
+
+@contextlib.asynccontextmanager
+async def loaded(app: KVChatApp, size: tuple[int, int] = SIZE,
+                 timeout: float = LOAD_TIMEOUT) -> AsyncIterator[Any]:
+    """`app` running under Pilot in a `size` terminal, its model loaded: the pilot."""
+    async with app.run_test(size=size) as pilot:
+        await ready(pilot, timeout)
+        yield pilot
 
 
 async def send(pilot: Any, text: str) -> None:

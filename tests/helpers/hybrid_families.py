@@ -1,6 +1,6 @@
-"""The families with recurrent layers (Mamba, Mamba-2, gated delta rule, short
-convolutions) as tiny random checkpoints: their config overrides, built like every other
-family's by `tests.helpers.families.build`."""
+"""The families with recurrent layers (Mamba, Mamba-2, gated delta rule, Kimi Delta
+Attention, short convolutions, RG-LRU) as tiny random checkpoints: their config
+overrides, built like every other family's by `tests.helpers.families.build`."""
 
 from __future__ import annotations
 
@@ -83,6 +83,33 @@ _ZAMBA2: dict[str, Any] = {
     "n_mamba_heads": 8, "mamba_d_state": 16, "mamba_ngroups": 2, "chunk_size": 16,
     "num_mem_blocks": 2, "use_shared_attention_adapter": True, "adapter_rank": 8,
     "use_mem_rope": True}
+# ---- the RG-LRU, OLMo-hybrid and Kimi-Linear fixtures
+# RecurrentGemma: hidden 80 (√80 rounds to 8.9375 in bfloat16: the embedding scale bites),
+# RG-LRU 64 wide in 4 gate blocks, block_types cycled (R, A, R), local attention over 16
+# with 1 K/V head (head_dim 20, 10 rotated), the MLP 128 // 2 wide, soft cap 8
+_RECURRENT_GEMMA: dict[str, Any] = {
+    **_TOKENS, "hidden_size": 80, "intermediate_size": 128, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "lru_width": 64,
+    "attention_window_size": 16, "block_types": ["recurrent", "attention"],
+    "logits_soft_cap": 8.0, "tie_word_embeddings": True}
+
+# OLMo-hybrid: gated delta (4 heads of 16, β up to 2), post-norm attention, gated delta
+_OLMO_HYBRID: dict[str, Any] = {
+    "num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention",
+                                            "linear_attention"],
+    "linear_num_key_heads": 4, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16}
+
+# Kimi Linear: KDA (4 heads of 16, so o_proj's input is 64 wide and quantizes), latent
+# attention without rotary (rank 16, 8 unrotated "rope" features, MHA: 4 K/V heads), KDA;
+# layer 0 dense (first_k_dense_replace's default), then DeepSeek-V3's router over 4
+# experts in 2 groups with a shared expert
+_KIMI_LINEAR: dict[str, Any] = {
+    "num_hidden_layers": 3, "num_key_value_heads": 4,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+    "linear_num_heads": 4, "linear_head_dim": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16, "v_head_dim": 16, "num_local_experts": 4,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2, "topk_group": 1}
 
 HYBRID_SPECS: dict[str, FamilySpec] = {
     # the selective scan (time_step_rank "auto": 4), tied head
@@ -154,4 +181,16 @@ HYBRID_SPECS: dict[str, FamilySpec] = {
     # clamp, so its greedy decode is not its own forward pass: logits only)
     "zamba2_dt_floor": FamilySpec("Zamba2ForCausalLM", {**_ZAMBA2, "time_step_min": 0.3},
                                   seed=115),
+    # ---- the RG-LRU, OLMo-hybrid and Kimi-Linear families
+    "recurrent_gemma": FamilySpec("RecurrentGemmaForCausalLM", _RECURRENT_GEMMA, own_keys=True,
+                                  seed=110),
+    "recurrent_gemma_classic": FamilySpec("RecurrentGemmaForCausalLM", _RECURRENT_GEMMA,
+                                          own_keys=True, rope_form="classic", seed=110),
+    "olmo_hybrid": FamilySpec("OlmoHybridForCausalLM", _OLMO_HYBRID, seed=111),
+    "olmo_hybrid_classic": FamilySpec("OlmoHybridForCausalLM", _OLMO_HYBRID,
+                                      rope_form="classic", seed=111),
+    "kimi_linear": FamilySpec("KimiLinearForCausalLM", _KIMI_LINEAR, seed=112),
+    # Moonshot's own spelling: linear_attn_config (1-indexed kda_layers and
+    # full_attn_layers, num_heads, head_dim), first_k_dense_replace for the dense layers
+    "kimi_linear_classic": FamilySpec("KimiLinearForCausalLM", _KIMI_LINEAR, seed=112),
 }

@@ -270,8 +270,8 @@ class ScriptedEngine(Engine):
         self.submitted.append((prompt, params or GenParams()))
         return super().submit(prompt, params)
 
-    def cancel(self) -> None:
-        super().cancel()
+    def cancel(self, turn: int | None = None) -> None:
+        super().cancel(turn)
         self._resume.set()  # a paused scripted step returns, as a real one would end
 
     def reset(self) -> None:

@@ -278,7 +278,9 @@ class ChatScreen(InterruptKey, Screen[None]):
 
     def action_stop(self) -> None:
         """Esc: stop generating (the partial reply stays, marked stopped), or cancel an edit."""
-        if not self.turns.stop():
+        if self.turns.stop():
+            self.input.border_subtitle = "stopping…"  # until the engine's Done: then "stopped"
+        else:
             self.commands.cancel_edit()
 
     async def action_regenerate(self) -> None:

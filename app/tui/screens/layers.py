@@ -1,4 +1,5 @@
-"""Ctrl+L: what each layer's KV cache holds (engine.layer_stats(), metadata only)."""
+"""Ctrl+L: what each layer is and what its cache holds (engine.layer_stats(), metadata
+only): K/V for attention layers, a fixed-size state for recurrent ones."""
 
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ from kvchat.app.tui.widgets.format import fmt_bytes
 # shows them; the ring's bookkeeping after. Bytes columns are shown in human units.
 COLUMNS = (
     ("layer", "layer"),
-    ("attention", "attention"),
+    ("layer_kind", "kind"),
     ("window", "window"),
     ("cache_tokens", "tokens"),
     ("cache_capacity", "capacity"),
     ("cache_bytes", "bytes"),
+    ("state_bytes", "state"),
     ("float_bytes", "as float"),
     ("mha_bytes", "as MHA"),
     ("allocated_tokens", "alloc"),
@@ -40,6 +42,11 @@ COLUMNS = (
 # a column that only says something where it differs from another: a float cache's
 # "as float" is its "bytes"
 TWINS = {"float_bytes": "cache_bytes"}
+# keys the table never shows: "attention" is the machine name "kind" spells out
+# (model/cache/layer_kinds.py)
+HIDDEN = {"attention"}
+# columns that say nothing while every row is 0: no layer keeps a recurrent state
+ZERO_IS_NOTHING = {"state_bytes"}
 
 
 def shown_columns(rows: list[dict[str, Any]]) -> list[str]:
@@ -48,11 +55,13 @@ def shown_columns(rows: list[dict[str, Any]]) -> list[str]:
     def says_something(k: str) -> bool:
         if all(r.get(k) is None for r in rows):
             return False
+        if k in ZERO_IS_NOTHING and not any(r.get(k) for r in rows):
+            return False
         twin = TWINS.get(k)
         return twin is None or any(r.get(k) != r.get(twin) for r in rows)
 
     keys = [k for k, _ in COLUMNS if any(k in r for r in rows) and says_something(k)]
-    return keys + sorted({k for r in rows for k in r} - {k for k, _ in COLUMNS})
+    return keys + sorted({k for r in rows for k in r} - {k for k, _ in COLUMNS} - HIDDEN)
 
 
 def _cell(key: str, value: Any) -> str | Text:
@@ -135,9 +144,15 @@ class LayerCacheScreen(ModalScreen[None]):
 def summary(rows: list[dict[str, Any]]) -> str:
     """Layers by kind, bytes resident, and what sliding windows and GQA each save:
     windows against every layer holding as many tokens as the fullest one, GQA against
-    the same tokens with one K/V head per query head."""
+    the same tokens with one K/V head per query head. Recurrent layers: their states'
+    bytes, the same at every token."""
     total = sum(int(r.get("cache_bytes") or 0) for r in rows)
     text = f"{len(rows)} layers · {fmt_bytes(total)} of K/V resident"
+    recurrent = [r for r in rows if r.get("kind") == "state"]
+    if recurrent:
+        held = sum(int(r.get("state_bytes") or 0) for r in recurrent)
+        text += (f" · {len(recurrent)} recurrent layers hold a {fmt_bytes(held)} state"
+                 " (fixed, whatever the context)")
     sliding = [r for r in rows if str(r.get("attention", "")).startswith("sliding")]
     if sliding and total:
         most = max(int(r.get("cache_tokens") or 0) for r in rows)

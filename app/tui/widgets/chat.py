@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 from markdown_it import MarkdownIt
@@ -31,6 +32,28 @@ def _typed_text() -> MarkdownIt:
 
     md.core.ruler.push("typed_line_breaks", hard_breaks)
     return md
+
+
+_LINK_DEFINITION = re.compile(r"^ {0,3}\[[^\]]+\]:", re.MULTILINE)
+
+
+def streamed_blocks_hold(md: Markdown) -> bool:
+    """Whether the blocks a stream mounted are those a full parse of the same source gives
+    (same kinds, same source lines). Streaming re-parses from the last block on at every
+    fragment, so they almost always are; a link definition can change earlier blocks'
+    inline text, and a Textual without these internals gets the full render."""
+    if _LINK_DEFINITION.search(md.source):
+        return False
+    try:
+        from textual.widgets._markdown import MarkdownBlock
+
+        parser = md._parser_factory() if md._parser_factory else MarkdownIt("gfm-like")
+        fresh = list(md._parse_markdown(parser.parse(md.source)))
+        have = [c for c in md.children if isinstance(c, MarkdownBlock)]
+        return [(type(b), b.source_range) for b in fresh] == [
+            (type(b), b.source_range) for b in have]
+    except (AttributeError, ImportError, TypeError):
+        return False
 
 
 class ChatMessage(Vertical):
@@ -90,7 +113,7 @@ class ChatMessage(Vertical):
 
     def _set_subtitle(self, note: str = "") -> None:
         if self.streaming:
-            self.border_subtitle = "stopping…" if self.stopping else "generating…"
+            self.border_subtitle = "■ stopped" if self.stopping else "generating…"
         elif self.stopped:
             self.border_subtitle = "■ stopped"
         else:
@@ -99,7 +122,8 @@ class ChatMessage(Vertical):
         self.set_class(self.streaming, "-streaming")
 
     def mark_stopping(self) -> None:
-        """A stop was asked: the header says so until the reply ends."""
+        """A stop was asked: the reply shows it stopped now (it takes no text after the
+        stop), while the engine ends the turn."""
         self.stopping = True
         self._set_subtitle()
 
@@ -120,7 +144,10 @@ class ChatMessage(Vertical):
         await self._stream.write(self._safe.feed(text))
 
     async def finish(self, text: str, *, stopped: bool = False, note: str = "") -> None:
-        """The reply ended: stop the stream and render the full text once."""
+        """The reply ended: stop the stream, and render the full text once unless the
+        streamed blocks already are what it parses to (re-mounting every block of a long
+        reply holds the UI for a fifth of a second: keys wait)."""
+        streamed = self._stream is not None
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
@@ -129,10 +156,12 @@ class ChatMessage(Vertical):
         self.stopped = stopped
         self._safe = SafeStream()
         body = self.body
+        shown = visible(text)
         if isinstance(body, Markdown):
-            await body.update(visible(text))
+            if not (streamed and body.source == shown and streamed_blocks_hold(body)):
+                await body.update(shown)
         else:
-            body.update(visible(text))
+            body.update(shown)
         self._set_subtitle(note)
 
     def action_select(self) -> None:

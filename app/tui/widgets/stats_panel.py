@@ -291,18 +291,22 @@ class StatsPanel(VerticalScroll):
 
         wrapped = s.wrapped
         latent = info.get("attention") == "MLA"  # latent attention: MHA, GQA and its own
+        attends = info.get("attention") != "none"  # Mamba: no layer holds K/V
         _set(
             self.query_one("#cache", Static),
             _lines(
                 _row("KV", fmt_bytes(s.cache_bytes), "bold"),
-                _row("as MHA", fmt_bytes(s.mha_bytes)),
+                *state_rows(s, info, cap),
+                *([_row("as MHA", fmt_bytes(s.mha_bytes))] if attends else []),
                 *([_row("as GQA", fmt_bytes(_times(s.cache_bytes, info.get("as_gqa_factor"))))]
                   if latent else []),
-                _row("MLA" if latent else "GQA", f"{fmt_saving(s.gqa_saving)} smaller"),
+                *([_row("MLA" if latent else "GQA", f"{fmt_saving(s.gqa_saving)} smaller")]
+                  if attends else []),
                 *quant_rows(s),
                 *([_row("windows", f"{fmt_saving(s.window_saving)} smaller")]
                   if s.sliding_layers else []),
                 _row("reused", f"{fmt_count(self.held(s.cached_tokens))} tokens this turn"),
+                *checkpoint_rows(s),
                 # before the first turn (no cache, capacity 0): the configured keep
                 _row("window", f"{fmt_count(cap)} · keep "
                      f"{fmt_count(s.keep if s.cache_capacity else self.keep)}"),
@@ -330,6 +334,14 @@ class StatsPanel(VerticalScroll):
         _set(self.query_one("#runtime", Static), _lines(*runtime))
 
 
+def checkpoint_rows(s: TurnStats) -> list[Text]:
+    """A model with recurrent layers: the checkpoints of their states a turn can go back
+    to (docs/kv-cache.md, Checkpoints); nothing for pure K/V."""
+    if not s.state_layers:
+        return []
+    return [_row("checkpoints", f"{fmt_count(s.checkpoints)} · {fmt_bytes(s.checkpoint_bytes)}")]
+
+
 def model_rows(info: dict[str, Any]) -> list[Text]:
     """The model section: name, family, parameters and precision, weights, how a GGUF
     file stores them, shape."""
@@ -352,6 +364,23 @@ def model_rows(info: dict[str, Any]) -> list[Text]:
         if info
         else _row("shape", "–"),
     ]
+
+
+def state_rows(s: TurnStats, info: dict[str, Any], capacity: int | None) -> list[Text]:
+    """Recurrent layers (Mamba, gated delta, short conv): their states' bytes, which do
+    not grow with the context ("fixed"); measured once a turn built the caches, else the
+    config's formula. Beside attention layers whose window rotates (bounded below the
+    model's context, or wrapped), the states are not rotated: they keep folding in every
+    token (docs/kv-cache.md, "Rotation"). Nothing for a model without recurrent layers."""
+    if not (s.state_layers or info.get("state_layers")):
+        return []
+    held = s.state_bytes or info.get("state_bytes")
+    rows = [_row("state", f"{fmt_bytes(held)} · fixed", "bold")]
+    context = info.get("context")
+    rotates = bool(s.wrapped) or bool(capacity and context and capacity < context)
+    if info.get("attention_layers") and rotates:
+        rows.append(_row("", "kept through rotation"))
+    return rows
 
 
 def speculation_rows(s: TurnStats) -> list[Text]:

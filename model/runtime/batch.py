@@ -1,0 +1,146 @@
+"""Continuous batching: the turns a server runs side by side decode in one forward per
+step (docs/serve.md, "Many clients"; docs/design.md, "Continuous batching").
+
+Each turn stays what it is alone (model/runtime/turn.py): its own cache, sampler, seed,
+stops, grammar and statistics. Only its decode step is shared: `row_decode` stands in
+for `generate.decode`, and where `decode` would run the model for the id it just
+sampled, it parks the id here and yields `WAIT`. The engine, which drives every turn's
+generator on its thread, runs `Batch.step` once every running turn is parked (or
+prefilling a chunk), and each parked turn resumes with its row of the logits.
+
+Rows share a step whatever their cache (a float, rotating or quantized K/V cache, a
+recurrent state) and length: the decoder runs each row's token mixer on that row's cache
+(model/decoder/rows.py), so a row's ids are the ones it gets alone. A lone row runs the
+compiled step (model/runtime/generate.py), as a turn alone does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from kvchat.model.cache.kv import maybe_quantize, pending_quantization
+from kvchat.model.decoder.rows import Rows
+
+from . import threads
+from .generate import Constrain, Progress, decode_step
+
+
+class Waiting:
+    """Yielded by a turn parked for the next batched step (never an engine event)."""
+
+    def __repr__(self) -> str:
+        return "WAIT"
+
+
+WAIT = Waiting()
+
+
+class BatchRow:
+    """One turn's place in the batch: its caches, the id to run, then its logits."""
+
+    def __init__(self, caches: list[Any], compiled: bool):
+        self.caches = caches
+        self.compiled = compiled
+        self.token = 0
+        self.logits: mx.array | None = None
+        self.error: BaseException | None = None
+        self._step: Callable[[mx.array], mx.array] | None = None
+        self.pending = pending_quantization(caches)
+
+    def upkeep(self, model: Any) -> None:
+        """--quantized-kv-start reached: the caches change class (and need a new step)."""
+        if self.pending is not None and maybe_quantize(self.caches):
+            self.pending = pending_quantization(self.caches)
+            self._step = None
+
+    def alone(self, model: Any, y: mx.array) -> mx.array:
+        """The logits (1, V) of `y` run for this row only: the compiled step."""
+        if self._step is None:
+            self._step = decode_step(model, self.caches, self.compiled)
+        return self._step(y)
+
+
+class Batch:
+    """The rows parked for the next step (the engine's thread only)."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.parked: list[BatchRow] = []
+        self.steps = 0
+        self._work = threads.step_work(model)
+        self.widths: list[int] = []  # rows per step, for the statistics
+
+    def park(self, row: BatchRow, token: int) -> None:
+        row.token, row.logits, row.error = token, None, None
+        self.parked.append(row)
+
+    def unpark(self, row: BatchRow) -> None:
+        if row in self.parked:
+            self.parked.remove(row)
+
+    def step(self) -> None:
+        """One forward for every parked row; each gets its logits (1, V), or the error."""
+        rows, self.parked = self.parked, []
+        if not rows:
+            return
+        if self.steps % threads.RECHECK_TOKENS == 0:
+            threads.apply_decode(self._work)  # OpenBLAS's threads, for the cores free now
+        self.steps += 1
+        try:
+            for r in rows:
+                r.upkeep(self.model)
+            if len(rows) == 1:
+                logits = rows[0].alone(self.model, mx.array([rows[0].token], dtype=mx.int32))
+            else:
+                ids = mx.array([[r.token] for r in rows], dtype=mx.int32)
+                layers = [Rows(c) for c in zip(*(r.caches for r in rows), strict=True)]
+                logits = self.model(ids, cache=layers)[:, -1, :]
+            mx.eval(logits)
+        except Exception as e:  # every row of the step fails with it (turn.py reports it)
+            for r in rows:
+                r.error = e
+            return
+        for i, r in enumerate(rows):
+            r.logits = logits[i : i + 1]
+
+
+def row_decode(batch: Batch, logits: mx.array, caches: Sequence[Any], *,
+               sample: Callable[[mx.array], mx.array], max_tokens: int, compiled: bool,
+               progress: Progress, constraint: Constrain | None = None
+               ) -> Iterator[int | Waiting]:
+    """`generate.decode` for a turn in a batch: yields its ids, and WAIT while its next
+    step is parked in `batch`. Sampling (and a grammar's mask) stays the row's own, on
+    its row of the logits. The caches hold the prompt and the first `progress.fed` ids."""
+    if max_tokens < 1:
+        return
+    row = BatchRow(list(caches) if not isinstance(caches, list) else caches, compiled)
+    progress.compiled = compiled
+    n = 0
+    parked = False
+    try:
+        while True:
+            if constraint is not None:
+                token = constraint.advance(int(sample(constraint.apply(logits)).item()))
+            else:
+                token = int(sample(logits).item())
+            n += 1
+            yield token
+            if n >= max_tokens or (constraint is not None and constraint.finished):
+                return
+            batch.park(row, token)
+            parked = True
+            yield WAIT
+            parked = False
+            if row.error is not None:
+                raise row.error
+            assert row.logits is not None, "resumed before the batch stepped"
+            progress.fed += 1
+            logits = row.logits
+    finally:
+        if parked and row in batch.parked:  # closed while parked, before the step
+            batch.unpark(row)
+        elif parked and row.error is None:  # the step ran: its id is in the cache
+            progress.fed += 1

@@ -1,0 +1,161 @@
+"""Benchmark continuous batching: `kvchat serve` against `mlx_lm.server` on the same model,
+1, 4 and 8 concurrent streaming clients, in one run.
+
+    python -m tests.benchmarks.serve_concurrency [--clients 1 4 8] [--model DIR]
+        [--requests 2] [--max-tokens 64] [--mlx-lm-max-tokens 32] [--json]
+
+Both servers start first and stay up; each level runs on kvchat, then on mlx-lm, so the
+two see the same load as it drifts. Every client sends --requests requests one after
+another, each with its own prompt (fresh per level and server: nothing is served from an
+earlier level's cache), streaming. kvchat generates exactly --max-tokens (ignore_eos);
+mlx-lm knows no ignore_eos, so its replies may end early and its tok/s counts what it
+generated. Printed per level: aggregate tok/s (every client's tokens ÷ the level's wall
+time), per-client tok/s (mean of each client's tokens ÷ its own wall time), median time
+to first token, and the ratio to the same server's one-client level; with the machine,
+its load before and after, and the date. The goal (docs/serve.md, Many clients):
+aggregate tok/s at 8 clients ≥ 3 × one client's, and ≥ mlx_lm.server's.
+
+Every process runs on the BLAS `kvchat` itself uses (mlx-lm's server gets it as
+LD_PRELOAD), as in tests/benchmarks/serve.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+from kvchat.app.core import blas
+from kvchat.app.core.discovery import DEFAULT_MODEL
+from tests.benchmarks.serve import stream
+from tests.helpers.server_process import ServerProcess
+
+SUBJECTS = ("a dragon", "the sea", "a lost cat", "a red kite", "the moon", "a tall tree",
+            "a small boat", "the rain", "a baker", "a clock", "a garden", "a train")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def level(server: ServerProcess, clients: int, requests: int, max_tokens: int,
+          tag: str) -> dict[str, Any]:
+    """`clients` threads, each streaming `requests` requests in turn."""
+    per_client: list[tuple[int, float]] = []
+    ttfts: list[float] = []
+    lock = threading.Lock()
+    start = threading.Barrier(clients)
+    errors: list[BaseException] = []
+
+    def client(c: int) -> None:
+        start.wait()
+        t0, tokens = time.perf_counter(), 0
+        try:
+            for r in range(requests):
+                i = c * requests + r
+                msgs = [{"role": "user", "content":
+                         f"({tag}) Story {i}: about {SUBJECTS[i % len(SUBJECTS)]}."}]
+                n, ttft = stream(server, msgs, max_tokens)
+                tokens += n
+                with lock:
+                    ttfts.append(ttft)
+        except BaseException as e:
+            errors.append(e)
+        with lock:
+            per_client.append((tokens, time.perf_counter() - t0))
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise SystemExit(f"{server.name}: {errors[0]}")
+    total = sum(n for n, _ in per_client)
+    return {"server": server.name, "clients": clients, "tokens": total,
+            "wall_s": round(wall, 3), "aggregate_tps": round(total / wall, 1),
+            "per_client_tps": round(statistics.mean(n / s for n, s in per_client), 1),
+            "ttft_median_s": round(statistics.median(ttfts), 3),
+            "ttft_max_s": round(max(ttfts), 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.benchmarks.serve_concurrency",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(DEFAULT_MODEL), metavar="DIR")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--requests", type=int, default=2, help="requests per client")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--mlx-lm-max-tokens", type=int, default=None,
+                   help="max_tokens for mlx-lm (default: --max-tokens)")
+    p.add_argument("--no-mlx-lm", action="store_true", help="kvchat serve only")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    b = blas.active_blas()
+    preload = {"LD_PRELOAD": b["path"]} if b["fast"] and b["path"] else {}
+    if preload and b.get("core_chosen"):
+        preload["OPENBLAS_CORETYPE"] = b["core_chosen"]
+    meta: dict[str, Any] = {
+        "command": "python -m tests.benchmarks.serve_concurrency " + " ".join(
+            argv if argv is not None else sys.argv[1:]),
+        "model": args.model, "cpu": cpu_name(), "cores": os.cpu_count(),
+        "date": datetime.datetime.now().isoformat(timespec="minutes"),
+        "loadavg_before": os.getloadavg(), "blas": blas.describe(),
+        "requests_per_client": args.requests, "max_tokens": args.max_tokens}
+    servers = [ServerProcess(args.model, "--max-queue", "64", "--max-batch",
+                             str(max(args.clients)))]
+    if not args.no_mlx_lm:
+        servers.append(ServerProcess(args.model, mlx_lm=True, env=preload))
+    rows: list[dict[str, Any]] = []
+    try:
+        for s in servers:  # warm-up: traces, first allocations
+            stream(s, [{"role": "user", "content": "Hello."}], 8)
+        for c in args.clients:
+            for s in servers:
+                mt = args.max_tokens if s.name == "serve" else (
+                    args.mlx_lm_max_tokens or args.max_tokens)
+                rows.append(level(s, c, args.requests, mt, f"{s.name} {c}"))
+                print(f"  {rows[-1]}", file=sys.stderr, flush=True)
+    finally:
+        for s in servers:
+            s.stop()
+    meta["loadavg_after"] = os.getloadavg()
+    one = {r["server"]: r["aggregate_tps"] for r in rows if r["clients"] == min(args.clients)}
+    for r in rows:
+        r["vs_one_client"] = round(r["aggregate_tps"] / (one.get(r["server"]) or 1.0), 2)
+    if args.json:
+        print(json.dumps({**meta, "levels": rows}))
+        return 0
+    print(f"{meta['date']} · {meta['cpu']}, {meta['cores']} cores · load average"
+          f" {meta['loadavg_before'][0]:.1f} before, {meta['loadavg_after'][0]:.1f} after"
+          f" · {meta['blas']}")
+    print(f"{meta['command']} · model {args.model} · {args.requests} requests per client")
+    print("| server | clients | aggregate tok/s | × 1 client | per-client tok/s |"
+          " TTFT median s | TTFT max s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        name = "kvchat serve" if r["server"] == "serve" else "mlx_lm.server"
+        print(f"| {name} | {r['clients']} | {r['aggregate_tps']} | {r['vs_one_client']} |"
+              f" {r['per_client_tps']} | {r['ttft_median_s']} | {r['ttft_max_s']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
