@@ -453,8 +453,9 @@ FALCON_STATE = (3 * (128 + 2 * 2 * 16) + 8 * 16 * 16) * 4
 @pytest.mark.slow
 def test_parallel_layers_keep_kv_and_a_state(hybrid: Callable[[str], Path]) -> None:
     """Falcon-H1's layers each hold K/V that grow with the tokens and a state that does not;
-    cache_stats reports both; the layer cannot go back; a clone (the server's prefix pool)
-    and a 4-bit K/V cache continue as the original does."""
+    cache_stats reports both; the layer cannot go back past what its state kept (nothing,
+    outside a speculative pass); a clone (the server's prefix pool) and a 4-bit K/V cache
+    continue as the original does."""
     from kvchat.model.cache.hybrid import HybridCache
     from kvchat.model.cache.prefix_pool import clone_cache
     from kvchat.model.decoder.kv_format import KVQuant
@@ -483,6 +484,33 @@ def test_parallel_layers_keep_kv_and_a_state(hybrid: Callable[[str], Path]) -> N
     q = make_prompt_cache(model, kv=KVQuant(bits=8, group_size=32))
     model(mx.array(IDS[:, :8]), cache=q)
     assert rel_err(np.array(model(mx.array(IDS[:, 8:9]), cache=q))[:, -1], whole) <= 1e-2
+
+
+@pytest.mark.parametrize("name", ["falcon_h1", "zamba2", "jamba"])
+def test_batched_rows_of_hybrid_layers_decode_as_each_alone(
+    name: str, hybrid: Callable[[str], Path]
+) -> None:
+    """Continuous batching (model/decoder/rows.py): two conversations of different
+    lengths decode 6 greedy tokens in one forward per step, each row's K/V and state
+    parts its own (a hybrid layer's too), and give the ids each gets alone."""
+    from kvchat.model.decoder.rows import Rows
+    from kvchat.model.runtime.generate import generate_step
+
+    model = load_model(hybrid(name))
+    prompts = [[int(x) for x in IDS[0, :9]], [int(x) for x in IDS[0, 3:16]]]
+    alone = [list(generate_step(model, p, make_prompt_cache(model), max_tokens=6))
+             for p in prompts]
+    caches = [make_prompt_cache(model) for _ in prompts]
+    last = [model(mx.array([p]), cache=c)[:, -1] for p, c in zip(prompts, caches, strict=True)]
+    got: list[list[int]] = [[int(mx.argmax(x, axis=-1).item())] for x in last]
+    for _ in range(5):
+        layers = [Rows(c) for c in zip(*caches, strict=True)]
+        logits = model(mx.array([[g[-1]] for g in got]), cache=layers)[:, -1]
+        for g, y in zip(got, np.array(mx.argmax(logits, axis=-1)).tolist(), strict=True):
+            g.append(int(y))
+    assert got == alone
+    assert all(c.offset == len(p) + 5 for p, cs in zip(prompts, caches, strict=True)
+               for c in cs)
 
 
 # Zamba2's fixture: 3 hybrid layers of K/V (4 heads × 16) and 5 states, each a conv state

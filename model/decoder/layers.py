@@ -690,8 +690,8 @@ class ParallelMixerBlock(Block):
             x, normed = self.input_layernorm.add_and_norm(pending, x)
         a_in, a_out, m_out = self._scales
         attn_in = normed if a_in == 1.0 else normed * a_in
-        a = self.self_attn(attn_in, mask, cache.kv if cache is not None else None)
-        s = self.mixer(normed, None, cache.mixer if cache is not None else None)
+        a = rows.mix(self.self_attn, attn_in, mask, rows.part(cache, "kv"))
+        s = rows.mix(self.mixer, normed, None, rows.part(cache, "mixer"))
         h, normed = self.post_attention_layernorm.add_and_norm(a * a_out + s * m_out, x)
         return h, self.mlp(normed)
 
@@ -767,7 +767,8 @@ class SharedTransformer(nn.Module):
         self.feed_forward = SharedMLP(cfg)
 
     def __call__(self, x: mx.array, emb: mx.array, mask: Any, cache: Any) -> mx.array:
-        a = self.self_attn(self.input_layernorm(mx.concatenate([x, emb], axis=-1)), mask, cache)
+        a = rows.mix(self.self_attn, self.input_layernorm(mx.concatenate([x, emb], axis=-1)),
+                     mask, cache)
         return self.feed_forward(self.pre_ff_layernorm(a))
 
 
@@ -799,13 +800,11 @@ class SharedBlock(Block):
     ) -> tuple[mx.array, mx.array]:
         x = x if pending is None else x + pending
         if "shared_transformer" not in self:
-            return x, self.mixer(self.input_layernorm(x), None, cache)
+            return x, rows.mix(self.mixer, self.input_layernorm(x), None, cache)
         if emb is None:
             raise ValueError("a Zamba2 hybrid layer needs the token embeddings")
-        t = self.linear(self.shared_transformer(x, emb, mask,
-                                                cache.kv if cache is not None else None))
-        m = self.mixer(self.input_layernorm(x + t), None,
-                       cache.mixer if cache is not None else None)
+        t = self.linear(self.shared_transformer(x, emb, mask, rows.part(cache, "kv")))
+        m = rows.mix(self.mixer, self.input_layernorm(x + t), None, rows.part(cache, "mixer"))
         return x, m
 
 
