@@ -2,8 +2,9 @@
 (model/cache/checkpoints.py, docs/kv-cache.md "Checkpoints").
 
 On tiny random checkpoints built with transformers (tests/helpers/hybrid_families.py):
-LFM2 (short convolutions around an attention layer: a conv state beside K/V) and Mamba-2
-(conv and SSD states, no attention). The reference for every reply is a fresh engine
+LFM2 (short convolutions around an attention layer: a conv state beside K/V), Mamba-2
+(conv and SSD states, no attention) and Falcon-H1 (K/V and a Mamba-2 state in the same
+layer: model/cache/hybrid.py). The reference for every reply is a fresh engine
 run on the whole prompt with no cache at all (greedy), so a restored state that is off by
 one token, or a K/V cache not cut back with it, gives other ids. Reuse counts are checked
 against the positions where checkpoints are documented to be taken (the prompt's end, one
@@ -35,7 +36,7 @@ from tests.helpers.hybrid_families import HYBRID_SPECS
 
 PARAMS = GenParams(max_tokens=6, temp=0.0, ignore_eos=True)
 A = [int(x) for x in IDS[0, :14]]  # the first prompt
-FAMILIES = ["lfm2", "mamba2"]
+FAMILIES = ["lfm2", "mamba2", "falcon_h1"]
 
 
 @pytest.fixture(scope="module")
@@ -314,3 +315,33 @@ def test_tampered_saved_state_is_refused_in_one_line(
     assert why in ev.error and "\n" not in ev.error and ev.tokens == 0
     assert started.cached_tokens == 0
     assert list(done.ids) == saved["third"]  # the history read again: the same reply
+
+
+def test_saved_chat_of_layers_with_kv_and_a_state(
+        tiny: Callable[[str], Path], tmp_path: Path) -> None:
+    """Falcon-H1's layers keep K/V and a state each: saved with the chat, they reopen and
+    continue as the chat that never closed, and an edit restarts from a checkpoint that
+    came back with the file; keys one token short are refused in one line."""
+    folder = tiny("falcon_h1")
+    path = tmp_path / "chat.kv.safetensors"
+    with EngineClient(folder, timeout=60) as c:
+        first = c.run(A, PARAMS)
+        c.engine.save_cache(path)
+        ev = c.wait(CacheSaved)
+        assert isinstance(ev, CacheSaved) and ev.error is None
+        turn2 = A + list(first.ids) + [20, 21]
+        second = c.run(turn2, PARAMS)
+    saved = {"folder": folder}
+    ev, done, started = _reopen(saved, path, turn2)
+    assert ev.error is None and ev.tokens == len(A) + len(first.ids) - 1
+    assert started.cached_tokens == ev.tokens and list(done.ids) == list(second.ids)
+    edit = A + [50, 51]  # another reply: restarts from the checkpoint at the prompt's end
+    _, done, started = _reopen(saved, path, edit)
+    assert started.cached_tokens == len(A)
+    assert list(done.ids) == _cold(folder, edit)
+    _rewrite(path, _set("0.0.0", lambda a: a[:, :, :-1, :]))  # layer 0's keys, K/V part
+    ev, done, started = _reopen(saved, path, turn2)
+    assert ev.error is not None and ev.error.startswith("K/V cache not restored: ")
+    assert "layer 0's values are float32 (1, 2, 19, 16)" in ev.error  # keys say 19 tokens
+    assert "\n" not in ev.error
+    assert started.cached_tokens == 0 and list(done.ids) == list(second.ids)

@@ -61,6 +61,12 @@ KINDS = {
     "lfm2": ["short conv", "full attention", "short conv"],
     "mamba": ["Mamba", "Mamba"],
     "mamba2": ["Mamba-2", "Mamba-2"],
+    # a layer that attends and keeps a state: both named (Falcon-H1 side by side; Zamba2's
+    # shared block feeding its Mamba-2); Jamba's attention has no positions at all
+    "falcon_h1": ["full attention + Mamba-2"] * 2,
+    "zamba2": ["Mamba-2", "shared attention + Mamba-2", "Mamba-2",
+               "shared attention + Mamba-2", "shared attention + Mamba-2"],
+    "jamba": ["Mamba", "full attention", "Mamba", "Mamba"],
 }
 
 
@@ -175,6 +181,35 @@ def test_explain_states_against_the_formulas(
     assert f"from {a['more_from']:,} tokens" in text
     # the "worked: KV cache" figures count the one layer that attends, not every layer
     assert data["worked"]["cache_model"]["bytes_per_token"] == ATTENTION_PER_TOKEN
+
+
+# Zamba2's fixture: Mamba-2 of 8 heads of 8 (hidden 32, expand 2), 2 groups, N 16, 4 taps
+ZAMBA2_LAYER = 3 * (64 + 2 * 2 * 16) * F32 + 8 * 8 * 16 * F32  # 5,632
+
+
+@pytest.mark.parametrize(("name", "per_layer", "layers", "row"), [
+    ("falcon_h1", MAMBA2_LAYER, [0, 1], "state    20.5 KiB · fixed"),  # 20,992 B
+    ("zamba2", ZAMBA2_LAYER, [0, 1, 2, 3, 4], "state    27.5 KiB · fixed"),  # 28,160 B
+])
+def test_state_kept_beside_kv_is_counted(name: str, per_layer: int, layers: list[int],
+                                         row: str, hybrid: Callable[[str], Path]) -> None:
+    """A layer that attends and keeps a state (model/cache/hybrid.py): explain's recurrent
+    section and the panel's state row (cache_stats) count its state with the others',
+    equal to the hand-computed size and to the arrays written by 40 tokens; its K/V stays
+    in the K/V bytes."""
+    folder = hybrid(name)
+    r = explain(load_config(folder), dtype_bytes=F32, context=40)["recurrent"]
+    assert r["layers"] == layers and r["bytes_per_layer"] == per_layer
+    assert r["bytes"] == per_layer * len(layers)
+    model = load_model(folder)
+    cache = make_prompt_cache(model)
+    model(mx.array(IDS[:, :40]), cache=cache)
+    s = cache_stats(cache, model.config)
+    assert (s.state_layers, s.state_bytes) == (len(layers), r["bytes"])
+    assert s.cache_bytes > 0 and sum(c.nbytes for c in cache) == s.cache_bytes + s.state_bytes
+    rows = state_rows(TurnStats(state_bytes=s.state_bytes, state_layers=s.state_layers),
+                      {}, 256)
+    assert [x.plain for x in rows] == [row]
 
 
 def test_explain_text_names_each_block_kind(hybrid: Callable[[str], Path]) -> None:

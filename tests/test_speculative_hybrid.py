@@ -38,6 +38,8 @@ from tests.helpers.hybrid_families import HYBRID_SPECS
 from tests.helpers.stats import chi2_sf
 
 FAMILIES = ["mamba", "mamba2", "qwen3_next", "lfm2", "bamba", "granitemoehybrid"]
+# layers that attend and keep a state (Falcon-H1, Zamba2), and Jamba
+KV_BESIDE_STATE = ["falcon_h1", "zamba2", "jamba"]
 BASE = [5, 17, 9, 30, 41, 17, 9, 30, 22, 41, 7, 5, 17, 9, 30]
 GEN = 60
 N_IDS = 256  # the tiny checkpoints' vocabulary
@@ -137,12 +139,14 @@ def test_greedy_ids_equal_plain_decoding(name: str, source: str, folder: Callabl
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "plain_step"])
-@pytest.mark.parametrize("name", [*FAMILIES, "nemotron_h"])
+@pytest.mark.parametrize("name", [*FAMILIES, "nemotron_h", *KV_BESIDE_STATE])
 def test_partly_kept_passes_roll_back_exactly(name: str, compiled: bool,
                                               folder: Callable[[str], Path]) -> None:
     """Every pass keeps part of its drafts, through the compiled verify pass and through
     the model's own multi-token path (the cache asks the mixers for each position's
-    states); Nemotron-H adds layers without a token mixer."""
+    states); Nemotron-H adds layers without a token mixer; Falcon-H1 and Zamba2 layers
+    whose K/V and state go back together (model/cache/hybrid.py), Jamba Mamba's weighted
+    Δ/B/C norms beside attention and experts."""
     model = scaled(folder(name))
     want = plain(model, BASE, GEN, compiled)
     progress = Progress()
@@ -156,11 +160,15 @@ def test_partly_kept_passes_roll_back_exactly(name: str, compiled: bool,
 
 
 def _states(caches: list[Any]) -> list[np.ndarray]:
-    return [np.array(a) for c in caches if type(c) is StateCache
-            for a in (c.conv, c.recurrent) if a is not None]
+    """Every state's arrays (a hybrid layer's state part too) and every K/V's keys."""
+    parts = [m for c in caches for m in getattr(c, "members", (c,))]
+    return [np.array(a) for c in parts if type(c) is StateCache
+            for a in (c.conv, c.recurrent) if a is not None] + [
+        np.array(c.state[0])[..., : c.offset, :] for c in parts if hasattr(c, "keys")]
 
 
-@pytest.mark.parametrize("name", ["mamba", "mamba2", "qwen3_next", "lfm2"])
+@pytest.mark.parametrize("name", ["mamba", "mamba2", "qwen3_next", "lfm2", "falcon_h1",
+                                  "zamba2"])
 def test_state_after_a_rollback_is_plain_decodings(name: str,
                                                    folder: Callable[[str], Path]) -> None:
     """Verify 5 tokens, keep j + 1 of them: the conv and recurrent states equal those of

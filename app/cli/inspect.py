@@ -270,7 +270,9 @@ def _live(folder: Path, cfg: ModelConfig, q: KVQuant | None = None,
         pass
     measured = allocated = state = 0
     live_dtype = None
-    for c in caches:  # what the arrays hold: the resident slots' slices
+    # what the arrays hold: the resident slots' slices (a layer with K/V and a state side
+    # by side, model/cache/hybrid.py: each member)
+    for c in (m for layer in caches for m in getattr(layer, "members", (layer,))):
         if isinstance(c, StateCache):  # a recurrent layer: its whole state
             state += sum(a.nbytes for a in (c.conv, c.recurrent) if a is not None)
             if c.conv is not None:

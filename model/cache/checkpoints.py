@@ -7,8 +7,9 @@ A recurrent layer's state folds every token into the same numbers and cannot go 
 references to its arrays, which MLX never changes in place (the mixer hands back new
 ones), so taking one copies nothing; it holds its arrays' memory once the conversation
 moves on. Every other layer needs nothing kept: K/V caches and mixer-less layers trim back
-to `at` (a rotating ring only while `at` is still in its window). Restoring a checkpoint
-is both: the snapshots back into the states, the rest trimmed.
+to `at` (a rotating ring only while `at` is still in its window). A layer that attends and
+keeps a state (hybrid.py) is both: its state snapshotted, its K/V trimmed. Restoring a
+checkpoint is both: the snapshots back into the states, the rest trimmed.
 
 When they are taken (the engine's turn, model/runtime/turn.py): at the end of the prompt
 (where the next turn restarts when the template renders the reply differently), one token
@@ -31,6 +32,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .hybrid import HybridCache
 from .kv import can_trim_to, untrimmable_miss
 from .misses import NEAREST_CHECKPOINT, WINDOW_ROTATED, Miss
 from .state import PassCache, StateCache
@@ -43,9 +45,18 @@ Snapshot = tuple[mx.array | None, mx.array | None, int]
 
 
 def stateful(caches: Sequence[Any]) -> list[int]:
-    """The layers whose cache is a recurrent state (not a mixer-less PassCache)."""
-    return [i for i, c in enumerate(caches)
-            if isinstance(c, StateCache) and not isinstance(c, PassCache)]
+    """The layers whose cache holds a recurrent state (a StateCache, not a mixer-less
+    PassCache, or a HybridCache's state part)."""
+    return [i for i, c in enumerate(caches) if isinstance(c, HybridCache)
+            or (isinstance(c, StateCache) and not isinstance(c, PassCache))]
+
+
+def trimmed_parts(caches: Sequence[Any]) -> list[Any]:
+    """What restoring a checkpoint trims: every layer without a state, and the K/V part
+    of a layer that has both."""
+    return [c.kv if isinstance(c, HybridCache) else c for c in caches
+            if isinstance(c, HybridCache) or not (isinstance(c, StateCache)
+                                                  and not isinstance(c, PassCache))]
 
 
 def _snap_bytes(snaps: Sequence[tuple[int, Snapshot]]) -> int:
@@ -127,8 +138,7 @@ class Checkpoints:
     def latest(self, n: int, caches: Sequence[Any]) -> Checkpoint | None:
         """The latest checkpoint at or before token `n` that `caches` can go back to
         (their K/V trimmed there: a rotating ring only within its window)."""
-        states = set(stateful(caches))
-        others = [c for i, c in enumerate(caches) if i not in states]
+        others = trimmed_parts(caches)
         for cp in reversed(self.items):
             if cp.at <= n and can_trim_to(others, cp.at):
                 return cp

@@ -14,7 +14,9 @@ A checksum of the arrays and the header
 (cache_integrity.py) is sealed into the header and verified before anything is trusted.
 
 A hybrid model's recurrent layers save their state (`StateCache`: conv, recurrent,
-offset; a mixer-less `PassCache` its offset), so such a file is for kvchat's loader only;
+offset; a mixer-less `PassCache` its offset), and a layer that keeps K/V beside a state
+(`HybridCache`, hybrid.py) its parts' states, each part's class and extras in the
+metadata (`members`), so such a file is for kvchat's loader only;
 its checkpoints (checkpoints.py) ride beside the layers as arrays named
 `kvchat_ckpt_<j>_<layer>_<part>`, listed in the metadata, all under the same checksum.
 """
@@ -34,6 +36,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from kvchat.model.errors import one_line
 
 from .checkpoints import Checkpoint
+from .hybrid import HybridCache
 from .integrity import CHECKSUM_KEY, seal, verify
 from .kv import (
     CacheError,
@@ -50,8 +53,9 @@ from .state import PassCache, StateCache
 CLASSES: dict[str, type] = {
     c.__name__: c
     for c in (KVCache, RotatingKVCache, QuantizedKVCache, QuantizedRotatingKVCache,
-              ChunkedKVCache, StateCache, PassCache)
+              ChunkedKVCache, StateCache, PassCache, HybridCache)
 }
+MEMBERS_KEY = "members"  # a composite layer's extra: [class name, extras] of each part
 EXTRAS_KEY = "kvchat_extras"  # no dots: tree_unflatten splits keys at dots
 CHECKPOINTS_KEY = "kvchat_checkpoints"
 CHECKPOINT_PREFIX = "kvchat_ckpt_"
@@ -61,12 +65,17 @@ FILE_MODE = 0o600
 
 
 def savable(caches: list[Any]) -> bool:
-    """Whether save_cache can write these layers (our classes, none empty)."""
-    return bool(caches) and all(
-        type(c).__name__ in CLASSES and type(c) is CLASSES[type(c).__name__]
-        and (not c.empty() or isinstance(c, PassCache))  # a PassCache holds no array
-        for c in caches
-    )
+    """Whether save_cache can write these layers (our classes, none empty; a composite
+    layer's parts each)."""
+    return bool(caches) and all(_savable(c) for c in caches)
+
+
+def _savable(c: Any) -> bool:
+    if type(c).__name__ not in CLASSES or type(c) is not CLASSES[type(c).__name__]:
+        return False
+    if hasattr(c, "members"):
+        return all(_savable(m) and not hasattr(m, "members") for m in c.members)
+    return not c.empty() or isinstance(c, PassCache)  # a PassCache holds no array
 
 
 def _encode_scalar(key: str, value: Any, scalars: list[Any]) -> mx.array:
@@ -132,6 +141,33 @@ def _read_checkpoints(arrays: dict[str, Any], listing: str | None) -> list[Check
     return out
 
 
+def _extras(c: Any) -> dict[str, Any]:
+    """What a layer's state has no place for: its `extras`; a composite layer's parts'
+    classes and extras (hybrid.py)."""
+    if hasattr(c, "members"):
+        return {MEMBERS_KEY: [[type(m).__name__, _extras(m)] for m in c.members]}
+    return {name: getattr(c, name) for name in getattr(c, "extras", ())}
+
+
+def _build(name: str, state: Any, extra: dict[str, Any]) -> Any:
+    """One layer's cache from its saved state and extras (a composite's parts each)."""
+    cls = CLASSES[name]
+    if hasattr(cls, "from_members"):
+        parts = extra.get(MEMBERS_KEY)
+        if (not isinstance(parts, list) or not isinstance(state, list)
+                or len(parts) != len(state)
+                or any(hasattr(CLASSES[p[0]], "from_members") for p in parts)):
+            raise ValueError(f"a {name} without its parts")
+        return cls.from_members([_build(p[0], s, p[1]) for p, s in zip(parts, state,
+                                                                        strict=True)])
+    cache = cls.from_state(tuple(state))
+    for attr, value in extra.items():
+        if attr not in getattr(cache, "extras", ()):
+            raise ValueError(f"unexpected {attr!r} for {name}")
+        setattr(cache, attr, value)
+    return cache
+
+
 def save_cache(path: str | Path, caches: list[Any], metadata: dict[str, str],
                checkpoints: list[Checkpoint] | None = None) -> int:
     """Write `caches` (+ string `metadata`, + a hybrid model's `checkpoints`) to `path`
@@ -145,7 +181,7 @@ def save_cache(path: str | Path, caches: list[Any], metadata: dict[str, str],
         key: _encode_scalar(key, value, scalars)
         for key, value in tree_flatten([c.state for c in caches])
     }
-    extras = [{name: getattr(c, name) for name in getattr(c, "extras", ())} for c in caches]
+    extras = [_extras(c) for c in caches]
     meta = {**metadata, EXTRAS_KEY: json.dumps(extras)}
     if checkpoints:
         more, meta[CHECKPOINTS_KEY] = _checkpoint_arrays(checkpoints)
@@ -193,13 +229,8 @@ def load_cache_and_checkpoints(path: str | Path
         _decode_scalars(arrays, scalars)
         layers = tree_unflatten(list(arrays.items()))
         caches = []
-        for name, state, extra in zip(names, layers, extras, strict=True):
-            cache = CLASSES[name].from_state(tuple(state))
-            for attr, value in extra.items():
-                if attr not in getattr(cache, "extras", ()):
-                    raise ValueError(f"unexpected {attr!r} for {name}")
-                setattr(cache, attr, value)
-            caches.append(cache)
+        caches = [_build(name, state, extra)
+                  for name, state, extra in zip(names, layers, extras, strict=True)]
     except CacheError as e:
         raise CacheError(f"K/V cache file {path.name}: {e}") from None
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, IndexError,

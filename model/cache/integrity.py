@@ -15,9 +15,10 @@ Three checks, each one line when it fails (the caller then prefills the history 
   quantized layer's packed rows, scales and biases, its bits and group), offsets against
   the token ids, ring bounds (size, sinks, one slot per resident token, a lowest valid
   position kvchat could have written), ids inside the vocabulary, finite values; a
-  recurrent layer's conv and recurrent state (shape and dtype from the model's mixer),
-  and each saved checkpoint of them (its token inside the chat, in order, every
-  recurrent layer once, the same shapes, finite).
+  recurrent layer's conv and recurrent state (shape and dtype from the model's mixer; a
+  layer that keeps both, hybrid.py, each part as its own kind), and each saved
+  checkpoint of them (its token inside the chat, in order, every recurrent layer once,
+  the same shapes, finite).
 
 Self-contained (save_cache/load_cache call `seal` and `verify`; the engine calls
 `model_fingerprint` and `check_layers`), so the file's layout can change around it.
@@ -38,6 +39,8 @@ from kvchat.model.decoder.kv_quant import Packed
 from kvchat.model.errors import KVChatError
 from kvchat.model.files import open_regular
 
+from .checkpoints import stateful
+from .hybrid import HybridCache
 from .kv import QUANTIZED, CacheError, parts
 from .kv_math import KVWidths
 from .state import PassCache, StateCache
@@ -228,48 +231,58 @@ def check_layers(caches: list[Any], ids: list[int], expected: list[Any], *,
         raise CacheError(f"it has {len(caches)} layers, the model {len(expected)}")
     if not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids):
         raise CacheError("its token ids are outside the model's vocabulary")
-    for i, (c, e) in enumerate(zip(caches, expected, strict=True)):
-        # --quantized-kv-start: a float layer may have become its quantized twin
-        if type(c) is not type(e) and QUANTIZED.get(type(e)) is not type(c):
-            raise CacheError(f"layer {i} is a {type(c).__name__}, the model makes a"
-                             f" {type(e).__name__}")
-        if isinstance(c, PassCache):  # no mixer: only its count of tokens
-            if c.conv is not None or c.recurrent is not None or c.offset != len(ids):
-                raise CacheError(f"layer {i} (no token mixer) holds a state or says"
-                                 f" {c.offset!r} tokens for {len(ids)}")
-            continue
-        if isinstance(c, StateCache):
-            _check_state(f"layer {i}", (c.conv, c.recurrent), c.offset, len(ids), mixer,
-                         dtype)
-            continue
-        if c.keys is None or c.values is None:
-            raise CacheError(f"layer {i} holds no keys and values")
-        if c.offset != len(ids):
-            raise CacheError(f"layer {i} says {c.offset} tokens, the chat has {len(ids)}")
-        q = None
-        if getattr(c, "quant", None) is not None:
-            q = getattr(e, "quant", None) or getattr(e, "pending_quant", None)
-            if q is None or (c.bits, c.group_size, c.head_dim) != (
-                    q.bits, q.group_for(widths.k), widths.k):
-                want = "float" if q is None else \
-                    f"{q.bits}-bit in groups of {q.group_for(widths.k)}, head_dim {widths.k}"
-                raise CacheError(f"layer {i} is {c.bits}-bit in groups of {c.group_size},"
-                                 f" head_dim {c.head_dim}; the cache bound makes {want}")
-        kp, vp = parts(c.keys), parts(c.values)
-        tokens = kp[0].shape[2] if kp[0].ndim == 4 else -1
-        for name, got, width in (("keys", kp, widths.k), ("values", vp, widths.v)):
-            want = _layout(width, widths.heads, tokens, dtype or _dtype(got[-1]), q)
-            have = [(tuple(a.shape), _dtype(a)) for a in got]
-            if have != want:
-                raise CacheError(f"layer {i}'s {name} are {_describe(have)}, the model's"
-                                 f" {_describe(want)}")
-        if hasattr(e, "max_size"):
-            _check_ring(i, c, e, tokens)
-        elif tokens != c.offset:
-            raise CacheError(f"layer {i} holds {tokens} tokens at offset {c.offset}")
-        floats = (*kp[1:], *vp[1:]) if q is not None else (*kp, *vp)
-        if not all(mx.all(mx.isfinite(p)).item() for p in floats):
-            raise CacheError(f"layer {i} holds values that are not finite")
+    for i, (layer, model_layer) in enumerate(zip(caches, expected, strict=True)):
+        # a layer of K/V beside a state (hybrid.py): each part checked as its own kind
+        both = isinstance(layer, HybridCache) and isinstance(model_layer, HybridCache)
+        for c, e in zip(layer.members, model_layer.members, strict=True) if both else [
+                (layer, model_layer)]:
+            _check_layer(i, c, e, ids, widths, dtype, mixer)
+
+
+def _check_layer(i: int, c: Any, e: Any, ids: list[int], widths: KVWidths, dtype: str | None,
+                 mixer: Any) -> None:
+    """`check_layers` for one cache of layer `i` (`e`: the model's fresh one)."""
+    # --quantized-kv-start: a float layer may have become its quantized twin
+    if type(c) is not type(e) and QUANTIZED.get(type(e)) is not type(c):
+        raise CacheError(f"layer {i} is a {type(c).__name__}, the model makes a"
+                         f" {type(e).__name__}")
+    if isinstance(c, PassCache):  # no mixer: only its count of tokens
+        if c.conv is not None or c.recurrent is not None or c.offset != len(ids):
+            raise CacheError(f"layer {i} (no token mixer) holds a state or says"
+                             f" {c.offset!r} tokens for {len(ids)}")
+        return
+    if isinstance(c, StateCache):
+        _check_state(f"layer {i}", (c.conv, c.recurrent), c.offset, len(ids), mixer,
+                     dtype)
+        return
+    if c.keys is None or c.values is None:
+        raise CacheError(f"layer {i} holds no keys and values")
+    if c.offset != len(ids):
+        raise CacheError(f"layer {i} says {c.offset} tokens, the chat has {len(ids)}")
+    q = None
+    if getattr(c, "quant", None) is not None:
+        q = getattr(e, "quant", None) or getattr(e, "pending_quant", None)
+        if q is None or (c.bits, c.group_size, c.head_dim) != (
+                q.bits, q.group_for(widths.k), widths.k):
+            want = "float" if q is None else \
+                f"{q.bits}-bit in groups of {q.group_for(widths.k)}, head_dim {widths.k}"
+            raise CacheError(f"layer {i} is {c.bits}-bit in groups of {c.group_size},"
+                             f" head_dim {c.head_dim}; the cache bound makes {want}")
+    kp, vp = parts(c.keys), parts(c.values)
+    tokens = kp[0].shape[2] if kp[0].ndim == 4 else -1
+    for name, got, width in (("keys", kp, widths.k), ("values", vp, widths.v)):
+        want = _layout(width, widths.heads, tokens, dtype or _dtype(got[-1]), q)
+        have = [(tuple(a.shape), _dtype(a)) for a in got]
+        if have != want:
+            raise CacheError(f"layer {i}'s {name} are {_describe(have)}, the model's"
+                             f" {_describe(want)}")
+    if hasattr(e, "max_size"):
+        _check_ring(i, c, e, tokens)
+    elif tokens != c.offset:
+        raise CacheError(f"layer {i} holds {tokens} tokens at offset {c.offset}")
+    floats = (*kp[1:], *vp[1:]) if q is not None else (*kp, *vp)
+    if not all(mx.all(mx.isfinite(p)).item() for p in floats):
+        raise CacheError(f"layer {i} holds values that are not finite")
 
 
 def _describe(layout: list[tuple[tuple[int, ...], str]]) -> str:
@@ -282,8 +295,7 @@ def check_checkpoints(checkpoints: list[Any], caches: list[Any], ids: list[int],
     layers would have held: each at a token inside the chat (after the first, before or
     at the last), in increasing order, with every recurrent layer of `caches` exactly
     once, each state shaped and typed as the model writes it and finite."""
-    layers = sorted(i for i, c in enumerate(caches)
-                    if isinstance(c, StateCache) and not isinstance(c, PassCache))
+    layers = stateful(caches)
     last = 0
     for j, cp in enumerate(checkpoints):
         where = f"checkpoint {j}"

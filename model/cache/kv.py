@@ -38,6 +38,7 @@ from kvchat.model.decoder.kv_quant import Packed
 from kvchat.model.decoder.mask import causal_mask
 from kvchat.model.errors import KVChatError
 
+from .hybrid import HybridCache
 from .kv_math import cached_widths, kv_bytes, kv_saving
 from .layer_kinds import layer_kind
 from .misses import NO_CHECKPOINT, WINDOW_ROTATED, Miss
@@ -735,7 +736,8 @@ def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, keep: int = 4,
       t − j < window, the model's own mask), unless max_kv_size asks for less, in which
       case the mask is the intersection of both;
     - a recurrent layer (Mamba, gated delta, short conv): a StateCache, the same size at
-      every token (max_kv_size and kv do not apply to it).
+      every token (max_kv_size and kv do not apply to it);
+    - a layer that attends and keeps a state (Falcon-H1): a HybridCache of both.
 
     With `kv`, K/V are stored in kv.bits bits: from the first token when kv.start is 0,
     else the float caches carry `pending_quant` and `maybe_quantize` converts them once
@@ -753,26 +755,32 @@ def make_cache(cfg: ModelConfig, max_kv_size: int | None = None, keep: int = 4,
         if not spec.attends:  # a recurrent layer: a fixed-size state (state.py), never K/V
             caches.append(StateCache())
             continue
-        if spec.chunk is not None:  # never more than one chunk resident
-            caches.append(ChunkedKVCache(spec.chunk))
-            continue
-        window = spec.window
-        if window is not None and (max_kv_size is None or max_kv_size >= window):
-            size, k = window, 0
-        elif max_kv_size is not None:
-            size, k = max_kv_size, keep
-        else:
-            size, k = cfg.max_position_embeddings, keep
-        if keep < 0 or k >= size:
-            raise CacheError(
-                f"--keep must be in [0, {size}) for a KV cache of {size}, got {keep}"
-            )
-        if kv is not None and kv.start == 0:
-            caches.append(QuantizedRotatingKVCache(size, k, kv))
-            continue
-        caches.append(RotatingKVCache(size, k))
+        caches.append(_kv_cache(cfg, spec, max_kv_size, keep, kv))
+        if spec.mixer is not None:  # attention and a recurrent mixer side by side
+            caches[-1] = HybridCache(caches[-1], StateCache())
     plan_quantization(caches, kv)
     return caches
+
+
+def _kv_cache(cfg: ModelConfig, spec: LayerSpec, max_kv_size: int | None, keep: int,
+              kv: KVQuant | None) -> Any:
+    """The K/V cache of one attention layer (make_cache's rules)."""
+    if spec.chunk is not None:  # never more than one chunk resident
+        return ChunkedKVCache(spec.chunk)
+    window = spec.window
+    if window is not None and (max_kv_size is None or max_kv_size >= window):
+        size, k = window, 0
+    elif max_kv_size is not None:
+        size, k = max_kv_size, keep
+    else:
+        size, k = cfg.max_position_embeddings, keep
+    if keep < 0 or k >= size:
+        raise CacheError(
+            f"--keep must be in [0, {size}) for a KV cache of {size}, got {keep}"
+        )
+    if kv is not None and kv.start == 0:
+        return QuantizedRotatingKVCache(size, k, kv)
+    return RotatingKVCache(size, k)
 
 
 def make_prompt_cache(model: Any, max_kv_size: int | None = None, keep: int = 4,
@@ -792,7 +800,7 @@ def plan_quantization(caches: list[Any], kv: KVQuant | None) -> None:
     if kv is None:
         return
     for c in caches:
-        if type(c) in QUANTIZED:
+        if type(c) in QUANTIZED or (isinstance(c, HybridCache) and type(c.kv) in QUANTIZED):
             c.pending_quant = kv
 
 
@@ -816,20 +824,21 @@ def pending_quantization(caches: list[Any]) -> int | None:
 
 # ---- statistics (metadata only) ---------------------------------------------------------
 def _attention_name(cfg: ModelConfig, spec: LayerSpec) -> str:
-    if spec.mixer is not None:  # a recurrent layer: its mixer ("mamba2", "gated_delta", …)
-        return spec.mixer
+    if spec.mixer is not None and not spec.attends:  # a recurrent layer: its mixer ("mamba2",
+        return spec.mixer  # "gated_delta", …)
     if spec.kind in FFN_KINDS:  # no token mixer: "mlp" or "moe"
         return spec.kind
     kind = ("sliding" if spec.window is not None else "chunked" if spec.chunk is not None
             else "latent" if cfg.mla else "global")
     return kind + (
         "" if spec.rope is not None else " NoPE"
-    )
+    ) + ("" if spec.mixer is None else f" + {spec.mixer}")  # Falcon-H1: both side by side
 
 
 def _layer_bytes(c: Any, tokens: int, heads_factor: float = 1) -> int:
     """K + V bytes of `tokens` positions of one layer, from its buffers' parts' shapes and
     dtypes; `heads_factor` scales the KV heads (MHA bytes)."""
+    c = c.kv if isinstance(c, HybridCache) else c
     keys = getattr(c, "keys", None)
     return buffer_bytes(keys, tokens, heads_factor) + buffer_bytes(
         getattr(c, "values", keys), tokens, heads_factor)
@@ -838,6 +847,7 @@ def _layer_bytes(c: Any, tokens: int, heads_factor: float = 1) -> int:
 def _mha_bytes(cfg: ModelConfig, c: Any, tokens: int) -> int:
     """What `tokens` positions of one layer would take with one K/V head per query head
     (in the same storage: a quantized cache's packed rows, scales and biases)."""
+    c = c.kv if isinstance(c, HybridCache) else c
     keys = getattr(c, "keys", None)
     if keys is None:
         return 0
@@ -924,7 +934,7 @@ def cache_stats(caches: list[Any], cfg: ModelConfig) -> CacheStats:
         float_bytes=float_bytes,
         kv_saving=float_bytes / cache_bytes if cache_bytes else 1.0,
         state_bytes=sum(r["state_bytes"] for r in rows),
-        state_layers=sum(r["kind"] == "state" for r in rows),
+        state_layers=sum(r["kind"] in ("state", "hybrid") for r in rows),
     )
 
 
@@ -943,7 +953,8 @@ def can_trim_to(caches: list[Any], n_tokens_to_keep: int) -> bool:
 def untrimmable_miss(caches: list[Any], n_tokens_to_keep: int) -> Miss:
     """Why caches that cannot go back to `n_tokens_to_keep` give no more of a prompt
     (model/cache/misses.py): a recurrent layer's state, else the window moved past it."""
-    if any(isinstance(c, StateCache) and not c.can_trim_to(n_tokens_to_keep) for c in caches):
+    if any(isinstance(c, (StateCache, HybridCache)) and not c.can_trim_to(n_tokens_to_keep)
+           for c in caches):
         return Miss(NO_CHECKPOINT, n_tokens_to_keep)
     return Miss(WINDOW_ROTATED)
 
@@ -952,7 +963,8 @@ def why_not_trimmable(caches: list[Any], cfg: ModelConfig, n_tokens_to_keep: int
     """Why `can_trim_to` said no, for the `Started` reason: a recurrent layer (its state
     cannot go back), a sliding-window layer that moved past the shared prefix, or rotation
     of a bounded cache."""
-    if any(isinstance(c, StateCache) and not c.can_trim_to(n_tokens_to_keep) for c in caches):
+    if any(isinstance(c, (StateCache, HybridCache)) and not c.can_trim_to(n_tokens_to_keep)
+           for c in caches):
         return "the recurrent layers' state cannot go back to the shared prefix"
     for c, spec in zip(caches, cfg.layers, strict=False):
         if spec.window is not None and not can_trim_to([c], n_tokens_to_keep):

@@ -6,8 +6,10 @@ kinds"): "full attention" holds every token up to the model's context, "rotating
 attention" a window bounded below it (max KV size), "sliding attention" its own window,
 "chunked attention" one chunk, "MLA" a latent; " NoPE" marks a layer without RoPE and
 " · N-bit K/V" a quantized cache. Recurrent layers are named by their mixer (Mamba,
-Mamba-2, gated delta, Kimi delta, short conv, RG-LRU) and mixer-less layers (Nemotron-H)
-by what is left (MLP-only, MoE-only). No MLX: names only.
+Mamba-2, gated delta, Kimi delta, short conv, RG-LRU), a layer that does both by both
+("full attention + Mamba-2": Falcon-H1's side by side; "shared attention + Mamba-2":
+Zamba2's shared block feeding its mixer), and mixer-less layers (Nemotron-H) by what is
+left (MLP-only, MoE-only). No MLX: names only.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvchat.model.decoder.config import LayerSpec, ModelConfig
-from kvchat.model.decoder.families import FFN, FFN_MOE
+from kvchat.model.decoder.families import FFN, FFN_MOE, HYBRID
 
 # families.MixerKind -> the name a reader knows the block by
 MIXER_NAMES = {"mamba": "Mamba", "mamba2": "Mamba-2", "gated_delta": "gated delta",
@@ -31,7 +33,9 @@ ATTENTION_KINDS = ("full attention", "rotating attention", "sliding attention",
 
 
 def _attention(cfg: ModelConfig, spec: LayerSpec, cache: Any) -> str:
-    if cfg.mla is not None:
+    if cfg.block == "shared_block":  # Zamba2: one of the blocks its hybrid layers share
+        name = "shared attention"
+    elif cfg.mla is not None:
         name = "MLA"
     elif spec.chunk is not None:
         name = "chunked attention"
@@ -44,6 +48,8 @@ def _attention(cfg: ModelConfig, spec: LayerSpec, cache: Any) -> str:
         name = "rotating attention" if rotates else "full attention"
     if spec.rope is None and cfg.positions == "rope":
         name += " NoPE"
+    if spec.kind == HYBRID and spec.mixer is not None:  # the state kept beside the K/V
+        name += f" + {MIXER_NAMES[spec.mixer]}"
     bits = getattr(getattr(cache, "quant", None), "bits", None)
     return name + (f" · {bits}-bit K/V" if bits else "")
 
@@ -52,11 +58,11 @@ def layer_kind(cfg: ModelConfig, index: int, cache: Any = None) -> str:
     """The name of layer `index`'s kind; `cache` (its cache, if one exists) tells a
     rotating window and a quantized K/V apart from the config's full float attention."""
     spec = cfg.layers[index]
-    if spec.mixer is not None:
+    if spec.mixer is not None and not spec.attends:
         return MIXER_NAMES[spec.mixer]
     if spec.kind in FFN_NAMES:
         return FFN_NAMES[spec.kind]
-    return _attention(cfg, spec, cache)
+    return _attention(cfg, spec, getattr(cache, "kv", cache))  # a hybrid layer: its K/V
 
 
 def layer_kinds(cfg: ModelConfig, caches: list[Any] | None = None) -> list[str]:

@@ -83,15 +83,18 @@ def clone_cache(cache: list[Any]) -> list[Any] | None:
     writes in place (`keys[..., a:b, :] = k` rebinds that very array object), and a
     shared object would carry the clone's writes into the entry."""
     try:
-        out = []
-        for c in cache:
-            clone = type(c).from_state(tuple(_copy(a) for a in c.state))
-            for name in getattr(c, "extras", ()):  # what the state has no place for
-                setattr(clone, name, getattr(c, name))
-            out.append(clone)
-        return out
+        return [_clone(c) for c in cache]
     except (AttributeError, TypeError, ValueError):
         return None
+
+
+def _clone(c: Any) -> Any:
+    if hasattr(c, "members"):  # K/V beside a state (hybrid.py): each part cloned
+        return type(c).from_members([_clone(m) for m in c.members])
+    clone = type(c).from_state(tuple(_copy(a) for a in c.state))
+    for name in getattr(c, "extras", ()):  # what the state has no place for
+        setattr(clone, name, getattr(c, name))
+    return clone
 
 
 def _copy(x: Any) -> Any:

@@ -201,8 +201,9 @@ class PassCache(StateCache):
 
 def set_rollback(caches: Any, tokens: int) -> None:
     """Let the recurrent layers among `caches` take back up to `tokens` tokens exactly
-    (speculative decoding's rejected drafts); 0 forgets the states kept for it."""
-    for c in caches:
+    (speculative decoding's rejected drafts); 0 forgets the states kept for it. A layer
+    with `members` (hybrid.py: K/V beside a state) sets its state's."""
+    for c in (m for layer in caches for m in getattr(layer, "members", (layer,))):
         if isinstance(c, StateCache) and not isinstance(c, PassCache):
             c.rollback = tokens
             if not tokens:

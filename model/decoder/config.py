@@ -27,6 +27,7 @@ from .families import (
     FFN_KINDS,
     FFN_MOE,
     FULL,
+    HYBRID,
     LAYER_KIND_ALIASES,
     LAYER_KINDS,
     RECURRENT,
@@ -124,8 +125,9 @@ def unwrap(cfg: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
 class LayerSpec:
     """What differs between the layers of one model."""
 
-    # FULL, SLIDING, CHUNKED, RECURRENT (the family's recurrent mixer), or one of FFN_KINDS
-    # (Nemotron-H: the layer is its MLP or mixture of experts alone)
+    # FULL, SLIDING, CHUNKED, RECURRENT (the family's recurrent mixer), HYBRID (attention and
+    # the recurrent mixer side by side, Falcon-H1), or one of FFN_KINDS (Nemotron-H: the
+    # layer is its MLP or mixture of experts alone)
     kind: str
     window: int | None  # keys a query sees (None: all of them)
     rope: RopeConfig | None  # None: a NoPE layer (no rotary embedding)
@@ -137,7 +139,7 @@ class LayerSpec:
 
     @property
     def attends(self) -> bool:
-        return self.mixer is None and self.kind not in FFN_KINDS
+        return self.kind == HYBRID or (self.mixer is None and self.kind not in FFN_KINDS)
 
 
 @dataclass(frozen=True)
@@ -190,6 +192,18 @@ class ModelConfig:
     q_position_scale: tuple[float, int] | None = None  # Ministral 3: (beta, period), see layers
     attention_sinks: bool = False
     temperature: tuple[float, float] | None = None  # Llama 4: (floor_scale, attn_scale)
+    # Falcon-H1's µP multipliers (families.Family.mup_multipliers): keys × key_scale (folded
+    # into the attention scale), the MLP's gate and output × mlp_scales, and in a
+    # "parallel_mixer" block the attention input, its output and the mixer's output ×
+    # branch_scales
+    key_scale: float = 1.0
+    mlp_scales: tuple[float, float] | None = None
+    branch_scales: tuple[float, float, float] | None = None
+    # Zamba2 (block "shared_block"): shared transformer blocks taken in turn by the hybrid
+    # layers, each use's low-rank adapters' rank, and whether q, k, v have adapters too
+    shared_blocks: int = 0
+    adapter_rank: int = 0
+    qkv_adapters: bool = False
     wrapper: str | None = None  # a multimodal checkpoint's model_type (its text part runs)
     layers: tuple[LayerSpec, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -329,6 +343,10 @@ def _derived_keys(cfg: dict[str, Any], fam: Family) -> dict[str, Any]:
             cfg = {**cfg, "num_hidden_layers": len(cfg["layer_types"])}
         if fam.ffn_auto_adjust and cfg.get("block_auto_adjust_ff_dim", True):
             cfg = {**cfg, "intermediate_size": _adjusted_ffn(cfg)}
+        if fam.block == "shared_block" and cfg.get("head_dim") is None:
+            # Zamba2: heads split the shared block's input, [x, embeddings]
+            cfg = {**cfg, "head_dim": 2 * int(cfg["hidden_size"]) // int(
+                cfg["num_attention_heads"])}
         if fam.ffn_half and cfg.get("intermediate_size") is not None:
             cfg = {**cfg, "intermediate_size": int(cfg["intermediate_size"]) // 2}
         if fam.ffn_mult and cfg.get("intermediate_size") is None and "hidden_size" in cfg:
@@ -463,6 +481,10 @@ def _moe(cfg: dict[str, Any], fam: Family, n: int) -> tuple[MoeConfig | None, li
         sparse = [(i + 1) % every == 0 and start <= i <= end for i in range(n)]
     elif spec.sparse_layers == "kinds":  # Nemotron-H: the layer kinds say (FFN_MOE)
         sparse = [False] * n
+    elif spec.sparse_layers == "period":  # Jamba
+        every = _positive(cfg, "expert_layer_period", 2)
+        first = int(cfg.get("expert_layer_offset") or 0)
+        sparse = [i % every == first for i in range(n)]
     else:
         sparse = [True] * n
     return moe, sparse
@@ -500,7 +522,7 @@ def _layer_specs(
                 f"config.json: sliding_window must be a positive integer, got {window!r}"
             )
     kinds = cfg.get("layer_types")
-    allowed = (*LAYER_KINDS, *((RECURRENT,) if fam.mixer else ()),
+    allowed = (*LAYER_KINDS, *((RECURRENT, HYBRID) if fam.mixer else ()),
                *(FFN_KINDS if fam.ffn_layers else ()))
     if kinds is not None:
         if not isinstance(kinds, list) or len(kinds) != n:
@@ -541,10 +563,10 @@ def _layer_specs(
             kind=k,
             window=window if k == SLIDING else None,
             rope=(local if k == SLIDING else rope)
-            if rope_on[i] and k in LAYER_KINDS else None,
+            if rope_on[i] and (k in LAYER_KINDS or k == HYBRID) else None,
             moe=sparse[i] or k == FFN_MOE,
             chunk=int(chunk) if k == CHUNKED else None,
-            mixer=fam.mixer if k == RECURRENT else None,
+            mixer=fam.mixer if k in (RECURRENT, HYBRID) else None,
         )
         for i, k in enumerate(kinds)
     )
@@ -602,6 +624,12 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
         out["logits_divisor"] = float(cfg.get("logits_scaling", 1.0))
         if out["logits_divisor"] == 0:
             raise ConfigError("config.json: logits_scaling must not be 0")
+    if fam.mup_multipliers:
+        out.update(_mup(cfg))
+    if fam.block == "shared_block":
+        out.update(shared_blocks=_positive(cfg, "num_mem_blocks", 1),
+                   adapter_rank=_positive(cfg, "adapter_rank", 128),
+                   qkv_adapters=bool(cfg.get("use_shared_attention_adapter", False)))
     if fam.softcaps:
         for key, name in (("attn_logit_softcapping", "attn_softcap"),
                           ("final_logit_softcapping", "final_softcap")):
@@ -612,6 +640,23 @@ def _quirks(cfg: dict[str, Any], fam: Family, hidden: int) -> dict[str, Any]:
     return out
 
 
+def _mup(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Falcon-H1's µP multipliers (transformers' FalconH1Config names; absent: 1)."""
+
+    def num(key: str) -> float:
+        v = cfg.get(key)
+        return 1.0 if v is None else float(v)
+
+    mlp = cfg.get("mlp_multipliers") or [1.0, 1.0]
+    if not isinstance(mlp, list) or len(mlp) != 2:
+        raise ConfigError(f"config.json: mlp_multipliers must list 2 numbers, got {mlp!r:.60}")
+    head = num("lm_head_multiplier")
+    if head == 0:
+        raise ConfigError("config.json: lm_head_multiplier must not be 0")
+    return {"embed_scale": num("embedding_multiplier"), "logits_divisor": 1.0 / head,
+            "key_scale": num("key_multiplier"), "mlp_scales": (float(mlp[0]), float(mlp[1])),
+            "branch_scales": (num("attention_in_multiplier"), num("attention_out_multiplier"),
+                              num("ssm_out_multiplier"))}
 def _bfloat16(x: float) -> float:
     """x rounded to the nearest bfloat16 (ties to even), as torch rounds a float32."""
     bits = struct.unpack("<I", struct.pack("<f", x))[0]

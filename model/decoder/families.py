@@ -30,8 +30,12 @@ MlpKind = Literal["gated", "fused", "plain"]
 # "pre" | "sandwich" (4 norms) | "post" (norms after each branch) | "parallel" (attention
 # and MLP read the same normed input) | "parallel2" (each its own norm) | "post_ln"
 # (2017: LayerNorm of the residual sum after each branch) | "mixer_only" (Mamba: one
-# branch, x + mixer(norm(x)), no MLP)  [layers.BLOCKS]
-BlockKind = Literal["pre", "sandwich", "post", "parallel", "parallel2", "post_ln", "mixer_only"]
+# branch, x + mixer(norm(x)), no MLP) | "parallel_mixer" (Falcon-H1: attention and the
+# recurrent mixer side by side on one normed input, then a pre-norm MLP) | "shared_block"
+# (Zamba2: a mixer-only layer, or one whose mixer input also gets a shared transformer
+# block's output over [x, embeddings])  [layers.BLOCKS]
+BlockKind = Literal["pre", "sandwich", "post", "parallel", "parallel2", "post_ln", "mixer_only",
+                    "parallel_mixer", "shared_block"]
 # "rope" | "sinusoidal" (2017: added to the embeddings) | "learned" (GPT-2: a table) |
 # "none" (Nemotron-H: its few attention layers have no positions at all)
 # [transformer.py, config.py]
@@ -79,13 +83,19 @@ ExpertLayout = Literal["interleaved", "halves", "rows"]
 # moe_layers, else every interleave_moe_layer_step-th) | "types" (mlp_layer_types, else
 # the first first_k_dense_replace layers dense) |
 # "interval" (ERNIE: every moe_layer_interval-th from moe_layer_start_index to
-# moe_layer_end_index) | "kinds" (Nemotron-H: the layers whose kind is FFN_MOE)  [config.py]
-SparseLayers = Literal["all", "step", "first_dense", "listed", "types", "interval", "kinds"]
+# moe_layer_end_index) | "kinds" (Nemotron-H: the layers whose kind is FFN_MOE) | "period"
+# (Jamba: every expert_layer_period-th from expert_layer_offset)  [config.py]
+SparseLayers = Literal["all", "step", "first_dense", "listed", "types", "interval", "kinds",
+                       "period"]
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 LAYER_KINDS = (FULL, SLIDING, CHUNKED)
 # a layer whose token mixer is its family's recurrent one (transformers' name for them)
 RECURRENT = "linear_attention"
+# a layer that attends and runs the recurrent mixer too (Falcon-H1: side by side; Zamba2:
+# a shared attention block feeding the mixer): K/V and a state in one layer,
+# model/cache/hybrid.py
+HYBRID = "hybrid"
 # other layer_types values that mean the same two kinds (Granite 4: "mamba" and
 # "attention", LFM2: "conv")
 LAYER_KIND_ALIASES = {"mamba": RECURRENT, "conv": RECURRENT, "attention": FULL}
@@ -178,6 +188,21 @@ def _pattern_kinds(key: str) -> LayerRule:
         return [kinds[c] for c in pattern]
 
     return rule
+
+
+def _all_hybrid(cfg: dict[str, Any], n: int) -> list[str]:
+    """Falcon-H1: every layer attends and runs Mamba-2 beside it."""
+    return [HYBRID] * n
+
+
+def _attention_period(cfg: dict[str, Any], n: int) -> list[str]:
+    """Jamba: layer i attends when i % attn_layer_period == attn_layer_offset, the others
+    are recurrent."""
+    period, offset = int(cfg.get("attn_layer_period", 8)), int(cfg.get("attn_layer_offset", 4))
+    if period < 1 or not 0 <= offset < period:
+        raise ConfigError(f"config.json: attn_layer_offset ({offset}) must lie in"
+                          f" [0, attn_layer_period ({period}))")
+    return [FULL if i % period == offset else RECURRENT for i in range(n)]
 
 
 def _every_nth_attention(key: str, default: int) -> LayerRule:
@@ -332,6 +357,9 @@ class Family:
     embed_scale_bf16: bool = False
     ffn_half: bool = False  # RecurrentGemma: the MLP is intermediate_size // 2 wide
     multipliers: bool = False  # Granite: embedding/attention/residual multipliers, logits_scaling
+    # Falcon-H1's µP multipliers: embedding, lm_head, key, attention in/out, SSM in/out and
+    # per-part of in_proj, MLP gate/down (config._quirks, state_config._ssm)
+    mup_multipliers: bool = False
     query_pre_attn_scalar: bool = False  # Gemma 2/3: attention scale = scalar^-0.5
     softcaps: bool = False  # Gemma 2/3: attn/final logit soft-capping keys are honoured
     local_rope: bool = False  # Gemma 3: sliding layers have their own RoPE base
@@ -346,11 +374,14 @@ class Family:
     mixer_rule: LayerRule | None = None
     attention_gate: bool = False  # Qwen3-Next: attention output × sigmoid(a gate from q_proj)
     ssm_bcdt_norm: bool = False  # Falcon-Mamba: B, C and Δ RMS-normed before the scan
+    ssm_bcdt_weights: bool = False  # Jamba: the same norms with weights (rms_norm_eps)
+    # Zamba2: Mamba-2's Δ clamped to [config[key], ∞) (its time_step_limit)
+    ssm_dt_min_key: str | None = None
     # LFM2: with block_auto_adjust_ff_dim the MLP is ⅔ of intermediate_size, × the
     # block_ffn_dim_multiplier, rounded up to block_multiple_of (config._derived_keys)
     ffn_auto_adjust: bool = False
     # RoPE only when config[key] == value (Granite 4: position_embedding_type "rope")
-    rope_flag: tuple[str, str] | None = None
+    rope_flag: tuple[str, Any] | None = None
     ffn_layers: bool = False  # Nemotron-H: layer kinds FFN / FFN_MOE (no token mixer)
     # renames applied first when the model has no experts (Granite 4's dense variant: its
     # shared_mlp is the layer's MLP, not a shared expert)
@@ -933,6 +964,60 @@ FAMILIES: dict[str, Family] = {
         mixer_rule=_attention_listed("full_attn_idxs"),
         moe=MoeFamily(score="sigmoid", correction_bias=True,
                       correction_bias_flag="use_expert_bias", sparse_layers="first_dense"),
+    ),
+    # Falcon-H1: in every layer attention and Mamba-2 read the same normed input side by
+    # side (µP multipliers on each branch, on in_proj's parts, on the MLP's gate and down),
+    # then a pre-norm SwiGLU MLP; the mixer's gated norm is optional (mamba_rms_norm)
+    "falcon_h1": Family(
+        layer_rule=None, block="parallel_mixer", mixer="mamba2", mixer_rule=_all_hybrid,
+        mup_multipliers=True,
+        key_aliases={**_HYBRID_MAMBA_KEYS, "mamba_d_ssm": "ssm_inner",
+                     "mamba_rms_norm": "ssm_gated_norm",
+                     "mamba_norm_before_gate": "ssm_norm_first",
+                     "projectors_bias": "ssm_out_bias"},
+        renames=(("model.final_layernorm.", "model.norm."), (".mamba.", ".mixer."),
+                 (".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm.")),
+        defaults={"rms_norm_eps": 1e-5, "ssm_inner": 1024, "ssm_head_dim": "auto",
+                  "ssm_heads": 128, "ssm_state_size": 256, "ssm_chunk_size": 256,
+                  "ssm_gated_norm": False, "ssm_norm_first": True, "max_position_embeddings": 8192},
+    ),
+    # Jamba: Llama's pre-norm layers, attention (no positions at all) every
+    # attn_layer_period-th layer, Mamba's selective scan (Δ, B and C RMS-normed with weights)
+    # in the others; every expert_layer_period-th layer a Mixtral-style mixture (softmax
+    # top-k, weights not renormalised), the others a SwiGLU MLP
+    "jamba": Family(
+        layer_rule=None, mixer="mamba", mixer_rule=_attention_period, ssm_bcdt_weights=True,
+        positions="none", qkv_bias=False, o_bias=False,
+        moe=MoeFamily(expert_size_key="intermediate_size", sparse_layers="period"),
+        key_aliases={**_HYBRID_MAMBA_KEYS, "mamba_dt_rank": "ssm_dt_rank"},
+        renames=(("model.final_layernorm.", "model.norm."), (".mamba.", ".mixer."),
+                 (".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp."),
+                 (".pre_ff_layernorm.", ".post_attention_layernorm.")),
+        defaults={"rms_norm_eps": 1e-6, "num_experts": 16, "num_experts_per_tok": 2,
+                  "expert_layer_period": 2, "expert_layer_offset": 1, "ssm_state_size": 16,
+                  "ssm_conv_kernel": 4, "ssm_expand": 2, "ssm_conv_bias": True,
+                  "max_position_embeddings": 262144},
+    ),
+    # Zamba2: Mamba-2 layers; the "hybrid" ones first run one of num_mem_blocks shared
+    # transformer blocks (taken in turn) on [x, the embeddings], with per-use LoRA adapters,
+    # and add its output through their own linear to the mixer's input (layers.SharedBlock,
+    # weights.share_blocks)
+    "zamba2": Family(
+        layer_rule=None, block="shared_block", mixer="mamba2", qkv_bias=False, o_bias=False,
+        mlp="fused", mlp_bias_key="add_bias_linear", tie_word_embeddings=True, ffn_mult=4,
+        rope_flag=("use_mem_rope", True), ssm_dt_min_key="time_step_min",
+        key_aliases={"layers_block_type": "layer_types", "attention_head_dim": "head_dim",
+                     "n_mamba_heads": "ssm_heads", "mamba_headdim": "ssm_head_dim",
+                     "mamba_ngroups": "ssm_groups", "mamba_d_state": "ssm_state_size",
+                     "mamba_d_conv": "ssm_conv_kernel", "mamba_expand": "ssm_expand",
+                     "chunk_size": "ssm_chunk_size", "add_bias_linear": "ssm_proj_bias"},
+        renames=(("model.final_layernorm.", "model.norm."), (".mamba_decoder.mamba.", ".mixer."),
+                 (".mamba_decoder.", "."), (".mamba.", ".mixer.")),
+        # the mixer's conv always has a bias (transformers ignores use_conv_bias there)
+        defaults={"hidden_act": "gelu", "rms_norm_eps": 1e-5, "ssm_conv_bias": True,
+                  "ssm_heads": 8, "ssm_state_size": 64, "ssm_groups": 1, "ssm_chunk_size": 256,
+                  "ssm_head_dim": "auto", "time_step_min": 0.001, "num_mem_blocks": 1,
+                  "adapter_rank": 128, "max_position_embeddings": 4096},
     ),
     # ---- hybrid families added with the RG-LRU, OLMo-hybrid and Kimi-Linear rows
     # RecurrentGemma (Griffin): pre-norm layers (temporal_pre_norm, channel_pre_norm) whose

@@ -13,7 +13,9 @@
   convolution, rglru.py's RG-LRU (Griffin); a block holds either `self_attn` or `mixer`
   and runs whichever it has;
 - blocks: `PreNormBlock`, `SandwichBlock` (4 norms, Gemma 2/3), `PostNormBlock` (OLMo 2),
-  `MixerOnlyBlock` (Mamba: one branch, no MLP).
+  `MixerOnlyBlock` (Mamba: one branch, no MLP), `ParallelMixerBlock` (Falcon-H1:
+  attention and the recurrent mixer side by side), `SharedBlock` (Zamba2: the mixer fed
+  by a shared transformer block).
 
 `families.FAMILIES` picks them; `make_block` is the only place that maps a resolved
 config to classes. Parameter names mirror Hugging Face so checkpoints load as they are.
@@ -35,7 +37,7 @@ from .activations import ACTIVATIONS
 from .config import LayerSpec, ModelConfig
 from .conv import ShortConv
 from .delta import GatedDeltaNet, KimiDeltaAttention
-from .families import FFN_KINDS, FULL, BlockKind, MixerKind, NormKind
+from .families import FFN_KINDS, FULL, HYBRID, BlockKind, MixerKind, NormKind
 from .kv_quant import packed_of, quantized_attention
 from .mask import causal_mask
 from .moe import MoE
@@ -283,6 +285,7 @@ class Attention(nn.Module):
         )
         self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else hd**-0.5
+        self.scale *= cfg.key_scale  # Falcon-H1: k × key_multiplier, q·k scales alike
         self.softcap = cfg.attn_softcap
         self.clip = cfg.clip_qkv
         self._pos_scale = cfg.q_position_scale
@@ -435,6 +438,7 @@ class MLP(nn.Module):
         self.size = size or cfg.intermediate_size
         self._projections(cfg)
         self.down_proj = nn.Linear(self.size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self._scales = cfg.mlp_scales  # Falcon-H1: gate × first, output × second
 
     def _projections(self, cfg: ModelConfig) -> None:
         d, f, b = cfg.hidden_size, self.size, cfg.mlp_bias
@@ -446,7 +450,9 @@ class MLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = self.gate_and_up(x)
-        return self.down_proj(self.act(gate) * up)
+        if self._scales is None:
+            return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(gate * self._scales[0]) * up) * self._scales[1]
 
 
 class XIELU(nn.Module):
@@ -656,6 +662,152 @@ class MixerOnlyBlock(Block):
         return x, self.mixer(normed)
 
 
+class ParallelMixerBlock(Block):
+    """Falcon-H1: attention and the recurrent mixer read the same normed input side by
+    side, x + a_out·attn(a_in·n(x)) + m_out·mixer(n(x)) (branch_scales), then the MLP
+    pre-norm as PreNormBlock. Its cache holds both: K/V and a state
+    (model/cache/hybrid.py: `kv`, `mixer`)."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, attention: type | None = None):
+        nn.Module.__init__(self)
+        self.self_attn = make_attention(cfg, spec, attention)
+        self.mixer = make_mixer(cfg, spec)
+        self.mlp = make_ffn(cfg, spec)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
+        self._scales = cfg.branch_scales or (1.0, 1.0, 1.0)
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        h, m = self.deferred(x, None, mask, cache)
+        return h + m
+
+    def deferred(
+        self, x: mx.array, pending: mx.array | None, mask: Any = None, cache: Any = None
+    ) -> tuple[mx.array, mx.array]:
+        if pending is None:
+            normed = self.input_layernorm(x)
+        else:
+            x, normed = self.input_layernorm.add_and_norm(pending, x)
+        a_in, a_out, m_out = self._scales
+        attn_in = normed if a_in == 1.0 else normed * a_in
+        a = rows.mix(self.self_attn, attn_in, mask, rows.part(cache, "kv"))
+        s = rows.mix(self.mixer, normed, None, rows.part(cache, "mixer"))
+        h, normed = self.post_attention_layernorm.add_and_norm(a * a_out + s * m_out, x)
+        return h, self.mlp(normed)
+
+    def attention_input(self, x: mx.array, pending: mx.array | None) -> mx.array:
+        normed = self.input_layernorm(x if pending is None else x + pending)
+        return normed if self._scales[0] == 1.0 else normed * self._scales[0]
+
+
+# ---- Zamba2: layers fed by shared transformer blocks ---------------------------------------
+# A hybrid layer (families.HYBRID) runs shared block b = (its rank among the hybrid layers)
+# mod num_mem_blocks on [x, e] (the residual stream beside the token embeddings, 2 × hidden
+# wide): RMSNorm, attention over that width (head_dim 2·hidden / heads, scale
+# (head_dim / 2)^-0.5, no residual), RMSNorm, a fused gated MLP; each use adds its own
+# low-rank adapters (q, k, v when use_shared_attention_adapter; gate_up always). The block's
+# output goes through the layer's own `linear` into the mixer's input:
+# x + mixer(norm(x + linear(block(x, e)))); a plain layer is x + mixer(norm(x)). Every
+# hybrid layer holds its own module tree (weights.share_blocks binds the stored block to
+# each user, the same arrays).
+def _adapter(d_in: int, rank: int, d_out: int) -> list[nn.Linear]:
+    """A low-rank adapter, up(down(x)) (transformers' Sequential of two Linear)."""
+    return [nn.Linear(d_in, rank, bias=False), nn.Linear(rank, d_out, bias=False)]
+
+
+def _run(adapter: list[nn.Linear], x: mx.array) -> mx.array:
+    return adapter[1](adapter[0](x))
+
+
+class SharedAttention(Attention):
+    """Attention over [x, e] (2 × hidden), q, k and v each plus its adapter."""
+
+    def _projections(self, cfg: ModelConfig) -> None:
+        d, h, kv, hd = 2 * cfg.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim
+        self.scale = (hd / 2) ** -0.5
+        self.q_proj = nn.Linear(d, h * hd, bias=False)
+        self.k_proj = nn.Linear(d, kv * hd, bias=False)
+        self.v_proj = nn.Linear(d, kv * hd, bias=False)
+        if cfg.qkv_adapters:
+            rank = cfg.adapter_rank
+            self.linear_q_adapter = _adapter(d, rank, h * hd)
+            self.linear_k_adapter = _adapter(d, rank, kv * hd)
+            self.linear_v_adapter = _adapter(d, rank, kv * hd)
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        q, k, v = super().project(x)
+        if "linear_q_adapter" in self:
+            q = q + _run(self.linear_q_adapter, x)
+            k = k + _run(self.linear_k_adapter, x)
+            v = v + _run(self.linear_v_adapter, x)
+        return q, k, v
+
+
+class SharedMLP(FusedMLP):
+    """The shared block's fused gated MLP, gate_up plus this use's adapter."""
+
+    def _projections(self, cfg: ModelConfig) -> None:
+        super()._projections(cfg)
+        self.gate_up_proj_adapter = _adapter(cfg.hidden_size, cfg.adapter_rank, 2 * self.size)
+
+    def gate_and_up(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        gate_up = self.gate_up_proj(x) + _run(self.gate_up_proj_adapter, x)
+        gate, up = mx.split(gate_up, 2, axis=-1)
+        return gate, up
+
+
+class SharedTransformer(nn.Module):
+    """norm([x, e]) -> attention -> norm -> MLP, no residual (transformers' names)."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        self.input_layernorm = make_norm(cfg, 2 * cfg.hidden_size)
+        self.self_attn = SharedAttention(cfg, spec)
+        self.pre_ff_layernorm = make_norm(cfg, cfg.hidden_size)
+        self.feed_forward = SharedMLP(cfg)
+
+    def __call__(self, x: mx.array, emb: mx.array, mask: Any, cache: Any) -> mx.array:
+        a = rows.mix(self.self_attn, self.input_layernorm(mx.concatenate([x, emb], axis=-1)),
+                     mask, cache)
+        return self.feed_forward(self.pre_ff_layernorm(a))
+
+
+class SharedBlock(Block):
+    """One Zamba2 layer: x + mixer(norm(x [+ linear(shared(x, e))])). It reads the token
+    embeddings (`reads_embeddings`: transformer.run_layers passes them)."""
+
+    reads_embeddings = True
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, attention: type | None = None):
+        nn.Module.__init__(self)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size)
+        self.mixer = make_mixer(cfg, spec)
+        if spec.kind == HYBRID:
+            self.shared_transformer = SharedTransformer(cfg, spec)
+            self.linear = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None,
+                 emb: mx.array | None = None) -> mx.array:
+        h, m = self.deferred(x, None, mask, cache, emb)
+        return h + m
+
+    def attention_input(self, x: mx.array, pending: mx.array | None) -> mx.array:
+        raise NotImplementedError("the attention view does not show a shared block's input")
+
+    def deferred(
+        self, x: mx.array, pending: mx.array | None, mask: Any = None, cache: Any = None,
+        emb: mx.array | None = None,
+    ) -> tuple[mx.array, mx.array]:
+        x = x if pending is None else x + pending
+        if "shared_transformer" not in self:
+            return x, rows.mix(self.mixer, self.input_layernorm(x), None, cache)
+        if emb is None:
+            raise ValueError("a Zamba2 hybrid layer needs the token embeddings")
+        t = self.linear(self.shared_transformer(x, emb, mask, rows.part(cache, "kv")))
+        m = rows.mix(self.mixer, self.input_layernorm(x + t), None, rows.part(cache, "mixer"))
+        return x, m
+
+
 BLOCKS: dict[BlockKind, type[Block]] = {
     "pre": PreNormBlock,
     "sandwich": SandwichBlock,
@@ -664,6 +816,8 @@ BLOCKS: dict[BlockKind, type[Block]] = {
     "parallel2": ParallelBlock,
     "post_ln": PostLNBlock,
     "mixer_only": MixerOnlyBlock,
+    "parallel_mixer": ParallelMixerBlock,
+    "shared_block": SharedBlock,
 }
 
 

@@ -54,3 +54,13 @@ def mix(mixer: Callable[..., mx.array], x: mx.array, mask: Any, cache: Any) -> m
     masks = mask if isinstance(mask, RowMasks) else [mask] * len(cache)
     return mx.concatenate([mixer(x[i : i + 1], m, c) for i, (m, c)
                            in enumerate(zip(masks, cache.caches, strict=True))], axis=0)
+
+
+def part(cache: Any, name: str) -> Any:
+    """A composite cache's part `name` (model/cache/hybrid.py: "kv", "mixer"), of every
+    row when `cache` is `Rows`; None without a cache."""
+    if cache is None:
+        return None
+    if isinstance(cache, Rows):
+        return Rows([getattr(c, name) for c in cache.caches])
+    return getattr(cache, name)

@@ -51,6 +51,18 @@ class GatedRMSNorm(nn.Module):
         return x * self._gate(gate) if self.norm_first else x
 
 
+class WeightedRMSNorm(nn.Module):
+    """x / RMS(x) · w (Jamba's norms of Δ, B and C; as the checkpoint names them)."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, self.weight, self.eps)
+
+
 # ---- Mamba: the selective scan ---------------------------------------------------------
 def linear_scan(a: mx.array, b: mx.array, h0: mx.array | None) -> mx.array:
     """Every h_t = a_t · h_{t−1} + b_t along axis 1 (h_{−1} = h0, or 0), as a parallel
@@ -83,7 +95,7 @@ def selective_scan(x: mx.array, dt: mx.array, A: mx.array, B: mx.array, C: mx.ar
 class MambaMixer(nn.Module):
     """Mamba's block: x, z = in_proj(h); x = silu(conv(x)); Δ, B, C from x (Δ through a
     low-rank dt_proj); y = scan(x) + D·x; out_proj(y · silu(z)). Falcon-Mamba RMS-norms
-    Δ, B and C (no weights) before use."""
+    Δ, B and C (no weights) before use, Jamba with weights."""
 
     def __init__(self, cfg: SsmConfig, hidden: int):
         super().__init__()
@@ -96,6 +108,10 @@ class MambaMixer(nn.Module):
         self.A_log = mx.zeros((d, n))
         self.D = mx.ones((d,))
         self.out_proj = nn.Linear(d, hidden, bias=cfg.proj_bias)
+        if cfg.bcdt_weights:  # Jamba: Δ, B and C RMS-normed with weights
+            self.dt_layernorm = WeightedRMSNorm(cfg.dt_rank, cfg.bcdt_eps or 1e-6)
+            self.b_layernorm = WeightedRMSNorm(n, cfg.bcdt_eps or 1e-6)
+            self.c_layernorm = WeightedRMSNorm(n, cfg.bcdt_eps or 1e-6)
 
     def __call__(self, h: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         cfg = self.cfg
@@ -105,7 +121,9 @@ class MambaMixer(nn.Module):
         x, conv_state = self.conv1d(x, cache.conv if cache is not None else None, steps)
         x = nn.silu(x)
         dt, B, C = mx.split(self.x_proj(x), [cfg.dt_rank, cfg.dt_rank + cfg.n], axis=-1)
-        if cfg.bcdt_eps is not None:
+        if cfg.bcdt_weights:
+            dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
+        elif cfg.bcdt_eps is not None:
             dt, B, C = (mx.fast.rms_norm(t, None, cfg.bcdt_eps) for t in (dt, B, C))
         dt = nn.softplus(self.dt_proj(dt))
         xf, dtf, Bf, Cf = (t.astype(F32) for t in (x, dt, B, C))
@@ -172,8 +190,9 @@ def ssd(x: mx.array, dt: mx.array, A: mx.array, B: mx.array, C: mx.array,
 
 
 class Mamba2Mixer(nn.Module):
-    """Mamba-2's block (also Bamba's, Granite 4's, Nemotron-H's): z, xBC, Δ = in_proj(h);
-    xBC = silu(conv(xBC)); y = SSD(x; Δ, A, B, C) + D·x per head; out_proj(norm(y, z))."""
+    """Mamba-2's block (also Bamba's, Granite 4's, Nemotron-H's, Falcon-H1's): z, xBC, Δ =
+    in_proj(h); xBC = silu(conv(xBC)); y = SSD(x; Δ, A, B, C) + D·x per head;
+    out_proj(norm(y, z)). Falcon-H1 scales h and each part of in_proj's output (µP)."""
 
     def __init__(self, cfg: SsmConfig, hidden: int):
         super().__init__()
@@ -184,14 +203,26 @@ class Mamba2Mixer(nn.Module):
         self.A_log = mx.zeros((cfg.heads,))
         self.D = mx.ones((cfg.heads,))
         if cfg.gated_norm:
-            self.norm = GatedRMSNorm(cfg.inner, cfg.norm_eps, cfg.groups)
-        self.out_proj = nn.Linear(cfg.inner, hidden, bias=cfg.proj_bias)
+            self.norm = GatedRMSNorm(cfg.inner, cfg.norm_eps, cfg.groups, cfg.norm_first)
+        out_bias = cfg.proj_bias if cfg.out_bias is None else cfg.out_bias
+        self.out_proj = nn.Linear(cfg.inner, hidden, bias=out_bias)
+        self._mup = None  # Falcon-H1: in_proj's output × one factor per part (not a weight)
+        if cfg.proj_scales is not None:
+            gn = cfg.groups * cfg.n
+            widths = (cfg.inner, cfg.inner, gn, gn, cfg.heads)
+            self._mup = mx.concatenate([mx.full((w,), s)
+                                        for w, s in zip(widths, cfg.proj_scales, strict=True)])
 
     def __call__(self, h: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         cfg = self.cfg
         b, T, _ = h.shape
         steps = keeps_steps(cache, T)
-        z, xbc, dt = mx.split(self.in_proj(h), [cfg.inner, cfg.inner + cfg.conv_dim], axis=-1)
+        if cfg.in_scale != 1.0:
+            h = h * cfg.in_scale
+        proj = self.in_proj(h)
+        if self._mup is not None:
+            proj = proj * self._mup.astype(proj.dtype)
+        z, xbc, dt = mx.split(proj, [cfg.inner, cfg.inner + cfg.conv_dim], axis=-1)
         xbc, conv_state = self.conv1d(xbc, cache.conv if cache is not None else None, steps)
         x, B, C = mx.split(nn.silu(xbc), [cfg.inner, cfg.inner + cfg.groups * cfg.n], axis=-1)
         x = x.reshape(b, T, cfg.heads, cfg.head_dim)

@@ -55,8 +55,14 @@ class SsmConfig:
     chunk: int = 256  # Mamba-2: prefill chunk of the SSD form
     dt_limit: tuple[float, float] = (0.0, math.inf)  # Mamba-2: Δ clamped to this range
     bcdt_eps: float | None = None  # Falcon-Mamba: B, C and Δ RMS-normed (no weight)
+    bcdt_weights: bool = False  # Jamba: those norms have weights
     gated_norm: bool = True  # Mamba-2: RMSNorm of y·silu(z) in `groups` groups
+    norm_first: bool = False  # Falcon-H1: the gated norm is norm(y)·w·silu(z)
     norm_eps: float = 1e-5
+    out_bias: bool | None = None  # out_proj's bias when not proj_bias's (Falcon-H1)
+    # Falcon-H1's µP: the input × in_scale, in_proj's z, x, B, C and Δ parts × these
+    in_scale: float = 1.0
+    proj_scales: tuple[float, float, float, float, float] | None = None
 
     @property
     def conv_dim(self) -> int:
@@ -168,9 +174,10 @@ def _ssm(cfg: dict[str, Any], fam: Family, hidden: int, eps: float) -> SsmConfig
         rank = cfg.get("ssm_dt_rank", "auto")
         rank = math.ceil(hidden / 16) if rank == "auto" else rank
         bcdt = fam.ssm_bcdt_norm
+        bcdt_eps = eps if fam.ssm_bcdt_weights else float(cfg.get("mixer_rms_eps", 1e-6))
         return SsmConfig(kind="mamba", dt_rank=_int({"ssm_dt_rank": rank}, "ssm_dt_rank"),
-                         bcdt_eps=float(cfg.get("mixer_rms_eps", 1e-6)) if bcdt else None,
-                         **common)
+                         bcdt_eps=bcdt_eps if bcdt or fam.ssm_bcdt_weights else None,
+                         bcdt_weights=fam.ssm_bcdt_weights, **common)
     heads = _int(cfg, "ssm_heads")
     head_dim = cfg.get("ssm_head_dim")
     if head_dim in (None, "auto"):  # Bamba's default: the inner features split over the heads
@@ -181,13 +188,26 @@ def _ssm(cfg: dict[str, Any], fam: Family, hidden: int, eps: float) -> SsmConfig
     if heads % groups:
         raise ConfigError(f"config.json: the {heads} SSM heads do not split into {groups}"
                           " groups (n_groups)")
+    mup: dict[str, Any] = {}
+    if fam.mup_multipliers:
+        scales = cfg.get("ssm_multipliers") or [1.0] * 5
+        if not isinstance(scales, list) or len(scales) != 5:
+            raise ConfigError(f"config.json: ssm_multipliers must list 5 numbers, got"
+                              f" {scales!r:.60}")
+        mup = {"in_scale": float(cfg.get("ssm_in_multiplier") or 1.0),
+               "proj_scales": tuple(float(x) for x in scales)}
+    if cfg.get("ssm_out_bias") is not None:
+        mup["out_bias"] = bool(cfg["ssm_out_bias"])
     limit = cfg.get("ssm_dt_limit") or (0.0, math.inf)
+    if fam.ssm_dt_min_key is not None:  # Zamba2
+        limit = (cfg.get(fam.ssm_dt_min_key), math.inf)
     if not isinstance(limit, (list, tuple)) or len(limit) != 2:
         raise ConfigError(f"config.json: time_step_limit must be [min, max], got {limit!r:.60}")
     return SsmConfig(kind="mamba2", heads=heads, head_dim=int(head_dim), groups=groups,
                      chunk=_int(cfg, "ssm_chunk_size", 256),
                      dt_limit=(_number(limit[0]), _number(limit[1])),
-                     gated_norm=bool(cfg.get("ssm_gated_norm", True)), **common)
+                     gated_norm=bool(cfg.get("ssm_gated_norm", True)),
+                     norm_first=bool(cfg.get("ssm_norm_first", False)), **mup, **common)
 
 
 def _rglru(cfg: dict[str, Any], fam: Family, hidden: int) -> RgLruConfig:

@@ -102,15 +102,18 @@ class Transformer(nn.Module):
     ) -> tuple[mx.array, mx.array | None]:
         """Blocks `layers` (all by default; a pipeline rank runs its slice), `cache` holding
         one cache per block run. Returns the residual stream as (h, pending): its value is
-        h + pending, the last add left to the next norm (which fuses it, see Block)."""
+        h + pending, the last add left to the next norm (which fuses it, see Block).
+        Blocks that read the token embeddings (Zamba2) get `h` as it enters layer 0."""
         cfg = self.config
         layers = range(len(cfg.layers)) if layers is None else layers
         masks = layer_masks(cfg.layers[layers.start : layers.stop], h.shape[1], cache)
+        emb = h if layers.start == 0 else None
         pending = None
         for j, i in enumerate(layers):
             c = cache[j] if cache is not None else None
-            h, pending = self.model.layers[i].deferred(h, pending, masks[mask_key(cfg.layers[i])],
-                                                       c)
+            block = self.model.layers[i]
+            extra = {"emb": emb} if getattr(block, "reads_embeddings", False) else {}
+            h, pending = block.deferred(h, pending, masks[mask_key(cfg.layers[i])], c, **extra)
         return h, pending
 
     def head(self, h: mx.array, pending: mx.array | None = None) -> mx.array:

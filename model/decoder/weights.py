@@ -7,6 +7,7 @@ that names the file or tensor, and nothing half-loaded is left behind.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from kvchat.model.gguf_file import is_gguf, read_gguf
 
 from . import gguf
 from .config import ModelConfig, load_config
-from .families import FAMILIES
+from .families import FAMILIES, HYBRID
 from .mla import QuantizedMultiLinear, split_kv_b
 from .moe import QuantizedSwitchLinear, split_gate_up, stack_experts, unfuse_experts
 from .transformer import Transformer
@@ -79,11 +80,43 @@ def our_names(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.ar
         weights = split_kv_b(cfg, weights)
     weights = _split_fused_qkv(cfg, weights)
     weights = _concatenated(cfg, weights)
+    if cfg.block == "shared_block":  # Zamba2: blocks stored once, used by several layers
+        weights = share_blocks(cfg, weights)
     weights = {k: _conv_layout(k, v) for k, v in weights.items()}
     if cfg.moe is None:
         return weights
     fused = FAMILIES[cfg.model_type].moe.fused_experts  # type: ignore[union-attr]
     return split_gate_up(stack_experts(unfuse_experts(weights, fused, cfg.moe.experts)))
+
+
+# Zamba2: a use's adapter, stored in the list of its shared block's first user
+_ADAPTER = re.compile(r"^(model\.layers\.)(\d+)(\.shared_transformer\..*)_adapter_list\.(\d+)\.")
+
+
+def share_blocks(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Each hybrid layer's shared-block tensors (our names): the block's, stored under its
+    first user, bound to this layer too (the same arrays), and this use's adapters (stored
+    in that first user's `*_adapter_list.{use}`) as its own `*_adapter`."""
+    hybrid = [i for i, s in enumerate(cfg.layers) if s.kind == HYBRID]
+    blocks = cfg.shared_blocks
+    out: dict[str, mx.array] = {}
+    for name, w in weights.items():
+        m = _ADAPTER.match(name)
+        if m is None:
+            out[name] = w
+            continue
+        use = int(m.group(4))
+        if use < len(hybrid):  # an adapter of a use that does not exist is left unread
+            out[f"{m.group(1)}{hybrid[use]}{m.group(3)}_adapter." + name[m.end():]] = w
+    for use, layer in enumerate(hybrid):
+        first = hybrid[use % blocks]
+        if first == layer:
+            continue
+        src, dst = f"model.layers.{first}.shared_transformer.", \
+            f"model.layers.{layer}.shared_transformer."
+        for name in [n for n in out if n.startswith(src) and "_adapter." not in n]:
+            out[dst + name[len(src):]] = out[name]
+    return out
 
 
 def _concatenated(cfg: ModelConfig, weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -156,6 +156,9 @@ class SliceModel(Transformer):
 
     def __init__(self, cfg: ModelConfig, part: Slice):
         nn.Module.__init__(self)
+        if cfg.block == "shared_block":  # its layers read the embeddings and shared blocks
+            raise ModelLoadError(f"{cfg.model_type} cannot be split across hosts: its layers"
+                                 " share transformer blocks and read the token embeddings")
         self.config = cfg
         self.model_type = cfg.model_type
         self.part = part

@@ -238,7 +238,8 @@ DIFFERENCES: tuple[tuple[Callable[[ModelConfig], bool], Callable[[ModelConfig], 
     (lambda c: c.recurrent_layers > 0,
      lambda c: f"recurrent layers: {c.recurrent_layers} of {len(c.layers)} keep a fixed-size"
                f" state ({', '.join(sorted({MIXER_NAMES[s.mixer] for s in c.layers if s.mixer}))})"
-               " instead of K/V"),
+               + (" beside K/V" if any(s.mixer and s.attends for s in c.layers)
+                  else " instead of K/V")),
     (lambda c: c.positions == "none", lambda c: "no positions at all: attention without RoPE"),
     (lambda c: c.rope.type != "default", lambda c: f"{c.rope.type} RoPE scaling"),
     (lambda c: c.rope.partial_rotary_factor < 1,
@@ -253,6 +254,8 @@ PIPELINES = {
     "parallel": ["x", "norm", "RoPE", "attention ∥ FFN", "+"],
     "parallel2": ["x", "norm ∥ norm", "RoPE", "attention ∥ FFN", "+"],
     "mixer_only": ["x", "norm", "mixer", "+"],
+    "parallel_mixer": ["x", "norm", "RoPE", "attention ∥ mixer", "+", "norm", "FFN", "+"],
+    "shared_block": ["x", "[x, embeddings]", "shared block", "linear", "+", "norm", "mixer", "+"],
 }
 PLACEMENTS = {
     "pre": "pre-norm: normed on the way into each branch, the residual stays un-normed",
@@ -263,6 +266,10 @@ PLACEMENTS = {
     "parallel2": "parallel: attention and FFN each read their own norm of x, added at once",
     "mixer_only": "one branch per layer: x + mixer(norm(x)), the mixer recurrent (Mamba),"
                   " attention or a feed-forward",
+    "parallel_mixer": "attention and the recurrent mixer read the same normed input, both"
+                      " added at once; then a pre-norm FFN",
+    "shared_block": "x + mixer(norm(x)); some layers first add a shared transformer block's"
+                    " output over [x, the embeddings] to the mixer's input",
 }
 
 

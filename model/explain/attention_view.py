@@ -111,6 +111,9 @@ def attention_view(model: Any, caches: list[Any], layer: int, group: int | None,
         group = max(0, min(group, n_groups - 1))
     cache = caches[layer]
     base = AttentionView(layer=layer, group=group, n_layers=len(caches), n_groups=n_groups)
+    if hasattr(cache, "members"):  # model/cache/hybrid.py: K/V beside a state
+        return AttentionView(**{**base.__dict__, "note": "this layer keeps a recurrent state"
+                                " beside its K/V: its attention is not shown"})
     if getattr(cache, "keys", None) is None or cache.offset < 1:
         return AttentionView(**{**base.__dict__, "note": "the cache is empty: send a message"})
     sw = newest_token_attention(model, caches, layer, token)

@@ -30,7 +30,9 @@ buffers travel as their parts (packed, scales, biases) and its layout (bits, gro
 as its conv and recurrent arrays, which the mixer replaces whole; a verify pass of n > 1
 tokens returns every position's states instead, stacked, so that the cache can go back
 to the last accepted token (model/decoder/state_steps.py); a layer without a token mixer
-("pass") as nothing.
+("pass") as nothing. A layer whose cache has `members` (a K/V cache and a state side by
+side: model/cache/hybrid.py) is driven as its members, and the model sees them
+reassembled into one HybridCache of proxies.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from kvchat import metal_kernels
+from kvchat.model.cache.hybrid import HybridCache
 from kvchat.model.cache.kv import (
     Buf,
     first_slots,
@@ -233,7 +236,9 @@ class CompiledStep:
 
     def __init__(self, model: Any, caches: Sequence[Any]):
         self.model = model
-        self.caches = list(caches)
+        # each layer's caches: itself, or its members (a HybridCache's K/V and state)
+        self.counts = tuple(len(getattr(c, "members", (c,))) for c in caches)
+        self.caches = [m for c in caches for m in getattr(c, "members", (c,))]
         self.supported = all(_steppable(c) for c in self.caches)
         # each cache's kind and bounds: fixed for the cache, part of every trace's key
         self.layout = tuple(c.slot_layout() for c in self.caches) if self.supported else ()
@@ -245,7 +250,7 @@ class CompiledStep:
 
     def _build(self, layout: tuple[tuple[Any, ...], ...], groups: tuple[int, ...],
                views: tuple[int, ...], n: int) -> Any:
-        model = self.model
+        model, counts = self.model, self.counts
 
         def step(y: mx.array, rows: mx.array, *buffers: mx.array) -> list[mx.array]:
             masks: dict[Any, mx.array] = {}
@@ -265,7 +270,11 @@ class CompiledStep:
                 values = _unflatten(k, buffers[at + k : at + 2 * k])
                 at += 2 * k
                 proxies.append(_TracedCache(static, row, keys, values, masks, views[i], n))
-            logits = model(y[None], cache=proxies)[0]
+            layers, at = [], 0
+            for k in counts:  # a layer of two members: one HybridCache over their proxies
+                layers.append(proxies[at] if k == 1 else HybridCache(*proxies[at : at + k]))
+                at += k
+            logits = model(y[None], cache=layers)[0]
             out = [logits]
             for p, static in zip(proxies, layout, strict=True):
                 if static[0] == "state":
@@ -307,7 +316,7 @@ class CompiledStep:
             buffers += _arrays(c, static)
         layout = self.layout
         # the kernel backend can be switched at run time: a trace keeps the one it saw
-        fkey = (layout, tuple(groups), tuple(views), metal_kernels.backend(), n)
+        fkey = (layout, tuple(groups), tuple(views), metal_kernels.backend(), n, self.counts)
         fn = self._fns.get(fkey)
         self.traced = fn is None  # this call traces: its time is no step's (speculative.py)
         if fn is None:

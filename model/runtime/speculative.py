@@ -49,6 +49,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
+from kvchat.model.cache.hybrid import HybridCache
 from kvchat.model.cache.kv import (
     make_prompt_cache,
     maybe_quantize,
@@ -143,7 +144,8 @@ class DraftModel:
         while n < limit and self.ids[n] == history[n]:
             n += 1
         if self.caches is not None and n < len(self.ids) and not all(
-                c.can_trim_to(n) for c in self.caches if isinstance(c, StateCache)):
+                c.can_trim_to(n) for c in self.caches
+                if isinstance(c, (StateCache, HybridCache))):
             self.caches = None  # a state that cannot go back that far: start again
         if self.caches is None:
             self.caches = make_prompt_cache(self.model, *self.bound)
@@ -395,7 +397,8 @@ def why_not(model: Any, caches: Sequence[Any]) -> str | None:
         return "speculation off: the model is split across hosts"
     for c in caches:
         # a state takes back the last tokens it kept (`set_rollback`)
-        if not (hasattr(c, "trim") and (c.is_trimmable() or isinstance(c, StateCache))):
+        if not (hasattr(c, "trim")
+                and (c.is_trimmable() or isinstance(c, (StateCache, HybridCache)))):
             return (f"speculation off: the {type(c).__name__} cache cannot take back"
                     " rejected tokens")
     if ring_room(caches) < 2:
@@ -405,7 +408,8 @@ def why_not(model: Any, caches: Sequence[Any]) -> str | None:
 
 def ring_room(caches: Sequence[Any]) -> int:
     """The most tokens one step may write: a ring takes back at most its own size."""
-    sizes = [c.max_size - c.keep for c in caches if hasattr(c, "max_size")]
+    sizes = [c.max_size - c.keep for layer in caches
+             for c in getattr(layer, "members", (layer,)) if hasattr(c, "max_size")]
     return min(sizes, default=MAX_DRAFT_TOKENS + 1)
 
 

@@ -55,6 +55,34 @@ _LFM2_MOE: dict[str, Any] = {
     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_dense_layers": 1,
     "routed_scaling_factor": 1.5}
 
+# Falcon-H1: Mamba-2 (8 heads of 16 through mamba_d_ssm, 2 groups) beside attention in
+# every layer; every µP multiplier away from 1 so that each one bites
+_FALCON_H1: dict[str, Any] = {
+    "mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2,
+    "mamba_d_state": 16, "mamba_chunk_size": 16, "mamba_rms_norm": True,
+    "embedding_multiplier": 1.7, "lm_head_multiplier": 0.6, "key_multiplier": 0.7,
+    "attention_in_multiplier": 1.3, "attention_out_multiplier": 0.8, "ssm_in_multiplier": 1.2,
+    "ssm_out_multiplier": 0.9, "ssm_multipliers": [1.1, 0.9, 1.2, 0.8, 1.5],
+    "mlp_multipliers": [1.3, 0.7]}
+
+# Jamba: Mamba, attention, Mamba, Mamba (attn_layer_period 3, offset 1); experts on
+# layers 1 and 3 (expert_layer_period 2, offset 1): attention and Mamba each with both
+_JAMBA: dict[str, Any] = {
+    "num_hidden_layers": 4, "attn_layer_period": 3, "attn_layer_offset": 1,
+    "expert_layer_period": 2, "expert_layer_offset": 1, "num_experts": 4,
+    "num_experts_per_tok": 2, "mamba_d_state": 8}
+
+# Zamba2: Mamba-2, hybrid, Mamba-2, hybrid, hybrid; 2 shared blocks taken in turn (the
+# third hybrid layer reuses the first's), per-use adapters of rank 8, RoPE; K/V heads =
+# heads, as the released models (transformers' k and v adapters are as wide as q's);
+# hidden 32: at 64 the random five layers amplify rounding so that transformers' own
+# float32 logits are 1.5e-5 off its float64 ones
+_ZAMBA2: dict[str, Any] = {
+    "num_hidden_layers": 5, "num_key_value_heads": 4, "hidden_size": 32,
+    "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
+    "n_mamba_heads": 8, "mamba_d_state": 16, "mamba_ngroups": 2, "chunk_size": 16,
+    "num_mem_blocks": 2, "use_shared_attention_adapter": True, "adapter_rank": 8,
+    "use_mem_rope": True}
 # ---- the RG-LRU, OLMo-hybrid and Kimi-Linear fixtures
 # RecurrentGemma: hidden 80 (√80 rounds to 8.9375 in bfloat16: the embedding scale bites),
 # RG-LRU 64 wide in 4 gate blocks, block_types cycled (R, A, R), local attention over 16
@@ -130,6 +158,29 @@ HYBRID_SPECS: dict[str, FamilySpec] = {
     # a sigmoid router whose expert_bias (set by the test: transformers' init is 0) picks
     # experts without weighing them; layer 0 dense
     "lfm2_moe": FamilySpec("Lfm2MoeForCausalLM", _LFM2_MOE, seed=99),
+    # ---- attention beside a recurrent mixer in one layer, and their hybrids
+    # Falcon-H1: the gated norm normalising before the gate; in both RoPE spellings; and
+    # without the gated norm (y · silu(z), the released checkpoints' mamba_rms_norm false)
+    "falcon_h1": FamilySpec("FalconH1ForCausalLM", _FALCON_H1, seed=110),
+    "falcon_h1_classic": FamilySpec("FalconH1ForCausalLM", _FALCON_H1, rope_form="classic",
+                                    seed=110),
+    "falcon_h1_plain_gate": FamilySpec("FalconH1ForCausalLM", {
+        **_FALCON_H1, "mamba_rms_norm": False}, seed=111),
+    # Jamba (no positions; Δ, B, C norms with weights; softmax top-2 not renormalised), and
+    # its twin with mamba_dt_rank "auto" as configs may say (transformers 5 writes the number)
+    "jamba": FamilySpec("JambaForCausalLM", _JAMBA, seed=112),
+    "jamba_auto_rank": FamilySpec("JambaForCausalLM", _JAMBA, seed=112),
+    # Zamba2, in both spellings (the classic: rope_theta, layers_block_type "mamba"), and
+    # with one shared block, no attention adapters and no RoPE
+    "zamba2": FamilySpec("Zamba2ForCausalLM", _ZAMBA2, seed=113),
+    "zamba2_classic": FamilySpec("Zamba2ForCausalLM", _ZAMBA2, rope_form="classic", seed=113),
+    "zamba2_plain": FamilySpec("Zamba2ForCausalLM", {
+        **_ZAMBA2, "num_mem_blocks": 1, "use_shared_attention_adapter": False,
+        "use_mem_rope": False}, seed=114),
+    # Δ clamped at time_step_min 0.3 (it bites; transformers' one-token step skips that
+    # clamp, so its greedy decode is not its own forward pass: logits only)
+    "zamba2_dt_floor": FamilySpec("Zamba2ForCausalLM", {**_ZAMBA2, "time_step_min": 0.3},
+                                  seed=115),
     # ---- the RG-LRU, OLMo-hybrid and Kimi-Linear families
     "recurrent_gemma": FamilySpec("RecurrentGemmaForCausalLM", _RECURRENT_GEMMA, own_keys=True,
                                   seed=110),
