@@ -46,7 +46,7 @@ def streamed_blocks_hold(md: Markdown) -> bool:
     if _LINK_DEFINITION.search(md.source):
         return False
     try:
-        from textual.widgets._markdown import MarkdownBlock
+        from textual.widgets.markdown import MarkdownBlock
 
         parser = md._parser_factory() if md._parser_factory else MarkdownIt("gfm-like")
         fresh = list(md._parse_markdown(parser.parse(md.source)))
