@@ -25,7 +25,8 @@ from kvchat.model.cache.kv import maybe_quantize, pending_quantization
 from kvchat.model.decoder.rows import Rows
 
 from . import threads
-from .generate import Constrain, Progress, decode_step
+from .generate import CompiledStep, Constrain, Progress, decode_step
+from .rows_step import RowsStep
 
 
 class Waiting:
@@ -56,11 +57,15 @@ class BatchRow:
             self.pending = pending_quantization(self.caches)
             self._step = None
 
-    def alone(self, model: Any, y: mx.array) -> mx.array:
-        """The logits (1, V) of `y` run for this row only: the compiled step."""
+    def step_for(self, model: Any) -> Callable[[mx.array], mx.array]:
+        """This row's own step: the compiled one where its caches allow (and `compiled`)."""
         if self._step is None:
             self._step = decode_step(model, self.caches, self.compiled)
-        return self._step(y)
+        return self._step
+
+    def alone(self, model: Any, y: mx.array) -> mx.array:
+        """The logits (1, V) of `y` run for this row only: the compiled step."""
+        return self.step_for(model)(y)
 
 
 class Batch:
@@ -71,6 +76,7 @@ class Batch:
         self.parked: list[BatchRow] = []
         self.steps = 0
         self._work = threads.step_work(model)
+        self._compiled = RowsStep(model)
         self.widths: list[int] = []  # rows per step, for the statistics
 
     def park(self, row: BatchRow, token: int) -> None:
@@ -95,9 +101,7 @@ class Batch:
             if len(rows) == 1:
                 logits = rows[0].alone(self.model, mx.array([rows[0].token], dtype=mx.int32))
             else:
-                ids = mx.array([[r.token] for r in rows], dtype=mx.int32)
-                layers = [Rows(c) for c in zip(*(r.caches for r in rows), strict=True)]
-                logits = self.model(ids, cache=layers)[:, -1, :]
+                logits = self._forward(rows)
             mx.eval(logits)
         except Exception as e:  # every row of the step fails with it (turn.py reports it)
             for r in rows:
@@ -105,6 +109,17 @@ class Batch:
             return
         for i, r in enumerate(rows):
             r.logits = logits[i : i + 1]
+
+    def _forward(self, rows: list[BatchRow]) -> mx.array:
+        """Logits (B, V): compiled when every row's own step is (rows_step.py), else the
+        model run op by op on each layer's `Rows`."""
+        steps = [r.step_for(self.model) for r in rows]
+        if all(isinstance(s, CompiledStep) for s in steps):
+            return self._compiled([(s.caches, s.layout) for s in steps],  # type: ignore[union-attr]
+                                  [r.token for r in rows])
+        ids = mx.array([[r.token] for r in rows], dtype=mx.int32)
+        layers = [Rows(c) for c in zip(*(r.caches for r in rows), strict=True)]
+        return self.model(ids, cache=layers)[:, -1, :]
 
 
 def row_decode(batch: Batch, logits: mx.array, caches: Sequence[Any], *,
