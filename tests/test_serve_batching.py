@@ -5,8 +5,8 @@ The reference for each request is the same request alone (one at a time, on the 
 server: a lone row runs the compiled step, exactly as a turn without batching). Run side
 by side, 5 streams of different prompt lengths and `max_tokens` must give the same text
 and token count, greedy, on a float cache, a rotating window they run past, and 4- and
-8-bit K/V; and they must overlap in time (every stream has its first token before any
-ends), so the comparison is of batched decoding and not of a queue. A stream whose
+8-bit K/V; and they must overlap in time (each stream decodes while all but one of the others
+do), so the comparison is of batched decoding and not of a queue. A stream whose
 client disconnects leaves the others' answers as they are alone.
 """
 
@@ -111,9 +111,13 @@ def test_concurrent_streams_answer_as_they_do_alone(server: ServerProcess) -> No
     for i, a in alone.items():
         assert side_by_side[i]["text"] == a["text"], i
         assert side_by_side[i]["tokens"] == a["tokens"]
-    # they ran together: every stream had its first text before any stream ended
-    assert max(r["first"] for r in side_by_side.values()) < min(
-        r["end"] for r in side_by_side.values())
+    # they ran together: each stream decoded while all but at most one of the others did
+    # (run one at a time, no two would overlap; the last to arrive may start a few
+    # tokens after the shortest ends, now that a batched step is fast)
+    for i, r in side_by_side.items():
+        overlapping = [j for j, o in side_by_side.items()
+                       if j != i and o["first"] < r["end"] and r["first"] < o["end"]]
+        assert len(overlapping) >= len(side_by_side) - 2, (i, overlapping)
 
 
 @pytest.mark.slow
