@@ -513,6 +513,34 @@ def test_batched_rows_of_hybrid_layers_decode_as_each_alone(
                for c in cs)
 
 
+@pytest.mark.parametrize("name", ["falcon_h1", "zamba2", "jamba"])
+def test_compiled_batched_rows_of_hybrid_layers_decode_as_each_alone(
+    name: str, hybrid: Callable[[str], Path]
+) -> None:
+    """The same through the compiled batched step (model/runtime/rows_step.py), which
+    drives a hybrid layer's K/V and state as two members and hands the model one
+    HybridCache of their stand-ins per row."""
+    from kvchat.model.runtime.generate import CompiledStep, generate_step
+    from kvchat.model.runtime.rows_step import RowsStep
+
+    model = load_model(hybrid(name))
+    prompts = [[int(x) for x in IDS[0, :9]], [int(x) for x in IDS[0, 3:16]]]
+    alone = [list(generate_step(model, p, make_prompt_cache(model), max_tokens=6))
+             for p in prompts]
+    caches = [make_prompt_cache(model) for _ in prompts]
+    last = [model(mx.array([p]), cache=c)[:, -1] for p, c in zip(prompts, caches, strict=True)]
+    got: list[list[int]] = [[int(mx.argmax(x, axis=-1).item())] for x in last]
+    steps = [CompiledStep(model, c) for c in caches]
+    assert all(s.supported for s in steps)
+    assert any(k > 1 for k in steps[0].counts) == (name != "jamba")  # members apart
+    batched = RowsStep(model)
+    for _ in range(5):
+        logits = batched([(s.caches, s.layout, s.counts) for s in steps], [g[-1] for g in got])
+        for g, y in zip(got, np.array(mx.argmax(logits, axis=-1)).tolist(), strict=True):
+            g.append(int(y))
+    assert got == alone
+
+
 # Zamba2's fixture: 3 hybrid layers of K/V (4 heads × 16) and 5 states, each a conv state
 # 3 × (64 + 2·2·16) and a recurrent state 8 × 8 × 16
 ZAMBA2_STATE = (3 * (64 + 2 * 2 * 16) + 8 * 8 * 16) * 4

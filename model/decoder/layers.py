@@ -207,6 +207,12 @@ class RoPE(nn.Module):
             self._short = mx.array(rope.short_factor, dtype=mx.float32) * base
             self._long = mx.array(rope.long_factor, dtype=mx.float32) * base
 
+    @property
+    def rotates_rows(self) -> bool:
+        """Whether an offset array (B,) rotates each row at its own position: not where
+        the schedule itself depends on the position (longrope, dynamic NTK)."""
+        return self._cfg.type not in ("longrope", "dynamic")
+
     def _schedule(self, end: int | mx.array) -> tuple[float | None, mx.array | None]:
         """(base, periods) for a call whose last position is `end - 1`."""
         rope = self._cfg
@@ -274,6 +280,8 @@ class Attention(nn.Module):
     projection (OLMo 2), a scale other than head_dim^-0.5, soft-capping, no RoPE.
     """
 
+    takes_rows = True  # a batch's `Rows` in one call (rows.mix)
+
     def __init__(self, cfg: ModelConfig, spec: LayerSpec | None = None):
         super().__init__()
         spec = spec or LayerSpec(FULL, None, cfg.rope)
@@ -334,8 +342,12 @@ class Attention(nn.Module):
     ) -> tuple[mx.array, mx.array, mx.array]:
         """Q, K, V (B, heads, T, head_dim) as attention uses them: projected, q/k-normed,
         rotated from position `offset` (model/explain/attention_view.py reads Q through this)."""
-        B, T, _ = x.shape
-        q, k, v = self.project(x)
+        return self._heads(*self.project(x), offset)
+
+    def _heads(self, q: mx.array, k: mx.array, v: mx.array, offset: int | mx.array
+               ) -> tuple[mx.array, mx.array, mx.array]:
+        """`rotated_qkv` after the projections: `offset` an int, or (B,) for each row's."""
+        B, T, _ = q.shape
         if self.qk_norm == "proj":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:  # OLMoE: after the norms, as transformers clamps
@@ -364,19 +376,54 @@ class Attention(nn.Module):
         return q, k, v
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if isinstance(cache, rows.Rows):
+            return self._rows(x, mask, cache)
         B, T, _ = x.shape
         q, k, v = self.rotated_qkv(x, cache.offset if cache is not None else 0)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        if isinstance(k, (tuple, list)):  # a quantized cache: attention on the packed K/V
-            out = quantized_attention(q, k, v, packed_of(cache, k, self.head_dim), self.scale,
-                                      mask, self.softcap)
-        elif self.softcap is not None:
-            out = softcapped_attention(q, k, v, self.scale, self.softcap, mask)
-        else:
-            out = mx.fast.scaled_dot_product_attention(
-                q, k, v, scale=self.scale, mask=mask, sinks=self.get("sinks"))
+        out = self.attend(q, k, v, mask, cache)
         return self.o_proj(self.gated(out.transpose(0, 2, 1, 3).reshape(B, T, -1)))
+
+    def attend(self, q: mx.array, k: Any, v: Any, mask: Any, cache: Any) -> mx.array:
+        """Attention (B, heads, T, head_dim) of rotated Q over the cache's K/V."""
+        if isinstance(k, (tuple, list)):  # a quantized cache: attention on the packed K/V
+            return quantized_attention(q, k, v, packed_of(cache, k, self.head_dim), self.scale,
+                                       mask, self.softcap)
+        if self.softcap is not None:
+            return softcapped_attention(q, k, v, self.scale, self.softcap, mask)
+        return mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=self.scale, mask=mask, sinks=self.get("sinks"))
+
+    def _rows(self, x: mx.array, masks: Any, cache: rows.Rows) -> mx.array:
+        """A batch's rows, each over its own cache (model/decoder/rows.py): projections
+        and RoPE once for all rows (each at its own position), each row's K/V written to
+        its own cache, attention in one call where the rows' K/V line up (rows.stacked),
+        else row by row."""
+        B, T, _ = x.shape
+        q, k, v = self.project(x)
+        if self._rotates_batched():
+            q, k, v = self._heads(q, k, v, rows.offset_array(cache))
+        else:
+            heads = [self._heads(q[i : i + 1], k[i : i + 1], v[i : i + 1], o)
+                     for i, o in enumerate(cache.offsets)]
+            q, k, v = (mx.concatenate(t) for t in zip(*heads, strict=True))
+        kvs = [c.update_and_fetch(k[i : i + 1], v[i : i + 1])
+               for i, c in enumerate(cache.caches)]
+        row_masks = rows.row_masks(masks, len(cache))
+        joint = rows.stacked(kvs, row_masks, T) if self.softcap is None else None
+        if joint is not None:
+            out = self.attend(q, *joint, None)
+        else:
+            out = mx.concatenate([self.attend(q[i : i + 1], ki, vi, m, c) for i, ((ki, vi), m, c)
+                                  in enumerate(zip(kvs, row_masks, cache.caches, strict=True))])
+        return self.o_proj(self.gated(out.transpose(0, 2, 1, 3).reshape(B, T, -1)))
+
+    def _rotates_batched(self) -> bool:
+        """Whether one (B,) offset array rotates every row as its own offset would: not
+        where the rotation's schedule or a position scale reads the position as a scalar."""
+        return ((self.rope is None or self.rope.rotates_rows) and self._temperature is None
+                and self._pos_scale is None)
 
     def gated(self, out: mx.array) -> mx.array:
         """The heads' output before o_proj (GatedAttention multiplies in its gate)."""

@@ -2,11 +2,14 @@
 
 A server decodes its requests together (docs/serve.md, "Many clients"): their new tokens
 form one (B, 1) batch, so embeddings, norms, projections, MLPs and the head run once for
-every row. The token mixer is the one part that reads a conversation's past: each row's
-runs on its own cache, at its own position, under its own mask, exactly as the row would
-alone, and the rows' outputs are stacked again. So caches of any kind and length (a
-rotating window, quantized K/V, a recurrent state) share a step, with no padding to
-mask.
+every row. The token mixer is the one part that reads a conversation's past, and each row
+keeps its own cache, position and mask, exactly as alone. Attention
+(layers.Attention._rows) projects and rotates all rows at once (each at its own
+position), writes each row's K/V to that row's cache, then attends in one call where the
+rows' K/V line up (`stacked`: float K/V reading the same number of slots, as the compiled
+batch step arranges) and row by row otherwise (quantized K/V, an op-by-op step over rows
+of different lengths). A recurrent mixer runs row by row (`mix`). So caches of any kind
+and length (a rotating window, quantized K/V, a recurrent state) share a step.
 
 The decoder never owns these caches: the caller hands `Rows` in, one per layer.
 """
@@ -47,11 +50,47 @@ class RowMasks(tuple[Any, ...]):
     """Each row's mask, from `Rows.make_mask`."""
 
 
+def offset_array(cache: Rows) -> mx.array:
+    """Each row's offset as one int32 array (B,): RoPE rotates every row at its own."""
+    offsets = cache.offsets
+    if all(isinstance(o, int) for o in offsets):
+        return mx.array(offsets, dtype=mx.int32)
+    return mx.stack([mx.array(o, dtype=mx.int32) if isinstance(o, int) else o.astype(mx.int32)
+                     for o in offsets])
+
+
+def row_masks(mask: Any, n: int) -> list[Any]:
+    """Each of n rows' mask: `Rows.make_mask`'s, or one mask for all."""
+    return list(mask) if isinstance(mask, RowMasks) else [mask] * n
+
+
+def stacked(kvs: Sequence[tuple[Any, Any]], masks: Sequence[Any], T: int
+            ) -> tuple[mx.array, mx.array, mx.array | None] | None:
+    """The rows' K/V (each (1, kv_heads, S, D)) as one batch, with their masks as one
+    (B, 1, T, S), where they line up: float K/V of one shape, and masks all None or all
+    arrays. Rows whose caches read the same number of slots (the compiled batch step
+    gives every row the same view: model/runtime/rows_step.py) attend in one call; None
+    otherwise (quantized K/V, different lengths: attention row by row)."""
+    k0, v0 = kvs[0]
+    if not all(isinstance(k, mx.array) and isinstance(v, mx.array) and k.shape == k0.shape
+               and v.shape == v0.shape for k, v in kvs):
+        return None
+    keys = mx.concatenate([k for k, _ in kvs])
+    values = mx.concatenate([v for _, v in kvs])
+    if all(m is None for m in masks):
+        return keys, values, None
+    if not all(isinstance(m, mx.array) for m in masks):
+        return None
+    S = k0.shape[2]
+    return keys, values, mx.stack([mx.broadcast_to(m, (T, S)) for m in masks])[:, None]
+
+
 def mix(mixer: Callable[..., mx.array], x: mx.array, mask: Any, cache: Any) -> mx.array:
-    """`mixer(x, mask, cache)`, row by row when `cache` is `Rows`."""
-    if not isinstance(cache, Rows):
+    """`mixer(x, mask, cache)`, row by row when `cache` is `Rows`, unless the mixer takes
+    `Rows` itself (attention: layers.Attention._rows)."""
+    if not isinstance(cache, Rows) or getattr(mixer, "takes_rows", False):
         return mixer(x, mask, cache)
-    masks = mask if isinstance(mask, RowMasks) else [mask] * len(cache)
+    masks = row_masks(mask, len(cache))
     return mx.concatenate([mixer(x[i : i + 1], m, c) for i, (m, c)
                            in enumerate(zip(masks, cache.caches, strict=True))], axis=0)
 

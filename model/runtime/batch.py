@@ -25,7 +25,8 @@ from kvchat.model.cache.kv import maybe_quantize, pending_quantization
 from kvchat.model.decoder.rows import Rows
 
 from . import threads
-from .generate import Constrain, Progress, decode_step
+from .generate import CompiledStep, Constrain, Progress, decode_step
+from .rows_step import RowsStep
 
 
 class Waiting:
@@ -39,13 +40,18 @@ WAIT = Waiting()
 
 
 class BatchRow:
-    """One turn's place in the batch: its caches, the id to run, then its logits."""
+    """One turn's place in the batch: its caches, the id to run, then its logits and,
+    where the row has a `sample` (no grammar to apply on the host first), its next id
+    drawn by that sampler in the step's own evaluation."""
 
-    def __init__(self, caches: list[Any], compiled: bool):
+    def __init__(self, caches: list[Any], compiled: bool,
+                 sample: Callable[[mx.array], mx.array] | None = None):
         self.caches = caches
         self.compiled = compiled
+        self.sample = sample
         self.token = 0
         self.logits: mx.array | None = None
+        self.sampled: mx.array | None = None
         self.error: BaseException | None = None
         self._step: Callable[[mx.array], mx.array] | None = None
         self.pending = pending_quantization(caches)
@@ -56,11 +62,15 @@ class BatchRow:
             self.pending = pending_quantization(self.caches)
             self._step = None
 
-    def alone(self, model: Any, y: mx.array) -> mx.array:
-        """The logits (1, V) of `y` run for this row only: the compiled step."""
+    def step_for(self, model: Any) -> Callable[[mx.array], mx.array]:
+        """This row's own step: the compiled one where its caches allow (and `compiled`)."""
         if self._step is None:
             self._step = decode_step(model, self.caches, self.compiled)
-        return self._step(y)
+        return self._step
+
+    def alone(self, model: Any, y: mx.array) -> mx.array:
+        """The logits (1, V) of `y` run for this row only: the compiled step."""
+        return self.step_for(model)(y)
 
 
 class Batch:
@@ -71,10 +81,11 @@ class Batch:
         self.parked: list[BatchRow] = []
         self.steps = 0
         self._work = threads.step_work(model)
+        self._compiled = RowsStep(model)
         self.widths: list[int] = []  # rows per step, for the statistics
 
     def park(self, row: BatchRow, token: int) -> None:
-        row.token, row.logits, row.error = token, None, None
+        row.token, row.logits, row.sampled, row.error = token, None, None, None
         self.parked.append(row)
 
     def unpark(self, row: BatchRow) -> None:
@@ -82,7 +93,8 @@ class Batch:
             self.parked.remove(row)
 
     def step(self) -> None:
-        """One forward for every parked row; each gets its logits (1, V), or the error."""
+        """One forward for every parked row; each gets its logits (1, V) and, with a
+        sampler, its next id, or the error."""
         rows, self.parked = self.parked, []
         if not rows:
             return
@@ -95,16 +107,28 @@ class Batch:
             if len(rows) == 1:
                 logits = rows[0].alone(self.model, mx.array([rows[0].token], dtype=mx.int32))
             else:
-                ids = mx.array([[r.token] for r in rows], dtype=mx.int32)
-                layers = [Rows(c) for c in zip(*(r.caches for r in rows), strict=True)]
-                logits = self.model(ids, cache=layers)[:, -1, :]
-            mx.eval(logits)
+                logits = self._forward(rows)
+            for i, r in enumerate(rows):
+                r.logits = logits[i : i + 1]
+                # each row's own sampler on its own row, evaluated with the step: one
+                # wait for the batch instead of one per row (docs/design.md)
+                r.sampled = r.sample(r.logits) if r.sample is not None else None
+            mx.eval(logits, [r.sampled for r in rows if r.sampled is not None])
         except Exception as e:  # every row of the step fails with it (turn.py reports it)
             for r in rows:
-                r.error = e
-            return
-        for i, r in enumerate(rows):
-            r.logits = logits[i : i + 1]
+                r.error, r.logits, r.sampled = e, None, None
+
+    def _forward(self, rows: list[BatchRow]) -> mx.array:
+        """Logits (B, V): compiled when every row's own step is (rows_step.py), else the
+        model run op by op on each layer's `Rows`."""
+        steps = [r.step_for(self.model) for r in rows]
+        if all(isinstance(s, CompiledStep) for s in steps):
+            return self._compiled(
+                [(s.caches, s.layout, s.counts) for s in steps],  # type: ignore[union-attr]
+                [r.token for r in rows])
+        ids = mx.array([[r.token] for r in rows], dtype=mx.int32)
+        layers = [Rows(c) for c in zip(*(r.caches for r in rows), strict=True)]
+        return self.model(ids, cache=layers)[:, -1, :]
 
 
 def row_decode(batch: Batch, logits: mx.array, caches: Sequence[Any], *,
@@ -116,16 +140,18 @@ def row_decode(batch: Batch, logits: mx.array, caches: Sequence[Any], *,
     its row of the logits. The caches hold the prompt and the first `progress.fed` ids."""
     if max_tokens < 1:
         return
-    row = BatchRow(list(caches) if not isinstance(caches, list) else caches, compiled)
+    row = BatchRow(list(caches) if not isinstance(caches, list) else caches, compiled,
+                   sample if constraint is None else None)
     progress.compiled = compiled
     n = 0
     parked = False
+    sampled: mx.array | None = None
     try:
         while True:
             if constraint is not None:
                 token = constraint.advance(int(sample(constraint.apply(logits)).item()))
             else:
-                token = int(sample(logits).item())
+                token = int((sample(logits) if sampled is None else sampled).item())
             n += 1
             yield token
             if n >= max_tokens or (constraint is not None and constraint.finished):
@@ -138,7 +164,7 @@ def row_decode(batch: Batch, logits: mx.array, caches: Sequence[Any], *,
                 raise row.error
             assert row.logits is not None, "resumed before the batch stepped"
             progress.fed += 1
-            logits = row.logits
+            logits, sampled = row.logits, row.sampled
     finally:
         if parked and row in batch.parked:  # closed while parked, before the step
             batch.unpark(row)

@@ -187,6 +187,9 @@ class Engine:
         max_batch: int = 1,
     ):
         self._on_event = on_event
+        # called on the engine thread after each round's events, before its batched step
+        # (engine_process.py sends a round's events to the parent in one message)
+        self.on_round: Callable[[], None] | None = None
         self._views = views or Views()
         self._jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -397,6 +400,8 @@ class Engine:
         the decode steps parked meanwhile in one batched forward."""
         for row in list(self._rows.values()):
             self._advance(row)
+        if self.on_round is not None:  # this round's events go out before its step runs
+            self.on_round()
         if self._batch is not None:
             self._batch.step()
 

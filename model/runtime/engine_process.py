@@ -194,13 +194,8 @@ class EngineProcess:
                 msg = None
             if msg is None:
                 break
-            if isinstance(msg, _Snapshot):
-                self._snapshot = msg
-                continue
-            if isinstance(msg.event if isinstance(msg, TurnEvent) else msg, Done):
-                with self._lock:
-                    self._pending = max(0, self._pending - 1)
-            self._on_event(msg)
+            for one in msg if isinstance(msg, list) else (msg,):  # a list: a round's events
+                self._handle(one)
         code = self._proc.wait()
         if code != 0:  # died: whoever waits for a turn must hear about it
             why = f"the engine process exited with status {code}"
@@ -214,6 +209,16 @@ class EngineProcess:
                 self._on_event(LoadFailed("", why))
 
 
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, _Snapshot):
+            self._snapshot = msg
+            return
+        if isinstance(msg.event if isinstance(msg, TurnEvent) else msg, Done):
+            with self._lock:
+                self._pending = max(0, self._pending - 1)
+        self._on_event(msg)
+
+
 def _child(cmd_fd: int, evt_fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's (see the module docstring)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -224,9 +229,22 @@ def _child(cmd_fd: int, evt_fd: int) -> None:
     lock = threading.Lock()
     engine: Engine | None = None
 
+    # a batch's turns each emit an event per token: held, they go out once per round
+    # (Engine.on_round), one message for all rows instead of one per event
+    held: list[Event] = []
+
+    def flush() -> None:  # with `lock` held
+        if held:
+            evt.send(held[:])
+            held.clear()
+
     def on_event(ev: Event) -> None:  # on the engine thread
         with lock:  # the snapshot first: a handler of `ev` may read it at once
             inner = ev.event if isinstance(ev, TurnEvent) else ev
+            if isinstance(ev, TurnEvent) and not isinstance(inner, _SNAPSHOT_AFTER):
+                held.append(ev)
+                return
+            flush()  # in order: what a turn emitted before this
             if isinstance(inner, _SNAPSHOT_AFTER) and engine is not None:
                 # a Stats event already holds the cache's numbers: don't gather them twice
                 # between two decode steps
@@ -234,7 +252,12 @@ def _child(cmd_fd: int, evt_fd: int) -> None:
                 evt.send(_Snapshot(engine.layer_stats(), cache))
             evt.send(ev)
 
+    def on_round() -> None:
+        with lock:
+            flush()
+
     engine = Engine(on_event, None, **cmd.recv())
+    engine.on_round = on_round
     try:
         while True:
             try:
@@ -248,6 +271,7 @@ def _child(cmd_fd: int, evt_fd: int) -> None:
     finally:
         engine.close()
         with lock:
+            flush()
             evt.send(None)
 
 

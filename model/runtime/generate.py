@@ -227,6 +227,107 @@ def _unflatten(n: int, arrays: Sequence[mx.array]) -> Buf:
     return arrays[0] if n == 1 else tuple(arrays)
 
 
+class StepPlan:
+    """One cache list's inputs to a trace, planned before the call (`plan_step`): each
+    cache's write row (rows with the same layout and values shared as a group), the
+    slots attention reads per cache (`views`) and the buffers to pass in."""
+
+    def __init__(self, caches: Sequence[Any], layout: tuple[tuple[Any, ...], ...], n: int):
+        self.caches, self.layout, self.n = caches, layout, n
+        self.rows: list[list[int]] = []
+        self.groups: list[int] = []
+        self.lengths: list[int] = []  # each K/V cache's slots in use after the write
+        self.buffers: list[mx.array] = []
+        index: dict[tuple[Any, ...], int] = {}
+        self.ok = True
+        for c, static in zip(caches, layout, strict=True):
+            slot = c.next_slot(n)
+            if slot is None:
+                self.ok = False
+                return
+            r = list(slot)
+            self.lengths.append(r[2] if static[0] not in ("state", "pass") else 0)
+            g = index.setdefault((*static, *r), len(self.rows))
+            if g == len(self.rows):
+                self.rows.append(r)
+            self.groups.append(g)
+            self.buffers += _arrays(c, static)
+        self.views = self.view_for(None)
+
+    def view_for(self, used: int | None) -> list[int]:
+        """Slots each K/V cache's attention reads: its own slots in use, rounded up
+        (`view_slots`), or those of `used` slots where a batch shares one view."""
+        views = []
+        for c, static, length in zip(self.caches, self.layout, self.lengths, strict=True):
+            kv = static[0] not in ("state", "pass")
+            views.append(view_slots(length if used is None else used, slots(c.keys))
+                         if kv else 0)
+        return views
+
+    def key(self) -> tuple[Any, ...]:
+        return (self.layout, tuple(self.groups), tuple(self.views))
+
+
+def step_proxies(layout: tuple[tuple[Any, ...], ...], groups: Sequence[int],
+                 views: Sequence[int], group_rows: Sequence[mx.array],
+                 buffers: Sequence[mx.array], n: int) -> list[Any]:
+    """Inside a trace: the stand-ins for one cache list (`group_rows[g]`: group g's row)."""
+    masks: dict[Any, mx.array] = {}
+    proxies: list[Any] = []
+    at = 0
+    for i, static in enumerate(layout):
+        row = group_rows[groups[i]]
+        if static[0] in ("state", "pass"):
+            m = _n_arrays(static)
+            proxies.append(_TracedState(row, buffers[at : at + m], n) if m else
+                           _TracedState(row, [None]))
+            at += m
+            continue
+        k = _n_parts(static)
+        keys = _unflatten(k, buffers[at : at + k])
+        values = _unflatten(k, buffers[at + k : at + 2 * k])
+        at += 2 * k
+        proxies.append(_TracedCache(static, row, keys, values, masks, views[i], n))
+    return proxies
+
+
+def layer_caches(proxies: Sequence[Any], counts: Sequence[int]) -> list[Any]:
+    """Inside a trace: the model's cache list from the members' stand-ins (`counts`: each
+    layer's members; a layer of two gets one HybridCache over their proxies)."""
+    layers, at = [], 0
+    for k in counts:
+        layers.append(proxies[at] if k == 1 else HybridCache(*proxies[at : at + k]))
+        at += k
+    return layers
+
+
+def proxy_outputs(proxies: Sequence[Any], layout: tuple[tuple[Any, ...], ...]
+                  ) -> list[mx.array]:
+    """Inside a trace: the buffers the step wrote, in `StepPlan.buffers`' order."""
+    out: list[mx.array] = []
+    for p, static in zip(proxies, layout, strict=True):
+        if static[0] == "state":
+            out += p.arrays()
+        elif static[0] != "pass":
+            out += [*parts(p.keys), *parts(p.values)]
+    return out
+
+
+def commit_step(caches: Sequence[Any], layout: tuple[tuple[Any, ...], ...],
+                out: Sequence[mx.array], n: int, at: int = 0) -> int:
+    """Hand each cache the buffers the trace wrote (`out[at:]`); the index after them."""
+    for c, static in zip(caches, layout, strict=True):
+        if static[0] in ("state", "pass"):
+            m = _n_arrays(static)
+            c.commit(*out[at : at + m], n=n)
+            at += m
+            continue
+        k = _n_parts(static)
+        c.commit(_unflatten(k, out[at : at + k]), _unflatten(k, out[at + k : at + 2 * k]), n)
+        at += 2 * k
+    return at
+
+
 class CompiledStep:
     """`step(y (1,) ids) -> logits (1, V)` for one token, through `mx.compile`;
     `step.verify(ys (n,) ids) -> logits (n, V)` for n tokens in one call.
@@ -253,35 +354,10 @@ class CompiledStep:
         model, counts = self.model, self.counts
 
         def step(y: mx.array, rows: mx.array, *buffers: mx.array) -> list[mx.array]:
-            masks: dict[Any, mx.array] = {}
             group_rows = [rows[g] for g in range(rows.shape[0])]
-            proxies: list[Any] = []
-            at = 0
-            for i, static in enumerate(layout):
-                row = group_rows[groups[i]]
-                if static[0] in ("state", "pass"):
-                    m = _n_arrays(static)
-                    proxies.append(_TracedState(row, buffers[at : at + m], n) if m else
-                                   _TracedState(row, [None]))
-                    at += m
-                    continue
-                k = _n_parts(static)
-                keys = _unflatten(k, buffers[at : at + k])
-                values = _unflatten(k, buffers[at + k : at + 2 * k])
-                at += 2 * k
-                proxies.append(_TracedCache(static, row, keys, values, masks, views[i], n))
-            layers, at = [], 0
-            for k in counts:  # a layer of two members: one HybridCache over their proxies
-                layers.append(proxies[at] if k == 1 else HybridCache(*proxies[at : at + k]))
-                at += k
-            logits = model(y[None], cache=layers)[0]
-            out = [logits]
-            for p, static in zip(proxies, layout, strict=True):
-                if static[0] == "state":
-                    out += p.arrays()
-                elif static[0] != "pass":
-                    out += [*parts(p.keys), *parts(p.values)]
-            return out
+            proxies = step_proxies(layout, groups, views, group_rows, buffers, n)
+            logits = model(y[None], cache=layer_caches(proxies, counts))[0]
+            return [logits, *proxy_outputs(proxies, layout)]
 
         return mx.compile(step)
 
@@ -298,44 +374,22 @@ class CompiledStep:
 
     def _run(self, y: mx.array, n: int) -> mx.array | None:
         self.traced = False
-        rows: list[list[int]] = []
-        index: dict[tuple[Any, ...], int] = {}
-        groups, buffers, views = [], [], []
-        for c, static in zip(self.caches, self.layout, strict=True):
-            slot = c.next_slot(n)
-            if slot is None:
-                return None
-            r = list(slot)
-            kv = static[0] not in ("state", "pass")
-            views.append(view_slots(r[2], slots(c.keys)) if kv else 0)
-            key = (*static, *r)
-            g = index.setdefault(key, len(rows))
-            if g == len(rows):
-                rows.append(r)
-            groups.append(g)
-            buffers += _arrays(c, static)
-        layout = self.layout
+        plan = StepPlan(self.caches, self.layout, n)
+        if not plan.ok:
+            return None
         # the kernel backend can be switched at run time: a trace keeps the one it saw
-        fkey = (layout, tuple(groups), tuple(views), metal_kernels.backend(), n, self.counts)
+        layout, groups, views = plan.key()
+        fkey = (layout, groups, views, metal_kernels.backend(), n, self.counts)
         fn = self._fns.get(fkey)
         self.traced = fn is None  # this call traces: its time is no step's (speculative.py)
         if fn is None:
-            fn = self._fns[fkey] = self._build(layout, tuple(groups), tuple(views), n)
-        out = fn(y, mx.array(rows, dtype=mx.int32), *buffers)
+            fn = self._fns[fkey] = self._build(layout, groups, views, n)
+        out = fn(y, mx.array(plan.rows, dtype=mx.int32), *plan.buffers)
         # hand the new buffers to the caches before anything evaluates: the old ones
         # are then referenced by the graph alone, so MLX donates them and slice_update
         # writes in place (holding them would copy every buffer every token)
-        del buffers
-        at = 1
-        for c, static in zip(self.caches, layout, strict=True):
-            if static[0] in ("state", "pass"):
-                m = _n_arrays(static)
-                c.commit(*out[at : at + m], n=n)
-                at += m
-                continue
-            k = _n_parts(static)
-            c.commit(_unflatten(k, out[at : at + k]), _unflatten(k, out[at + k : at + 2 * k]), n)
-            at += 2 * k
+        del plan
+        commit_step(self.caches, layout, out, n, at=1)
         return out[0]
 
 

@@ -1,8 +1,13 @@
 """Benchmark continuous batching: `kvchat serve` against `mlx_lm.server` on the same model,
 1, 4 and 8 concurrent streaming clients, in one run.
 
-    python -m tests.benchmarks.serve_concurrency [--clients 1 4 8] [--model DIR]
+    python -m tests.benchmarks.serve_concurrency [--clients 1 4 8] [--model DIR|135m]
         [--requests 2] [--max-tokens 64] [--mlx-lm-max-tokens 32] [--json]
+
+`--model 135m`: a random float32 model of SmolLM-135M's shape (threads.SMOL_135M), written
+to a temporary folder both servers load (its weights, a word-level tokenizer over its
+vocabulary and a plain chat template): a model whose step is mostly arithmetic, where a
+batch shares the weights' reads; kvchat-mini's is mostly per-operation and per-token work.
 
 Both servers start first and stay up; each level runs on kvchat, then on mlx-lm, so the
 two see the same load as it drifts. Every client sends --requests requests one after
@@ -28,13 +33,17 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from kvchat.app.core import blas
 from kvchat.app.core.discovery import DEFAULT_MODEL
 from tests.benchmarks.serve import stream
+from tests.benchmarks.threads import SMOL_135M
+from tests.helpers.checkpoints import write_tokenizer
 from tests.helpers.server_process import ServerProcess
 
 SUBJECTS = ("a dragon", "the sea", "a lost cat", "a red kite", "the moon", "a tall tree",
@@ -50,6 +59,32 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def smol_folder(folder: Path) -> Path:
+    """`--model 135m`'s folder: SmolLM-135M's shape, random float32 weights (seed 0)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from kvchat.model.decoder.config import ModelConfig
+    from kvchat.model.decoder.transformer import Transformer
+
+    mx.random.seed(0)
+    model = Transformer(ModelConfig.from_dict(SMOL_135M))
+    mx.save_safetensors(str(folder / "model.safetensors"),
+                        dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})
+    config = {**SMOL_135M, "architectures": ["LlamaForCausalLM"], "torch_dtype": "float32",
+              "bos_token_id": 1, "eos_token_id": 2}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(folder, SMOL_135M["vocab_size"])
+    tok_config = folder / "tokenizer_config.json"
+    tok_config.write_text(json.dumps({**json.loads(tok_config.read_text()),
+                                      "chat_template": CHAT_TEMPLATE}))
+    return folder
 
 
 def level(server: ServerProcess, clients: int, requests: int, max_tokens: int,
@@ -99,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.benchmarks.serve_concurrency",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(DEFAULT_MODEL), metavar="DIR")
+    p.add_argument("--model", default=str(DEFAULT_MODEL), metavar="DIR",
+                   help="a model folder, or 135m (see above)")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--requests", type=int, default=2, help="requests per client")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -108,6 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-mlx-lm", action="store_true", help="kvchat serve only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    if args.model == "135m":
+        with tempfile.TemporaryDirectory(prefix="kvchat-135m-") as tmp:
+            return run(args, argv, str(smol_folder(Path(tmp))), "135m (random, float32)")
+    return run(args, argv, args.model, args.model)
+
+
+def run(args: argparse.Namespace, argv: list[str] | None, path: str, name: str) -> int:
     b = blas.active_blas()
     preload = {"LD_PRELOAD": b["path"]} if b["fast"] and b["path"] else {}
     if preload and b.get("core_chosen"):
@@ -115,14 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     meta: dict[str, Any] = {
         "command": "python -m tests.benchmarks.serve_concurrency " + " ".join(
             argv if argv is not None else sys.argv[1:]),
-        "model": args.model, "cpu": cpu_name(), "cores": os.cpu_count(),
+        "model": name, "cpu": cpu_name(), "cores": os.cpu_count(),
         "date": datetime.datetime.now().isoformat(timespec="minutes"),
         "loadavg_before": os.getloadavg(), "blas": blas.describe(),
         "requests_per_client": args.requests, "max_tokens": args.max_tokens}
-    servers = [ServerProcess(args.model, "--max-queue", "64", "--max-batch",
+    servers = [ServerProcess(path, "--max-queue", "64", "--max-batch",
                              str(max(args.clients)))]
     if not args.no_mlx_lm:
-        servers.append(ServerProcess(args.model, mlx_lm=True, env=preload))
+        servers.append(ServerProcess(path, mlx_lm=True, env=preload))
     rows: list[dict[str, Any]] = []
     try:
         for s in servers:  # warm-up: traces, first allocations
@@ -146,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{meta['date']} · {meta['cpu']}, {meta['cores']} cores · load average"
           f" {meta['loadavg_before'][0]:.1f} before, {meta['loadavg_after'][0]:.1f} after"
           f" · {meta['blas']}")
-    print(f"{meta['command']} · model {args.model} · {args.requests} requests per client")
+    print(f"{meta['command']} · model {name} · {args.requests} requests per client")
     print("| server | clients | aggregate tok/s | × 1 client | per-client tok/s |"
           " TTFT median s | TTFT max s |")
     print("|---|---:|---:|---:|---:|---:|---:|")

@@ -1,0 +1,89 @@
+"""The batched decode step alone: ms per step and tok/s at 1, 2, 4 and 8 rows, in one
+process, no server (model/runtime/batch.py's `Batch.step`, greedy, the rows' samplers in
+the step as the engine runs them).
+
+    python -m tests.benchmarks.batch_step [--models mini 135m] [--rows 1 2 4 8]
+        [--steps 30] [--rounds 5]
+
+Each row holds its own prompt (20 + 3·i tokens, so lengths differ) in its own cache, as a
+server's requests do. Each round times --steps steps at every width in turn; the best round
+is printed (the machine's load moves every width alike), with the ratio of tok/s to one
+row's: what batching can give before any per-token host work (serve_concurrency.py
+measures the server). Models as in threads.py: `mini` the shipped kvchat-mini
+(dequantized to float32), `135m` a random float32 model of SmolLM-135M's shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import time
+from typing import Any
+
+from kvchat.app.core import blas
+from tests.benchmarks.serve_concurrency import cpu_name
+from tests.benchmarks.threads import STORIES, bench_model
+
+
+def rows_of(model: Any, n: int) -> list[Any]:
+    import mlx.core as mx
+
+    from kvchat.model.cache.kv import make_prompt_cache
+    from kvchat.model.runtime.batch import BatchRow
+    from kvchat.model.runtime.generate import Progress, greedy, prefill
+
+    out = []
+    for i in range(n):
+        caches = make_prompt_cache(model)
+        for _ in prefill(model, list(range(1, 21 + 3 * i)), caches, progress=Progress()):
+            pass
+        mx.eval([c.state for c in caches])
+        out.append(BatchRow(caches, True, greedy))
+    return out
+
+
+def step(batch: Any, rows: list[Any]) -> None:
+    for r in rows:
+        batch.park(r, 5)
+    batch.step()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.benchmarks.batch_step",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", choices=["mini", "135m"], default=["mini"])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    from kvchat.model.runtime.batch import Batch
+
+    print(f"{datetime.datetime.now().isoformat(timespec='minutes')} · {cpu_name()},"
+          f" {os.cpu_count()} cores · load average {os.getloadavg()[0]:.1f} · {blas.describe()}")
+    for name in args.models:
+        model = bench_model(name, STORIES)
+        batches = {b: (Batch(model), rows_of(model, b)) for b in args.rows}
+
+        for b in args.rows:  # traces and first allocations
+            for _ in range(3):
+                step(*batches[b])
+        best = {b: float("inf") for b in args.rows}
+        for _ in range(args.rounds):
+            for b in args.rows:
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    step(*batches[b])
+                best[b] = min(best[b], (time.perf_counter() - t0) / args.steps)
+        one = min(args.rows)
+        print(f"{name}: rows | ms/step | tok/s | × {one} row(s)")
+        for b in args.rows:
+            print(f"  {b} | {best[b] * 1e3:.2f} | {b / best[b]:.0f} |"
+                  f" {b / best[b] / (one / best[one]):.2f}")
+        print(f"  (load average {os.getloadavg()[0]:.1f} after)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
