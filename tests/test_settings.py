@@ -38,6 +38,7 @@ def test_defaults_match_contract() -> None:
         4,
     )
     assert s.model_dirs == [] and s.last_model is None
+    assert s.engine_nice == 5  # the engine below the UI (docs/performance.md, Keys and Esc)
     s.validate()
 
 

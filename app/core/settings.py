@@ -72,7 +72,9 @@ class Settings:
     last_model: str | None = None
     kernels: str | None = None  # RMSNorm/RoPE backend (metal|fast|ops); None: the default
     threads: str | int = "auto"  # OpenBLAS threads: "auto" (model/runtime/threads.py) or a count
-    engine_nice: int = 0  # the chat engine process's nice value, 0-19 (docs/performance.md)
+    # the chat engine process's nice value, 0-19: at 5 a busy machine takes its share of
+    # the CPU from the engine, not from the keyboard (docs/performance.md, Keys and Esc)
+    engine_nice: int = 5
     # warm chats: save each chat's K/V cache beside it, unless larger than the cap (MiB)
     save_kv_cache: bool = True
     kv_cache_max_mib: int = 256

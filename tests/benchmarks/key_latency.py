@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvchat.app.core.settings import Settings
 from tests.helpers.paths import STORIES260K
 from tests.helpers.tmux import Tmux, start_chat
 
@@ -131,7 +132,7 @@ def input_box(screen: str) -> str:
 
 
 @contextmanager
-def chat(model: Path, nice: int = 0) -> Iterator[Tmux]:
+def chat(model: Path, nice: int = Settings().engine_nice) -> Iterator[Tmux]:
     global READER
     tmux = Tmux(f"kvchat-keys-{os.getpid()}-{time.monotonic_ns()}")
     try:
@@ -242,15 +243,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", nargs="?", default=str(STORIES260K))
     ap.add_argument("--loads", nargs="+", choices=("idle", "busy"), default=["idle", "busy"])
-    ap.add_argument("--engine-nice", nargs="+", type=int, default=[0], metavar="N",
-                    help="the chat's engine_nice setting; several: each in turn, per load")
+    ap.add_argument("--engine-nice", nargs="+", type=int, default=[Settings().engine_nice],
+                    metavar="N", help="the chat's engine_nice setting (default: the"
+                    " settings' default); several: each in turn, per load")
     a = ap.parse_args()
     model = Path(a.model)
     print(f"machine: {machine()}", flush=True)
     for load in a.loads:
         for nice in a.engine_nice:
-            label = ("idle" if load == "idle" else "one busy core") + (
-                f", engine nice {nice}" if len(a.engine_nice) > 1 or nice else "")
+            label = ("idle" if load == "idle" else "one busy core") + f", engine nice {nice}"
             if load == "idle":
                 run(model, label, nice)
             else:
