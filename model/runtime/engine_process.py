@@ -219,6 +219,20 @@ class EngineProcess:
         self._on_event(msg)
 
 
+def _lower(nice: int) -> None:
+    """This process `nice` steps down, every thread of it: Linux keeps a nice value per
+    thread, and threads may run before any Python does (an OpenBLAS in LD_PRELOAD starts
+    its pool as the process starts)."""
+    value = os.nice(nice)
+    tasks = Path("/proc/self/task")
+    if tasks.is_dir():
+        for tid in tasks.iterdir():
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(tid.name), value)
+            except OSError:  # a thread that ended meanwhile
+                pass
+
+
 def _child(cmd_fd: int, evt_fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's (see the module docstring)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -277,9 +291,9 @@ def _child(cmd_fd: int, evt_fd: int) -> None:
 
 if __name__ == "__main__":
     # a nice value first: every thread started from here on (OpenBLAS's pool, which starts
-    # as it loads; the engine's) inherits it, as Linux keeps it per thread
+    # as it loads; the engine's) inherits it
     if len(sys.argv) > 3 and int(sys.argv[3]):
-        os.nice(int(sys.argv[3]))
+        _lower(int(sys.argv[3]))
     # the parent's thread policy and OpenBLAS, loaded before anything imports MLX so that
     # MLX's matmuls run in it (app/core/linux_blas.py); nothing above imports MLX
     threads.configure_from_env()
