@@ -1,15 +1,12 @@
 """One chat turn in the UI: it submits the turn to the engine, streams its text into the
 reply, follows its Started / Stats / Done events and its notices, and stops it.
 
-A stop (Esc, Ctrl+C) asks the engine to cancel at its next token and marks the reply
-stopped at once: the text the engine had sent before the key (shown, or waiting in the
-bridge for the next frame) is added, later text waits for the engine's Done, which brings
-the whole reply, the few tokens decoded before the engine saw the stop included (they are
-in its cache: dropping them would cost a rotated cache its reuse). A busy UI can handle the
-key only after the engine has already finished on its own: the reply still ends marked
-stopped, with all its text (docs/design.md, Data flow of one chat turn).
-What the turn leaves behind (the message in
-the conversation, the saved chat) is the conversation's business: `keep` gets it.
+A stop (Esc, Ctrl+C) asks the engine to cancel at its next token: the reply says
+"stopping…" at once and ends marked stopped with the text the engine had produced, however
+the engine ends the turn: a busy UI can handle the key only after the engine has already
+finished on its own (docs/design.md, Data flow of one chat turn). What the turn leaves
+behind (the message in the conversation, the saved chat) is the conversation's business:
+`keep` gets it.
 """
 
 from __future__ import annotations
@@ -68,7 +65,6 @@ class TurnController:
         self.restored_tokens = 0  # tokens of a reopened chat's cache, until its next turn
         self._gen = 0  # the turn whose text the transcript shows (the bridge's count)
         self._stop_asked = False  # a stop reached this turn before its Done did
-        self._tail = ""  # the text the engine had sent before the stop, not yet in the reply
         self._last_flush = 0.0
         self._flush_armed = False
 
@@ -93,9 +89,6 @@ class TurnController:
         self._stop_asked = True
         view.engine.cancel()
         if self.reply is not None:
-            # the label says stopped now, not at the Done; what reached this process before
-            # the key goes in at the next flush, the rest with the Done
-            self._tail = view.bridge.take(self._gen)
             self.reply.mark_stopping()
         return True
 
@@ -122,8 +115,6 @@ class TurnController:
         """Move the streamed text of this turn into the reply."""
         self._last_flush = time.monotonic()
         text = self.view.bridge.take(self._gen)
-        if self._stop_asked:  # stopped: the text sent before the key; the rest at the Done
-            text, self._tail = self._tail, ""
         if text and self.reply is not None:
             if self.view.phase is Phase.PREFILLING:
                 self.view.go(Phase.DECODING)
@@ -156,11 +147,9 @@ class TurnController:
         await self.flush()
         reply, self.reply = self.reply, None
         # asked to stop: the engine may have ended the turn on its own before the cancel
-        # reached it; the user stopped it all the same, with the text sent before the key
+        # reached it; the user stopped it all the same
         stopped = ev.finish_reason == "cancelled" or (
             self._stop_asked and ev.finish_reason != "error")
-        if self._stop_asked and reply is not None and ev.text.startswith(reply.content):
-            await reply.append(ev.text[len(reply.content):])  # what came after the key
         self._stop_asked = False
         view = self.view
         try:

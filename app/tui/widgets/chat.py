@@ -114,7 +114,7 @@ class ChatMessage(Vertical):
 
     def _set_subtitle(self, note: str = "") -> None:
         if self.streaming:
-            self.border_subtitle = "■ stopped" if self.stopping else "generating…"
+            self.border_subtitle = "stopping…" if self.stopping else "generating…"
         elif self.stopped:
             self.border_subtitle = "■ stopped"
         else:
@@ -123,8 +123,7 @@ class ChatMessage(Vertical):
         self.set_class(self.streaming, "-streaming")
 
     def mark_stopping(self) -> None:
-        """A stop was asked: the reply shows it stopped now (it takes no text after the
-        stop), while the engine ends the turn."""
+        """A stop was asked: the header says so until the reply ends."""
         self.stopping = True
         self._set_subtitle()
 
