@@ -12,17 +12,15 @@ client disconnects leaves the others' answers as they are alone.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.helpers.paths import REPO_ROOT
-from tests.helpers.server_process import ServerProcess
+from tests.helpers.server_process import ServerProcess, side_by_side
 
 openai = pytest.importorskip("openai")
 
@@ -61,75 +59,42 @@ def client(server: ServerProcess) -> Any:
     return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
 
 
-def ask(server: ServerProcess, i: int, start: threading.Barrier | None = None
-        ) -> dict[str, Any]:
-    """Request i as a stream: its text, token count, and when its first and last chunks
-    came (`start`: sent when every client is ready)."""
+def ask(server: ServerProcess, i: int) -> dict[str, Any]:
+    """Request i as a stream: its text and token count."""
     c = client(server)
-    if start is not None:
-        start.wait(60)
     stream = c.chat.completions.create(
         model="kvchat-mini", messages=[{"role": "user", "content": PROMPTS[i]}],
         max_tokens=MAX_TOKENS[i], temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     parts: list[str] = []
-    first = usage = None
+    usage = None
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
-            first = first or time.monotonic()
             parts.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             usage = chunk.usage
     assert usage is not None
-    return {"text": "".join(parts), "tokens": usage.completion_tokens, "first": first,
-            "end": time.monotonic()}
+    return {"text": "".join(parts), "tokens": usage.completion_tokens}
 
 
-def together(server: ServerProcess, which: list[int]) -> dict[Any, Any]:
-    """The requests `which` sent at once, each its own stream; `out["running"]`: the most
-    requests the server said it ran at once meanwhile (/v1/kvchat/stats, polled)."""
-    out: dict[Any, Any] = {"running": 0}
-    errors: list[BaseException] = []
-    start = threading.Barrier(len(which))
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.is_set():
-            with urllib.request.urlopen(f"{server.url}/kvchat/stats", timeout=30) as r:
-                queue = json.load(r)["queue"]
-            out["running"] = max(out["running"], queue["running_requests"])
-            time.sleep(0.005)
-
-    def run(i: int) -> None:
-        try:
-            out[i] = ask(server, i, start)
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in which]
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    done.set()
-    watcher.join(60)
-    assert not errors, errors
-    return out
+def together(server: ServerProcess, which: list[int]) -> tuple[dict[int, dict[str, Any]], int]:
+    """The requests `which` sent at once, each its own stream; and the most requests the
+    server said it ran at once meanwhile."""
+    results, most = side_by_side(server.url, [lambda i=i: ask(server, i) for i in which])
+    return dict(zip(which, results, strict=True)), most
 
 
 @pytest.mark.slow
 def test_concurrent_streams_answer_as_they_do_alone(server: ServerProcess) -> None:
     alone = {i: ask(server, i) for i in range(len(PROMPTS))}
     assert [alone[i]["tokens"] for i in alone] == MAX_TOKENS  # ignore_eos: every token
-    side_by_side = together(server, list(range(len(PROMPTS))))
+    both, running = together(server, list(range(len(PROMPTS))))
     for i, a in alone.items():
-        assert side_by_side[i]["text"] == a["text"], i
-        assert side_by_side[i]["tokens"] == a["tokens"]
+        assert both[i]["text"] == a["text"], i
+        assert both[i]["tokens"] == a["tokens"]
     # they ran together: the server ran several at once (`--max-batch 1`: never more than
     # one); read from the server, as a loaded machine may start a client late
-    assert side_by_side["running"] >= 2
+    assert running >= 2
 
 
 @pytest.mark.slow
@@ -149,7 +114,7 @@ def test_a_disconnected_stream_leaves_the_others_as_they_are(server: ServerProce
 
     leaver = threading.Thread(target=leave)
     leaver.start()
-    others = together(server, [0, 2, 4])
+    others, _ = together(server, [0, 2, 4])
     leaver.join(60)
     assert left.is_set()
     for i, a in alone.items():

@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 
 from tests.helpers.chat_models import NO_TOOLS_MODEL, TOOLS_MODEL, tool_models
-from tests.helpers.server_process import ServerProcess
+from tests.helpers.server_process import ServerProcess, side_by_side
 
 openai = pytest.importorskip("openai")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -169,10 +169,6 @@ def test_constrained_requests_side_by_side_answer_as_they_do_alone(client: Any) 
     """Several grammar-constrained requests at once (continuous batching: each row's
     logits masked by its own grammar, sampled by its own seeded sampler) answer exactly
     as each does alone, and every answer still validates."""
-    import threading
-    import time
-    import urllib.request
-
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
 
     def person(seed: int) -> str:
@@ -189,33 +185,10 @@ def test_constrained_requests_side_by_side_answer_as_they_do_alone(client: Any) 
 
     jobs = [(person, 11), (person, 12), (call, 13), (call, 14)]
     alone = [fn(seed) for fn, seed in jobs]
-    together: dict[int, str] = {}
-    start = threading.Barrier(len(jobs))
-
-    def run(i: int) -> None:
-        start.wait(60)
-        fn, seed = jobs[i]
-        together[i] = fn(seed)
-
-    most, done = [0], threading.Event()
-
-    def watch() -> None:  # how many the server ran at once (its own count)
-        while not done.is_set():
-            with urllib.request.urlopen(f"{client.base_url}kvchat/stats", timeout=30) as r:
-                most[0] = max(most[0], json.load(r)["queue"]["running_requests"])
-            time.sleep(0.005)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    done.set()
-    watcher.join(60)
-    assert most[0] >= 2  # batched, not queued
-    assert [together.get(i) for i in range(len(jobs))] == alone
+    together, most = side_by_side(str(client.base_url).rstrip("/"),
+                                  [lambda fn=fn, seed=seed: fn(seed) for fn, seed in jobs])
+    assert most >= 2  # batched, not queued
+    assert together == alone
     for (fn, _), text in zip(jobs, alone, strict=True):
         if fn is person:
             _validate(PERSON, json.loads(text))

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 from urllib.parse import urlsplit
 
 START_TIMEOUT_S = 120
@@ -92,3 +93,43 @@ class ServerProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         return self.proc.returncode
+
+
+def side_by_side(url: str, calls: list[Any]) -> tuple[list[Any], int]:
+    """`calls` (each a function of no arguments making its requests to the kvchat server
+    at `url`, ".../v1") run at once, one thread each, released together: their results in
+    order, and the most requests the server said it ran at once meanwhile (its own count
+    in /v1/kvchat/stats, polled: a loaded machine can start a client late, so client
+    timing cannot show it). A call's exception is raised here."""
+    import json
+    import urllib.request
+
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+    start, done, most = threading.Barrier(len(calls)), threading.Event(), [0]
+
+    def watch() -> None:
+        while not done.is_set():
+            with urllib.request.urlopen(f"{url.rstrip('/')}/kvchat/stats", timeout=30) as r:
+                most[0] = max(most[0], json.load(r)["queue"]["running_requests"])
+            time.sleep(0.005)
+
+    def run(i: int) -> None:
+        try:
+            start.wait(60)
+            results[i] = calls[i]()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    done.set()
+    watcher.join(60)
+    if errors:
+        raise errors[0]
+    return results, most[0]
