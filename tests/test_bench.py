@@ -141,3 +141,21 @@ def test_bench_chat_drives_the_real_app_in_tmux(stories260k: Path, capsys) -> No
     chat = r["chat"][0]
     assert chat["tokens"] == r["generate"][0]["tokens"] == 48 and chat["decode_tps"] > 0
     assert 0 <= chat["ui_cpu_s"] and chat["reply_s"] > 0
+
+
+@pytest.mark.slow
+def test_the_concurrency_benchmark_runs_its_levels(capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m tests.benchmarks.serve_concurrency` (docs/serve.md's table) against a
+    real `kvchat serve`: every level's tokens counted, each figure the median of its runs
+    and within the range it reports."""
+    from tests.benchmarks import serve_concurrency
+
+    assert serve_concurrency.main(["--no-mlx-lm", "--clients", "1", "2", "--requests", "1",
+                                   "--max-tokens", "4", "--runs", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    levels = {(r["server"], r["clients"]): r for r in out["levels"]}
+    assert set(levels) == {("serve", 1), ("serve", 2)} and out["runs"] == 2
+    assert levels[("serve", 1)]["tokens"] == 4 and levels[("serve", 2)]["tokens"] == 8
+    for r in levels.values():
+        lo, hi = r["aggregate_range"]
+        assert 0 < lo <= r["aggregate_tps"] <= hi

@@ -661,3 +661,37 @@ def test_llama4_chat_cache_is_saved_and_reopens_warm(family: Callable[[str], Pat
     assert isinstance(ev, CacheRestored) and ev.error is None and ev.tokens == saved.tokens
     assert started.cached_tokens == saved.tokens == len(first) + len(done.ids) - 1
     assert list(warm.ids) == list(cold.ids)
+
+
+@pytest.mark.parametrize("name", families(NAMES))
+def test_a_batch_gives_each_row_its_logits_alone(name: str,
+                                                 family: Callable[[str], Path]) -> None:
+    """Three conversations of different lengths (past the sliding window where the
+    family has one) decoded in one batched step (model/runtime/batch.py: shared K/V
+    buffers where the family allows them, each row's own caches otherwise) give each
+    row the logits of its own compiled step alone, step after step."""
+    import copy
+
+    from kvchat.model.runtime.batch import Batch, BatchRow
+    from kvchat.model.runtime.generate import CompiledStep, Progress, prefill
+
+    model = load_model(family(name))
+    rows = []
+    for n in (9, 20, 31):
+        caches = make_prompt_cache(model)
+        for _ in prefill(model, [int(x) for x in IDS[0, :n]], caches, progress=Progress()):
+            pass
+        rows.append(caches)
+    alone = [CompiledStep(model, copy.deepcopy(c)) for c in rows]
+    if not all(s.supported for s in alone):
+        pytest.skip(f"{name}: no compiled step")
+    batch, brows = Batch(model), [BatchRow(c, True) for c in rows]
+    for step in range(5):
+        ids = [int(IDS[0, 32 + step + i]) for i in range(len(rows))]
+        for r, y in zip(brows, ids, strict=True):
+            batch.park(r, y)
+        batch.step()
+        for i, (r, y) in enumerate(zip(brows, ids, strict=True)):
+            want = np.array(alone[i](mx.array([y], dtype=mx.int32)))
+            got = np.array(r.logits)
+            assert np.abs(got - want).max() <= tolerance(want), (name, step, i)

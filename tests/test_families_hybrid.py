@@ -535,7 +535,8 @@ def test_compiled_batched_rows_of_hybrid_layers_decode_as_each_alone(
     assert any(k > 1 for k in steps[0].counts) == (name != "jamba")  # members apart
     batched = RowsStep(model)
     for _ in range(5):
-        logits = batched([(s.caches, s.layout, s.counts) for s in steps], [g[-1] for g in got])
+        logits = batched([(s.caches, s.layout, s.counts) for s in steps],
+                         mx.array([g[-1] for g in got], dtype=mx.int32))
         for g, y in zip(got, np.array(mx.argmax(logits, axis=-1)).tolist(), strict=True):
             g.append(int(y))
     assert got == alone

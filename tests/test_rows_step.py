@@ -1,5 +1,6 @@
-"""A batched decode step (model/runtime/batch.py: the compiled `RowsStep`, or the model
-run op by op on `Rows`) gives each row the logits its own compiled step gives it alone.
+"""A batched decode step (model/runtime/batch.py: shared K/V buffers (`Slab`), the
+compiled `RowsStep`, or the model run op by op on `Rows`) gives each row the logits its
+own compiled step gives it alone, and leaves each row's cache as alone.
 
 The reference is the row alone (`CompiledStep` on a copy of the same caches), fed the
 same ids; rows differ in length (so in position, mask and the slots they read), and run
@@ -10,6 +11,7 @@ reads the position (dynamic NTK: each row rotated at its own offset, row by row)
 from __future__ import annotations
 
 import copy
+import gc
 from typing import Any
 
 import mlx.core as mx
@@ -75,7 +77,23 @@ def test_a_batched_step_gives_each_row_its_logits_alone(rope: str, cache: str,
             want = alone[i](mx.array([feed(i, step)], dtype=mx.int32))
             np.testing.assert_allclose(np.array(r.logits), np.array(want), atol=2e-4,
                                        rtol=1e-4, err_msg=f"row {i} step {step}")
-    assert [c.offset for c in rows[0]] == [c.offset for c in alone_caches[0]]
+    # float rows with a RoPE that rotates a batch share buffers; the others do not
+    assert (batch._slab is not None) == (compiled and cache != "kv4" and rope == "default")
+    for r in batch_rows:
+        batch.leave(r)
+    assert batch._slab is None
+    for mine, theirs in zip(rows, alone_caches, strict=True):
+        assert_same_cache(mine, theirs)
+
+
+def assert_same_cache(caches: list[Any], want: list[Any]) -> None:
+    """Same offsets and, for float K/V, the same K/V in every resident slot (a batched
+    projection may differ from a row's alone in the last bit)."""
+    for c, w in zip(caches, want, strict=True):
+        assert c.offset == w.offset
+        for got, ref in zip(c.state[:2], w.state[:2], strict=True):
+            if isinstance(got, mx.array):
+                np.testing.assert_allclose(np.array(got), np.array(ref), atol=1e-5)
 
 
 def test_rows_of_different_lengths_share_one_trace() -> None:
@@ -90,5 +108,96 @@ def test_rows_of_different_lengths_share_one_trace() -> None:
         for i, r in enumerate(rows):
             batch.park(r, feed(i, step))
         batch.step()
-        traced.append(batch._compiled.traced)
+        traced.append(batch.traced)
     assert traced == [True] + [False] * 9
+
+
+def test_rows_join_and_leave_shared_buffers() -> None:
+    """Rows in shared buffers (slab.py) as a server's come and go: one leaves (every
+    row takes its K/V back, the rest share again), one joins with a prompt long enough
+    that the shared buffers grow; every step's logits and every cache left behind are
+    each row's alone."""
+    model = model_for("default")
+    rows = {n: prefilled(model, n, "float") for n in (5, 17, 30, 254)}
+    alone = {n: CompiledStep(model, copy.deepcopy(c)) for n, c in rows.items()}
+    batch = Batch(model)
+    brows = {n: BatchRow(c, True) for n, c in rows.items()}
+    running = [5, 17, 30]
+    for step in range(12):
+        if step == 4:  # 17 leaves
+            running.remove(17)
+            batch.leave(brows[17])
+        if step == 7:  # 254 joins: its 255+ slots outgrow the shared 256-slot buffers
+            running.append(254)
+        for n in running:
+            batch.park(brows[n], feed(n, step))
+        batch.step()
+        assert batch._slab is not None and len(batch._slab.rows) == len(running)
+        for n in running:
+            want = alone[n](mx.array([feed(n, step)], dtype=mx.int32))
+            np.testing.assert_allclose(np.array(brows[n].logits), np.array(want), atol=2e-4,
+                                       rtol=1e-4, err_msg=f"row {n} step {step}")
+            # in the slab a cache's statistics still describe its tokens
+            for c, a in zip(rows[n], alone[n].caches, strict=True):
+                assert (c.offset, c.stats()["cache_bytes"]) == (a.offset, a.stats()["cache_bytes"])
+    assert max(slots_of(b) for b in batch._slab.keys) > 256
+    for n in running:
+        batch.leave(brows[n])
+    for n, caches in rows.items():
+        assert_same_cache(caches, alone[n].caches)
+
+
+def slots_of(buf: mx.array) -> int:
+    return buf.shape[2]
+
+
+def test_a_long_row_among_short_ones_keeps_its_own_buffers() -> None:
+    """Shared buffers give every row the longest row's slots: with one 450-token row
+    among eight short ones that would be most of the memory, so the batch steps each
+    row's own cache instead (rows_step.py), and the logits are still each row's alone."""
+    model = model_for("default")
+    rows = [prefilled(model, n, "float") for n in (*range(3, 11), 450)]
+    alone = [CompiledStep(model, copy.deepcopy(c)) for c in rows]
+    batch = Batch(model)
+    brows = [BatchRow(c, True) for c in rows]
+    for step in range(3):
+        for i, r in enumerate(brows):
+            batch.park(r, feed(i, step))
+        batch.step()
+        assert batch._slab is None
+        for i, r in enumerate(brows):
+            want = alone[i](mx.array([feed(i, step)], dtype=mx.int32))
+            np.testing.assert_allclose(np.array(r.logits), np.array(want), atol=2e-4,
+                                       rtol=1e-4)
+    # the same rows less the long one share buffers
+    for i, r in enumerate(brows[:-1]):
+        batch.park(r, feed(i, 3))
+    batch.step()
+    assert batch._slab is not None
+
+
+def test_a_row_that_leaves_holds_only_its_own_memory() -> None:
+    """A row leaving shared buffers (for the prefix pool, say) gets its K/V copied out:
+    a slice would keep every row's K/V alive in its name. Two rows leave in one round,
+    the second after the first dissolved the slab; once the batch and the other rows are
+    gone, what the two hold is about their own K/V, not the shared buffers."""
+    model = model_for("default")
+    gc.collect()
+    base = mx.get_active_memory()
+    rows = [prefilled(model, 600, "float") for _ in range(6)]
+    brows = [BatchRow(c, True) for c in rows]
+    batch = Batch(model)
+    for i, r in enumerate(brows):
+        batch.park(r, feed(i, 0))
+    batch.step()
+    assert batch._slab is not None
+    mx.eval([r.logits for r in brows])
+    kept = rows[:2]
+    one_row = sum(c.keys.nbytes + c.values.nbytes for c in kept[0])
+    batch.leave(brows[0])
+    batch.leave(brows[1])
+    del batch, brows, rows, r
+    gc.collect()
+    mx.eval([c.state for row in kept for c in row])
+    held = mx.get_active_memory() - base
+    assert held < 3 * one_row, (held, one_row)  # six rows' shared buffers: 6 × one_row

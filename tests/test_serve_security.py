@@ -171,6 +171,31 @@ def test_one_clients_cached_prompts_never_show_in_anothers(server: ServerProcess
     assert _cached(b, SECRET, "And now?", user=mine) > 30
 
 
+def test_the_running_requests_in_the_stats_are_the_callers_own(server: ServerProcess) -> None:
+    """While A's request streams, A's /v1/kvchat/stats lists it (its own numbers: its
+    prompt's tokens) and B's lists nothing: the running requests, like the pool's
+    conversations, are shown to their own key only."""
+    a = client(server, KEY_A)
+    stream = a.chat.completions.create(
+        model="kvchat-mini", messages=[{"role": "user", "content": SECRET}], max_tokens=2000,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True})
+    try:
+        seen = None
+        for _ in stream:  # once its numbers are in (about ten times a second)
+            mine = stats(server)["running_requests"]
+            if mine and mine[0]["prompt_tokens"]:
+                seen = mine
+                break
+        theirs = httpx.get(server.url + "/kvchat/stats", headers=_auth(KEY_B), timeout=30).json()
+    finally:
+        stream.close()
+    assert seen is not None and len(seen) == 1, seen
+    assert seen[0]["prompt_tokens"] > 30 and seen[0]["age_s"] >= 0
+    assert theirs["queue"]["running_requests"] == 1  # the queue's count is no one's prompt
+    assert theirs["running_requests"] == [] and theirs["running"] is None
+
+
 # ---- bounded work -------------------------------------------------------------------------
 def test_a_prompt_past_the_context_is_refused_before_it_queues(server: ServerProcess) -> None:
     c = client(server)

@@ -195,7 +195,9 @@ def test_state_after_a_rollback_is_plain_decodings(name: str,
             model(mx.array([[y]]), cache=ref)
         assert all(c.offset == len(BASE) + j + 1 for c in caches)
         for got, want in zip(_states(caches), _states(ref), strict=True):
-            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+            # summation order differs between CPUs' BLAS kernels (1.3e-5 seen): a wrong
+            # rollback is off by a whole token's update, far more than this
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_a_state_refuses_to_go_back_past_what_it_kept(folder: Callable[[str], Path]) -> None:

@@ -36,7 +36,14 @@ from kvchat.app.serve.log import RequestLog
 from kvchat.app.serve.prompts import PromptEncoder
 from kvchat.app.serve.protocol import Limits
 from kvchat.app.serve.worker import RETRY_AFTER_S, EngineWorker, Job, NotReady, QueueFull
-from kvchat.model.runtime.events import Done, Started, TextDelta, ToolCallDelta, stats_json
+from kvchat.model.runtime.events import (
+    Done,
+    Started,
+    TextDelta,
+    ToolCallDelta,
+    TurnStats,
+    stats_json,
+)
 from kvchat.model.runtime.stops import stop_found
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -299,10 +306,11 @@ class KVChatServer:
         finished turn, the queue and the totals."""
         w = self.worker
         cache = None
+        owner = partition_owner(request.state.api_key) if self.config.api_keys else None
         if w.engine is not None:
             cache = stats_json(w.engine.cache_stats())
-            owner = partition_owner(request.state.api_key) if self.config.api_keys else None
             cache["prefix_pool"] = pool_view(cache.get("prefix_pool"), owner, time.time())
+        running = running_view(w.started, owner, time.monotonic())
         context, cap = self._limits().context, self.config.max_prompt_tokens
         body = {
             "model": w.info.get("name"), "ready": w.is_ready,
@@ -310,7 +318,8 @@ class KVChatServer:
             "queue": w.queue_stats(),
             "totals": dict(w.counters),
             "cache": cache,
-            "running": _turn_json(w.live) if w.current is not None else None,
+            "running": running[0] if running else None,
+            "running_requests": running,
             "last": _turn_json(w.last),
             "connections": None if self.config.connections is None
             else self.config.connections.stats(),
@@ -377,6 +386,15 @@ def pool_view(pool: dict[str, Any] | None, owner: str | None, now: float
                       "hits": c["hits"], "current": c["current"]})
     counters = {k: v for k, v in pool.items() if k not in ("conversations", "tokens")}
     return {**counters, "conversations": shown}
+
+
+def running_view(jobs: list[Any], owner: str | None, now: float) -> list[dict[str, Any]]:
+    """The running requests as /v1/kvchat/stats shows them, the longest-running first:
+    each one's own latest numbers and `age_s` (since it started), those of `owner`'s
+    partitions only (None: all, a server without keys)."""
+    return [{"age_s": round(max(0.0, now - (j.t_start or now)), 3),
+             **_turn_json(j.live or TurnStats())} for j in jobs
+            if owner is None or str(j.params.cache_partition or "").startswith(owner + ".")]
 
 
 def _turn_json(stats: Any) -> dict[str, Any]:

@@ -60,6 +60,7 @@ class Job:
     t_arrival: float = field(default_factory=time.monotonic)
     t_start: float | None = None
     turn: int | None = None  # the engine's id of its turn, once submitted
+    live: TurnStats | None = None  # its latest numbers while it runs
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -81,7 +82,6 @@ class EngineWorker:
         self.load_error: str | None = None
         self.ready = asyncio.Event()  # set when the model loaded (or failed to)
         self.failed = asyncio.Event()  # set when it failed to, or the engine stopped
-        self.live: TurnStats = TurnStats()  # the running turn's latest numbers
         self.last: TurnStats = TurnStats()  # the last finished turn's numbers
         self.counters = dict.fromkeys(
             ("requests", "completed", "cancelled", "errors", "rejected_busy", "engine_restarts",
@@ -115,9 +115,13 @@ class EngineWorker:
     @property
     def current(self) -> Job | None:
         """The longest-running job (None: the engine is idle)."""
-        if self._starting is not None:
-            return self._starting
-        return next(iter(self.running.values()), None)
+        return next(iter(self.started), None)
+
+    @property
+    def started(self) -> list[Job]:
+        """The jobs running (or loading their model first), the longest-running first."""
+        return ([self._starting] if self._starting is not None else []) + list(
+            self.running.values())
 
     def _n_running(self) -> int:
         return len(self.running) + (self._starting is not None)
@@ -245,7 +249,7 @@ class EngineWorker:
         if isinstance(ev, Started):
             job.started = ev
         elif isinstance(ev, Stats):
-            self.live = ev.stats
+            job.live = ev.stats
         if isinstance(ev, Done):
             self._finish(job, ev)
         else:

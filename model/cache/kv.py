@@ -305,8 +305,13 @@ class KVCache(_Buffers):
     def next_slot(self, n: int = 1) -> tuple[int, int, int, int] | None:
         """Make room for `n` more tokens in consecutive slots; (offset, first slot,
         resident length after the write, lowest valid position)."""
+        self.grow_to(self.offset + n)
+        return self.slot_after(n)
+
+    def slot_after(self, n: int = 1) -> tuple[int, int, int, int] | None:
+        """`next_slot(n)`'s answer without making room (the caller's buffers hold it:
+        model/runtime/slab.py)."""
         o = self.offset
-        self.grow_to(o + n)
         return o, self.slot_for(o), o + n, 0
 
     @property
@@ -565,12 +570,18 @@ class RotatingKVCache(_Buffers):
         write, lowest valid ring position after it). None when n > 1 tokens would not
         fit before the buffer end: written in place they would displace keys that the
         earlier of them still see (update_and_fetch's chunk path handles that)."""
+        slot = self.slot_after(n)
+        if slot is not None:
+            self.grow_to(slot[2])
+        return slot
+
+    def slot_after(self, n: int = 1) -> tuple[int, int, int, int] | None:
+        """`next_slot(n)`'s answer without making room (the caller's buffers hold it:
+        model/runtime/slab.py)."""
         o = self.offset
         if n > 1 and o + n > self.max_size:
             return None
-        length = min(o + n, self.max_size)
-        self.grow_to(length)
-        return o, self.slot_for(o), length, self._ring_lo(o + n)
+        return o, self.slot_for(o), min(o + n, self.max_size), self._ring_lo(o + n)
 
     # ---- protocol -------------------------------------------------------------------
     def size(self) -> int:

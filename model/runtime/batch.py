@@ -8,6 +8,12 @@ sampled, it parks the id here and yields `WAIT`. The engine, which drives every 
 generator on its thread, runs `Batch.step` once every running turn is parked (or
 prefilling a chunk), and each parked turn resumes with its row of the logits.
 
+The step is queued, not waited for (`mx.async_eval`), as `decode` queues its next step:
+a row parks the id it sampled while that id is still being computed, and reads it only
+once the step that takes it is queued, so the host's work on a round's tokens (reading,
+detokenizing, stops, events) runs while the next step computes. A row with a grammar
+reads its id first (the grammar must see it), as `decode` under a constraint does.
+
 Rows share a step whatever their cache (a float, rotating or quantized K/V cache, a
 recurrent state) and length: the decoder runs each row's token mixer on that row's cache
 (model/decoder/rows.py), so a row's ids are the ones it gets alone. A lone row runs the
@@ -27,6 +33,7 @@ from kvchat.model.decoder.rows import Rows
 from . import threads
 from .generate import CompiledStep, Constrain, Progress, decode_step
 from .rows_step import RowsStep
+from .slab import Slab, fits, own, pays
 
 
 class Waiting:
@@ -40,16 +47,17 @@ WAIT = Waiting()
 
 
 class BatchRow:
-    """One turn's place in the batch: its caches, the id to run, then its logits and,
-    where the row has a `sample` (no grammar to apply on the host first), its next id
-    drawn by that sampler in the step's own evaluation."""
+    """One turn's place in the batch: its caches, the id to run (an int, or the (1,) array
+    a sampler returned, maybe not computed yet), then its logits and, where the row has
+    a `sample` (no grammar to apply on the host first), its next id drawn by that sampler
+    in the step's own graph."""
 
     def __init__(self, caches: list[Any], compiled: bool,
                  sample: Callable[[mx.array], mx.array] | None = None):
         self.caches = caches
         self.compiled = compiled
         self.sample = sample
-        self.token = 0
+        self.token: int | mx.array = 0
         self.logits: mx.array | None = None
         self.sampled: mx.array | None = None
         self.error: BaseException | None = None
@@ -76,15 +84,19 @@ class BatchRow:
 class Batch:
     """The rows parked for the next step (the engine's thread only)."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, shared: bool = True):
         self.model = model
+        self.shared = shared  # rows with alike caches share K/V buffers (False: never)
         self.parked: list[BatchRow] = []
         self.steps = 0
         self._work = threads.step_work(model)
         self._compiled = RowsStep(model)
-        self.widths: list[int] = []  # rows per step, for the statistics
+        self._slab: Slab | None = None  # the rows' K/V in shared buffers, while it fits
+        # rows whose K/V are still slices of a dissolved slab's buffers (until they step)
+        self._sliced: list[BatchRow] = []
+        self.traced = False  # whether the last step built a new trace
 
-    def park(self, row: BatchRow, token: int) -> None:
+    def park(self, row: BatchRow, token: int | mx.array) -> None:
         row.token, row.logits, row.sampled, row.error = token, None, None, None
         self.parked.append(row)
 
@@ -92,9 +104,29 @@ class Batch:
         if row in self.parked:
             self.parked.remove(row)
 
+    def leave(self, row: BatchRow) -> None:
+        """`row` is done with the batch: its caches hold their own K/V again, in memory
+        of their own (they may go to the prefix pool)."""
+        self.unpark(row)
+        if self._slab is not None and any(r is row for r in self._slab.rows):
+            self._dissolve([r for r in self._slab.rows if r is not row])
+        if any(r is row for r in self._sliced):
+            self._sliced = [r for r in self._sliced if r is not row]
+            own(row.caches)
+
+    def _dissolve(self, keep: Sequence[BatchRow] = ()) -> None:
+        """The rows' K/V back in their caches (slab.py): slices for the rows in `keep`,
+        about to step on (a step writes them into buffers of their own), copies for the
+        rest."""
+        if self._slab is not None:
+            rows = self._slab.rows
+            self._slab.dissolve(keep)
+            self._sliced = [r for r in rows if any(r is k for k in keep)]
+            self._slab = None
+
     def step(self) -> None:
-        """One forward for every parked row; each gets its logits (1, V) and, with a
-        sampler, its next id, or the error."""
+        """One forward for every parked row, queued: each gets its logits (1, V) and, with
+        a sampler, its next id (both computed in the background), or the error."""
         rows, self.parked = self.parked, []
         if not rows:
             return
@@ -102,33 +134,58 @@ class Batch:
             threads.apply_decode(self._work)  # OpenBLAS's threads, for the cores free now
         self.steps += 1
         try:
+            if self._slab is not None and not self._slab.serves(rows):
+                self._dissolve(rows)  # the rows changed: each takes its K/V back first
             for r in rows:
                 r.upkeep(self.model)
-            if len(rows) == 1:
-                logits = rows[0].alone(self.model, mx.array([rows[0].token], dtype=mx.int32))
-            else:
-                logits = self._forward(rows)
+            ids = _ids([r.token for r in rows])
+            logits = rows[0].alone(self.model, ids) if len(rows) == 1 else self._forward(rows, ids)
             for i, r in enumerate(rows):
                 r.logits = logits[i : i + 1]
-                # each row's own sampler on its own row, evaluated with the step: one
-                # wait for the batch instead of one per row (docs/design.md)
+                # each row's own sampler on its own row, in the step's graph: one queue
+                # for the batch instead of a wait per row (docs/design.md)
                 r.sampled = r.sample(r.logits) if r.sample is not None else None
-            mx.eval(logits, [r.sampled for r in rows if r.sampled is not None])
+            mx.async_eval(logits, [r.sampled for r in rows if r.sampled is not None])
+            # their K/V are now in buffers the step wrote (a slab's, or their own)
+            self._sliced = [r for r in self._sliced if not any(r is x for x in rows)]
         except Exception as e:  # every row of the step fails with it (turn.py reports it)
+            self._dissolve()
             for r in rows:
                 r.error, r.logits, r.sampled = e, None, None
 
-    def _forward(self, rows: list[BatchRow]) -> mx.array:
-        """Logits (B, V): compiled when every row's own step is (rows_step.py), else the
-        model run op by op on each layer's `Rows`."""
+    def _may_share(self, rows: list[BatchRow], steps: list[Any]) -> bool:
+        """Whether these rows' K/V go into shared buffers (slab.py): alike caches, none
+        about to be quantized, and few slots left unused."""
+        return (self.shared and all(r.pending is None for r in rows) and fits(self.model, steps)
+                and pays([s.caches for s in steps]))
+
+    def _forward(self, rows: list[BatchRow], ids: mx.array) -> mx.array:
+        """Logits (B, V) of `ids` (B,): on shared K/V buffers where the rows' caches are
+        alike (slab.py), else compiled when every row's own step is (rows_step.py), else
+        the model run op by op on each layer's `Rows`."""
         steps = [r.step_for(self.model) for r in rows]
+        if self._slab is None and self._may_share(rows, steps):
+            self._slab = Slab(self.model, rows, steps)  # type: ignore[arg-type]
+        if self._slab is not None:
+            logits = self._slab.step(ids)
+            self.traced = self._slab.traced
+            return logits
         if all(isinstance(s, CompiledStep) for s in steps):
-            return self._compiled(
+            logits = self._compiled(
                 [(s.caches, s.layout, s.counts) for s in steps],  # type: ignore[union-attr]
-                [r.token for r in rows])
-        ids = mx.array([[r.token] for r in rows], dtype=mx.int32)
+                ids)
+            self.traced = self._compiled.traced
+            return logits
         layers = [Rows(c) for c in zip(*(r.caches for r in rows), strict=True)]
-        return self.model(ids, cache=layers)[:, -1, :]
+        return self.model(ids[:, None], cache=layers)[:, -1, :]
+
+
+def _ids(tokens: Sequence[int | mx.array]) -> mx.array:
+    """The rows' ids as one int32 array (B,): ints, or samplers' (1,) arrays."""
+    if all(isinstance(t, int) for t in tokens):
+        return mx.array(tokens, dtype=mx.int32)
+    return mx.concatenate([(t if t.ndim == 1 else t.reshape(1)) if isinstance(t, mx.array)
+                           else mx.array([t], dtype=mx.int32) for t in tokens]).astype(mx.int32)
 
 
 def row_decode(batch: Batch, logits: mx.array, caches: Sequence[Any], *,
@@ -137,24 +194,64 @@ def row_decode(batch: Batch, logits: mx.array, caches: Sequence[Any], *,
                ) -> Iterator[int | Waiting]:
     """`generate.decode` for a turn in a batch: yields its ids, and WAIT while its next
     step is parked in `batch`. Sampling (and a grammar's mask) stays the row's own, on
-    its row of the logits. The caches hold the prompt and the first `progress.fed` ids."""
+    its row of the logits. As in `decode`, an id is parked before it is read, so the
+    step that takes it is queued first; the caches hold the prompt and the first
+    `progress.fed` ids, and closing waits for the step in flight."""
     if max_tokens < 1:
         return
     row = BatchRow(list(caches) if not isinstance(caches, list) else caches, compiled,
                    sample if constraint is None else None)
     progress.compiled = compiled
+    if constraint is not None:
+        yield from _row_decode_constrained(batch, row, logits, sample, max_tokens,
+                                           progress, constraint)
+        return
+    y = sample(logits)
+    mx.async_eval(y)
     n = 0
     parked = False
-    sampled: mx.array | None = None
+    next_y: mx.array | None = None
     try:
         while True:
-            if constraint is not None:
-                token = constraint.advance(int(sample(constraint.apply(logits)).item()))
-            else:
-                token = int((sample(logits) if sampled is None else sampled).item())
+            next_y = None
+            if n + 1 < max_tokens:
+                batch.park(row, y)
+                parked = True
+                yield WAIT
+                parked = False
+                if row.error is not None:
+                    raise row.error
+                progress.fed += 1
+                next_y = row.sampled
+            token = int(y.item())
             n += 1
             yield token
-            if n >= max_tokens or (constraint is not None and constraint.finished):
+            if next_y is None:
+                return
+            y = next_y
+    finally:
+        if parked:
+            _leave(batch, row, progress)
+        else:
+            if next_y is not None:
+                mx.eval(next_y)  # the step in flight finishes before anyone touches the cache
+            batch.leave(row)
+
+
+def _row_decode_constrained(batch: Batch, row: BatchRow, logits: mx.array,
+                            sample: Callable[[mx.array], mx.array], max_tokens: int,
+                            progress: Progress, constraint: Constrain
+                            ) -> Iterator[int | Waiting]:
+    """`row_decode` under a grammar: each id is read (and the grammar advanced) before it
+    is parked, as `generate._decode_constrained` does."""
+    n = 0
+    parked = False
+    try:
+        while True:
+            token = constraint.advance(int(sample(constraint.apply(logits)).item()))
+            n += 1
+            yield token
+            if n >= max_tokens or constraint.finished:
                 return
             batch.park(row, token)
             parked = True
@@ -164,9 +261,20 @@ def row_decode(batch: Batch, logits: mx.array, caches: Sequence[Any], *,
                 raise row.error
             assert row.logits is not None, "resumed before the batch stepped"
             progress.fed += 1
-            logits, sampled = row.logits, row.sampled
+            logits = row.logits
     finally:
-        if parked and row in batch.parked:  # closed while parked, before the step
-            batch.unpark(row)
-        elif parked and row.error is None:  # the step ran: its id is in the cache
-            progress.fed += 1
+        if parked:
+            _leave(batch, row, progress)
+        else:
+            batch.leave(row)
+
+
+def _leave(batch: Batch, row: BatchRow, progress: Progress) -> None:
+    """A row closed while parked: out of the batch before its step, else its id is in
+    the cache (the step ran)."""
+    if row in batch.parked:
+        batch.unpark(row)
+    elif row.error is None:
+        progress.fed += 1
+        mx.eval(row.logits)  # the step in flight finishes before anyone touches the cache
+    batch.leave(row)

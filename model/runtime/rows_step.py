@@ -30,9 +30,9 @@ RowKey = tuple[Layout, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 
 class RowsStep:
-    """`step(rows, ids) -> logits (B, V)`: one compiled forward of `ids[i]` on row i's
-    caches (`rows[i]`: its caches (a HybridCache's members apart), their `slot_layout()`s
-    and each layer's member count: `CompiledStep`'s), each cache committed."""
+    """`step(rows, ids) -> logits (B, V)`: one compiled forward of `ids[i]` (int32 (B,))
+    on row i's caches (`rows[i]`: its caches (a HybridCache's members apart), their
+    `slot_layout()`s and each layer's member count: `CompiledStep`'s), each committed."""
 
     def __init__(self, model: Any):
         self.model = model
@@ -63,7 +63,7 @@ class RowsStep:
         return mx.compile(step)
 
     def __call__(self, rows: Sequence[tuple[Sequence[Any], Layout, tuple[int, ...]]],
-                 ids: Sequence[int]) -> mx.array:
+                 ids: mx.array) -> mx.array:
         plans = [StepPlan(caches, layout, 1) for caches, layout, _ in rows]
         assert all(p.ok for p in plans)  # one token always has a slot
         used = max((n for p in plans for n in p.lengths), default=0)
@@ -77,7 +77,7 @@ class RowsStep:
             fn = self._fns[fkey] = self._build(keys, [(len(p.rows), len(p.buffers))
                                                        for p in plans])
         group_rows = mx.array([r for p in plans for r in p.rows], dtype=mx.int32)
-        out = fn(mx.array(ids, dtype=mx.int32)[:, None], group_rows,
+        out = fn(ids[:, None], group_rows,
                  *(b for p in plans for b in p.buffers))
         # the caches take the new buffers before anything evaluates, so MLX can donate
         # the old ones (generate.py, CompiledStep._run)

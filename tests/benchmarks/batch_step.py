@@ -6,7 +6,11 @@ the step as the engine runs them).
         [--steps 30] [--rounds 5]
 
 Each row holds its own prompt (20 + 3·i tokens, so lengths differ) in its own cache, as a
-server's requests do. Each round times --steps steps at every width in turn; the best round
+server's requests do. Every width runs twice: its rows' K/V in shared buffers (`shared`:
+model/runtime/slab.py, what a server does with float caches) and each row's in its own
+cache (`own`: rows_step.py, what quantized or recurrent caches get).
+
+Each round times --steps steps at every width in turn; the best round
 is printed (the machine's load moves every width alike), with the ratio of tok/s to one
 row's: what batching can give before any per-token host work (serve_concurrency.py
 measures the server). Models as in threads.py: `mini` the shipped kvchat-mini
@@ -49,6 +53,13 @@ def step(batch: Any, rows: list[Any]) -> None:
     batch.step()
 
 
+def done(rows: list[Any]) -> None:
+    """Wait for the queued steps (Batch.step does not)."""
+    import mlx.core as mx
+
+    mx.eval([r.logits for r in rows])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.benchmarks.batch_step",
                                 description=__doc__,
@@ -64,23 +75,29 @@ def main(argv: list[str] | None = None) -> int:
           f" {os.cpu_count()} cores · load average {os.getloadavg()[0]:.1f} · {blas.describe()}")
     for name in args.models:
         model = bench_model(name, STORIES)
-        batches = {b: (Batch(model), rows_of(model, b)) for b in args.rows}
+        kinds = [(b, shared) for b in args.rows for shared in (True, False)
+                 if shared or b > 1]  # one row steps alone either way
+        batches = {k: (Batch(model, shared=k[1]), rows_of(model, k[0])) for k in kinds}
 
-        for b in args.rows:  # traces and first allocations
+        for k in kinds:  # traces and first allocations
             for _ in range(3):
-                step(*batches[b])
-        best = {b: float("inf") for b in args.rows}
+                step(*batches[k])
+            done(batches[k][1])
+        best = dict.fromkeys(kinds, float("inf"))
         for _ in range(args.rounds):
-            for b in args.rows:
+            for k in kinds:
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
-                    step(*batches[b])
-                best[b] = min(best[b], (time.perf_counter() - t0) / args.steps)
+                    step(*batches[k])
+                done(batches[k][1])
+                best[k] = min(best[k], (time.perf_counter() - t0) / args.steps)
         one = min(args.rows)
-        print(f"{name}: rows | ms/step | tok/s | × {one} row(s)")
-        for b in args.rows:
-            print(f"  {b} | {best[b] * 1e3:.2f} | {b / best[b]:.0f} |"
-                  f" {b / best[b] / (one / best[one]):.2f}")
+        print(f"{name}: rows | K/V | ms/step | tok/s | × {one} row(s)")
+        for b, shared in kinds:
+            t = best[b, shared]
+            kv = "alone" if b == 1 else "shared" if shared else "own"
+            print(f"  {b} | {kv} | {t * 1e3:.2f} | {b / t:.0f} |"
+                  f" {b / t / (one / best[one, True]):.2f}")
         print(f"  (load average {os.getloadavg()[0]:.1f} after)")
     return 0
 

@@ -2,7 +2,7 @@
 1, 4 and 8 concurrent streaming clients, in one run.
 
     python -m tests.benchmarks.serve_concurrency [--clients 1 4 8] [--model DIR|135m]
-        [--requests 2] [--max-tokens 64] [--mlx-lm-max-tokens 32] [--json]
+        [--requests 2] [--max-tokens 64] [--mlx-lm-max-tokens 32] [--runs 3] [--json]
 
 `--model 135m`: a random float32 model of SmolLM-135M's shape (threads.SMOL_135M), written
 to a temporary folder both servers load (its weights, a word-level tokenizer over its
@@ -17,7 +17,10 @@ mlx-lm knows no ignore_eos, so its replies may end early and its tok/s counts wh
 generated. Printed per level: aggregate tok/s (every client's tokens ÷ the level's wall
 time), per-client tok/s (mean of each client's tokens ÷ its own wall time), median time
 to first token, and the ratio to the same server's one-client level; with the machine,
-its load before and after, and the date. The goal (docs/serve.md, Many clients):
+its load before and after, and the date. With --runs N every level runs N times (all
+levels in turn, N rounds) and each figure is the median of its N, the aggregate's range
+beside it: a level lasts about a second on a small model, so one run is at the mercy of
+whatever else the machine does in that second. The goal (docs/serve.md, Many clients):
 aggregate tok/s at 8 clients ≥ 3 × one client's, and ≥ mlx_lm.server's.
 
 Every process runs on the BLAS `kvchat` itself uses (mlx-lm's server gets it as
@@ -141,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--mlx-lm-max-tokens", type=int, default=None,
                    help="max_tokens for mlx-lm (default: --max-tokens)")
+    p.add_argument("--runs", type=int, default=3, help="rounds of every level (medians)")
     p.add_argument("--no-mlx-lm", action="store_true", help="kvchat serve only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
@@ -161,24 +165,28 @@ def run(args: argparse.Namespace, argv: list[str] | None, path: str, name: str) 
         "model": name, "cpu": cpu_name(), "cores": os.cpu_count(),
         "date": datetime.datetime.now().isoformat(timespec="minutes"),
         "loadavg_before": os.getloadavg(), "blas": blas.describe(),
-        "requests_per_client": args.requests, "max_tokens": args.max_tokens}
+        "requests_per_client": args.requests, "max_tokens": args.max_tokens,
+        "runs": args.runs}
     servers = [ServerProcess(path, "--max-queue", "64", "--max-batch",
                              str(max(args.clients)))]
     if not args.no_mlx_lm:
         servers.append(ServerProcess(path, mlx_lm=True, env=preload))
-    rows: list[dict[str, Any]] = []
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     try:
         for s in servers:  # warm-up: traces, first allocations
             stream(s, [{"role": "user", "content": "Hello."}], 8)
-        for c in args.clients:
-            for s in servers:
-                mt = args.max_tokens if s.name == "serve" else (
-                    args.mlx_lm_max_tokens or args.max_tokens)
-                rows.append(level(s, c, args.requests, mt, f"{s.name} {c}"))
-                print(f"  {rows[-1]}", file=sys.stderr, flush=True)
+        for r in range(args.runs):
+            for c in args.clients:
+                for s in servers:
+                    mt = args.max_tokens if s.name == "serve" else (
+                        args.mlx_lm_max_tokens or args.max_tokens)
+                    got = level(s, c, args.requests, mt, f"{s.name} {c} {r}")
+                    runs.setdefault((s.name, c), []).append(got)
+                    print(f"  {got}", file=sys.stderr, flush=True)
     finally:
         for s in servers:
             s.stop()
+    rows = [median_row(v) for v in runs.values()]
     meta["loadavg_after"] = os.getloadavg()
     one = {r["server"]: r["aggregate_tps"] for r in rows if r["clients"] == min(args.clients)}
     for r in rows:
@@ -190,14 +198,28 @@ def run(args: argparse.Namespace, argv: list[str] | None, path: str, name: str) 
           f" {meta['loadavg_before'][0]:.1f} before, {meta['loadavg_after'][0]:.1f} after"
           f" · {meta['blas']}")
     print(f"{meta['command']} · model {name} · {args.requests} requests per client")
-    print("| server | clients | aggregate tok/s | × 1 client | per-client tok/s |"
+    print(f"each figure the median of {args.runs} run(s); the aggregate's range beside it")
+    print("| server | clients | aggregate tok/s | range | × 1 client | per-client tok/s |"
           " TTFT median s | TTFT max s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         name = "kvchat serve" if r["server"] == "serve" else "mlx_lm.server"
-        print(f"| {name} | {r['clients']} | {r['aggregate_tps']} | {r['vs_one_client']} |"
-              f" {r['per_client_tps']} | {r['ttft_median_s']} | {r['ttft_max_s']} |")
+        lo, hi = r["aggregate_range"]
+        print(f"| {name} | {r['clients']} | {r['aggregate_tps']} | {lo}–{hi} |"
+              f" {r['vs_one_client']} | {r['per_client_tps']} | {r['ttft_median_s']} |"
+              f" {r['ttft_max_s']} |")
     return 0
+
+
+def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One level's runs as one row: each figure's median, and the aggregate's range."""
+    out = dict(runs[0])
+    for k in ("tokens", "wall_s", "aggregate_tps", "per_client_tps", "ttft_median_s",
+              "ttft_max_s"):
+        out[k] = round(statistics.median(r[k] for r in runs), 3)
+    agg = [r["aggregate_tps"] for r in runs]
+    out["aggregate_range"] = (min(agg), max(agg))
+    return out
 
 
 if __name__ == "__main__":

@@ -100,7 +100,8 @@ def side_by_side(url: str, calls: list[Any]) -> tuple[list[Any], int]:
     at `url`, ".../v1") run at once, one thread each, released together: their results in
     order, and the most requests the server said it ran at once meanwhile (its own count
     in /v1/kvchat/stats, polled: a loaded machine can start a client late, so client
-    timing cannot show it). A call's exception is raised here."""
+    timing cannot show it; the stats' list of running requests must agree with that
+    count). A call's exception is raised here."""
     import json
     import urllib.request
 
@@ -111,7 +112,12 @@ def side_by_side(url: str, calls: list[Any]) -> tuple[list[Any], int]:
     def watch() -> None:
         while not done.is_set():
             with urllib.request.urlopen(f"{url.rstrip('/')}/kvchat/stats", timeout=30) as r:
-                most[0] = max(most[0], json.load(r)["queue"]["running_requests"])
+                body = json.load(r)
+            n = body["queue"]["running_requests"]
+            most[0] = max(most[0], n)
+            if len(body["running_requests"]) != n:  # a server without keys shows them all
+                errors.append(AssertionError(f"{n} running, stats list {body['running_requests']}"))
+                return
             time.sleep(0.005)
 
     def run(i: int) -> None:
