@@ -194,9 +194,10 @@ def row_decode(batch: Batch, logits: mx.array, caches: Sequence[Any], *,
                ) -> Iterator[int | Waiting]:
     """`generate.decode` for a turn in a batch: yields its ids, and WAIT while its next
     step is parked in `batch`. Sampling (and a grammar's mask) stays the row's own, on
-    its row of the logits. As in `decode`, an id is parked before it is read, so the
-    step that takes it is queued first; the caches hold the prompt and the first
-    `progress.fed` ids, and closing waits for the step in flight."""
+    its row of the logits. The first id (from prefill's computed logits) is read at
+    once; after it, as in `decode`, an id is parked before it is read, so the step that
+    takes it is queued first. The caches hold the prompt and the first `progress.fed`
+    ids, and closing waits for the step in flight."""
     if max_tokens < 1:
         return
     row = BatchRow(list(caches) if not isinstance(caches, list) else caches, compiled,
@@ -207,14 +208,18 @@ def row_decode(batch: Batch, logits: mx.array, caches: Sequence[Any], *,
                                            progress, constraint)
         return
     y = sample(logits)
-    mx.async_eval(y)
     n = 0
     parked = False
     next_y: mx.array | None = None
     try:
+        # the first id: prefill's logits are computed, so it is read and shown at once
+        n, read = 1, True
+        yield int(y.item())
         while True:
+            # `y`: the id to feed (`read`: already yielded); the step feeding it is queued
+            # before a not yet read `y` is read, so reading waits on the step before
             next_y = None
-            if n + 1 < max_tokens:
+            if n + (not read) < max_tokens:
                 batch.park(row, y)
                 parked = True
                 yield WAIT
@@ -223,12 +228,12 @@ def row_decode(batch: Batch, logits: mx.array, caches: Sequence[Any], *,
                     raise row.error
                 progress.fed += 1
                 next_y = row.sampled
-            token = int(y.item())
-            n += 1
-            yield token
+            if not read:
+                n += 1
+                yield int(y.item())
             if next_y is None:
                 return
-            y = next_y
+            y, read = next_y, False
     finally:
         if parked:
             _leave(batch, row, progress)

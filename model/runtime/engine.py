@@ -407,7 +407,8 @@ class Engine:
 
     def _advance(self, row: _Row) -> None:
         """Emit `row`'s events up to its next yield point: parked (WAIT), a prefill
-        chunk done, or its Done (it leaves, its cache back in the pool)."""
+        chunk done (but the last, after which its first token follows at once), or its
+        Done (it leaves, its cache back in the pool)."""
         done: Done | None = None
         try:
             for event in row.events:
@@ -417,8 +418,8 @@ class Engine:
                     done = event
                     break
                 self._emit(TurnEvent(row.turn, event))
-                if isinstance(event, PrefillProgress):
-                    return
+                if isinstance(event, PrefillProgress) and event.done < event.total:
+                    return  # one chunk per round: a long prompt never stalls the others
         except NEVER_CAUGHT:
             raise
         except BaseException as e:  # run_turn reports its own failures: this is a bug
