@@ -667,31 +667,37 @@ def test_llama4_chat_cache_is_saved_and_reopens_warm(family: Callable[[str], Pat
 def test_a_batch_gives_each_row_its_logits_alone(name: str,
                                                  family: Callable[[str], Path]) -> None:
     """Three conversations of different lengths (past the sliding window where the
-    family has one) decoded in one batched step (model/runtime/batch.py: shared K/V
-    buffers where the family allows them, each row's own caches otherwise) give each
-    row the logits of its own compiled step alone, step after step."""
-    import copy
+    family has one) prefilled in one batched step (padded to the longest, where their
+    caches take padding) and decoded in batched steps (model/runtime/batch.py: shared
+    K/V buffers where the family allows them, each row's own caches otherwise) give
+    each row the logits of its own prefill and compiled step alone, step after step."""
 
-    from kvchat.model.runtime.batch import Batch, BatchRow
-    from kvchat.model.runtime.generate import CompiledStep, Progress, prefill
+    from kvchat.model.runtime.batch import Batch, BatchRow, PrefillRow
+    from kvchat.model.runtime.generate import CompiledStep
 
     model = load_model(family(name))
-    rows = []
-    for n in (9, 20, 31):
-        caches = make_prompt_cache(model)
-        for _ in prefill(model, [int(x) for x in IDS[0, :n]], caches, progress=Progress()):
-            pass
-        rows.append(caches)
-    alone = [CompiledStep(model, copy.deepcopy(c)) for c in rows]
+    prompts = [[int(x) for x in IDS[0, :n]] for n in (9, 20, 31)]
+    solo = [make_prompt_cache(model) for _ in prompts]
+    want = [np.array(model(mx.array([p]), cache=c)[:, -1]) for p, c in zip(prompts, solo,
+                                                                           strict=True)]
+    batch = Batch(model)
+    rows = [PrefillRow(make_prompt_cache(model), p) for p in prompts]
+    for r in rows:
+        batch.park_prefill(r)
+    batch.step()
+    for r, w in zip(rows, want, strict=True):
+        assert r.error is None and np.abs(np.array(r.logits) - w).max() <= tolerance(w), name
+        assert [c.offset for c in r.caches] == [len(r.chunk)] * len(r.caches)
+    alone = [CompiledStep(model, c) for c in solo]
     if not all(s.supported for s in alone):
         pytest.skip(f"{name}: no compiled step")
-    batch, brows = Batch(model), [BatchRow(c, True) for c in rows]
+    brows = [BatchRow(r.caches, True) for r in rows]
     for step in range(5):
         ids = [int(IDS[0, 32 + step + i]) for i in range(len(rows))]
         for r, y in zip(brows, ids, strict=True):
             batch.park(r, y)
         batch.step()
         for i, (r, y) in enumerate(zip(brows, ids, strict=True)):
-            want = np.array(alone[i](mx.array([y], dtype=mx.int32)))
+            w = np.array(alone[i](mx.array([y], dtype=mx.int32)))
             got = np.array(r.logits)
-            assert np.abs(got - want).max() <= tolerance(want), (name, step, i)
+            assert np.abs(got - w).max() <= tolerance(w), (name, step, i)

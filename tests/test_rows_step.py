@@ -201,3 +201,53 @@ def test_a_row_that_leaves_holds_only_its_own_memory() -> None:
     mx.eval([c.state for row in kept for c in row])
     held = mx.get_active_memory() - base
     assert held < 3 * one_row, (held, one_row)  # six rows' shared buffers: 6 × one_row
+
+
+def test_prompt_chunks_prefilled_together_are_each_rows_alone() -> None:
+    """Prompt chunks parked together (batch.py, `_prefill`) run padded to the longest in
+    one forward where their caches take padding: fresh or already holding a prefix,
+    float, a ring with room, 4-bit K/V; a ring the padding would wrap runs alone. Each
+    row's logits at its last token and its cache afterwards are those of its own prefill."""
+    from kvchat.model.runtime.batch import PrefillRow
+
+    model = model_for("default")
+    rng = np.random.default_rng(7)
+    cases = [("float", 0, 7), ("float", 12, 20), ("rotating64", 0, 30), ("rotating", 0, 25),
+             ("kv4", 0, 15)]
+    kinds = {**CACHES, "rotating64": {"max_kv_size": 64, "keep": 2}}
+    rows, solo, want = [], [], []
+    for kind, before, n in cases:
+        prefix = rng.integers(1, 256, size=before).tolist()
+        chunk = rng.integers(1, 256, size=n).tolist()
+        mine, theirs = (make_prompt_cache(model, **kinds[kind]) for _ in range(2))
+        if prefix:
+            for c in (mine, theirs):
+                model(mx.array([prefix]), cache=c)
+        want.append(np.array(model(mx.array([chunk]), cache=theirs)[:, -1]))
+        rows.append(PrefillRow(mine, chunk))
+        solo.append(theirs)
+    assert not rows[3].pads(30) and all(r.pads(30) for i, r in enumerate(rows) if i != 3)
+    batch = Batch(model)
+    for r in rows:
+        batch.park_prefill(r)
+    batch.step()
+    assert not batch.prefilling
+    for (kind, _, _), r, w, theirs in zip(cases, rows, want, solo, strict=True):
+        assert r.error is None
+        np.testing.assert_allclose(np.array(r.logits), w, atol=2e-4, rtol=1e-4, err_msg=kind)
+        assert_same_cache(r.caches, theirs)
+
+
+def test_a_turn_closed_while_its_chunk_is_parked_leaves_the_batch() -> None:
+    from kvchat.model.runtime.batch import WAIT, row_prefill
+
+    model = model_for("default")
+    batch, caches = Batch(model), make_prompt_cache(model)
+    progress = Progress()
+    chunks = row_prefill(batch, list(range(1, 40)), caches, prefill_chunk=16,
+                         progress=progress, clock=lambda: 0.0)
+    assert next(chunks) is WAIT and len(batch.prefilling) == 1
+    chunks.close()
+    assert not batch.prefilling and progress.prefilled == 0
+    batch.step()
+    assert caches[0].offset == 0  # nothing ran

@@ -132,10 +132,13 @@ class Transformer(nn.Module):
         return logits
 
     def __call__(
-        self, tokens: mx.array, cache: list[Any] | None = None, logits_to_keep: int = 0
+        self, tokens: mx.array, cache: list[Any] | None = None, logits_to_keep: int = 0,
+        at: mx.array | None = None,
     ) -> mx.array:
         """Logits for every position, or only the last `logits_to_keep` (as HF names it):
-        prefill then skips the vocab-sized head matmul for all but the position it samples."""
+        prefill then skips the vocab-sized head matmul for all but the position it samples;
+        or (B, 1, V) at `at` (B,), each row's own position (rows of different lengths
+        prefilled together, model/runtime/batch.py)."""
         if cache and isinstance(cache[0], Rows) and self.config.positions != "rope":
             # absolute positions: each row's own (model/decoder/rows.py)
             h = mx.concatenate([self.embed(tokens[i : i + 1], o)
@@ -144,7 +147,11 @@ class Transformer(nn.Module):
             offset = cache[0].offset if cache and not isinstance(cache[0], Rows) else 0
             h = self.embed(tokens, offset)
         h, pending = self.run_layers(h, cache)
-        if logits_to_keep:
+        if at is not None:
+            idx = at.astype(mx.int32)[:, None, None]
+            h = mx.take_along_axis(h, idx, axis=1)
+            pending = None if pending is None else mx.take_along_axis(pending, idx, axis=1)
+        elif logits_to_keep:
             h = h[:, -logits_to_keep:, :]
             pending = None if pending is None else pending[:, -logits_to_keep:, :]
         return self.head(h, pending)

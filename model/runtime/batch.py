@@ -2,11 +2,15 @@
 step (docs/serve.md, "Many clients"; docs/design.md, "Continuous batching").
 
 Each turn stays what it is alone (model/runtime/turn.py): its own cache, sampler, seed,
-stops, grammar and statistics. Only its decode step is shared: `row_decode` stands in
-for `generate.decode`, and where `decode` would run the model for the id it just
-sampled, it parks the id here and yields `WAIT`. The engine, which drives every turn's
-generator on its thread, runs `Batch.step` once every running turn is parked (or
-prefilling a chunk), and each parked turn resumes with its row of the logits.
+stops, grammar and statistics. Only its forward passes are shared: `row_decode` stands
+in for `generate.decode`, and where `decode` would run the model for the id it just
+sampled, it parks the id here and yields `WAIT`; `row_prefill` does the same for each
+prompt chunk (`generate.prefill`). The engine, which drives every turn's generator on
+its thread, runs `Batch.step` once every running turn is parked, and each parked turn
+resumes with its row of the logits. Chunks parked together run as one forward, padded
+to the longest (each row's padding after its last token, where no query of it looks,
+and trimmed off its caches after), so turns that arrive together are prefilled
+together instead of one after another.
 
 The step is queued, not waited for (`mx.async_eval`), as `decode` queues its next step:
 a row parks the id it sampled while that id is still being computed, and reads it only
@@ -81,6 +85,22 @@ class BatchRow:
         return self.step_for(model)(y)
 
 
+class PrefillRow:
+    """One turn's prompt chunk parked for the next step: its caches and ids, then the
+    logits (1, V) at the chunk's last token, or the error."""
+
+    def __init__(self, caches: list[Any], chunk: Sequence[int]):
+        self.caches, self.chunk = caches, list(chunk)
+        self.logits: mx.array | None = None
+        self.error: BaseException | None = None
+
+    def pads(self, n: int) -> bool:
+        """Whether its caches can take the chunk padded to `n` tokens and drop the padding
+        exactly: K/V caches (row_prefill never runs a recurrent state's turn here) whose
+        padded write displaces nothing (a ring not crossing its end)."""
+        return all(c.offset + n <= getattr(c, "max_size", c.offset + n) for c in self.caches)
+
+
 class Batch:
     """The rows parked for the next step (the engine's thread only)."""
 
@@ -88,6 +108,7 @@ class Batch:
         self.model = model
         self.shared = shared  # rows with alike caches share K/V buffers (False: never)
         self.parked: list[BatchRow] = []
+        self.prefilling: list[PrefillRow] = []  # prompt chunks parked for the next step
         self.steps = 0
         self._work = threads.step_work(model)
         self._compiled = RowsStep(model)
@@ -100,9 +121,14 @@ class Batch:
         row.token, row.logits, row.sampled, row.error = token, None, None, None
         self.parked.append(row)
 
-    def unpark(self, row: BatchRow) -> None:
+    def unpark(self, row: BatchRow | PrefillRow) -> None:
         if row in self.parked:
-            self.parked.remove(row)
+            self.parked.remove(row)  # type: ignore[arg-type]
+        if row in self.prefilling:
+            self.prefilling.remove(row)  # type: ignore[arg-type]
+
+    def park_prefill(self, row: PrefillRow) -> None:
+        self.prefilling.append(row)
 
     def leave(self, row: BatchRow) -> None:
         """`row` is done with the batch: its caches hold their own K/V again, in memory
@@ -125,8 +151,11 @@ class Batch:
             self._slab = None
 
     def step(self) -> None:
-        """One forward for every parked row, queued: each gets its logits (1, V) and, with
-        a sampler, its next id (both computed in the background), or the error."""
+        """The parked prompt chunks (`_prefill`), then one forward for every parked row,
+        queued: each gets its logits (1, V) and, with a sampler, its next id (both computed
+        in the background), or the error."""
+        if self.prefilling:
+            self._prefill()
         rows, self.parked = self.parked, []
         if not rows:
             return
@@ -152,6 +181,49 @@ class Batch:
             self._dissolve()
             for r in rows:
                 r.error, r.logits, r.sampled = e, None, None
+
+    def _prefill(self) -> None:
+        """The parked prompt chunks, together where they can be: right-padded to the
+        longest, one forward for all (each row over its own caches, model/decoder/rows.py;
+        a query never sees the padding after it), each row's logits taken at its last
+        token and its padding trimmed off its caches. Chunks whose caches cannot take
+        padding, or so uneven that padding would cost more than the tokens, run alone."""
+        rows, self.prefilling = self.prefilling, []
+        n = max(len(r.chunk) for r in rows)
+        together = [r for r in rows if r.pads(n)] if len(rows) > 1 else []
+        if len(together) < 2 or len(together) * n > 2 * sum(len(r.chunk) for r in together):
+            together = []
+        groups = [together] if together else []
+        groups += [[r] for r in rows if not any(r is t for t in together)]
+        for group in groups:
+            try:
+                self._prefill_group(group)
+            except Exception as e:  # each row of the group fails with it (turn.py reports)
+                for r in group:
+                    r.error, r.logits = e, None
+        # computed in the background; a turn reads its first id from them next round
+        mx.async_eval([r.logits for r in rows if r.logits is not None],
+                      [c.state for r in rows if r.logits is not None for c in r.caches])
+        threads.apply_decode(self._work)
+
+    def _prefill_group(self, group: list[PrefillRow]) -> None:
+        for r in group:
+            maybe_quantize(r.caches)  # --quantized-kv-start reached: quantize from here
+        if len(group) == 1:
+            r = group[0]
+            threads.apply(len(r.chunk), *threads.matmul_shape(self.model))
+            r.logits = self.model(mx.array([r.chunk]), cache=r.caches, logits_to_keep=1)[:, -1]
+            return
+        n = max(len(r.chunk) for r in group)
+        threads.apply(n * len(group), *threads.matmul_shape(self.model))
+        ids = mx.array([r.chunk + [0] * (n - len(r.chunk)) for r in group])
+        layers = [Rows(c) for c in zip(*(r.caches for r in group), strict=True)]
+        at = mx.array([len(r.chunk) - 1 for r in group])
+        logits = self.model(ids, cache=layers, at=at)[:, -1]
+        for i, r in enumerate(group):
+            for c in r.caches:
+                assert c.trim(n - len(r.chunk)) == n - len(r.chunk)  # pads() said it would
+            r.logits = logits[i : i + 1]
 
     def _may_share(self, rows: list[BatchRow], steps: list[Any]) -> bool:
         """Whether these rows' K/V go into shared buffers (slab.py): alike caches, none
@@ -186,6 +258,34 @@ def _ids(tokens: Sequence[int | mx.array]) -> mx.array:
         return mx.array(tokens, dtype=mx.int32)
     return mx.concatenate([(t if t.ndim == 1 else t.reshape(1)) if isinstance(t, mx.array)
                            else mx.array([t], dtype=mx.int32) for t in tokens]).astype(mx.int32)
+
+
+def row_prefill(batch: Batch, prompt: Sequence[int], caches: list[Any], *,
+                prefill_chunk: int, progress: Progress,
+                clock: Callable[[], float]) -> Iterator[mx.array | Waiting]:
+    """`generate.prefill` for a turn in a batch: each chunk is parked (WAIT) and run in the
+    next step beside the other turns' chunks (`Batch._prefill`); after each, the logits at
+    its last position. A caller that stops between chunks leaves the caches holding the
+    first `progress.prefilled` prompt tokens."""
+    if not prompt:
+        raise ValueError("prefill needs at least one prompt token")
+    t0 = clock()
+    ends = sorted({*range(prefill_chunk, len(prompt), prefill_chunk), len(prompt)})
+    for i, end in zip([0, *ends], ends, strict=False):
+        row = PrefillRow(caches, prompt[i:end])
+        batch.park_prefill(row)
+        try:
+            yield WAIT
+        finally:
+            if row in batch.prefilling:  # closed before the step: nothing written
+                batch.unpark(row)
+            elif row.error is None:  # the step wrote the chunk: count it
+                progress.prefilled = end
+        if row.error is not None:
+            raise row.error
+        assert row.logits is not None, "resumed before the batch stepped"
+        progress.prefill_s = clock() - t0
+        yield row.logits
 
 
 def row_decode(batch: Batch, logits: mx.array, caches: Sequence[Any], *,

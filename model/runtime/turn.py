@@ -44,7 +44,7 @@ from kvchat.model.text.tool_calls import (
 )
 
 from .attention_watch import AttentionWatch
-from .batch import Waiting, row_decode
+from .batch import Waiting, row_decode, row_prefill
 from .chat_cache import ChatCache
 from .events import (
     Done,
@@ -407,13 +407,24 @@ def _generate(ctx: TurnContext, ids: list[int], params: GenParams, t_submit: flo
     stats_tick, view_tick = _Every(ctx.stats_interval_s, now), _Every(ctx.watch.interval_s, now)
     try:
         logits = None
-        chunks = prefill(model, todo, caches, prefill_chunk=ctx.prefill_chunk,
-                         progress=progress, clock=ctx.clock, breaks=[p - cached for p in plan])
-        while progress.prefilled < len(todo) and not ctx.stop():
-            logits = next(chunks)
-            if cached + progress.prefilled in plan:
-                chat.checkpoints.take(caches)
-            yield PrefillProgress(progress.prefilled, len(todo), progress.prefill_s)
+        if ctx.batch is not None and not stateful(caches):  # chunks beside other turns'
+            chunks = row_prefill(ctx.batch, todo, caches, prefill_chunk=ctx.prefill_chunk,
+                                 progress=progress, clock=ctx.clock)
+        else:
+            chunks = prefill(model, todo, caches, prefill_chunk=ctx.prefill_chunk,
+                             progress=progress, clock=ctx.clock,
+                             breaks=[p - cached for p in plan])
+        try:
+            while progress.prefilled < len(todo) and not ctx.stop():
+                logits = next(chunks)
+                if isinstance(logits, Waiting):  # parked for the batched step
+                    yield logits
+                    continue
+                if cached + progress.prefilled in plan:
+                    chat.checkpoints.take(caches)
+                yield PrefillProgress(progress.prefilled, len(todo), progress.prefill_s)
+        finally:
+            chunks.close()  # a chunk parked in the batch leaves it with the turn
         chat.ids.extend(todo[: progress.prefilled])
         if progress.prefilled < len(todo):  # cancelled during prefill
             yield Done("cancelled", "", [], ids, ctx.stats(meter.stats))
