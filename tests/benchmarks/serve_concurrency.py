@@ -17,7 +17,8 @@ mlx-lm knows no ignore_eos, so its replies may end early and its tok/s counts wh
 generated. Printed per level: aggregate tok/s (every client's tokens ÷ the level's wall
 time), per-client tok/s (mean of each client's tokens ÷ its own wall time), median time
 to first token, and the ratio to the same server's one-client level; with the machine,
-its load before and after, and the date. With --runs N every level runs N times (all
+its load before and after, the share of CPU time the host took (a virtual machine's
+steal, Linux only), and the date. With --runs N every level runs N times (all
 levels in turn, N rounds) and each figure is the median of its N, the aggregate's range
 beside it: a level lasts about a second on a small model, so one run is at the mercy of
 whatever else the machine does in that second. The goal (docs/serve.md, Many clients):
@@ -62,6 +63,24 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """(stolen, total) CPU ticks so far (Linux's /proc/stat; None elsewhere): on a virtual
+    machine the host may take the CPU from it at any moment, which no load average shows."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields)
+
+
+def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of CPU time the host took between two `cpu_times()`."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -165,6 +184,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, path: str, name: str) 
         "model": name, "cpu": cpu_name(), "cores": os.cpu_count(),
         "date": datetime.datetime.now().isoformat(timespec="minutes"),
         "loadavg_before": os.getloadavg(), "blas": blas.describe(),
+        "cpu_times_before": cpu_times(),
         "requests_per_client": args.requests, "max_tokens": args.max_tokens,
         "runs": args.runs}
     servers = [ServerProcess(path, "--max-queue", "64", "--max-batch",
@@ -188,6 +208,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, path: str, name: str) 
             s.stop()
     rows = [median_row(v) for v in runs.values()]
     meta["loadavg_after"] = os.getloadavg()
+    meta["steal"] = steal_share(meta.pop("cpu_times_before"), cpu_times())
     one = {r["server"]: r["aggregate_tps"] for r in rows if r["clients"] == min(args.clients)}
     for r in rows:
         r["vs_one_client"] = round(r["aggregate_tps"] / (one.get(r["server"]) or 1.0), 2)
@@ -196,7 +217,8 @@ def run(args: argparse.Namespace, argv: list[str] | None, path: str, name: str) 
         return 0
     print(f"{meta['date']} · {meta['cpu']}, {meta['cores']} cores · load average"
           f" {meta['loadavg_before'][0]:.1f} before, {meta['loadavg_after'][0]:.1f} after"
-          f" · {meta['blas']}")
+          + (f" · CPU stolen by the host {meta['steal']:.0%}" if meta["steal"] is not None
+             else "") + f" · {meta['blas']}")
     print(f"{meta['command']} · model {name} · {args.requests} requests per client")
     print(f"each figure the median of {args.runs} run(s); the aggregate's range beside it")
     print("| server | clients | aggregate tok/s | range | × 1 client | per-client tok/s |"
