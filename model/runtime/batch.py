@@ -308,8 +308,6 @@ def row_decode(batch: Batch, logits: mx.array, caches: Sequence[Any], *,
                                            progress, constraint)
         return
     y = sample(logits)
-    n = 0
-    parked = False
     next_y: mx.array | None = None
     try:
         # the first id: prefill's logits are computed, so it is read and shown at once
@@ -320,13 +318,7 @@ def row_decode(batch: Batch, logits: mx.array, caches: Sequence[Any], *,
             # before a not yet read `y` is read, so reading waits on the step before
             next_y = None
             if n + (not read) < max_tokens:
-                batch.park(row, y)
-                parked = True
-                yield WAIT
-                parked = False
-                if row.error is not None:
-                    raise row.error
-                progress.fed += 1
+                yield from _stepped(batch, row, y, progress)
                 next_y = row.sampled
             if not read:
                 n += 1
@@ -335,12 +327,9 @@ def row_decode(batch: Batch, logits: mx.array, caches: Sequence[Any], *,
                 return
             y, read = next_y, False
     finally:
-        if parked:
-            _leave(batch, row, progress)
-        else:
-            if next_y is not None:
-                mx.eval(next_y)  # the step in flight finishes before anyone touches the cache
-            batch.leave(row)
+        if next_y is not None:
+            mx.eval(next_y)  # the step in flight finishes before anyone touches the cache
+        batch.leave(row)
 
 
 def _row_decode_constrained(batch: Batch, row: BatchRow, logits: mx.array,
@@ -350,7 +339,6 @@ def _row_decode_constrained(batch: Batch, row: BatchRow, logits: mx.array,
     """`row_decode` under a grammar: each id is read (and the grammar advanced) before it
     is parked, as `generate._decode_constrained` does."""
     n = 0
-    parked = False
     try:
         while True:
             token = constraint.advance(int(sample(constraint.apply(logits)).item()))
@@ -358,28 +346,28 @@ def _row_decode_constrained(batch: Batch, row: BatchRow, logits: mx.array,
             yield token
             if n >= max_tokens or constraint.finished:
                 return
-            batch.park(row, token)
-            parked = True
-            yield WAIT
-            parked = False
-            if row.error is not None:
-                raise row.error
+            yield from _stepped(batch, row, token, progress)
             assert row.logits is not None, "resumed before the batch stepped"
-            progress.fed += 1
             logits = row.logits
     finally:
-        if parked:
-            _leave(batch, row, progress)
-        else:
-            batch.leave(row)
+        batch.leave(row)
 
 
-def _leave(batch: Batch, row: BatchRow, progress: Progress) -> None:
-    """A row closed while parked: out of the batch before its step, else its id is in
-    the cache (the step ran)."""
-    if row in batch.parked:
-        batch.unpark(row)
-    elif row.error is None:
-        progress.fed += 1
-        mx.eval(row.logits)  # the step in flight finishes before anyone touches the cache
-    batch.leave(row)
+def _stepped(batch: Batch, row: BatchRow, token: int | mx.array,
+             progress: Progress) -> Iterator[Waiting]:
+    """Park `token` for the next step and wait for it (WAIT); it is then in the cache. A
+    row closed while parked leaves the batch before its step, or (the step ran) counts
+    its id and waits for that step before anyone touches the cache."""
+    batch.park(row, token)
+    try:
+        yield WAIT
+    except GeneratorExit:
+        if row in batch.parked:
+            batch.unpark(row)
+        elif row.error is None:
+            progress.fed += 1
+            mx.eval(row.logits)
+        raise
+    if row.error is not None:
+        raise row.error
+    progress.fed += 1
