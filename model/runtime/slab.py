@@ -43,8 +43,6 @@ def fits(model: Any, steps: Sequence[Any]) -> bool:
     soft-capped scores broadcast a mask by head group)."""
     if len(steps) < 2 or not all(isinstance(s, CompiledStep) for s in steps):
         return False
-    if getattr(getattr(model, "config", None), "positions", None) != "rope":
-        return False
     layout, counts = steps[0].layout, steps[0].counts
     if not all(s.layout == layout and s.counts == counts for s in steps):
         return False
@@ -52,10 +50,19 @@ def fits(model: Any, steps: Sequence[Any]) -> bool:
             st[:2] == ("full", None) and len(st) == 2
             or st[:2] == ("ring", None) and len(st) == 4 for st in layout):
         return False
-    attention = [m for m in model.modules() if isinstance(m, Attention)]
-    return (len(attention) == len(layout)
-            and all(type(m).__call__ is Attention.__call__ and m._rotates_batched()
-                    and m.softcap is None for m in attention))
+    return _attention_layers(model) == len(layout)
+
+
+def _attention_layers(model: Any) -> int | None:
+    """How many attention layers the model has, if every one of them can run on a slab
+    (None if not); asked once per model."""
+    if "_kvchat_slab_layers" not in model.__dict__:
+        attention = [m for m in model.modules() if isinstance(m, Attention)]
+        ok = getattr(getattr(model, "config", None), "positions", None) == "rope" and all(
+            type(m).__call__ is Attention.__call__ and m._rotates_batched()
+            and m.softcap is None for m in attention)
+        model.__dict__["_kvchat_slab_layers"] = len(attention) if ok else None
+    return model.__dict__["_kvchat_slab_layers"]
 
 
 def pays(caches: Sequence[Sequence[Any]]) -> bool:
