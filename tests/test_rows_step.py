@@ -251,3 +251,25 @@ def test_a_turn_closed_while_its_chunk_is_parked_leaves_the_batch() -> None:
     assert not batch.prefilling and progress.prefilled == 0
     batch.step()
     assert caches[0].offset == 0  # nothing ran
+
+
+def test_uneven_chunks_prefill_with_their_like() -> None:
+    """Two short chunks and a long one: padding the short ones to the long one would cost
+    more than their tokens, so the long one runs alone and the short ones together; each
+    row's logits and cache are its own prefill's."""
+    from kvchat.model.runtime.batch import PrefillRow
+
+    model = model_for("default")
+    rng = np.random.default_rng(11)
+    chunks = [rng.integers(1, 256, size=n).tolist() for n in (3, 4, 200)]
+    rows = [PrefillRow(make_prompt_cache(model), c) for c in chunks]
+    solo = [make_prompt_cache(model) for _ in chunks]
+    want = [np.array(model(mx.array([c]), cache=s)[:, -1]) for c, s in zip(chunks, solo,
+                                                                          strict=True)]
+    batch = Batch(model)
+    for r in rows:
+        batch.park_prefill(r)
+    batch.step()
+    for r, w, s in zip(rows, want, solo, strict=True):
+        np.testing.assert_allclose(np.array(r.logits), w, atol=2e-4, rtol=1e-4)
+        assert_same_cache(r.caches, s)

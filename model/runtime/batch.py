@@ -190,8 +190,13 @@ class Batch:
         padding, or so uneven that padding would cost more than the tokens, run alone."""
         rows, self.prefilling = self.prefilling, []
         n = max(len(r.chunk) for r in rows)
-        together = [r for r in rows if r.pads(n)] if len(rows) > 1 else []
-        if len(together) < 2 or len(together) * n > 2 * sum(len(r.chunk) for r in together):
+        # those that take padding to the longest (and so to any shorter), shortest first;
+        # the longest go alone until the padding costs at most the tokens
+        together = sorted((r for r in rows if r.pads(n)), key=lambda r: len(r.chunk))
+        while len(together) > 1 and len(together) * len(together[-1].chunk) > 2 * sum(
+                len(r.chunk) for r in together):
+            together.pop()
+        if len(together) < 2:
             together = []
         groups = [together] if together else []
         groups += [[r] for r in rows if not any(r is t for t in together)]
