@@ -35,7 +35,7 @@ from kvchat.model.cache.kv import maybe_quantize, pending_quantization
 from kvchat.model.decoder.rows import Rows
 
 from . import threads
-from .generate import CompiledStep, Constrain, Progress, decode_step
+from .generate import CompiledStep, Constrain, Progress, chunk_spans, decode_step, run_chunk
 from .rows_step import RowsStep
 from .slab import Slab, fits, own, pays
 
@@ -212,13 +212,11 @@ class Batch:
         threads.apply_decode(self._work)
 
     def _prefill_group(self, group: list[PrefillRow]) -> None:
+        if len(group) == 1:
+            group[0].logits = run_chunk(self.model, group[0].chunk, group[0].caches)
+            return
         for r in group:
             maybe_quantize(r.caches)  # --quantized-kv-start reached: quantize from here
-        if len(group) == 1:
-            r = group[0]
-            threads.apply(len(r.chunk), *threads.matmul_shape(self.model))
-            r.logits = self.model(mx.array([r.chunk]), cache=r.caches, logits_to_keep=1)[:, -1]
-            return
         n = max(len(r.chunk) for r in group)
         threads.apply(n * len(group), *threads.matmul_shape(self.model))
         ids = mx.array([r.chunk + [0] * (n - len(r.chunk)) for r in group])
@@ -272,11 +270,8 @@ def row_prefill(batch: Batch, prompt: Sequence[int], caches: list[Any], *,
     next step beside the other turns' chunks (`Batch._prefill`); after each, the logits at
     its last position. A caller that stops between chunks leaves the caches holding the
     first `progress.prefilled` prompt tokens."""
-    if not prompt:
-        raise ValueError("prefill needs at least one prompt token")
     t0 = clock()
-    ends = sorted({*range(prefill_chunk, len(prompt), prefill_chunk), len(prompt)})
-    for i, end in zip([0, *ends], ends, strict=False):
+    for i, end in chunk_spans(len(prompt), prefill_chunk):
         row = PrefillRow(caches, prompt[i:end])
         batch.park_prefill(row)
         try:

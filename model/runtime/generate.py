@@ -410,6 +410,25 @@ def decode_step(model: Any, caches: Sequence[Any], compiled: bool = True
     return plain_step(model, caches)
 
 
+def chunk_spans(n: int, prefill_chunk: int, breaks: Sequence[int] = ()
+                ) -> list[tuple[int, int]]:
+    """(start, end) of each chunk of an n-token prompt: `prefill_chunk` tokens, also ending
+    at each of `breaks`."""
+    if n < 1:
+        raise ValueError("prefill needs at least one prompt token")
+    ends = sorted({*range(prefill_chunk, n, prefill_chunk), *(b for b in breaks if 0 < b < n), n})
+    return list(zip([0, *ends], ends, strict=False))
+
+
+def run_chunk(model: Any, chunk: Sequence[int], caches: Sequence[Any]) -> mx.array:
+    """One prompt chunk through the model on `caches`: the logits (1, V) at its last token
+    (not evaluated)."""
+    if isinstance(caches, list):  # --quantized-kv-start reached: quantize from here
+        maybe_quantize(caches)
+    threads.apply(len(chunk), *threads.matmul_shape(model))  # OpenBLAS threads for its size
+    return model(mx.array([chunk]), cache=caches, logits_to_keep=1)[:, -1, :]
+
+
 def prefill(
     model: Any,
     prompt: Sequence[int],
@@ -427,18 +446,9 @@ def prefill(
 
     A caller that stops between chunks (a cancel) leaves the caches holding the first
     `progress.prefilled` prompt tokens; `progress.prefill_s` is the time so far."""
-    if not prompt:
-        raise ValueError("prefill needs at least one prompt token")
     t0 = clock()
-    shape = threads.matmul_shape(model)
-    ends = sorted({*range(prefill_chunk, len(prompt), prefill_chunk),
-                   *(b for b in breaks if 0 < b < len(prompt)), len(prompt)})
-    for i, end in zip([0, *ends], ends, strict=False):
-        chunk = prompt[i:end]
-        if isinstance(caches, list):  # --quantized-kv-start reached: quantize from here
-            maybe_quantize(caches)
-        threads.apply(len(chunk), *shape)  # OpenBLAS threads for this chunk's size
-        logits = model(mx.array([chunk]), cache=caches, logits_to_keep=1)[:, -1, :]
+    for i, end in chunk_spans(len(prompt), prefill_chunk, breaks):
+        logits = run_chunk(model, prompt[i:end], caches)
         last = end >= len(prompt)
         mx.eval(logits if last else [c.state for c in caches])
         progress.prefilled = end
