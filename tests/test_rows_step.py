@@ -273,3 +273,51 @@ def test_uneven_chunks_prefill_with_their_like() -> None:
     for r, w, s in zip(rows, want, solo, strict=True):
         np.testing.assert_allclose(np.array(r.logits), w, atol=2e-4, rtol=1e-4)
         assert_same_cache(r.caches, s)
+
+
+def test_greedy_rows_are_drawn_together_and_fed_back_as_drawn() -> None:
+    """Rows whose sampler is `Argmax` get their ids from one argmax per vocabulary bound
+    over the batch's logits, each its own row's; fed back unchanged, the next step takes
+    the drawn array itself (no operation per row), and after a row leaves, the others'
+    ids are gathered from it. A row with its own sampler keeps it."""
+    from kvchat.model.runtime.batch import Pick, _ids
+    from kvchat.model.runtime.sampling import Argmax, Sampler, SamplingParams
+
+    model = model_for("default")
+    caches = [prefilled(model, n, "float") for n in [*PROMPTS, 9]]
+    alone = [CompiledStep(model, copy.deepcopy(c)) for c in caches]
+    twin = Sampler(SamplingParams(temp=0.8, seed=5))  # row 3's draws, for row 3 alone
+    samplers: list[Any] = [Argmax(256), Argmax(256), Argmax(256),
+                           Sampler(SamplingParams(temp=0.8, seed=5)), Argmax(100)]
+    rows = [BatchRow(c, True, s) for c, s in zip(caches, samplers, strict=True)]
+    batch = Batch(model)
+    fed: list[Any] = [feed(i, 0) for i in range(len(rows))]
+    want_ids: list[int] = list(fed)
+    for step in range(6):
+        if step == 4:  # row 0 leaves: the others' picks are gathered from their draw
+            batch.leave(rows[0])
+            rows, fed, want_ids, alone, samplers = (
+                rows[1:], fed[1:], want_ids[1:], alone[1:], samplers[1:])
+            gathered = _ids(fed[:2])
+            assert gathered is not fed[0].drawn.ids
+            assert gathered.tolist() == [fed[0].item(), fed[1].item()]
+        for r, t in zip(rows, fed, strict=True):
+            batch.park(r, t)
+        batch.step()
+        fed = []
+        for i, r in enumerate(rows):
+            logits = alone[i](mx.array([want_ids[i]], dtype=mx.int32))
+            s = samplers[i]
+            want = int(mx.argmax(logits[0, : s.n]).item()) if isinstance(s, Argmax) \
+                else int(twin(logits).item())
+            assert isinstance(r.sampled, Pick) == isinstance(s, Argmax)
+            got = r.sampled.item() if isinstance(r.sampled, Pick) else int(r.sampled.item())
+            assert got == want, f"step {step} row {i}"
+            fed.append(r.sampled)
+            want_ids[i] = want
+        picks = [t for t in fed if isinstance(t, Pick)]
+        assert len({id(t.drawn) for t in picks}) == 2  # one draw per vocabulary bound
+        wide = [t for t in picks if t.drawn is picks[0].drawn]
+        assert _ids(wide) is wide[0].drawn.ids  # one draw's rows, in order: as drawn
+    for r in rows:
+        batch.leave(r)

@@ -37,6 +37,7 @@ from kvchat.model.decoder.rows import Rows
 from . import threads
 from .generate import CompiledStep, Constrain, Progress, chunk_spans, decode_step, run_chunk
 from .rows_step import RowsStep
+from .sampling import Argmax
 from .slab import Slab, fits, own, pays
 
 
@@ -50,23 +51,62 @@ class Waiting:
 WAIT = Waiting()
 
 
+class Drawn:
+    """The ids one step drew at once for its greedy rows (`Argmax`), shape (B,): computed
+    in the step's graph and read from it once for all of them."""
+
+    def __init__(self, ids: mx.array):
+        self.ids = ids
+        self._host: list[int] | None = None
+
+    def host(self) -> list[int]:
+        if self._host is None:
+            self._host = self.ids.tolist()  # type: ignore[assignment]
+        return self._host  # type: ignore[return-value]
+
+
+class Pick:
+    """Row `i` of a `Drawn`: a greedy row's next id. Fed back as it is, the next step
+    takes the rows' ids straight from the `Drawn` (`_ids`), no operation per row."""
+
+    __slots__ = ("drawn", "i")
+
+    def __init__(self, drawn: Drawn, i: int):
+        self.drawn, self.i = drawn, i
+
+    def item(self) -> int:
+        return self.drawn.host()[self.i]
+
+    def array(self) -> mx.array:
+        return self.drawn.ids[self.i : self.i + 1]
+
+
+Token = int | mx.array | Pick  # an id to feed: known, or being computed
+
+
 class BatchRow:
-    """One turn's place in the batch: its caches, the id to run (an int, or the (1,) array
-    a sampler returned, maybe not computed yet), then its logits and, where the row has
-    a `sample` (no grammar to apply on the host first), its next id drawn by that sampler
-    in the step's own graph."""
+    """One turn's place in the batch: its caches, the id to run (an int, or the id a
+    sampler returned, maybe not computed yet), then its logits and, where the row has a
+    `sample` (no grammar to apply on the host first), its next id drawn in the step's own
+    graph: by the row's sampler, or with every greedy row's at once (`Argmax`)."""
 
     def __init__(self, caches: list[Any], compiled: bool,
                  sample: Callable[[mx.array], mx.array] | None = None):
         self.caches = caches
         self.compiled = compiled
         self.sample = sample
-        self.token: int | mx.array = 0
-        self.logits: mx.array | None = None
-        self.sampled: mx.array | None = None
+        self.token: Token = 0
+        self.sampled: mx.array | Pick | None = None
         self.error: BaseException | None = None
+        self._out: tuple[mx.array, int] | None = None  # the step's logits, this row's index
         self._step: Callable[[mx.array], mx.array] | None = None
         self.pending = pending_quantization(caches)
+
+    @property
+    def logits(self) -> mx.array | None:
+        """This row's logits (1, V) from its last step (sliced when asked: a greedy row
+        in a batch never needs them)."""
+        return None if self._out is None else self._out[0][self._out[1] : self._out[1] + 1]
 
     def upkeep(self, model: Any) -> None:
         """--quantized-kv-start reached: the caches change class (and need a new step)."""
@@ -117,8 +157,8 @@ class Batch:
         self._sliced: list[BatchRow] = []
         self.traced = False  # whether the last step built a new trace
 
-    def park(self, row: BatchRow, token: int | mx.array) -> None:
-        row.token, row.logits, row.sampled, row.error = token, None, None, None
+    def park(self, row: BatchRow, token: Token) -> None:
+        row.token, row._out, row.sampled, row.error = token, None, None, None
         self.parked.append(row)
 
     def unpark(self, row: BatchRow | PrefillRow) -> None:
@@ -170,17 +210,17 @@ class Batch:
             ids = _ids([r.token for r in rows])
             logits = rows[0].alone(self.model, ids) if len(rows) == 1 else self._forward(rows, ids)
             for i, r in enumerate(rows):
-                r.logits = logits[i : i + 1]
-                # each row's own sampler on its own row, in the step's graph: one queue
-                # for the batch instead of a wait per row (docs/design.md)
-                r.sampled = r.sample(r.logits) if r.sample is not None else None
-            mx.async_eval(logits, [r.sampled for r in rows if r.sampled is not None])
+                r._out = (logits, i)
+            # each row's next id in the step's graph: one queue for the batch instead of a
+            # wait per row (docs/design.md)
+            drawn = _draw(rows, logits)
+            mx.async_eval(logits, drawn)
             # their K/V are now in buffers the step wrote (a slab's, or their own)
             self._sliced = [r for r in self._sliced if not any(r is x for x in rows)]
         except Exception as e:  # every row of the step fails with it (turn.py reports it)
             self._dissolve()
             for r in rows:
-                r.error, r.logits, r.sampled = e, None, None
+                r.error, r._out, r.sampled = e, None, None
 
     def _prefill(self) -> None:
         """The parked prompt chunks, together where they can be: right-padded to the
@@ -255,12 +295,49 @@ class Batch:
         return self.model(ids[:, None], cache=layers)[:, -1, :]
 
 
-def _ids(tokens: Sequence[int | mx.array]) -> mx.array:
-    """The rows' ids as one int32 array (B,): ints, or samplers' (1,) arrays."""
+def _draw(rows: Sequence[BatchRow], logits: mx.array) -> list[mx.array]:
+    """Each row's next id (`row.sampled`), drawn in the step's graph: the greedy rows
+    (`Argmax`) with one argmax over their logits, each other row with its own sampler on
+    its own row. The arrays to queue."""
+    out: list[mx.array] = []
+    greedy: dict[int, list[int]] = {}  # Argmax.n -> the rows drawn with it
+    for i, r in enumerate(rows):
+        if isinstance(r.sample, Argmax):
+            greedy.setdefault(r.sample.n, []).append(i)
+        elif r.sample is not None:
+            r.sampled = r.sample(r.logits)
+            out.append(r.sampled)
+    for n, idx in greedy.items():
+        part = logits if len(idx) == len(rows) else logits[mx.array(idx)]
+        drawn = Drawn(Argmax(n)(part))
+        for j, i in enumerate(idx):
+            rows[i].sampled = Pick(drawn, j)
+        out.append(drawn.ids)
+    return out
+
+
+def _ids(tokens: Sequence[Token]) -> mx.array:
+    """The rows' ids as one int32 array (B,): ints, samplers' (1,) arrays, or Picks
+    (the very ids a step drew, in their order, are fed as they are)."""
     if all(isinstance(t, int) for t in tokens):
         return mx.array(tokens, dtype=mx.int32)
-    return mx.concatenate([(t if t.ndim == 1 else t.reshape(1)) if isinstance(t, mx.array)
-                           else mx.array([t], dtype=mx.int32) for t in tokens]).astype(mx.int32)
+    first = tokens[0]
+    if isinstance(first, Pick) and all(
+            isinstance(t, Pick) and t.drawn is first.drawn for t in tokens):
+        picked = [t.i for t in tokens]  # type: ignore[union-attr]
+        if picked == list(range(first.drawn.ids.shape[0])):
+            return first.drawn.ids
+        return first.drawn.ids[mx.array(picked)]
+    return mx.concatenate([_array(t) for t in tokens]).astype(mx.int32)
+
+
+def _array(t: Token) -> mx.array:
+    """One id as a (1,) array."""
+    if isinstance(t, Pick):
+        return t.array()
+    if isinstance(t, mx.array):
+        return t if t.ndim == 1 else t.reshape(1)
+    return mx.array([t], dtype=mx.int32)
 
 
 def row_prefill(batch: Batch, prompt: Sequence[int], caches: list[Any], *,
@@ -307,8 +384,8 @@ def row_decode(batch: Batch, logits: mx.array, caches: Sequence[Any], *,
         yield from _row_decode_constrained(batch, row, logits, sample, max_tokens,
                                            progress, constraint)
         return
-    y = sample(logits)
-    next_y: mx.array | None = None
+    y: mx.array | Pick = sample(logits)
+    next_y: mx.array | Pick | None = None
     try:
         # the first id: prefill's logits are computed, so it is read and shown at once
         n, read = 1, True
@@ -327,8 +404,8 @@ def row_decode(batch: Batch, logits: mx.array, caches: Sequence[Any], *,
                 return
             y, read = next_y, False
     finally:
-        if next_y is not None:
-            mx.eval(next_y)  # the step in flight finishes before anyone touches the cache
+        if next_y is not None:  # the step in flight finishes before anyone touches the cache
+            mx.eval(next_y.drawn.ids if isinstance(next_y, Pick) else next_y)
         batch.leave(row)
 
 
@@ -353,7 +430,7 @@ def _row_decode_constrained(batch: Batch, row: BatchRow, logits: mx.array,
         batch.leave(row)
 
 
-def _stepped(batch: Batch, row: BatchRow, token: int | mx.array,
+def _stepped(batch: Batch, row: BatchRow, token: Token,
              progress: Progress) -> Iterator[Waiting]:
     """Park `token` for the next step and wait for it (WAIT); it is then in the cache. A
     row closed while parked leaves the batch before its step, or (the step ran) counts

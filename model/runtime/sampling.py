@@ -29,6 +29,7 @@ from kvchat.model.errors import KVChatError
 
 __all__ = [
     "MIN_P_TOLERANCE",
+    "Argmax",
     "TOP_P_TOLERANCE",
     "Sampler",
     "SamplingError",
@@ -214,6 +215,18 @@ def min_p_mask(logits: mx.array, min_p: float) -> mx.array:
 # ---------------------------------------------------------------------------------------
 # Sampler
 # ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Argmax:
+    """The draw of a greedy Sampler with no repetition penalty over the first `n` ids: the
+    argmax of each row, no PRNG key, no history. A batch draws every row sampled this way
+    with one operation over all their logits (model/runtime/batch.py)."""
+
+    n: int
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        return mx.argmax(_as_2d(logits)[:, : self.n], axis=-1).astype(mx.int32)
 
 
 class Sampler:

@@ -59,7 +59,7 @@ from .events import (
     TurnStats,
 )
 from .generate import PREFILL_CHUNK, Progress, decode, prefill
-from .sampling import Sampler
+from .sampling import Argmax, Sampler
 from .speculative import DraftSource, PromptLookup, speculative_decode, why_not
 from .stops import StopMatcher
 from .turn_stats import STATS_INTERVAL_S, Evictions, TurnMeter
@@ -282,8 +282,10 @@ def _sampler(sampler: Sampler, n_ids: int, params: GenParams, prompt: list[int]
              ) -> Callable[[mx.array], mx.array]:
     """logits -> the next id, with the repetition penalty's window of recent ids."""
     window = params.repetition_context_size
-    history = mx.array(prompt[-window:], dtype=mx.int32)
     use_history = params.repetition_penalty != 1.0
+    if sampler.greedy and not use_history:
+        return Argmax(n_ids)  # a batch draws all such rows at once
+    history = mx.array(prompt[-window:], dtype=mx.int32)
 
     def sample(logits: mx.array) -> mx.array:
         nonlocal history

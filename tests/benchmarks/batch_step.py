@@ -35,7 +35,8 @@ def rows_of(model: Any, n: int) -> list[Any]:
 
     from kvchat.model.cache.kv import make_prompt_cache
     from kvchat.model.runtime.batch import BatchRow
-    from kvchat.model.runtime.generate import Progress, greedy, prefill
+    from kvchat.model.runtime.generate import Progress, prefill
+    from kvchat.model.runtime.sampling import Argmax
 
     out = []
     for i in range(n):
@@ -43,7 +44,7 @@ def rows_of(model: Any, n: int) -> list[Any]:
         for _ in prefill(model, list(range(1, 21 + 3 * i)), caches, progress=Progress()):
             pass
         mx.eval([c.state for c in caches])
-        out.append(BatchRow(caches, True, greedy))
+        out.append(BatchRow(caches, True, Argmax(model.config.vocab_size)))
     return out
 
 
