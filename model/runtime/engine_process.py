@@ -27,6 +27,7 @@ fd 2 is /dev/null. When the child dies, the one line the parent reports names th
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -52,6 +53,7 @@ from .events import (
 )
 
 _SNAPSHOT_AFTER = (Stats, Done, Loaded, CacheRestored)
+_END = object()  # the child's event sender stops (after the None that tells the parent)
 
 
 @dataclass
@@ -243,13 +245,28 @@ def _child(cmd_fd: int, evt_fd: int) -> None:
     lock = threading.Lock()
     engine: Engine | None = None
 
+    # pickled and written by a thread of their own, in order: the engine thread queues
+    # them and goes on, and the pickling runs while it waits for MLX (which releases the
+    # GIL), not before the next step is queued
+    outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def send_all() -> None:
+        while (msg := outbox.get()) is not _END:
+            try:
+                evt.send(msg)
+            except OSError:  # the parent is gone: the command pipe's EOF ends the child
+                return
+
+    sender = threading.Thread(target=send_all, name="kvchat-events", daemon=True)
+    sender.start()
+
     # a batch's turns each emit an event per token: held, they go out once per round
     # (Engine.on_round), one message for all rows instead of one per event
     held: list[Event] = []
 
     def flush() -> None:  # with `lock` held
         if held:
-            evt.send(held[:])
+            outbox.put(held[:])
             held.clear()
 
     def on_event(ev: Event) -> None:  # on the engine thread
@@ -263,8 +280,8 @@ def _child(cmd_fd: int, evt_fd: int) -> None:
                 # a Stats event already holds the cache's numbers: don't gather them twice
                 # between two decode steps
                 cache = inner.stats if isinstance(inner, Stats) else engine.cache_stats()
-                evt.send(_Snapshot(engine.layer_stats(), cache))
-            evt.send(ev)
+                outbox.put(_Snapshot(engine.layer_stats(), cache))
+            outbox.put(ev)
 
     def on_round() -> None:
         with lock:
@@ -286,7 +303,9 @@ def _child(cmd_fd: int, evt_fd: int) -> None:
         engine.close()
         with lock:
             flush()
-            evt.send(None)
+        outbox.put(None)
+        outbox.put(_END)
+        sender.join()
 
 
 if __name__ == "__main__":
