@@ -9,12 +9,14 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import fast_exp
+
 ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
-    "silu": nn.silu,
+    "silu": fast_exp.silu,
     "relu": nn.relu,
     "relu2": lambda x: mx.square(nn.relu(x)),  # Nemotron
-    "gelu_fast": nn.gelu_approx,
-    "gelu_pytorch_tanh": nn.gelu_approx,  # 0.5x(1 + tanh(√(2/π)(x + 0.044715x³)))
-    "gelu_new": nn.gelu_approx,
+    "gelu_fast": fast_exp.gelu_approx,
+    "gelu_pytorch_tanh": fast_exp.gelu_approx,  # 0.5x(1 + tanh(√(2/π)(x + 0.044715x³)))
+    "gelu_new": fast_exp.gelu_approx,
     "gelu": nn.gelu,  # exact (erf)
 }

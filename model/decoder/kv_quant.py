@@ -17,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import fast_exp
 from .kv_format import KVQuant, kv_quant
 
 __all__ = ["KVQuant", "Packed", "kv_quant", "packed_of", "quantized_attention"]
@@ -76,11 +77,11 @@ def quantized_attention(
     g, bits = packed.group_size, packed.bits
     scores = mx.quantized_matmul(q, *k, transpose=True, group_size=g, bits=bits)
     if softcap is not None:
-        scores = mx.tanh(scores / softcap) * softcap
+        scores = fast_exp.tanh(scores / softcap) * softcap
     if isinstance(mask, str):  # "causal": the T queries are the last T keys
         mask = mx.arange(S - T, S)[:, None] >= mx.arange(S)[None]
     if mask is not None:
         scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
-    p = mx.softmax(scores.astype(mx.float32), axis=-1).astype(q.dtype)
+    p = fast_exp.softmax(scores).astype(q.dtype)
     out = mx.quantized_matmul(p, *v, transpose=False, group_size=g, bits=bits)
     return out.reshape(B, H, T, packed.dim)[..., :D]

@@ -32,7 +32,7 @@ import mlx.nn as nn
 
 from kvchat import metal_kernels
 
-from . import rows
+from . import fast_exp, rows
 from .activations import ACTIVATIONS
 from .config import LayerSpec, ModelConfig
 from .conv import ShortConv
@@ -262,12 +262,12 @@ def softcapped_attention(
     S = k.shape[2]
     qg = q.reshape(B, kv, H // kv, T, D)
     scores = (qg @ k[:, :, None].swapaxes(-1, -2)) * scale
-    scores = mx.tanh(scores / cap) * cap
+    scores = fast_exp.tanh(scores / cap) * cap
     if isinstance(mask, str):
         mask = causal_mask(T, S - T)
     if mask is not None:
         scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
-    p = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)
+    p = fast_exp.softmax(scores).astype(v.dtype)
     return (p @ v[:, :, None]).reshape(B, H, T, -1)
 
 
@@ -392,8 +392,7 @@ class Attention(nn.Module):
                                        mask, self.softcap)
         if self.softcap is not None:
             return softcapped_attention(q, k, v, self.scale, self.softcap, mask)
-        return mx.fast.scaled_dot_product_attention(
-            q, k, v, scale=self.scale, mask=mask, sinks=self.get("sinks"))
+        return fast_exp.attention(q, k, v, scale=self.scale, mask=mask, sinks=self.get("sinks"))
 
     def _rows(self, x: mx.array, masks: Any, cache: rows.Rows) -> mx.array:
         """A batch's rows, each over its own cache (model/decoder/rows.py): projections
@@ -460,7 +459,7 @@ class GatedAttention(Attention):
         return q[..., 0, :].reshape(B, T, -1), k, v
 
     def gated(self, out: mx.array) -> mx.array:
-        return out * mx.sigmoid(self._gate)
+        return out * fast_exp.sigmoid(self._gate)
 
 
 # ---- recurrent token mixers ----------------------------------------------------------------

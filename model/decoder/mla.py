@@ -27,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import fast_exp
 from .config import LayerSpec, ModelConfig
 from .layers import RMSNorm, RoPE
 
@@ -156,7 +157,7 @@ class LatentAttention(nn.Module):
             c, k_pe = cache.update_and_fetch(c, k_pe)
         queries = mx.concatenate([self.embed_q(q_nope), q_pe], axis=-1)  # (B, H, T, r + rope)
         keys = mx.concatenate([c, k_pe], axis=-1)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, c, scale=self.scale, mask=mask)
+        out = fast_exp.attention(queries, keys, c, scale=self.scale, mask=mask)
         out = self.unembed_out(out)  # (B, H, T, v)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 

@@ -9,6 +9,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import fast_exp
 from .config import LayerSpec, ModelConfig
 from .layers import make_block, make_norm
 from .mask import causal_mask
@@ -128,7 +129,7 @@ class Transformer(nn.Module):
         if cfg.logits_divisor != 1.0:
             logits = logits / cfg.logits_divisor
         if cfg.final_softcap is not None:
-            logits = mx.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+            logits = fast_exp.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits
 
     def __call__(
