@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,6 +88,9 @@ class EngineWorker:
             ("requests", "completed", "cancelled", "errors", "rejected_busy", "engine_restarts",
              "prompt_tokens", "reused_tokens", "generated_tokens"), 0)
         self._wake = asyncio.Event()
+        # events from the engine's thread on their way to the loop (_from_engine)
+        self._inbox: list[tuple[Event, int]] = []
+        self._inbox_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self.engine: EngineLike | None = None
@@ -209,11 +213,23 @@ class EngineWorker:
         self._start_engine()
 
     def _from_engine(self, ev: Event, gen: int) -> None:  # the engine's thread
+        """Hand `ev` to the event loop: a burst (a round's token of every running turn)
+        wakes the loop once, not once per event."""
         assert self._loop is not None
+        with self._inbox_lock:
+            self._inbox.append((ev, gen))
+            if len(self._inbox) > 1:
+                return  # a drain is already on its way
         try:
-            self._loop.call_soon_threadsafe(self._on_event, ev, gen)
+            self._loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # the loop closed while shutting down
             pass
+
+    def _drain(self) -> None:
+        with self._inbox_lock:
+            events, self._inbox = self._inbox, []
+        for ev, gen in events:
+            self._on_event(ev, gen)
 
     def _on_event(self, ev: Event, gen: int) -> None:
         if gen != self._generation:  # a replaced engine's last words
