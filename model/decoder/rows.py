@@ -65,10 +65,11 @@ def row_masks(mask: Any, n: int) -> list[Any]:
 
 
 def stacked(kvs: Sequence[tuple[Any, Any]], masks: Sequence[Any], T: int
-            ) -> tuple[mx.array, mx.array, mx.array | None] | None:
+            ) -> tuple[mx.array, mx.array, mx.array | str | None] | None:
     """The rows' K/V (each (1, kv_heads, S, D)) as one batch, with their masks as one
-    (B, 1, T, S), where they line up: float K/V of one shape, and masks all None or all
-    arrays. Rows whose caches read the same number of slots (the compiled batch step
+    (B, 1, T, S), where they line up: float K/V of one shape, and masks all None, all
+    "causal" (rows prefilled together from one offset) or all arrays. Rows whose caches
+    read the same number of slots (the compiled batch step
     gives every row the same view: model/runtime/rows_step.py) attend in one call; None
     otherwise (quantized K/V, different lengths: attention row by row)."""
     k0, v0 = kvs[0]
@@ -79,6 +80,8 @@ def stacked(kvs: Sequence[tuple[Any, Any]], masks: Sequence[Any], T: int
     values = mx.concatenate([v for _, v in kvs])
     if all(m is None for m in masks):
         return keys, values, None
+    if all(isinstance(m, str) and m == "causal" for m in masks):
+        return keys, values, "causal"  # the same slots read: the same causal mask
     if not all(isinstance(m, mx.array) for m in masks):
         return None
     S = k0.shape[2]
