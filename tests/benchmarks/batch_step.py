@@ -30,7 +30,7 @@ from tests.benchmarks.serve_concurrency import cpu_name
 from tests.benchmarks.threads import STORIES, bench_model
 
 
-def rows_of(model: Any, n: int) -> list[Any]:
+def rows_of(model: Any, n: int, prompt: int = 20) -> list[Any]:
     import mlx.core as mx
 
     from kvchat.model.cache.kv import make_prompt_cache
@@ -41,7 +41,8 @@ def rows_of(model: Any, n: int) -> list[Any]:
     out = []
     for i in range(n):
         caches = make_prompt_cache(model)
-        for _ in prefill(model, list(range(1, 21 + 3 * i)), caches, progress=Progress()):
+        ids = [1 + t % (model.config.vocab_size - 1) for t in range(prompt + 3 * i)]
+        for _ in prefill(model, ids, caches, progress=Progress()):
             pass
         mx.eval([c.state for c in caches])
         out.append(BatchRow(caches, True, Argmax(model.config.vocab_size)))
