@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvchat.model.decoder import fast_exp
     from kvchat.model.runtime.batch import Batch
-    from tests.benchmarks.batch_step import done, rows_of, step
+    from tests.benchmarks.batch_step import per_step, rows_of
     from tests.benchmarks.threads import STORIES, bench_model
 
     print(f"{datetime.datetime.now().isoformat(timespec='minutes')} · {cpu_name()},"
@@ -72,14 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             model.__dict__.pop("_kvchat_slab_traces", None)  # traced again with this exp
             for n in (1, 8):
                 batch, rows = Batch(model), rows_of(model, n)
-                for _ in range(args.warm):
-                    step(batch, rows)
-                done(rows)
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    step(batch, rows)
-                done(rows)
-                t = (time.perf_counter() - t0) / args.steps
+                per_step(batch, rows, args.warm)
+                t = per_step(batch, rows, args.steps)
                 best[power, n] = min(best.get((power, n), t), t)
             fast_exp._X86 = power
             t0 = time.perf_counter()
@@ -87,12 +81,11 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter() - t0
             best[power, 0] = min(best.get((power, 0), t), t)
     print(f"| kvchat-mini | 1 row step ms | 8 rows step ms | 8 rows' tok/s ÷ 1 row's |"
-          f" prefill {args.prompt} tokens ms |")
-    print("|---|---:|---:|---:|---:|")
-    for power in (False, True):
-        one, eight = best[power, 1], best[power, 8]
-        print(f"| {'mx.power' if power else 'MLX exp'} | {one * 1e3:.2f} | {eight * 1e3:.2f} |"
-              f" {8 * one / eight:.2f} | {best[power, 0] * 1e3:.1f} |")
+          f" prefill {args.prompt} tokens ms |\n|---|---:|---:|---:|---:|")
+    for power, name in ((False, "MLX exp"), (True, "mx.power")):
+        cells = (best[power, 1] * 1e3, best[power, 8] * 1e3,
+                 8 * best[power, 1] / best[power, 8], best[power, 0] * 1e3)
+        print(f"| {name} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
     print(f"(load average {os.getloadavg()[0]:.1f} after)")
     return 0
 
