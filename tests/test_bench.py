@@ -159,3 +159,20 @@ def test_the_concurrency_benchmark_runs_its_levels(capsys: pytest.CaptureFixture
     for r in levels.values():
         lo, hi = r["aggregate_range"]
         assert 0 < lo <= r["aggregate_tps"] <= hi
+
+
+@pytest.mark.slow
+def test_the_exp_benchmark_compares_both_ways(capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m tests.benchmarks.fast_exp` (docs/performance.md, "exp on x86"): every op
+    and step timed both ways, and fast_exp's own choice left as it was."""
+    from kvchat.model.decoder import fast_exp
+    from tests.benchmarks import fast_exp as bench
+
+    before = fast_exp.power_exp()
+    assert bench.main(["--rounds", "2", "--steps", "2", "--warm", "2", "--prompt", "8"]) == 0
+    assert fast_exp.power_exp() is before
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+    for name in ("exp", "sigmoid", "softmax", "MLX exp", "mx.power"):
+        assert all(float(c) > 0 for c in rows[name]), name
+    assert len(rows["MLX exp"]) == len(rows["mx.power"]) == 3
