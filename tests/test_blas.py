@@ -543,9 +543,16 @@ def test_version_text_carries_the_advice(linux, monkeypatch) -> None:
     assert blas.short_label() == "reference (slow): sudo apt-get install libopenblas0-pthread"
     state.update(serving="/usr/lib/x86_64-linux-gnu/libopenblas.so.0", core="SkylakeX")
     read()
+    monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
     assert blas.version_text().splitlines()[2] == (
         "BLAS: OpenBLAS (/usr/lib/x86_64-linux-gnu/libopenblas.so.0), SkylakeX kernels")
     assert blas.short_label() == "OpenBLAS"
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "skylakex")  # the environment named the set
+    assert blas.version_text().splitlines()[2] == (
+        "BLAS: OpenBLAS (/usr/lib/x86_64-linux-gnu/libopenblas.so.0), SkylakeX kernels"
+        " (set by OPENBLAS_CORETYPE)")
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")  # named, not taken: nothing to say
+    assert blas.version_text().splitlines()[2].endswith("SkylakeX kernels")
     state["report"] = LoadReport(core_chosen="SkylakeX")  # kvchat loaded it again with it
     read()
     assert blas.version_text().splitlines()[2] == (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from typing import Any
 
@@ -41,10 +42,15 @@ def active_blas() -> dict[str, Any]:
 
 
 def label(b: dict[str, Any], where: str = "") -> str:
-    """`active_blas()`'s answer in words: name, (where,) kernels, and who chose them."""
-    chosen = " (chosen by kvchat: this OpenBLAS does not know this CPU)"
-    return (b["name"] + where + (f", {b['core']} kernels" if b.get("core") else "")
-            + (chosen if b.get("core_chosen") else ""))
+    """`active_blas()`'s answer in words: name, (where,) kernels, and who chose them:
+    kvchat, the environment's OPENBLAS_CORETYPE, or (unsaid) OpenBLAS from the CPU."""
+    core = b.get("core")
+    who = ""
+    if b.get("core_chosen"):
+        who = " (chosen by kvchat: this OpenBLAS does not know this CPU)"
+    elif core and os.environ.get("OPENBLAS_CORETYPE", "").lower() == core.lower():
+        who = " (set by OPENBLAS_CORETYPE)"
+    return b["name"] + where + (f", {core} kernels" if core else "") + who
 
 
 def advice(b: dict[str, Any]) -> str:
