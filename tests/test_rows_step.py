@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import math
 from typing import Any
 
 import mlx.core as mx
@@ -321,3 +322,33 @@ def test_greedy_rows_are_drawn_together_and_fed_back_as_drawn() -> None:
         assert _ids(wide) is wide[0].drawn.ids  # one draw's rows, in order: as drawn
     for r in rows:
         batch.leave(r)
+
+
+def test_unseeded_rows_are_drawn_together_each_from_its_own_row() -> None:
+    """Rows sampled alike with no seed (`Unseeded`) get one draw over their logits: each
+    row's id comes from its own row (its own top-2 here, which no other row shares), and
+    over many steps each row's ids follow its own softmax at the temperature."""
+    from kvchat.model.runtime.batch import Pick, _draw
+    from kvchat.model.runtime.sampling import Unseeded
+
+    V, B, temp = 12, 6, 1.5
+    base = np.full((B, V), -4.0, dtype=np.float32)
+    for i in range(B):  # row i: tokens 2i and 2i+1 most likely, 3:1 before tempering
+        base[i, 2 * i], base[i, 2 * i + 1] = 2.0 + 1.5 * math.log(3), 2.0
+    logits = mx.array(base)
+    draw = Unseeded(temp=temp, top_p=1.0, top_k=2, min_p=0.0, n=V)
+    rows = [BatchRow([], True, draw) for _ in range(B)]
+    for i, r in enumerate(rows):
+        r._out = (logits, i)
+    mx.random.seed(0)
+    counts = np.zeros((B, V))
+    for _ in range(600):
+        queued = _draw(rows, logits)
+        assert len(queued) == 1  # one draw for all six rows
+        for i, r in enumerate(rows):
+            assert isinstance(r.sampled, Pick)
+            counts[i, r.sampled.item()] += 1
+    for i in range(B):
+        assert counts[i].sum() == counts[i, 2 * i] + counts[i, 2 * i + 1]  # its own top-2
+        share = counts[i, 2 * i] / counts[i].sum()
+        assert abs(share - 0.75) < 0.06, (i, share)  # 3:1 at temperature 1.5 on logit/1.5

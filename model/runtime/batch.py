@@ -37,7 +37,7 @@ from kvchat.model.decoder.rows import Rows
 from . import threads
 from .generate import CompiledStep, Constrain, Progress, chunk_spans, decode_step, run_chunk
 from .rows_step import RowsStep
-from .sampling import Argmax
+from .sampling import Argmax, Unseeded
 from .slab import Slab, fits, own, pays
 
 
@@ -52,8 +52,8 @@ WAIT = Waiting()
 
 
 class Drawn:
-    """The ids one step drew at once for its greedy rows (`Argmax`), shape (B,): computed
-    in the step's graph and read from it once for all of them."""
+    """The ids one step drew at once for its rows sampled alike (`Argmax`, `Unseeded`),
+    shape (B,): computed in the step's graph and read from it once for all of them."""
 
     def __init__(self, ids: mx.array):
         self.ids = ids
@@ -66,7 +66,7 @@ class Drawn:
 
 
 class Pick:
-    """Row `i` of a `Drawn`: a greedy row's next id. Fed back as it is, the next step
+    """Row `i` of a `Drawn`: its row's next id. Fed back as it is, the next step
     takes the rows' ids straight from the `Drawn` (`_ids`), no operation per row."""
 
     __slots__ = ("drawn", "i")
@@ -88,7 +88,7 @@ class BatchRow:
     """One turn's place in the batch: its caches, the id to run (an int, or the id a
     sampler returned, maybe not computed yet), then its logits and, where the row has a
     `sample` (no grammar to apply on the host first), its next id drawn in the step's own
-    graph: by the row's sampler, or with every greedy row's at once (`Argmax`)."""
+    graph: by the row's sampler, or with the rows sampled alike at once (`_draw`)."""
 
     def __init__(self, caches: list[Any], compiled: bool,
                  sample: Callable[[mx.array], mx.array] | None = None):
@@ -104,8 +104,8 @@ class BatchRow:
 
     @property
     def logits(self) -> mx.array | None:
-        """This row's logits (1, V) from its last step (sliced when asked: a greedy row
-        in a batch never needs them)."""
+        """This row's logits (1, V) from its last step (sliced when asked: a row drawn
+        with others never needs them)."""
         return None if self._out is None else self._out[0][self._out[1] : self._out[1] + 1]
 
     def upkeep(self, model: Any) -> None:
@@ -296,20 +296,21 @@ class Batch:
 
 
 def _draw(rows: Sequence[BatchRow], logits: mx.array) -> list[mx.array]:
-    """Each row's next id (`row.sampled`), drawn in the step's graph: the greedy rows
-    (`Argmax`) with one argmax over their logits, each other row with its own sampler on
-    its own row. The arrays to queue."""
+    """Each row's next id (`row.sampled`), drawn in the step's graph: rows sampled alike
+    (`Argmax`: greedy; `Unseeded`: the same settings, no seed) with one draw over their
+    logits, each other row (a seed of its own, a repetition penalty) with its own sampler
+    on its own row. The arrays to queue."""
     out: list[mx.array] = []
-    greedy: dict[int, list[int]] = {}  # Argmax.n -> the rows drawn with it
+    alike: dict[Argmax | Unseeded, list[int]] = {}  # a draw -> the rows it serves
     for i, r in enumerate(rows):
-        if isinstance(r.sample, Argmax):
-            greedy.setdefault(r.sample.n, []).append(i)
+        if isinstance(r.sample, (Argmax, Unseeded)):
+            alike.setdefault(r.sample, []).append(i)
         elif r.sample is not None:
             r.sampled = r.sample(r.logits)
             out.append(r.sampled)
-    for n, idx in greedy.items():
+    for draw, idx in alike.items():
         part = logits if len(idx) == len(rows) else logits[mx.array(idx)]
-        drawn = Drawn(Argmax(n)(part))
+        drawn = Drawn(draw(part))
         for j, i in enumerate(idx):
             rows[i].sampled = Pick(drawn, j)
         out.append(drawn.ids)

@@ -34,6 +34,7 @@ __all__ = [
     "Sampler",
     "SamplingError",
     "SamplingParams",
+    "Unseeded",
     "apply_repetition_penalty",
     "apply_temperature",
     "min_p_mask",
@@ -227,6 +228,30 @@ class Argmax:
 
     def __call__(self, logits: mx.array) -> mx.array:
         return mx.argmax(_as_2d(logits)[:, : self.n], axis=-1).astype(mx.int32)
+
+
+@dataclass(frozen=True)
+class Unseeded:
+    """The draw of a Sampler with no seed and no repetition penalty over the first `n`
+    ids: tempered and filtered as `Sampler` does, drawn with a key from MLX's global
+    generator at each call (a seeded Sampler keeps a key of its own, so its draws repeat).
+    A batch draws every row sampled with the same settings with one draw over all their
+    logits, each row with its own noise (model/runtime/batch.py)."""
+
+    temp: float
+    top_p: float
+    top_k: int
+    min_p: float
+    n: int
+
+    @classmethod
+    def of(cls, p: SamplingParams, n: int) -> Unseeded:
+        return cls(p.temp, p.top_p, p.top_k, p.min_p, n)
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        params = SamplingParams(temp=self.temp, top_p=self.top_p, top_k=self.top_k,
+                                min_p=self.min_p)
+        return Sampler(params)(_as_2d(logits)[:, : self.n])
 
 
 class Sampler:

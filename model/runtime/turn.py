@@ -59,7 +59,7 @@ from .events import (
     TurnStats,
 )
 from .generate import PREFILL_CHUNK, Progress, decode, prefill
-from .sampling import Argmax, Sampler
+from .sampling import Argmax, Sampler, Unseeded
 from .speculative import DraftSource, PromptLookup, speculative_decode, why_not
 from .stops import StopMatcher
 from .turn_stats import STATS_INTERVAL_S, Evictions, TurnMeter
@@ -278,13 +278,17 @@ def _n_ids(ctx: TurnContext) -> int:
     return min(ctx.model.config.vocab_size, ctx.tokenizer.vocab_size)
 
 
-def _sampler(sampler: Sampler, n_ids: int, params: GenParams, prompt: list[int]
-             ) -> Callable[[mx.array], mx.array]:
-    """logits -> the next id, with the repetition penalty's window of recent ids."""
+def _sampler(sampler: Sampler, n_ids: int, params: GenParams, prompt: list[int],
+             batched: bool = False) -> Callable[[mx.array], mx.array]:
+    """logits -> the next id, with the repetition penalty's window of recent ids. Greedy
+    with no penalty: `Argmax`; in a batch, unseeded with no penalty: `Unseeded` (the
+    batch draws all rows sampled alike at once)."""
     window = params.repetition_context_size
     use_history = params.repetition_penalty != 1.0
-    if sampler.greedy and not use_history:
-        return Argmax(n_ids)  # a batch draws all such rows at once
+    if not use_history and sampler.greedy:
+        return Argmax(n_ids)
+    if not use_history and batched and params.seed is None:
+        return Unseeded.of(sampler.params, n_ids)
     history = mx.array(prompt[-window:], dtype=mx.int32)
 
     def sample(logits: mx.array) -> mx.array:
@@ -367,7 +371,7 @@ def _decode(ctx: TurnContext, params: GenParams, ids: list[int], logits: mx.arra
                 history=ids, max_tokens=params.max_tokens, draft_tokens=params.draft_tokens,
                 compiled=ctx.compiled, progress=progress)
         progress.speculation_off = why
-    sample = _sampler(sampler, n_ids, params, ids)
+    sample = _sampler(sampler, n_ids, params, ids, batched=ctx.batch is not None)
     if ctx.batch is not None:
         return row_decode(ctx.batch, logits, caches, sample=sample,
                           max_tokens=params.max_tokens, compiled=ctx.compiled,
