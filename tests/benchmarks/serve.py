@@ -111,11 +111,14 @@ def bench_engine(model: str, requests: list[Any], max_tokens: int) -> Level:
     return level
 
 
-def stream(server: ServerProcess, messages: Any, max_tokens: int) -> tuple[int, float]:
-    """One streamed chat completion: (completion tokens, seconds to the first text)."""
+def stream(server: ServerProcess, messages: Any, max_tokens: int,
+           temperature: float | None = None) -> tuple[int, float]:
+    """One streamed chat completion: (completion tokens, seconds to the first text);
+    `temperature` None: the server's default."""
     conn = http.client.HTTPConnection(server.host, server.port, timeout=600)
     body = json.dumps({"messages": messages, "max_tokens": max_tokens, "ignore_eos": True,
-                       "stream": True, "stream_options": {"include_usage": True}})
+                       "stream": True, "stream_options": {"include_usage": True},
+                       **({"temperature": temperature} if temperature is not None else {})})
     t0 = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", body,
                  {"Content-Type": "application/json"})

@@ -2,7 +2,8 @@
 1, 4 and 8 concurrent streaming clients, in one run.
 
     python -m tests.benchmarks.serve_concurrency [--clients 1 4 8] [--model DIR|135m]
-        [--requests 2] [--max-tokens 64] [--mlx-lm-max-tokens 32] [--runs 3] [--json]
+        [--requests 2] [--max-tokens 64] [--mlx-lm-max-tokens 32] [--runs 3]
+        [--temperature T] [--json]
 
 `--model 135m`: a random float32 model of SmolLM-135M's shape (threads.SMOL_135M), written
 to a temporary folder both servers load (its weights, a word-level tokenizer over its
@@ -110,7 +111,7 @@ def smol_folder(folder: Path) -> Path:
 
 
 def level(server: ServerProcess, clients: int, requests: int, max_tokens: int,
-          tag: str) -> dict[str, Any]:
+          tag: str, temperature: float | None = None) -> dict[str, Any]:
     """`clients` threads, each streaming `requests` requests in turn."""
     per_client: list[tuple[int, float]] = []
     ttfts: list[float] = []
@@ -126,7 +127,7 @@ def level(server: ServerProcess, clients: int, requests: int, max_tokens: int,
                 i = c * requests + r
                 msgs = [{"role": "user", "content":
                          f"({tag}) Story {i}: about {SUBJECTS[i % len(SUBJECTS)]}."}]
-                n, ttft = stream(server, msgs, max_tokens)
+                n, ttft = stream(server, msgs, max_tokens, temperature)
                 tokens += n
                 with lock:
                     ttfts.append(ttft)
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mlx-lm-max-tokens", type=int, default=None,
                    help="max_tokens for mlx-lm (default: --max-tokens)")
     p.add_argument("--runs", type=int, default=3, help="rounds of every level (medians)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="every request's temperature (default: the servers' own, greedy)")
     p.add_argument("--no-mlx-lm", action="store_true", help="kvchat serve only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
@@ -186,7 +189,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, path: str, name: str) 
         "loadavg_before": os.getloadavg(), "blas": blas.describe(),
         "cpu_times_before": cpu_times(),
         "requests_per_client": args.requests, "max_tokens": args.max_tokens,
-        "runs": args.runs}
+        "runs": args.runs, "temperature": args.temperature}
     servers = [ServerProcess(path, "--max-queue", "64", "--max-batch",
                              str(max(args.clients)))]
     if not args.no_mlx_lm:
@@ -200,7 +203,8 @@ def run(args: argparse.Namespace, argv: list[str] | None, path: str, name: str) 
                 for s in servers:
                     mt = args.max_tokens if s.name == "serve" else (
                         args.mlx_lm_max_tokens or args.max_tokens)
-                    got = level(s, c, args.requests, mt, f"{s.name} {c} {r}")
+                    got = level(s, c, args.requests, mt, f"{s.name} {c} {r}",
+                                args.temperature)
                     runs.setdefault((s.name, c), []).append(got)
                     print(f"  {got}", file=sys.stderr, flush=True)
     finally:
