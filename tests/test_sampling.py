@@ -408,16 +408,21 @@ def test_min_p_bar_is_log_exact() -> None:
 def test_unseeded_and_argmax_draw_as_the_sampler_does() -> None:
     """`Argmax` and `Unseeded` (what a turn samples with when a batch may draw its rows
     together, model/runtime/batch.py) are the Sampler's own draw: the same ids for the
-    same logits and the same state of MLX's global generator, over the first n ids."""
+    same logits and the same state of MLX's global generator, over the first n ids; a
+    seeded Sampler draws the same way with its own key."""
     from kvchat.model.runtime.sampling import Argmax, Unseeded
 
     logits = mx.random.normal((3, 50), key=mx.random.key(2)) * 3
     p = SamplingParams(temp=0.9, top_k=20, top_p=0.9, min_p=0.01)
+    plain = Sampler(p)
     for _ in range(5):
         mx.random.seed(11)
-        want = Sampler(p)(logits[:, :40])
+        want = plain.draw(logits[:, :40])  # the global generator's next key
         mx.random.seed(11)
         assert Unseeded.of(p, 40)(logits).tolist() == want.tolist()
+        s = Sampler(SamplingParams(temp=0.9, top_k=20, top_p=0.9, min_p=0.01, seed=4))
+        key = mx.random.split(mx.random.key(4))[1]  # a seeded sampler's first draw's key
+        assert s(logits).tolist() == s.draw(logits, key=key).tolist()
         logits = logits + mx.random.normal(logits.shape, key=mx.random.key(3))
     assert Argmax(40)(logits).tolist() == Sampler(SamplingParams())(logits[:, :40]).tolist()
     assert max(Unseeded.of(p, 7)(logits).tolist()) < 7

@@ -19,6 +19,7 @@ next forward pass with ``mx.async_eval`` before the token is known on the host.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -233,8 +234,8 @@ class Argmax:
 @dataclass(frozen=True)
 class Unseeded:
     """The draw of a Sampler with no seed and no repetition penalty over the first `n`
-    ids: tempered and filtered as `Sampler` does, drawn with a key from MLX's global
-    generator at each call (a seeded Sampler keeps a key of its own, so its draws repeat).
+    ids: tempered and filtered as `Sampler` does, drawn with MLX's global generator's next
+    key at each call (a seeded Sampler keeps a key of its own, so its draws repeat).
     A batch draws every row sampled with the same settings with one draw over all their
     logits, each row with its own noise (model/runtime/batch.py)."""
 
@@ -249,9 +250,15 @@ class Unseeded:
         return cls(p.temp, p.top_p, p.top_k, p.min_p, n)
 
     def __call__(self, logits: mx.array) -> mx.array:
-        params = SamplingParams(temp=self.temp, top_p=self.top_p, top_k=self.top_k,
-                                min_p=self.min_p)
-        return Sampler(params)(_as_2d(logits)[:, : self.n])
+        return _filters(self).draw(_as_2d(logits)[:, : self.n])
+
+
+@functools.lru_cache(maxsize=64)
+def _filters(d: Unseeded) -> Sampler:
+    """A Sampler with `d`'s settings, for its filters: its own key is never used, so it
+    is seeded (building it takes nothing from the global generator)."""
+    return Sampler(SamplingParams(temp=d.temp, top_p=d.top_p, top_k=d.top_k, min_p=d.min_p,
+                                  seed=0))
 
 
 class Sampler:
@@ -313,12 +320,21 @@ class Sampler:
         logits: mx.array,
         history: list[int] | tuple[int, ...] | mx.array = (),
     ) -> mx.array:
+        return self.draw(logits, history, None if self.greedy else self._next_key())
+
+    def draw(
+        self,
+        logits: mx.array,
+        history: list[int] | tuple[int, ...] | mx.array = (),
+        key: mx.array | None = None,
+    ) -> mx.array:
+        """One id per row, drawn with `key` (None: MLX's global generator's next key)."""
         x, candidates = self._filtered(logits, history)
         if self.greedy:
             # top_k == 1 leaves only the argmax whatever the temperature; argmax also
             # breaks ties exactly like greedy does.
             return mx.argmax(x, axis=-1).astype(mx.int32)
-        tok = mx.random.categorical(x, axis=-1, key=self._next_key())
+        tok = mx.random.categorical(x, axis=-1, key=key)
         if candidates is not None:
             tok = mx.take_along_axis(candidates, tok[..., None].astype(mx.int32), axis=-1)
             tok = tok[..., 0]
