@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import fast_exp
 from .conv import CausalConv1d
 from .ssm import F32, GatedRMSNorm
 from .state_config import DeltaConfig
@@ -161,7 +162,7 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self._project(x)
         qkv, conv_state = self.conv1d(qkv, cache.conv if cache is not None else None, steps)
         key = cfg.k_heads * cfg.k_dim
-        q, k, v = mx.split(nn.silu(qkv), [key, 2 * key], axis=-1)
+        q, k, v = mx.split(fast_exp.silu(qkv), [key, 2 * key], axis=-1)
         q = l2norm(q.reshape(B, T, cfg.k_heads, cfg.k_dim)) * cfg.k_dim**-0.5
         k = l2norm(k.reshape(B, T, cfg.k_heads, cfg.k_dim))
         g = -mx.exp(self.A_log.astype(F32)) * nn.softplus((a + self.dt_bias).astype(F32))
@@ -210,7 +211,7 @@ class KimiDeltaAttention(nn.Module):
         shape = (B, T, cfg.v_heads, cfg.k_dim)
         qkv = mx.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
         qkv, conv_state = self.conv1d(qkv, cache.conv if cache is not None else None)
-        q, k, v = (t.reshape(shape) for t in mx.split(nn.silu(qkv), 3, axis=-1))
+        q, k, v = (t.reshape(shape) for t in mx.split(fast_exp.silu(qkv), 3, axis=-1))
         q = l2norm(q) * cfg.k_dim**-0.5
         k = l2norm(k)
         a = (self.f_b_proj(self.f_a_proj(x)).astype(F32) + self.dt_bias.astype(F32))

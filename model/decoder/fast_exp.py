@@ -1,5 +1,6 @@
 """exp where MLX's own is slow, and what the decoder builds on it: softmax, sigmoid,
-SiLU, tanh-GELU and attention.
+SiLU, tanh-GELU and attention (the MLP's and experts' activations, the recurrent mixers'
+gates, soft-capping).
 
 MLX's CPU exp is a polynomial in its SIMD layer, which vectorizes on ARM but not on x86:
 in the x86 wheels every element makes six calls to libm's `fmaf`, about 15-20 ns per

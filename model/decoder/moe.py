@@ -19,6 +19,7 @@ import mlx.nn as nn
 
 from kvchat.model.errors import ModelLoadError
 
+from . import fast_exp
 from .config import ModelConfig, MoeConfig
 
 
@@ -164,7 +165,7 @@ def clamped_swiglu(alpha: float, limit: float) -> Any:
     def glu(gate: mx.array, up: mx.array) -> mx.array:
         gate = mx.minimum(gate, limit)
         up = mx.clip(up, -limit, limit)
-        return (up + 1) * (gate * mx.sigmoid(alpha * gate))
+        return (up + 1) * (gate * fast_exp.sigmoid(alpha * gate))
 
     return glu
 

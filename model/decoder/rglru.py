@@ -20,6 +20,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import fast_exp
 from .activations import ACTIVATIONS
 from .conv import CausalConv1d
 from .ssm import F32, SCAN_BLOCK, linear_scan
@@ -41,7 +42,7 @@ class RgLru(nn.Module):
     def _gate(self, x: mx.array, w: mx.array, b: mx.array) -> mx.array:
         """σ(x·W_h + b_h) per head h of x (B, T, heads, per), flat again (B, T, width)."""
         y = (x[..., None, :] @ w.astype(F32))[..., 0, :] + b.astype(F32)
-        return mx.sigmoid(y).reshape(*x.shape[:2], -1)
+        return fast_exp.sigmoid(y).reshape(*x.shape[:2], -1)
 
     def __call__(self, u: mx.array, offset: int | mx.array, h0: mx.array | None
                  ) -> tuple[mx.array, mx.array]:

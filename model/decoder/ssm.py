@@ -22,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import fast_exp
 from .conv import CausalConv1d
 from .state_config import SsmConfig
 from .state_steps import hand_back, keeps_steps, recurrence
@@ -40,7 +41,7 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = mx.ones((dims,))
         self.eps, self.groups, self.norm_first = eps, groups, norm_first
-        self._gate = mx.sigmoid if sigmoid else nn.silu
+        self._gate = fast_exp.sigmoid if sigmoid else fast_exp.silu
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
         if not self.norm_first:
@@ -119,7 +120,7 @@ class MambaMixer(nn.Module):
         steps = keeps_steps(cache, T)
         x, z = mx.split(self.in_proj(h), 2, axis=-1)
         x, conv_state = self.conv1d(x, cache.conv if cache is not None else None, steps)
-        x = nn.silu(x)
+        x = fast_exp.silu(x)
         dt, B, C = mx.split(self.x_proj(x), [cfg.dt_rank, cfg.dt_rank + cfg.n], axis=-1)
         if cfg.bcdt_weights:
             dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
@@ -132,7 +133,7 @@ class MambaMixer(nn.Module):
             lambda s, h0: selective_scan(xf[:, s], dtf[:, s], A, Bf[:, s], Cf[:, s], h0),
             T, cache.recurrent if cache is not None else None, steps)
         hand_back(cache, T, conv_state, state, steps)
-        return self.out_proj((y.astype(x.dtype) + self.D * x) * nn.silu(z))
+        return self.out_proj((y.astype(x.dtype) + self.D * x) * fast_exp.silu(z))
 
 
 # ---- Mamba-2: state-space duality -------------------------------------------------------
@@ -224,7 +225,7 @@ class Mamba2Mixer(nn.Module):
             proj = proj * self._mup.astype(proj.dtype)
         z, xbc, dt = mx.split(proj, [cfg.inner, cfg.inner + cfg.conv_dim], axis=-1)
         xbc, conv_state = self.conv1d(xbc, cache.conv if cache is not None else None, steps)
-        x, B, C = mx.split(nn.silu(xbc), [cfg.inner, cfg.inner + cfg.groups * cfg.n], axis=-1)
+        x, B, C = mx.split(fast_exp.silu(xbc), [cfg.inner, cfg.inner + cfg.groups * cfg.n], axis=-1)
         x = x.reshape(b, T, cfg.heads, cfg.head_dim)
         dt = mx.clip(nn.softplus(dt + self.dt_bias), *cfg.dt_limit).astype(F32)
         xf, A = x.astype(F32), -mx.exp(self.A_log.astype(F32))
@@ -235,5 +236,5 @@ class Mamba2Mixer(nn.Module):
             T, cache.recurrent if cache is not None else None, steps)
         hand_back(cache, T, conv_state, state, steps)
         y = (y.astype(x.dtype) + self.D[:, None] * x).reshape(b, T, cfg.inner)
-        y = self.norm(y, z) if "norm" in self else y * nn.silu(z)
+        y = self.norm(y, z) if "norm" in self else y * fast_exp.silu(z)
         return self.out_proj(y)
