@@ -82,9 +82,16 @@ def test_attention_matches_mlx_sdpa(power: bool, heads: int, kv: int, mask: str,
     _close(got, want, power, rtol=1e-5, atol=2e-6)
 
 
-def test_power_exp_is_the_cpu_of_an_x86_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_power_exp_only_where_mlx_computes_on_an_x86_cpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU (MLX's CUDA backend on an x86 host, Metal) and an ARM CPU keep MLX's ops."""
     monkeypatch.setattr(fast_exp, "_X86", True)
-    with mx.stream(mx.cpu):
-        assert fast_exp.power_exp() is (mx.default_device() == mx.cpu)
-    monkeypatch.setattr(fast_exp, "_X86", False)
-    assert fast_exp.power_exp() is False
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
+    assert fast_exp.power_exp()
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert not fast_exp.power_exp()
+    x = mx.array([-3.0, 0.5, 2.0])
+    assert mx.array_equal(fast_exp.exp(x), mx.exp(x)).item()  # MLX's op itself
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
+    monkeypatch.setattr(fast_exp, "_X86", False)  # an ARM CPU
+    assert not fast_exp.power_exp()

@@ -61,8 +61,8 @@ class Drawn:
 
     def host(self) -> list[int]:
         if self._host is None:
-            self._host = self.ids.tolist()  # type: ignore[assignment]
-        return self._host  # type: ignore[return-value]
+            self._host = [int(i) for i in self.ids.tolist()]  # type: ignore[union-attr]
+        return self._host
 
 
 class Pick:
